@@ -1,0 +1,117 @@
+"""The compressor interface: a flat tensor becomes a typed payload and back.
+
+A compressor never calls :mod:`torch.distributed`. It turns one flat gradient tensor into a
+:class:`Payload` (exactly what goes on the wire, with its exact size in bytes) and a payload back
+into a flat tensor, and it declares through :class:`CombineMode` how the communication layer
+(:mod:`lgc.ddp`) must combine the payloads of all workers.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["CombineMode", "Compressor", "Payload", "view_bytes_as"]
+
+
+class CombineMode(enum.Enum):
+    """How the communication layer combines the payloads of all workers."""
+
+    #: Payloads are summed element-wise with one allreduce; decoding the sum gives the sum.
+    SUM = "sum"
+    #: Payloads are allgathered (their lengths may differ between workers) and decoded one by one.
+    GATHER = "gather"
+    #: Payloads are gathered at a server (rank 0), which decodes and broadcasts the aggregate.
+    SERVER = "server"
+
+
+def view_bytes_as(buffer: Tensor, dtype: torch.dtype) -> Tensor:
+    """Reinterpret a 1-D ``uint8`` tensor as ``dtype``, copying only when it is misaligned."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if buffer.numel() % itemsize:
+        raise ValueError(f"{buffer.numel()} bytes are not a whole number of {dtype} elements")
+    if buffer.storage_offset() % itemsize:
+        buffer = buffer.clone()
+    return buffer.view(dtype)
+
+
+@dataclass
+class Payload:
+    """What one worker puts on the wire for one flat tensor.
+
+    Subclasses are dataclasses whose tensor fields are the wire content, in declaration order;
+    non-tensor fields (such as the decoded length) are metadata every worker already knows from
+    the model's layout and are not sent. ``nbytes`` is the exact wire size.
+    """
+
+    #: Length of the flat tensor this payload decodes to; known to every worker, never sent.
+    numel: int
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors that go on the wire, in a fixed order."""
+        return tuple(getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor))
+
+    @property
+    def nbytes(self) -> int:
+        """Exact number of bytes this payload occupies on the wire."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def to_wire(self) -> Tensor:
+        """All wire tensors as one contiguous ``uint8`` buffer of ``nbytes`` bytes."""
+        parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in self.tensors()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class Compressor(abc.ABC):
+    """Turns flat tensors into payloads and back.
+
+    Subclasses set :attr:`combine` and implement :meth:`compress`, :meth:`decompress` and
+    :meth:`payload_from_wire`. Stateful compressors keep their state per ``key`` (a name that is
+    stable across steps and restarts, the parameter name in the DDP hook) and expose it through
+    :meth:`state_dict` / :meth:`load_state_dict`.
+    """
+
+    #: How payloads of different workers are combined.
+    combine: CombineMode
+    #: Whether payload sizes can differ between workers for the same tensor (sizes are then
+    #: exchanged before the payloads).
+    variable_size: bool = False
+
+    @abc.abstractmethod
+    def compress(self, tensor: Tensor, key: str) -> Payload:
+        """Encode one flat tensor; ``key`` names it so per-tensor state can be kept."""
+
+    @abc.abstractmethod
+    def decompress(self, payload: Payload) -> Tensor:
+        """Decode a payload (or, for :attr:`CombineMode.SUM`, a sum of payloads) to a flat tensor."""
+
+    @abc.abstractmethod
+    def payload_from_wire(self, wire: Tensor, numel: int) -> Payload:
+        """Rebuild a payload from the ``uint8`` buffer written by :meth:`Payload.to_wire`."""
+
+    def aggregate(self, payloads: list[Payload]) -> Tensor:
+        """Sum of the decoded payloads of all workers (for gathered payloads).
+
+        Subclasses override this when decoding all payloads at once is cheaper.
+        """
+        total = self.decompress(payloads[0]).clone()
+        for payload in payloads[1:]:
+            total += self.decompress(payload)
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """State that must survive a restart (empty for stateless compressors)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"{type(self).__name__} is stateless but got state with keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

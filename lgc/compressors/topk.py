@@ -1,0 +1,108 @@
+"""Exact top-k sparsification (the selection underneath residual gradient compression and LGC).
+
+Each worker sends the ``k = ceil(density * n)`` entries of largest magnitude as (value, index)
+pairs. Index sets differ between workers, so payloads are allgathered and scatter-added. Wrap it
+in :class:`lgc.compressors.ErrorFeedback` so the unsent mass is not lost (Aji & Heafield 2017;
+Lin et al. 2018, the "residual gradient compression" every sparsifier in this package builds on).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+
+__all__ = ["SparsePayload", "TopKCompressor", "index_dtype_for", "num_selected"]
+
+
+def index_dtype_for(numel: int) -> torch.dtype:
+    """Smallest index dtype that addresses ``numel`` elements (int32 unless the tensor is huge)."""
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def num_selected(numel: int, density: float) -> int:
+    """``k = ceil(density * numel)``, at least one element."""
+    return max(1, math.ceil(density * numel))
+
+
+@dataclass
+class SparsePayload(Payload):
+    """``values[i]`` belongs at position ``indices[i]`` of a tensor of ``numel`` elements."""
+
+    values: Tensor
+    indices: Tensor
+
+    @classmethod
+    def from_wire(cls, wire: Tensor, numel: int, value_dtype: torch.dtype = torch.float32) -> SparsePayload:
+        index_dtype = index_dtype_for(numel)
+        value_size = torch.empty((), dtype=value_dtype).element_size()
+        pair_size = value_size + torch.empty((), dtype=index_dtype).element_size()
+        if wire.numel() % pair_size:
+            raise ValueError(f"a sparse payload of {wire.numel()} bytes is not a whole number of pairs")
+        k = wire.numel() // pair_size
+        values = view_bytes_as(wire[: k * value_size], value_dtype)
+        indices = view_bytes_as(wire[k * value_size :], index_dtype)
+        return cls(numel=numel, values=values, indices=indices)
+
+    def to_dense(self) -> Tensor:
+        dense = self.values.new_zeros(self.numel, dtype=torch.float32)
+        return dense.index_put_((self.indices.long(),), self.values.float(), accumulate=True)
+
+
+def scatter_add_sparse(payloads: list[SparsePayload]) -> Tensor:
+    """Sum of several sparse payloads of the same length, in one scatter-add."""
+    numel = payloads[0].numel
+    values = torch.cat([p.values.float() for p in payloads])
+    indices = torch.cat([p.indices.long() for p in payloads])
+    return values.new_zeros(numel).index_add_(0, indices, values)
+
+
+class TopKCompressor(Compressor):
+    """Keeps the ``k = ceil(density * n)`` largest-magnitude entries, exactly (``torch.topk``).
+
+    Wire cost: ``k`` fp32 values plus ``k`` int32 indices, i.e. 8 bytes per kept entry, so the
+    compression ratio against dense fp32 is about ``1 / (2 * density)``.
+
+    Args:
+        density: fraction of entries sent, in (0, 1]. Typical values 0.001-0.01; with error
+            feedback, 0.001 still trains ResNets on CIFAR-10 to dense accuracy (Lin et al. 2018).
+
+    Example::
+
+        >>> payload = TopKCompressor(density=0.25).compress(torch.tensor([1., -4., 2., 3.]), key="w")
+        >>> payload.indices.tolist(), payload.nbytes
+        ([1], 8)
+    """
+
+    combine = CombineMode.GATHER
+
+    def __init__(self, density: float) -> None:
+        if not 0.0 < float(density) <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        self.density = float(density)
+
+    def compress(self, tensor: Tensor, key: str) -> SparsePayload:
+        numel = tensor.numel()
+        k = num_selected(numel, self.density)
+        if k == numel:
+            indices = torch.arange(numel, device=tensor.device)
+        else:
+            _, indices = torch.topk(tensor.abs(), k, sorted=False)
+        return SparsePayload(numel=numel, values=tensor[indices], indices=indices.to(index_dtype_for(numel)))
+
+    def decompress(self, payload: Payload) -> Tensor:
+        assert isinstance(payload, SparsePayload)
+        return payload.to_dense()
+
+    def aggregate(self, payloads: list[Payload]) -> Tensor:
+        return scatter_add_sparse(payloads)  # type: ignore[arg-type]
+
+    def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
+        return SparsePayload.from_wire(wire, numel)
+
+    def __repr__(self) -> str:
+        return f"TopKCompressor(density={self.density})"

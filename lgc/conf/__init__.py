@@ -1,0 +1,1 @@
+"""Hydra configs shipped with the package (the repository root links to them as conf/)."""

@@ -1,0 +1,5 @@
+"""The only code that calls torch.distributed: the compression DDP hook and its state."""
+
+from lgc.ddp.hook import CommStats, CompressionHookState, compression_hook, register_compression_hook
+
+__all__ = ["CommStats", "CompressionHookState", "compression_hook", "register_compression_hook"]

@@ -1,0 +1,330 @@
+"""A DDP communication hook that runs any :class:`~lgc.compressors.Compressor`.
+
+This module (with :mod:`lgc.ddp.topologies` later) is the only place that calls
+:mod:`torch.distributed`. It follows PyTorch's own hooks (``ddp_comm_hooks/powerSGD_hook.py``):
+
+1. DDP hands the hook one flat bucket of gradients; the hook divides it by the world size.
+2. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense.
+3. Every other parameter's gradient is compressed on its own, keyed by the parameter's name, so
+   compressor state (residuals, momenta) is independent of DDP's bucketing and survives restarts.
+4. Payloads are combined as the compressor declares: one allreduce per dtype for summable
+   payloads, or an allgather of one packed byte buffer (sizes exchanged first when they may
+   differ) for gatherable ones. Collectives are issued inside the hook, never from ``Future.then``
+   callbacks, so every rank issues them in the same order; callbacks only decode.
+5. The first ``start_iter`` iterations use a plain allreduce, as PyTorch's PowerSGD hook does
+   while DDP rebuilds its buckets after the first iteration; the iteration counter is saved, so a
+   resumed run does not repeat them.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from lgc.compressors.base import CombineMode, Compressor
+
+__all__ = ["CommStats", "CompressionHookState", "compression_hook", "register_compression_hook"]
+
+
+@dataclass
+class CommStats:
+    """Cumulative communication of one worker.
+
+    Bytes are the sizes of the tensors this worker passes to and gets from the collectives
+    (logical bytes, independent of how the backend routes them): an allreduce of ``L`` bytes
+    counts ``L`` sent and ``L`` received; an allgather of ``L`` bytes per rank counts ``L`` sent
+    and ``(world - 1) * L`` received.
+    """
+
+    #: How many times DDP called the hook (once per bucket per step).
+    hook_calls: int = 0
+    #: Bytes this worker contributed to collectives.
+    bytes_sent: int = 0
+    #: Bytes this worker received from collectives.
+    bytes_received: int = 0
+    #: Bytes a dense allreduce of the same buckets would have sent (DDP without a hook).
+    dense_equivalent_bytes: int = 0
+    #: Payload bytes of the compressed parameters alone (no dense small tensors, no warm-up).
+    payload_bytes: int = 0
+    #: Dense bytes of those same compressed parameters.
+    payload_dense_equivalent_bytes: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense-equivalent bytes over bytes sent (higher is better; 1.0 for dense fp32)."""
+        return self.dense_equivalent_bytes / self.bytes_sent if self.bytes_sent else math.nan
+
+    @property
+    def payload_compression_ratio(self) -> float:
+        """The compressor's own ratio on the tensors it compresses (``1 / (2 * density)`` for top-k)."""
+        return self.payload_dense_equivalent_bytes / self.payload_bytes if self.payload_bytes else math.nan
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            **asdict(self),
+            "compression_ratio": self.compression_ratio,
+            "payload_compression_ratio": self.payload_compression_ratio,
+        }
+
+
+class _Segment(NamedTuple):
+    """One parameter's gradient inside a bucket's flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    compressed: bool
+
+
+class _BucketLayout(NamedTuple):
+    #: Identifies the bucket's content, so a layout is rebuilt when DDP rebuilds its buckets.
+    signature: tuple[int, ...]
+    segments: tuple[_Segment, ...]
+
+
+class CompressionHookState:
+    """State of :func:`compression_hook` for one worker.
+
+    Args:
+        compressor: what to apply to every parameter with at least ``min_numel`` elements,
+            e.g. ``ErrorFeedback(TopKCompressor(density=0.01))``.
+        min_numel: parameters smaller than this are allreduced dense. Biases and norm layers are
+            a negligible share of the bytes but sensitive to compression.
+        start_iter: iterations of plain allreduce before compressing (at least 1 lets DDP rebuild
+            its buckets first, as PyTorch's PowerSGD hook does).
+        process_group: the group to communicate in (default: the world).
+    """
+
+    __slots__ = (
+        # hyperparameters
+        "compressor",
+        "min_numel",
+        "start_iter",
+        "process_group",
+        # internal state
+        "iteration",  # steps completed (counted at the last bucket); saved, so resume is exact
+        "param_names",  # data_ptr -> parameter name, filled by attach(); per process, not saved
+        "bucket_layouts",  # bucket index -> which parts of the flat buffer are compressed
+        # stats
+        "stats",
+    )
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        *,
+        min_numel: int = 1024,
+        start_iter: int = 1,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be an lgc Compressor, got {compressor!r}")
+        if compressor.combine is CombineMode.SERVER:
+            raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")
+        if int(min_numel) < 0:
+            raise ValueError(f"min_numel must be >= 0, got {min_numel!r}")
+        if int(start_iter) < 0:
+            raise ValueError(f"start_iter must be >= 0, got {start_iter!r}")
+        self.compressor = compressor
+        self.min_numel = int(min_numel)
+        self.start_iter = int(start_iter)
+        self.process_group = process_group
+        self.iteration = 0
+        self.param_names: dict[int, str] = {}
+        self.bucket_layouts: dict[int, _BucketLayout] = {}
+        self.stats = CommStats()
+
+    def attach(self, model: DistributedDataParallel) -> None:
+        """Learn the parameter names of ``model`` (compressor state is keyed by them)."""
+        self.param_names = {p.data_ptr(): name for name, p in model.module.named_parameters()}
+
+    def register(self, model: DistributedDataParallel) -> None:
+        """Attach to ``model`` and register :func:`compression_hook` with this state."""
+        self.attach(model)
+        model.register_comm_hook(self, compression_hook)
+
+    def layout(self, bucket: dist.GradBucket) -> _BucketLayout:
+        """The bucket's segments, cached per bucket index and rebuilt when the bucket changes."""
+        params = bucket.parameters()
+        signature = (bucket.buffer().numel(), *(p.data_ptr() for p in params))
+        cached = self.bucket_layouts.get(bucket.index())
+        if cached is not None and cached.signature == signature:
+            return cached
+        segments, offset = [], 0
+        for param in params:
+            name = self.param_names.get(param.data_ptr())
+            if name is None:
+                raise RuntimeError("a bucket holds a parameter the hook state does not know; call attach(model)")
+            numel = param.numel()
+            segments.append(_Segment(name, offset, numel, numel >= self.min_numel))
+            offset += numel
+        if offset != bucket.buffer().numel():
+            raise RuntimeError(f"bucket {bucket.index()} has {bucket.buffer().numel()} elements, parameters {offset}")
+        layout = _BucketLayout(signature, tuple(segments))
+        self.bucket_layouts[bucket.index()] = layout
+        return layout
+
+    # The state travels to spawned workers and into checkpoints without its process group.
+    def __getstate__(self) -> dict[str, Any]:
+        state = {slot: getattr(self, slot) for slot in self.__slots__}
+        state.update(process_group=None, param_names={}, bucket_layouts={})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's state: compressor state (residuals), iteration counter and statistics."""
+        return {"compressor": self.compressor.state_dict(), "iteration": self.iteration, "stats": asdict(self.stats)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.compressor.load_state_dict(state["compressor"])
+        self.iteration = int(state["iteration"])
+        self.stats = CommStats(**state["stats"])
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _allreduce(state: CompressionHookState, tensor: Tensor) -> torch.futures.Future:
+    state.stats.bytes_sent += _nbytes(tensor)
+    state.stats.bytes_received += _nbytes(tensor)
+    return dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
+
+
+def _allgather(state: CompressionHookState, tensor: Tensor, world_size: int) -> tuple[list[Tensor], Any]:
+    outputs = [torch.empty_like(tensor) for _ in range(world_size)]
+    work = dist.all_gather(outputs, tensor, group=state.process_group, async_op=True)
+    state.stats.bytes_sent += _nbytes(tensor)
+    state.stats.bytes_received += (world_size - 1) * _nbytes(tensor)
+    return outputs, work
+
+
+def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """Average one bucket of gradients across workers with ``state.compressor``.
+
+    Register it with :func:`register_compression_hook` rather than directly, so parameter names
+    are known.
+    """
+    world_size = dist.get_world_size(state.process_group)
+    buffer = bucket.buffer()
+    buffer.div_(world_size)
+    state.stats.hook_calls += 1
+    state.stats.dense_equivalent_bytes += _nbytes(buffer)
+    iteration = state.iteration
+    if bucket.is_last():
+        state.iteration += 1
+
+    if iteration < state.start_iter:
+        return _allreduce(state, buffer).then(lambda fut: fut.value()[0])
+
+    compressor = state.compressor
+    segments = state.layout(bucket).segments
+    dense = [s for s in segments if not s.compressed]
+    sparse = [s for s in segments if s.compressed]
+    payloads = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in sparse]
+    state.stats.payload_bytes += sum(p.nbytes for p in payloads)
+    state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in sparse) * buffer.element_size()
+
+    if compressor.combine is CombineMode.SUM:
+        # One allreduce per dtype: dense fp32 segments first, then the payloads' own dtypes.
+        groups: dict[torch.dtype, list[Tensor]] = {}
+        for s in dense:
+            groups.setdefault(buffer.dtype, []).append(buffer[s.offset : s.offset + s.numel])
+        for payload in payloads:
+            (values,) = payload.tensors()
+            groups.setdefault(values.dtype, []).append(values.reshape(-1))
+        flats = {dtype: torch.cat(parts) for dtype, parts in groups.items()}
+        futures = [_allreduce(state, flat) for flat in flats.values()]
+
+        def decode_sum(_: Any) -> Tensor:
+            pieces = {dtype: iter(flat.split([p.numel() for p in groups[dtype]])) for dtype, flat in flats.items()}
+            for s in dense:
+                buffer[s.offset : s.offset + s.numel].copy_(next(pieces[buffer.dtype]))
+            for s, payload in zip(sparse, payloads, strict=True):
+                (values,) = payload.tensors()
+                summed = next(pieces[values.dtype]).contiguous().view(torch.uint8)
+                decoded = compressor.decompress(compressor.payload_from_wire(summed, s.numel))
+                buffer[s.offset : s.offset + s.numel].copy_(decoded)
+            return buffer
+
+        return torch.futures.collect_all(futures).then(decode_sum)
+
+    # CombineMode.GATHER: dense part by allreduce, payloads packed into one byte buffer each.
+    futures = []
+    dense_flat = None
+    if dense:
+        dense_flat = torch.cat([buffer[s.offset : s.offset + s.numel] for s in dense])
+        futures.append(_allreduce(state, dense_flat))
+    gathered: list[Tensor] = []
+    if payloads:
+        wires = [p.to_wire() for p in payloads]
+        local_sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64, device=buffer.device)
+        if compressor.variable_size:
+            size_lists = [torch.empty_like(local_sizes) for _ in range(world_size)]
+            # Blocking on purpose: the payload allgather below needs the sizes.
+            dist.all_gather(size_lists, local_sizes, group=state.process_group)
+            state.stats.bytes_sent += _nbytes(local_sizes)
+            state.stats.bytes_received += (world_size - 1) * _nbytes(local_sizes)
+            sizes = torch.stack(size_lists).cpu()
+        else:
+            sizes = local_sizes.cpu().expand(world_size, -1)
+        max_total = int(sizes.sum(dim=1).max())
+        packed = torch.cat(wires)
+        if packed.numel() < max_total:
+            packed = torch.cat([packed, packed.new_zeros(max_total - packed.numel())])
+        gathered, work = _allgather(state, packed, world_size)
+        futures.append(work.get_future())
+
+    def decode_gather(_: Any) -> Tensor:
+        if dense_flat is not None:
+            for s, piece in zip(dense, dense_flat.split([s.numel for s in dense]), strict=True):
+                buffer[s.offset : s.offset + s.numel].copy_(piece)
+        if payloads:
+            per_rank = [iter(g.split(row.tolist() + [g.numel() - int(row.sum())])) for g, row in zip(gathered, sizes, strict=True)]
+            for s in sparse:
+                received = [compressor.payload_from_wire(next(wires_of_rank), s.numel) for wires_of_rank in per_rank]
+                buffer[s.offset : s.offset + s.numel].copy_(compressor.aggregate(received))
+        return buffer
+
+    return torch.futures.collect_all(futures).then(decode_gather)
+
+
+def register_compression_hook(
+    model: DistributedDataParallel,
+    compressor: Compressor,
+    *,
+    min_numel: int = 1024,
+    start_iter: int = 1,
+    process_group: dist.ProcessGroup | None = None,
+) -> CompressionHookState:
+    """Make ``model`` average its gradients through ``compressor``; works on gloo and NCCL.
+
+    Args:
+        model: a :class:`~torch.nn.parallel.DistributedDataParallel` model (any DDP program).
+        compressor: e.g. ``ErrorFeedback(TopKCompressor(density=0.01))``.
+        min_numel: parameters with fewer elements go dense.
+        start_iter: plain-allreduce iterations before compression starts.
+        process_group: group to communicate in (default: the world).
+
+    Returns:
+        The hook state: its ``stats`` count bytes; save ``state_dict()`` with every rank's
+        checkpoint, because residuals differ between ranks.
+
+    Example::
+
+        >>> model = DistributedDataParallel(net)
+        >>> state = register_compression_hook(model, ErrorFeedback(TopKCompressor(density=0.01)))
+        >>> ...  # train as usual
+        >>> state.stats.compression_ratio
+    """
+    state = CompressionHookState(compressor, min_numel=min_numel, start_iter=start_iter, process_group=process_group)
+    state.register(model)
+    return state

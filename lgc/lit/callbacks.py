@@ -1,0 +1,129 @@
+"""Lightning callbacks: communication metrics, compressor state in checkpoints, the run summary."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from lgc.ddp.hook import CommStats, CompressionHookState
+
+__all__ = ["CompressionCallback", "RunSummary", "gather_worker_stats"]
+
+
+def _hook_state(trainer: pl.Trainer) -> CompressionHookState:
+    state = getattr(trainer.strategy, "hook_state", None)
+    if not isinstance(state, CompressionHookState):
+        raise TypeError(f"expected lgc.lit.CompressedDDPStrategy, the trainer uses {type(trainer.strategy).__name__}")
+    return state
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def gather_worker_stats(state: CompressionHookState) -> list[dict[str, float]]:
+    """Every worker's :class:`~lgc.ddp.CommStats` as dicts, on every rank (a collective)."""
+    return _all_gather_object(state.stats.as_dict())
+
+
+class CompressionCallback(pl.Callback):
+    """Logs ``comm/*`` metrics and checkpoints the compressor state of every rank.
+
+    Per training step it logs this worker's ``comm/bytes_up`` and ``comm/bytes_down`` (bytes of
+    the step), the cumulative ``comm/compression_ratio`` and, with error feedback,
+    ``comm/residual_norm``. Checkpoints hold a list with one hook state per rank (residuals differ
+    between ranks); resuming needs the same world size.
+    """
+
+    def __init__(self) -> None:
+        self._state: CompressionHookState | None = None
+        self._last = CommStats()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._state = _hook_state(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        assert self._state is not None
+        stats = self._state.stats
+        metrics = {
+            "comm/bytes_up": float(stats.bytes_sent - self._last.bytes_sent),
+            "comm/bytes_down": float(stats.bytes_received - self._last.bytes_received),
+            "comm/compression_ratio": stats.compression_ratio if stats.bytes_sent else math.nan,
+        }
+        residual_norm = getattr(self._state.compressor, "residual_norm", None)
+        if residual_norm is not None:
+            metrics["comm/residual_norm"] = residual_norm()
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        self._last = copy.copy(stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Called on every rank while a checkpoint is built; rank 0 writes the gathered list.
+        assert self._state is not None
+        return {"per_rank": _all_gather_object(self._state.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        assert self._state is not None
+        per_rank = state_dict["per_rank"]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if len(per_rank) != world:
+            raise ValueError(f"the checkpoint holds compressor state of {len(per_rank)} workers, this run has {world}")
+        self._state.load_state_dict(per_rank[rank])
+        self._last = CommStats(**per_rank[rank]["stats"])
+
+
+class RunSummary(pl.Callback):
+    """Writes ``summary.json`` (rank 0) at the end of training.
+
+    Fields: final metrics (``val/acc``, ...), ``steps``, per-worker bytes sent/received,
+    dense-equivalent bytes, ``compression_ratio``, ``hook_calls``, ``fit_time_s`` and the resolved
+    config. ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
+    """
+
+    def __init__(self, output_dir: str, config: dict[str, Any] | None = None) -> None:
+        self.output_dir = Path(output_dir)
+        self.config = config or {}
+        self._start = time.perf_counter()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        workers = gather_worker_stats(_hook_state(trainer))
+        if trainer.global_rank != 0:
+            return
+        sent = sum(w["bytes_sent"] for w in workers)
+        dense = sum(w["dense_equivalent_bytes"] for w in workers)
+        summary = {
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, (torch.Tensor, float))},
+            "steps": trainer.global_step,
+            "epochs": trainer.current_epoch,
+            "world_size": trainer.world_size,
+            "compressor": repr(_hook_state(trainer).compressor),
+            "workers": workers,
+            "bytes_sent_per_worker": [w["bytes_sent"] for w in workers],
+            "bytes_received_per_worker": [w["bytes_received"] for w in workers],
+            "dense_equivalent_bytes_per_worker": [w["dense_equivalent_bytes"] for w in workers],
+            "hook_calls": sum(w["hook_calls"] for w in workers),
+            "compression_ratio": dense / sent if sent else math.nan,
+            # The compressor's own ratio on the tensors it compresses (small tensors go dense).
+            "payload_compression_ratio": sum(w["payload_dense_equivalent_bytes"] for w in workers)
+            / max(1, sum(w["payload_bytes"] for w in workers)),
+            "fit_time_s": time.perf_counter() - self._start,
+            "config": self.config,
+        }
+        summary.update({k: summary["metrics"][k] for k in ("val/acc", "val/loss") if k in summary["metrics"]})
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -1,0 +1,115 @@
+"""``train(cfg)``: one Hydra config in, one trained model and ``summary.json`` out.
+
+``lgc-train`` is a thin Hydra wrapper around :func:`train`. Every value is checked here, in the
+launching process, before any worker process starts; a bad value raises an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lgc.compressors import Compressor, ErrorFeedback
+from lgc.ddp.hook import CompressionHookState
+
+__all__ = ["build_compressor", "check_devices", "main", "train"]
+
+
+def build_compressor(node: DictConfig) -> Compressor:
+    """Instantiate ``cfg.compressor``; ``error_feedback: true`` wraps it in :class:`ErrorFeedback`."""
+    kwargs = OmegaConf.to_container(node, resolve=True)
+    with_error_feedback = bool(kwargs.pop("error_feedback", False))
+    compressor = hydra.utils.instantiate(kwargs)
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
+    return ErrorFeedback(compressor) if with_error_feedback else compressor
+
+
+def check_devices(accelerator: str, devices: Any, oversubscribe: bool) -> int:
+    """Number of worker processes per node; an error names a count this machine cannot run."""
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"trainer.devices must be a positive number of worker processes, got {devices!r}")
+    if accelerator in ("gpu", "cuda"):
+        available = torch.cuda.device_count()
+        if devices > available:
+            raise ValueError(f"trainer.devices={devices} but this machine has {available} CUDA device(s)")
+    elif accelerator == "cpu":
+        cores = os.cpu_count() or 1
+        if devices > cores and not oversubscribe:
+            raise ValueError(
+                f"trainer.devices={devices} worker processes but this machine has {cores} CPU cores; "
+                "set ddp.oversubscribe=true to simulate more workers than cores"
+            )
+    else:
+        raise ValueError(f"trainer.accelerator must be 'cpu' or 'gpu', got {accelerator!r}")
+    return devices
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says and return the run summary (also written to ``output_dir/summary.json``)."""
+    import pytorch_lightning as pl
+
+    from lgc.lit import CompressedDDPStrategy, CompressionCallback, ImageClassifier, RunSummary
+
+    start = time.perf_counter()
+    # Validate and build everything in this process, before any worker starts.
+    compressor = build_compressor(cfg.compressor)
+    hook_state = CompressionHookState(compressor, min_numel=cfg.comm.min_numel, start_iter=cfg.comm.start_iter)
+    check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
+    if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
+        raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r} is not a file")
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    model = hydra.utils.instantiate(cfg.model, num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
+    module = ImageClassifier(
+        model,
+        num_classes=datamodule.num_classes,
+        optimizer=hydra.utils.instantiate(cfg.optimizer),
+        scheduler=hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+    )
+    strategy = CompressedDDPStrategy(
+        hook_state,
+        start_method=cfg.ddp.start_method,
+        process_group_backend=cfg.ddp.process_group_backend,
+        bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+    )
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    loggers = [hydra.utils.instantiate(node) for node in (cfg.get("logger") or {}).values() if node is not None]
+    callbacks = [
+        CompressionCallback(),
+        RunSummary(str(output_dir), resolved),
+        pl.callbacks.ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True, save_top_k=0),
+    ]
+    trainer = hydra.utils.instantiate(
+        cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks, default_root_dir=str(output_dir)
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+
+    summary_path = output_dir / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["wall_time_s"] = time.perf_counter() - start
+    summary_path.write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    summary = train(cfg)
+    print(
+        f"val/acc={summary.get('val/acc', float('nan')):.4f} compression_ratio={summary['compression_ratio']:.2f} "
+        f"steps={summary['steps']} wall_time={summary['wall_time_s']:.1f}s -> {cfg.output_dir}/summary.json"
+    )
+
+
+if __name__ == "__main__":
+    main()
