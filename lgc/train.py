@@ -14,6 +14,7 @@ from typing import Any
 
 import hydra
 import torch
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from lgc.compressors import Compressor, ErrorFeedback
@@ -22,11 +23,22 @@ from lgc.ddp.hook import CompressionHookState
 __all__ = ["build_compressor", "check_devices", "main", "train"]
 
 
+def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate``, re-raising a constructor's own error type, prefixed with the group."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, (ValueError, TypeError, FileNotFoundError)):
+            raise type(cause)(f"{what}: {cause}") from err
+        raise
+
+
 def build_compressor(node: DictConfig) -> Compressor:
     """Instantiate ``cfg.compressor``; ``error_feedback: true`` wraps it in :class:`ErrorFeedback`."""
     kwargs = OmegaConf.to_container(node, resolve=True)
     with_error_feedback = bool(kwargs.pop("error_feedback", False))
-    compressor = hydra.utils.instantiate(kwargs)
+    compressor = _instantiate(kwargs, "compressor")
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
     return ErrorFeedback(compressor) if with_error_feedback else compressor
@@ -69,8 +81,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = hydra.utils.instantiate(cfg.data)
-    model = hydra.utils.instantiate(cfg.model, num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
+    datamodule = _instantiate(cfg.data, "data")
+    model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
     module = ImageClassifier(
         model,
         num_classes=datamodule.num_classes,

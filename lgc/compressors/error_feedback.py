@@ -73,7 +73,9 @@ class ErrorFeedback(Compressor):
         """L2 norm of all residuals together (a health signal: it should stay bounded)."""
         if not self.residuals:
             return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(r) for r in self.residuals.values()])))
+        return float(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(r) for r in self.residuals.values()]))
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

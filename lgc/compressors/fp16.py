@@ -26,8 +26,12 @@ class FP16Compressor(Compressor):
 
     def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
         if isinstance(dtype, str):
-            dtype = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-                     "bf16": torch.bfloat16}.get(dtype, dtype)  # type: ignore[arg-type]
+            dtype = {
+                "float16": torch.float16,
+                "fp16": torch.float16,
+                "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16,
+            }.get(dtype, dtype)  # type: ignore[arg-type]
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"FP16Compressor dtype must be float16 or bfloat16, got {dtype!r}")
         self.dtype = dtype

@@ -288,7 +288,10 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
             for s, piece in zip(dense, dense_flat.split([s.numel for s in dense]), strict=True):
                 buffer[s.offset : s.offset + s.numel].copy_(piece)
         if payloads:
-            per_rank = [iter(g.split(row.tolist() + [g.numel() - int(row.sum())])) for g, row in zip(gathered, sizes, strict=True)]
+            per_rank = [
+                iter(g.split(row.tolist() + [g.numel() - int(row.sum())]))
+                for g, row in zip(gathered, sizes, strict=True)
+            ]
             for s in sparse:
                 received = [compressor.payload_from_wire(next(wires_of_rank), s.numel) for wires_of_rank in per_rank]
                 buffer[s.offset : s.offset + s.numel].copy_(compressor.aggregate(received))

@@ -107,7 +107,9 @@ class RunSummary(pl.Callback):
         sent = sum(w["bytes_sent"] for w in workers)
         dense = sum(w["dense_equivalent_bytes"] for w in workers)
         summary = {
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, (torch.Tensor, float))},
+            "metrics": {
+                k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, (torch.Tensor, float))
+            },
             "steps": trainer.global_step,
             "epochs": trainer.current_epoch,
             "world_size": trainer.world_size,

@@ -24,8 +24,13 @@ class ImageClassifier(pl.LightningModule):
         scheduler: ``optimizer -> LRScheduler`` stepped once per epoch, or None.
     """
 
-    def __init__(self, model: nn.Module, num_classes: int, optimizer: Callable[..., torch.optim.Optimizer],
-                 scheduler: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_classes: int,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.optimizer_factory = optimizer
@@ -56,4 +61,7 @@ class ImageClassifier(pl.LightningModule):
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "epoch"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "epoch"},
+        }

@@ -31,12 +31,22 @@ class _ClassificationDataModule(pl.LightningDataModule):
         self.val_set: Dataset | None = None
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            self.val_set,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
 
 class DigitsDataModule(_ClassificationDataModule):
@@ -74,8 +84,9 @@ class CIFAR10DataModule(_ClassificationDataModule):
     in_channels = 3
     _MEAN, _STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
-    def __init__(self, root: str, batch_size: int = 128, download: bool = False, augment: bool = True,
-                 num_workers: int = 2) -> None:
+    def __init__(
+        self, root: str, batch_size: int = 128, download: bool = False, augment: bool = True, num_workers: int = 2
+    ) -> None:
         super().__init__(batch_size, num_workers)
         self.root = str(root) if download else str(require_folder(root, "CIFAR-10"))
         self.download = download
@@ -93,7 +104,8 @@ class CIFAR10DataModule(_ClassificationDataModule):
         from torchvision.datasets import CIFAR10
 
         normalize = [T.ToTensor(), T.Normalize(self._MEAN, self._STD)]
-        train_tf = T.Compose(([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()] if self.augment else [])
-                             + normalize)
+        train_tf = T.Compose(
+            ([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()] if self.augment else []) + normalize
+        )
         self.train_set = CIFAR10(self.root, train=True, transform=train_tf)
         self.val_set = CIFAR10(self.root, train=False, transform=T.Compose(normalize))

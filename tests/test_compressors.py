@@ -1,0 +1,152 @@
+"""Single-process unit tests of the compressors and error feedback."""
+
+import math
+
+import pytest
+import torch
+
+from lgc.compressors import (
+    CombineMode,
+    DensePayload,
+    ErrorFeedback,
+    FP16Compressor,
+    NoneCompressor,
+    SparsePayload,
+    TopKCompressor,
+)
+from lgc.compressors.topk import num_selected
+
+ALL = [
+    NoneCompressor(),
+    FP16Compressor(),
+    FP16Compressor("bfloat16"),
+    TopKCompressor(0.01),
+    TopKCompressor(0.3),
+    TopKCompressor(1.0),
+]
+
+
+def _randn(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_none_is_exact_and_four_bytes_per_element():
+    g = _randn(1000)
+    payload = NoneCompressor().compress(g, "w")
+    assert isinstance(payload, DensePayload)
+    assert payload.nbytes == 4000
+    assert torch.equal(NoneCompressor().decompress(payload), g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rounds_once_and_sends_two_bytes(dtype):
+    g = _randn(1001)
+    compressor = FP16Compressor(dtype)
+    payload = compressor.compress(g, "w")
+    assert payload.nbytes == 2 * 1001
+    assert torch.equal(compressor.decompress(payload), g.to(dtype).float())
+
+
+@pytest.mark.parametrize("numel,density", [(1, 0.5), (10, 0.1), (1000, 0.01), (12345, 0.001), (777, 1.0), (100, 0.999)])
+def test_topk_keeps_the_k_largest_magnitudes(numel, density):
+    g = _randn(numel, seed=numel)
+    payload = TopKCompressor(density).compress(g, "w")
+    k = math.ceil(density * numel)
+    assert isinstance(payload, SparsePayload)
+    assert payload.values.numel() == payload.indices.numel() == k
+    assert payload.nbytes == 8 * k  # fp32 value + int32 index
+    assert payload.indices.dtype == torch.int32
+    kept = g.abs()[payload.indices.long()]
+    dropped = torch.ones(numel, dtype=torch.bool)
+    dropped[payload.indices.long()] = False
+    if dropped.any():
+        assert kept.min() >= g.abs()[dropped].max()
+    decoded = TopKCompressor(density).decompress(payload)
+    assert torch.equal(decoded[payload.indices.long()], g[payload.indices.long()])
+    assert torch.count_nonzero(decoded[dropped]) == 0
+
+
+def test_topk_density_one_is_lossless():
+    g = _randn(500)
+    compressor = TopKCompressor(1.0)
+    assert torch.equal(compressor.decompress(compressor.compress(g, "w")), g)
+
+
+@pytest.mark.parametrize("compressor", ALL, ids=repr)
+def test_wire_round_trip_is_exact(compressor):
+    g = _randn(4099)
+    payload = compressor.compress(g, "w")
+    wire = payload.to_wire()
+    assert wire.dtype == torch.uint8 and wire.numel() == payload.nbytes
+    rebuilt = compressor.payload_from_wire(wire, g.numel())
+    assert type(rebuilt) is type(payload)
+    for a, b in zip(payload.tensors(), rebuilt.tensors(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(compressor.decompress(rebuilt), compressor.decompress(payload))
+
+
+def test_wire_round_trip_from_an_unaligned_offset():
+    compressor = TopKCompressor(0.1)
+    payload = compressor.compress(_randn(999), "w")
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), payload.to_wire()])[3:]
+    assert shifted.storage_offset() == 3
+    assert torch.equal(
+        compressor.decompress(compressor.payload_from_wire(shifted, 999)), compressor.decompress(payload)
+    )
+
+
+def test_topk_aggregate_equals_sum_of_decoded():
+    compressor = TopKCompressor(0.05)
+    payloads = [compressor.compress(_randn(2000, seed=s), "w") for s in range(4)]
+    expected = sum(compressor.decompress(p) for p in payloads)
+    torch.testing.assert_close(compressor.aggregate(payloads), expected)
+
+
+@pytest.mark.parametrize("inner", ALL, ids=repr)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_error_feedback_invariant_input_equals_decoded_plus_residual(inner, seed):
+    ef = ErrorFeedback(inner)
+    ef.residuals["w"] = _randn(3000, seed=100 + seed)
+    g = _randn(3000, seed=seed)
+    corrected = g + ef.residuals["w"]
+    payload = ef.compress(g, "w")
+    assert torch.equal(ef.decompress(payload) + ef.residuals["w"], corrected)
+
+
+def test_error_feedback_delays_but_never_drops():
+    ef = ErrorFeedback(TopKCompressor(0.02))
+    total_in, total_sent = torch.zeros(1000), torch.zeros(1000)
+    for step in range(50):
+        g = _randn(1000, seed=step)
+        total_in += g
+        total_sent += ef.decompress(ef.compress(g, "w"))
+    torch.testing.assert_close(total_sent + ef.residuals["w"], total_in)
+    assert ef.combine is CombineMode.GATHER
+
+
+def test_error_feedback_state_round_trip():
+    ef = ErrorFeedback(TopKCompressor(0.1))
+    ef.compress(_randn(100), "a")
+    ef.compress(_randn(50, seed=1), "b")
+    other = ErrorFeedback(TopKCompressor(0.1))
+    other.load_state_dict(ef.state_dict())
+    g = _randn(100, seed=5)
+    assert torch.equal(ef.decompress(ef.compress(g, "a")), other.decompress(other.compress(g, "a")))
+    assert ef.residual_norm() == pytest.approx(other.residual_norm())
+
+
+@pytest.mark.parametrize("density", [0.0, -0.1, 1.5, float("nan")])
+def test_topk_rejects_density_outside_unit_interval(density):
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\], got"):
+        TopKCompressor(density)
+
+
+def test_num_selected_rounds_up_and_keeps_at_least_one():
+    assert num_selected(1000, 0.001) == 1
+    assert num_selected(1001, 0.001) == 2
+    assert num_selected(10, 1e-9) == 1
+
+
+def test_double_error_feedback_is_refused():
+    with pytest.raises(ValueError, match="already"):
+        ErrorFeedback(ErrorFeedback(TopKCompressor(0.1)))

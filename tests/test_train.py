@@ -1,0 +1,182 @@
+"""Hydra-composed end-to-end runs of train(cfg) (tiny), checkpoint/resume and bad input."""
+
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from hydra import compose, initialize_config_module
+from hydra.errors import MissingConfigException
+
+from lgc.compressors.topk import num_selected
+from lgc.ddp.hook import CompressionHookState
+from lgc.lit import CompressedDDPStrategy, CompressionCallback, DigitsDataModule, ImageClassifier
+from lgc.models import resnet8
+from lgc.train import train
+
+pytestmark = pytest.mark.multiprocess
+
+
+def compose_cfg(output_dir: Path, *overrides: str):
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        return compose("train", overrides=["experiment=smoke", "logger=csv", f"output_dir={output_dir}", *overrides])
+
+
+def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path):
+    density, min_numel = 0.02, 1024
+    cfg = compose_cfg(tmp_path, f"compressor.density={density}", f"comm.min_numel={min_numel}")
+    summary = train(cfg)
+    assert summary == json.loads((tmp_path / "summary.json").read_text())
+
+    steps = cfg.trainer.limit_train_batches
+    assert summary["steps"] == steps and summary["world_size"] == 2
+    assert 0.0 <= summary["val/acc"] <= 1.0
+    assert summary["hook_calls"] > 0
+    assert summary["config"]["compressor"]["density"] == density
+    assert summary["wall_time_s"] > summary["fit_time_s"] > 0
+    assert len(summary["bytes_sent_per_worker"]) == len(summary["bytes_received_per_worker"]) == 2
+
+    numels = [p.numel() for p in resnet8(num_classes=10, in_channels=1).parameters()]
+    dense = 4 * sum(numels)
+    per_step = sum(8 * num_selected(n, density) if n >= min_numel else 4 * n for n in numels)
+    # The first step is a plain allreduce while DDP rebuilds its buckets.
+    for sent, dense_equivalent in zip(
+        summary["bytes_sent_per_worker"], summary["dense_equivalent_bytes_per_worker"], strict=True
+    ):
+        assert dense_equivalent == steps * dense
+        assert sent == dense + (steps - 1) * per_step
+    assert summary["compression_ratio"] == pytest.approx(steps * dense / (dense + (steps - 1) * per_step))
+    large = [n for n in numels if n >= min_numel]
+    assert summary["payload_compression_ratio"] == pytest.approx(1 / (2 * density), rel=0.02)
+    assert summary["payload_compression_ratio"] == pytest.approx(
+        4 * sum(large) / sum(8 * num_selected(n, density) for n in large)
+    )
+
+    metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    for key in (
+        "train/loss",
+        "val/acc",
+        "comm/bytes_up",
+        "comm/bytes_down",
+        "comm/compression_ratio",
+        "comm/residual_norm",
+    ):
+        assert key in metrics
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def test_resume_continues_exactly_where_it_stopped(tmp_path):
+    # The same LR schedule in all three runs (its length is saved in the checkpoint).
+    common = [
+        "trainer.limit_train_batches=3",
+        "trainer.limit_val_batches=1",
+        "compressor.density=0.05",
+        "scheduler.T_max=2",
+    ]
+    train(compose_cfg(tmp_path / "straight", "trainer.max_epochs=2", *common))
+    train(compose_cfg(tmp_path / "first", "trainer.max_epochs=1", *common))
+    stopped = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    train(compose_cfg(tmp_path / "resumed", "trainer.max_epochs=2", f"ckpt_path={stopped}", *common))
+
+    straight = _load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    resumed = _load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    assert straight["global_step"] == resumed["global_step"] == 6
+    for name, tensor in straight["state_dict"].items():
+        assert torch.equal(tensor, resumed["state_dict"][name]), name
+    first = _load(stopped)["callbacks"]["CompressionCallback"]["per_rank"]
+    ranks = [
+        straight["callbacks"]["CompressionCallback"]["per_rank"],
+        resumed["callbacks"]["CompressionCallback"]["per_rank"],
+    ]
+    assert len(first) == 2 and len(ranks[0]) == len(ranks[1]) == 2
+    # Residuals differ between ranks, and each rank's residuals continue exactly.
+    r0, r1 = (first[r]["compressor"]["residuals"] for r in range(2))
+    assert any(not torch.equal(r0[key], r1[key]) for key in r0)
+    for straight_rank, resumed_rank in zip(*ranks, strict=True):
+        assert straight_rank["iteration"] == resumed_rank["iteration"] == 6
+        assert straight_rank["stats"] == resumed_rank["stats"]
+        for key, residual in straight_rank["compressor"]["residuals"].items():
+            assert torch.equal(residual, resumed_rank["compressor"]["residuals"][key]), key
+
+
+class _StrategyWithoutHook(CompressedDDPStrategy):
+    """Behaves like Lightning's DDPStrategy on CPU: the hook is never registered."""
+
+    def _register_ddp_hooks(self) -> None:
+        pass
+
+
+def test_strategy_fails_loudly_when_the_hook_never_ran(tmp_path):
+    from lgc.compressors import TopKCompressor
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+        strategy=_StrategyWithoutHook(CompressionHookState(TopKCompressor(0.1)), start_method="spawn"),
+        callbacks=[CompressionCallback()],
+    )
+    module = ImageClassifier(resnet8(num_classes=10, in_channels=1), 10, optimizer=partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(Exception, match="hook never ran"):
+        trainer.fit(module, datamodule=DigitsDataModule())
+
+
+def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
+    from lgc.compressors import TopKCompressor
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        strategy=CompressedDDPStrategy(CompressionHookState(TopKCompressor(0.1))),
+        default_root_dir=tmp_path,
+    )
+    module = ImageClassifier(resnet8(num_classes=10, in_channels=1), 10, optimizer=partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(ValueError, match="CompressionCallback"):
+        trainer.fit(module, datamodule=DigitsDataModule())
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail the test if a worker process is started."""
+    import torch.multiprocessing
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker process was started before the bad value was reported")
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
+
+
+@pytest.mark.parametrize(
+    "overrides,error,message",
+    [
+        (["compressor.density=1.5"], ValueError, r"density must be in \(0, 1\], got 1.5"),
+        (["compressor.density=0"], ValueError, r"density must be in \(0, 1\], got 0"),
+        (["comm.min_numel=-1"], ValueError, "min_numel must be >= 0, got -1"),
+        (["trainer.devices=4096"], ValueError, "trainer.devices=4096"),
+        (["trainer.accelerator=gpu", "trainer.devices=64"], ValueError, "trainer.devices=64 but this machine has"),
+        (["data=cifar10", "data.root=/no/such/folder"], FileNotFoundError, "'/no/such/folder' does not exist"),
+        (["ckpt_path=/no/such.ckpt"], FileNotFoundError, "ckpt_path='/no/such.ckpt'"),
+    ],
+)
+def test_bad_input_is_reported_before_workers_start(tmp_path, no_workers, overrides, error, message):
+    with pytest.raises(error, match=message):
+        train(compose_cfg(tmp_path, *overrides))
+
+
+def test_unknown_compressor_is_named(tmp_path):
+    with pytest.raises(MissingConfigException, match="nosuchmethod"):
+        compose_cfg(tmp_path, "compressor=nosuchmethod")
