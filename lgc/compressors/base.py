@@ -81,6 +81,10 @@ class Compressor(abc.ABC):
     #: Whether payload sizes can differ between workers for the same tensor (sizes are then
     #: exchanged before the payloads).
     variable_size: bool = False
+    #: Whether every worker must draw the same random numbers (e.g. shared random offsets): the
+    #: hook then broadcasts rank 0's :attr:`shared_seed` once and calls :meth:`set_shared_seed`.
+    needs_shared_seed: bool = False
+    shared_seed: int = 0
 
     @abc.abstractmethod
     def compress(self, tensor: Tensor, key: str) -> Payload:
@@ -103,6 +107,16 @@ class Compressor(abc.ABC):
         for payload in payloads[1:]:
             total += self.decompress(payload)
         return total
+
+    def begin_step(self, step: int) -> None:
+        """Called by the hook before the first tensor of every compressed step (``step`` counts from 0)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called at the start of every epoch (by :class:`lgc.lit.CompressionCallback`; plain scripts call it)."""
+
+    def set_shared_seed(self, seed: int) -> None:
+        """Receive the seed every worker agrees on (only called when :attr:`needs_shared_seed`)."""
+        self.shared_seed = int(seed)
 
     def state_dict(self) -> dict[str, Any]:
         """State that must survive a restart (empty for stateless compressors)."""

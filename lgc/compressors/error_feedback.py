@@ -43,6 +43,7 @@ class ErrorFeedback(Compressor):
         self.compressor = compressor
         self.combine = compressor.combine
         self.variable_size = compressor.variable_size
+        self.needs_shared_seed = compressor.needs_shared_seed
         #: Per-key residual: the part of earlier inputs that has not been sent yet.
         self.residuals: dict[str, Tensor] = {}
 
@@ -68,6 +69,19 @@ class ErrorFeedback(Compressor):
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> Payload:
         return self.compressor.payload_from_wire(wire, numel)
+
+    def begin_step(self, step: int) -> None:
+        self.compressor.begin_step(step)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.compressor.set_epoch(epoch)
+
+    @property
+    def shared_seed(self) -> int:  # type: ignore[override]
+        return self.compressor.shared_seed
+
+    def set_shared_seed(self, seed: int) -> None:
+        self.compressor.set_shared_seed(seed)
 
     def residual_norm(self) -> float:
         """L2 norm of all residuals together (a health signal: it should stay bounded)."""

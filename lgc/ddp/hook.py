@@ -108,6 +108,8 @@ class CompressionHookState:
         "process_group",
         # internal state
         "iteration",  # steps completed (counted at the last bucket); saved, so resume is exact
+        "begun_step",  # the step compressor.begin_step() was last called for
+        "seed_shared",  # whether rank 0's shared seed has been broadcast (compressors that need one)
         "param_names",  # data_ptr -> parameter name, filled by attach(); per process, not saved
         "bucket_layouts",  # bucket index -> which parts of the flat buffer are compressed
         # stats
@@ -135,6 +137,8 @@ class CompressionHookState:
         self.start_iter = int(start_iter)
         self.process_group = process_group
         self.iteration = 0
+        self.begun_step = -1
+        self.seed_shared = False
         self.param_names: dict[int, str] = {}
         self.bucket_layouts: dict[int, _BucketLayout] = {}
         self.stats = CommStats()
@@ -172,7 +176,7 @@ class CompressionHookState:
     # The state travels to spawned workers and into checkpoints without its process group.
     def __getstate__(self) -> dict[str, Any]:
         state = {slot: getattr(self, slot) for slot in self.__slots__}
-        state.update(process_group=None, param_names={}, bucket_layouts={})
+        state.update(process_group=None, param_names={}, bucket_layouts={}, begun_step=-1, seed_shared=False)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -226,6 +230,20 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         return _allreduce(state, buffer).then(lambda fut: fut.value()[0])
 
     compressor = state.compressor
+    if compressor.needs_shared_seed and not state.seed_shared:
+        # Once, on every rank at the same point: everyone adopts rank 0's seed.
+        seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
+        dist.broadcast(seed, src=dist.get_global_rank(state.process_group or dist.group.WORLD, 0),
+                       group=state.process_group)
+        if dist.get_rank(state.process_group) == 0:
+            state.stats.bytes_sent += _nbytes(seed)
+        else:
+            state.stats.bytes_received += _nbytes(seed)
+        compressor.set_shared_seed(int(seed.item()))
+        state.seed_shared = True
+    if state.begun_step != iteration:
+        compressor.begin_step(iteration)
+        state.begun_step = iteration
     segments = state.layout(bucket).segments
     dense = [s for s in segments if not s.compressed]
     sparse = [s for s in segments if s.compressed]

@@ -54,6 +54,10 @@ class CompressionCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._state = _hook_state(trainer)
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._state is not None
+        self._state.compressor.set_epoch(trainer.current_epoch)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         assert self._state is not None
         stats = self._state.stats
