@@ -19,8 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lgc.compressors import Compressor, ErrorFeedback
 from lgc.ddp.hook import CompressionHookState
+from lgc.ddp.torch_hooks import TorchHookState
 
-__all__ = ["build_compressor", "check_devices", "main", "train"]
+__all__ = ["build_hook_state", "check_devices", "main", "train"]
 
 
 def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
@@ -34,14 +35,24 @@ def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
         raise
 
 
-def build_compressor(node: DictConfig) -> Compressor:
-    """Instantiate ``cfg.compressor``; ``error_feedback: true`` wraps it in :class:`ErrorFeedback`."""
-    kwargs = OmegaConf.to_container(node, resolve=True)
+def build_hook_state(compressor_node: DictConfig, comm_node: DictConfig) -> CompressionHookState | TorchHookState:
+    """The hook state for ``cfg.compressor`` and ``cfg.comm``.
+
+    ``cfg.compressor`` builds either an lgc :class:`Compressor` (``error_feedback: true`` wraps it in
+    :class:`ErrorFeedback`; ``cfg.comm`` configures the hook) or one of PyTorch's hooks wrapped by
+    :mod:`lgc.ddp.torch_hooks`.
+    """
+    kwargs = OmegaConf.to_container(compressor_node, resolve=True)
     with_error_feedback = bool(kwargs.pop("error_feedback", False))
-    compressor = _instantiate(kwargs, "compressor")
-    if not isinstance(compressor, Compressor):
+    built = _instantiate(kwargs, "compressor")
+    if isinstance(built, TorchHookState):
+        if with_error_feedback:
+            raise ValueError(f"compressor.error_feedback=true does not apply to PyTorch's {built.describe()} hook")
+        return built
+    if not isinstance(built, Compressor):
         raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
-    return ErrorFeedback(compressor) if with_error_feedback else compressor
+    compressor = ErrorFeedback(built) if with_error_feedback else built
+    return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
 
 
 def check_devices(accelerator: str, devices: Any, oversubscribe: bool) -> int:
@@ -72,8 +83,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     start = time.perf_counter()
     # Validate and build everything in this process, before any worker starts.
-    compressor = build_compressor(cfg.compressor)
-    hook_state = CompressionHookState(compressor, min_numel=cfg.comm.min_numel, start_iter=cfg.comm.start_iter)
+    hook_state = build_hook_state(cfg.compressor, cfg.comm)
     check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
     if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
         raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r} is not a file")

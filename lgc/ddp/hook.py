@@ -147,6 +147,19 @@ class CompressionHookState:
         """Learn the parameter names of ``model`` (compressor state is keyed by them)."""
         self.param_names = {p.data_ptr(): name for name, p in model.module.named_parameters()}
 
+    # The interface lgc's strategy and callbacks use (shared with lgc.ddp.torch_hooks).
+    def describe(self) -> str:
+        """What this hook does, for summaries and logs."""
+        return repr(self.compressor)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.compressor.set_epoch(epoch)
+
+    def residual_norm(self) -> float | None:
+        """Norm of the error-feedback residuals, or None for compressors without residuals."""
+        norm = getattr(self.compressor, "residual_norm", None)
+        return norm() if norm is not None else None
+
     def register(self, model: DistributedDataParallel) -> None:
         """Attach to ``model`` and register :func:`compression_hook` with this state."""
         self.attach(model)
@@ -233,8 +246,9 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     if compressor.needs_shared_seed and not state.seed_shared:
         # Once, on every rank at the same point: everyone adopts rank 0's seed.
         seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
-        dist.broadcast(seed, src=dist.get_global_rank(state.process_group or dist.group.WORLD, 0),
-                       group=state.process_group)
+        dist.broadcast(
+            seed, src=dist.get_global_rank(state.process_group or dist.group.WORLD, 0), group=state.process_group
+        )
         if dist.get_rank(state.process_group) == 0:
             state.stats.bytes_sent += _nbytes(seed)
         else:

@@ -14,13 +14,16 @@ import torch
 import torch.distributed as dist
 
 from lgc.ddp.hook import CommStats, CompressionHookState
+from lgc.ddp.torch_hooks import TorchHookState
+
+HookState = CompressionHookState | TorchHookState
 
 __all__ = ["CompressionCallback", "RunSummary", "gather_worker_stats"]
 
 
-def _hook_state(trainer: pl.Trainer) -> CompressionHookState:
+def _hook_state(trainer: pl.Trainer) -> HookState:
     state = getattr(trainer.strategy, "hook_state", None)
-    if not isinstance(state, CompressionHookState):
+    if not isinstance(state, (CompressionHookState, TorchHookState)):
         raise TypeError(f"expected lgc.lit.CompressedDDPStrategy, the trainer uses {type(trainer.strategy).__name__}")
     return state
 
@@ -33,7 +36,7 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return gathered
 
 
-def gather_worker_stats(state: CompressionHookState) -> list[dict[str, float]]:
+def gather_worker_stats(state: HookState) -> list[dict[str, float]]:
     """Every worker's :class:`~lgc.ddp.CommStats` as dicts, on every rank (a collective)."""
     return _all_gather_object(state.stats.as_dict())
 
@@ -48,7 +51,7 @@ class CompressionCallback(pl.Callback):
     """
 
     def __init__(self) -> None:
-        self._state: CompressionHookState | None = None
+        self._state: HookState | None = None
         self._last = CommStats()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -56,7 +59,7 @@ class CompressionCallback(pl.Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._state is not None
-        self._state.compressor.set_epoch(trainer.current_epoch)
+        self._state.set_epoch(trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         assert self._state is not None
@@ -66,9 +69,9 @@ class CompressionCallback(pl.Callback):
             "comm/bytes_down": float(stats.bytes_received - self._last.bytes_received),
             "comm/compression_ratio": stats.compression_ratio if stats.bytes_sent else math.nan,
         }
-        residual_norm = getattr(self._state.compressor, "residual_norm", None)
+        residual_norm = self._state.residual_norm()
         if residual_norm is not None:
-            metrics["comm/residual_norm"] = residual_norm()
+            metrics["comm/residual_norm"] = residual_norm
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         self._last = copy.copy(stats)
 
@@ -117,7 +120,7 @@ class RunSummary(pl.Callback):
             "steps": trainer.global_step,
             "epochs": trainer.current_epoch,
             "world_size": trainer.world_size,
-            "compressor": repr(_hook_state(trainer).compressor),
+            "compressor": _hook_state(trainer).describe(),
             "workers": workers,
             "bytes_sent_per_worker": [w["bytes_sent"] for w in workers],
             "bytes_received_per_worker": [w["bytes_received"] for w in workers],

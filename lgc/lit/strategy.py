@@ -15,6 +15,7 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
 
 from lgc.ddp.hook import CompressionHookState
+from lgc.ddp.torch_hooks import TorchHookState
 
 __all__ = ["CompressedDDPStrategy"]
 
@@ -28,7 +29,8 @@ class CompressedDDPStrategy(DDPStrategy):
 
     Args:
         hook_state: the compressor and hook knobs, e.g.
-            ``CompressionHookState(ErrorFeedback(TopKCompressor(0.01)), min_numel=1024)``.
+            ``CompressionHookState(ErrorFeedback(TopKCompressor(0.01)), min_numel=1024)``, or one of
+            PyTorch's own hooks wrapped by :mod:`lgc.ddp.torch_hooks` (``PowerSGDHookState()``).
         **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``bucket_cap_mb``, ...); ``ddp_comm_hook`` is not accepted.
 
@@ -41,7 +43,7 @@ class CompressedDDPStrategy(DDPStrategy):
 
     strategy_name = "lgc_ddp"
 
-    def __init__(self, hook_state: CompressionHookState, **kwargs: Any) -> None:
+    def __init__(self, hook_state: CompressionHookState | TorchHookState, **kwargs: Any) -> None:
         for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"CompressedDDPStrategy registers its own hook; do not pass {key}={kwargs[key]!r}")
@@ -68,6 +70,6 @@ class CompressedDDPStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.global_step > 0 and self.hook_state.stats.hook_calls == 0:
             raise RuntimeError(
-                f"{self.hook_state.compressor!r} was configured but the DDP communication hook never ran in "
+                f"{self.hook_state.describe()} was configured but the DDP communication hook never ran in "
                 f"{trainer.global_step} steps: gradients were averaged uncompressed"
             )
