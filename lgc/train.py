@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lgc.compressors import Compressor, ErrorFeedback
 from lgc.ddp.hook import CompressionHookState
+from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
 
 __all__ = ["build_hook_state", "check_devices", "main", "train"]
@@ -35,23 +36,31 @@ def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
         raise
 
 
-def build_hook_state(compressor_node: DictConfig, comm_node: DictConfig) -> CompressionHookState | TorchHookState:
+def build_hook_state(
+    compressor_node: DictConfig, comm_node: DictConfig
+) -> CompressionHookState | TorchHookState | CommunicationDelayState:
     """The hook state for ``cfg.compressor`` and ``cfg.comm``.
 
     ``cfg.compressor`` builds either an lgc :class:`Compressor` (``error_feedback: true`` wraps it in
     :class:`ErrorFeedback`; ``cfg.comm`` configures the hook) or one of PyTorch's hooks wrapped by
-    :mod:`lgc.ddp.torch_hooks`.
+    :mod:`lgc.ddp.torch_hooks`. ``comm.delay: n`` switches to SBC's communication delay: ``n``
+    local steps, then an exchange of the compressed weight update (:mod:`lgc.ddp.local_sgd`).
     """
+    delay = comm_node.get("delay")
     kwargs = OmegaConf.to_container(compressor_node, resolve=True)
     with_error_feedback = bool(kwargs.pop("error_feedback", False))
     built = _instantiate(kwargs, "compressor")
     if isinstance(built, TorchHookState):
+        if delay is not None:
+            raise ValueError(f"comm.delay={delay!r} needs an lgc compressor, not PyTorch's {built.describe()} hook")
         if with_error_feedback:
             raise ValueError(f"compressor.error_feedback=true does not apply to PyTorch's {built.describe()} hook")
         return built
     if not isinstance(built, Compressor):
         raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
     compressor = ErrorFeedback(built) if with_error_feedback else built
+    if delay is not None:
+        return CommunicationDelayState(compressor, delay=delay, min_numel=comm_node.min_numel)
     return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
 
 

@@ -28,7 +28,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors.base import CombineMode, Compressor
 
-__all__ = ["CommStats", "CompressionHookState", "compression_hook", "register_compression_hook"]
+__all__ = [
+    "CommStats",
+    "CompressionHookState",
+    "average_compressed",
+    "compression_hook",
+    "register_compression_hook",
+]
 
 
 @dataclass
@@ -165,6 +171,14 @@ class CompressionHookState:
         self.attach(model)
         model.register_comm_hook(self, compression_hook)
 
+    def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[_Segment, ...]:
+        """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed."""
+        segments, offset = [], 0
+        for name, numel in names_and_numels:
+            segments.append(_Segment(name, offset, numel, numel >= self.min_numel))
+            offset += numel
+        return tuple(segments)
+
     def layout(self, bucket: dist.GradBucket) -> _BucketLayout:
         """The bucket's segments, cached per bucket index and rebuilt when the bucket changes."""
         params = bucket.parameters()
@@ -172,17 +186,14 @@ class CompressionHookState:
         cached = self.bucket_layouts.get(bucket.index())
         if cached is not None and cached.signature == signature:
             return cached
-        segments, offset = [], 0
-        for param in params:
-            name = self.param_names.get(param.data_ptr())
-            if name is None:
-                raise RuntimeError("a bucket holds a parameter the hook state does not know; call attach(model)")
-            numel = param.numel()
-            segments.append(_Segment(name, offset, numel, numel >= self.min_numel))
-            offset += numel
-        if offset != bucket.buffer().numel():
-            raise RuntimeError(f"bucket {bucket.index()} has {bucket.buffer().numel()} elements, parameters {offset}")
-        layout = _BucketLayout(signature, tuple(segments))
+        names = [self.param_names.get(param.data_ptr()) for param in params]
+        if None in names:
+            raise RuntimeError("a bucket holds a parameter the hook state does not know; call attach(model)")
+        segments = self.segments([(name, param.numel()) for name, param in zip(names, params, strict=True)])
+        total = sum(s.numel for s in segments)
+        if total != bucket.buffer().numel():
+            raise RuntimeError(f"bucket {bucket.index()} has {bucket.buffer().numel()} elements, parameters {total}")
+        layout = _BucketLayout(signature, segments)
         self.bucket_layouts[bucket.index()] = layout
         return layout
 
@@ -242,6 +253,20 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     if iteration < state.start_iter:
         return _allreduce(state, buffer).then(lambda fut: fut.value()[0])
 
+    return average_compressed(state, buffer, state.layout(bucket).segments, iteration)
+
+
+def average_compressed(
+    state: CompressionHookState, buffer: Tensor, segments: tuple[_Segment, ...], step: int
+) -> torch.futures.Future[Tensor]:
+    """Sum ``buffer`` (each worker's share, already divided by the world size) across workers.
+
+    Dense segments are allreduced; the others go through ``state.compressor``. The result is
+    written into ``buffer``, which the returned future holds. All collectives are issued here, in
+    the same order on every rank; the future's callback only decodes. Used by the gradient hook
+    and by :mod:`lgc.ddp.local_sgd` for weight updates.
+    """
+    world_size = dist.get_world_size(state.process_group)
     compressor = state.compressor
     if compressor.needs_shared_seed and not state.seed_shared:
         # Once, on every rank at the same point: everyone adopts rank 0's seed.
@@ -255,10 +280,9 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
             state.stats.bytes_received += _nbytes(seed)
         compressor.set_shared_seed(int(seed.item()))
         state.seed_shared = True
-    if state.begun_step != iteration:
-        compressor.begin_step(iteration)
-        state.begun_step = iteration
-    segments = state.layout(bucket).segments
+    if state.begun_step != step:
+        compressor.begin_step(step)
+        state.begun_step = step
     dense = [s for s in segments if not s.compressed]
     sparse = [s for s in segments if s.compressed]
     payloads = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in sparse]

@@ -14,16 +14,17 @@ import torch
 import torch.distributed as dist
 
 from lgc.ddp.hook import CommStats, CompressionHookState
+from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
 
-HookState = CompressionHookState | TorchHookState
+HookState = CompressionHookState | TorchHookState | CommunicationDelayState
 
 __all__ = ["CompressionCallback", "RunSummary", "gather_worker_stats"]
 
 
 def _hook_state(trainer: pl.Trainer) -> HookState:
     state = getattr(trainer.strategy, "hook_state", None)
-    if not isinstance(state, (CompressionHookState, TorchHookState)):
+    if not isinstance(state, (CompressionHookState, TorchHookState, CommunicationDelayState)):
         raise TypeError(f"expected lgc.lit.CompressedDDPStrategy, the trainer uses {type(trainer.strategy).__name__}")
     return state
 
@@ -53,9 +54,25 @@ class CompressionCallback(pl.Callback):
     def __init__(self) -> None:
         self._state: HookState | None = None
         self._last = CommStats()
+        self._trainer: pl.Trainer | None = None
+        # With communication delay, each rank's optimizer state, restored once training starts.
+        self._pending_optimizer_states: list[dict[str, Any]] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._state = _hook_state(trainer)
+        self._trainer = trainer
+        if isinstance(self._state, CommunicationDelayState) and trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"communication delay counts optimizer steps; trainer.accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches} is not supported with it"
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After Lightning restored rank 0's optimizer state on every rank: put back this rank's own.
+        if self._pending_optimizer_states is not None:
+            for optimizer, state in zip(trainer.optimizers, self._pending_optimizer_states, strict=True):
+                optimizer.load_state_dict(state)
+            self._pending_optimizer_states = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._state is not None
@@ -63,6 +80,8 @@ class CompressionCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         assert self._state is not None
+        if isinstance(self._state, CommunicationDelayState):
+            self._state.after_optimizer_step()
         stats = self._state.stats
         metrics = {
             "comm/bytes_up": float(stats.bytes_sent - self._last.bytes_sent),
@@ -78,7 +97,11 @@ class CompressionCallback(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank while a checkpoint is built; rank 0 writes the gathered list.
         assert self._state is not None
-        return {"per_rank": _all_gather_object(self._state.state_dict())}
+        state = self._state.state_dict()
+        if isinstance(self._state, CommunicationDelayState) and self._trainer is not None:
+            # Between exchanges the ranks' optimizer states (momenta) differ too.
+            state = {**state, "optimizers": [opt.state_dict() for opt in self._trainer.optimizers]}
+        return {"per_rank": _all_gather_object(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         assert self._state is not None
@@ -88,7 +111,8 @@ class CompressionCallback(pl.Callback):
         if len(per_rank) != world:
             raise ValueError(f"the checkpoint holds compressor state of {len(per_rank)} workers, this run has {world}")
         self._state.load_state_dict(per_rank[rank])
-        self._last = CommStats(**per_rank[rank]["stats"])
+        self._pending_optimizer_states = per_rank[rank].get("optimizers")
+        self._last = copy.copy(self._state.stats)
 
 
 class RunSummary(pl.Callback):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
 
 from lgc.ddp.hook import CompressionHookState
+from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
 
 __all__ = ["CompressedDDPStrategy"]
@@ -43,7 +44,9 @@ class CompressedDDPStrategy(DDPStrategy):
 
     strategy_name = "lgc_ddp"
 
-    def __init__(self, hook_state: CompressionHookState | TorchHookState, **kwargs: Any) -> None:
+    def __init__(
+        self, hook_state: CompressionHookState | TorchHookState | CommunicationDelayState, **kwargs: Any
+    ) -> None:
         for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"CompressedDDPStrategy registers its own hook; do not pass {key}={kwargs[key]!r}")
