@@ -22,7 +22,7 @@ from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
 
-__all__ = ["build_hook_state", "check_devices", "main", "train"]
+__all__ = ["build_compressor", "build_hook_state", "check_devices", "main", "train"]
 
 
 def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
@@ -36,6 +36,20 @@ def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
         raise
 
 
+def build_compressor(node: DictConfig | dict[str, Any]) -> Compressor | TorchHookState:
+    """Instantiate a ``compressor`` config node; ``error_feedback: true`` wraps it in :class:`ErrorFeedback`."""
+    kwargs = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    with_error_feedback = bool(kwargs.pop("error_feedback", False))
+    built = _instantiate(kwargs, "compressor")
+    if isinstance(built, TorchHookState):
+        if with_error_feedback:
+            raise ValueError(f"compressor.error_feedback=true does not apply to PyTorch's {built.describe()} hook")
+        return built
+    if not isinstance(built, Compressor):
+        raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
+    return ErrorFeedback(built) if with_error_feedback else built
+
+
 def build_hook_state(
     compressor_node: DictConfig, comm_node: DictConfig
 ) -> CompressionHookState | TorchHookState | CommunicationDelayState:
@@ -47,18 +61,13 @@ def build_hook_state(
     local steps, then an exchange of the compressed weight update (:mod:`lgc.ddp.local_sgd`).
     """
     delay = comm_node.get("delay")
-    kwargs = OmegaConf.to_container(compressor_node, resolve=True)
-    with_error_feedback = bool(kwargs.pop("error_feedback", False))
-    built = _instantiate(kwargs, "compressor")
-    if isinstance(built, TorchHookState):
+    compressor = build_compressor(compressor_node)
+    if isinstance(compressor, TorchHookState):
         if delay is not None:
-            raise ValueError(f"comm.delay={delay!r} needs an lgc compressor, not PyTorch's {built.describe()} hook")
-        if with_error_feedback:
-            raise ValueError(f"compressor.error_feedback=true does not apply to PyTorch's {built.describe()} hook")
-        return built
-    if not isinstance(built, Compressor):
-        raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
-    compressor = ErrorFeedback(built) if with_error_feedback else built
+            raise ValueError(
+                f"comm.delay={delay!r} needs an lgc compressor, not PyTorch's {compressor.describe()} hook"
+            )
+        return compressor
     if delay is not None:
         return CommunicationDelayState(compressor, delay=delay, min_numel=comm_node.min_numel)
     return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)

@@ -150,3 +150,27 @@ def test_num_selected_rounds_up_and_keeps_at_least_one():
 def test_double_error_feedback_is_refused():
     with pytest.raises(ValueError, match="already"):
         ErrorFeedback(ErrorFeedback(TopKCompressor(0.1)))
+
+
+@pytest.mark.parametrize(
+    "numel,k", [(70_000, 1), (100_000, 100), (1_000_000, 1000), (300_000, 30_000), (200_000, 24_999)]
+)
+def test_block_maximum_topk_selection_is_exact(numel, k):
+    from lgc.compressors.topk import topk_indices
+
+    g = _randn(numel, seed=numel + k) * torch.linspace(0.1, 3.0, numel)  # non-uniform scale along the tensor
+    chosen = topk_indices(g, k)
+    assert chosen.numel() == k and chosen.unique().numel() == k
+    expected = torch.topk(g.abs(), k).indices
+    assert set(chosen.tolist()) == set(expected.tolist())
+
+
+def test_block_maximum_topk_selection_with_ties_and_a_ragged_tail():
+    from lgc.compressors.topk import topk_indices
+
+    g = torch.zeros(100_003)
+    g[:10] = 1.0
+    g[-2:] = -5.0  # in the tail that does not fill a block
+    chosen = topk_indices(g, 50)
+    assert chosen.numel() == 50 and chosen.unique().numel() == 50
+    assert {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 100_001, 100_002} <= set(chosen.tolist())

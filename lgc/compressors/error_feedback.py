@@ -52,12 +52,15 @@ class ErrorFeedback(Compressor):
         if residual is None:
             corrected = tensor.clone()
         else:
-            corrected = tensor + residual.to(tensor.device)
+            # In place: the residual buffer becomes g + r, then what is not sent stays in it.
+            corrected = residual.to(tensor.device).add_(tensor)
         payload = self.compressor.compress(corrected, key)
         if isinstance(payload, SparsePayload):
             # Cheaper than a dense decode: subtract what was sent at the sent positions only.
-            self.residuals[key] = corrected.index_add_(0, payload.indices.long(), -payload.values.to(corrected.dtype))
+            corrected.index_add_(0, payload.indices.long(), payload.values.to(corrected.dtype), alpha=-1)
+            self.residuals[key] = corrected
         else:
+            # Out of place: a dense payload may alias ``corrected``.
             self.residuals[key] = corrected - self.compressor.decompress(payload).to(corrected.dtype)
         return payload
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 
-__all__ = ["SparsePayload", "TopKCompressor", "index_dtype_for", "num_selected"]
+__all__ = ["SparsePayload", "TopKCompressor", "index_dtype_for", "num_selected", "scatter_add_sparse", "topk_indices"]
 
 
 def index_dtype_for(numel: int) -> torch.dtype:
@@ -61,6 +61,37 @@ def scatter_add_sparse(payloads: list[SparsePayload]) -> Tensor:
     return values.new_zeros(numel).index_add_(0, indices, values)
 
 
+#: Tensors at least this large use the block-maximum selection; smaller ones call torch.topk directly.
+_BLOCK_SELECTION_MIN_NUMEL = 1 << 15
+
+
+def topk_indices(values: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` entries of largest magnitude, exactly (in no particular order).
+
+    ``torch.topk`` over a large 1-D tensor runs on one CPU thread and is many times slower than a
+    pass over memory. For large tensors this uses block maxima instead: split the tensor into
+    blocks of ``b`` entries and take every block's largest magnitude (one ``aminmax`` pass). The k
+    largest entries all lie in the k blocks with the largest maxima: those k maxima are k distinct
+    entries, so the k-th largest entry is at least the k-th largest block maximum, and a block
+    holding a top-k entry has a maximum at least that large. An exact top-k over those ``k * b``
+    candidates (plus the tail that does not fill a block) is therefore the exact answer. ``b`` is
+    about ``sqrt(n / k)``, which balances the two small top-k calls.
+    """
+    numel = values.numel()
+    block = 1 << max(2, round(math.log2(math.sqrt(numel / k)))) if k else 1
+    if numel < _BLOCK_SELECTION_MIN_NUMEL or 4 * k * block >= numel:
+        return torch.topk(values.abs(), k, sorted=False).indices
+    num_blocks = numel // block
+    low, high = torch.aminmax(values[: num_blocks * block].view(num_blocks, block), dim=1)
+    block_max = torch.maximum(high, low.neg_())
+    blocks = torch.topk(block_max, k, sorted=False).indices
+    candidates = (blocks.unsqueeze(1) * block + torch.arange(block, device=values.device)).reshape(-1)
+    if num_blocks * block < numel:
+        candidates = torch.cat([candidates, torch.arange(num_blocks * block, numel, device=values.device)])
+    chosen = torch.topk(values[candidates].abs(), k, sorted=False).indices
+    return candidates[chosen]
+
+
 class TopKCompressor(Compressor):
     """Keeps the ``k = ceil(density * n)`` largest-magnitude entries, exactly (``torch.topk``).
 
@@ -91,7 +122,7 @@ class TopKCompressor(Compressor):
         if k == numel:
             indices = torch.arange(numel, device=tensor.device)
         else:
-            _, indices = torch.topk(tensor.abs(), k, sorted=False)
+            indices = topk_indices(tensor, k)
         return SparsePayload(numel=numel, values=tensor[indices], indices=indices.to(index_dtype_for(numel)))
 
     def decompress(self, payload: Payload) -> Tensor:

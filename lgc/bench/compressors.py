@@ -1,0 +1,166 @@
+"""``lgc-bench compressors``: encode + decode time and bits per element of every compressor.
+
+Every compressor configured in ``conf/compressor/`` (with its yaml's error-feedback setting and
+the requested density) compresses and decompresses a gradient with ResNet-50's parameter shapes
+(25,557,032 elements; all of them by default, ``min_numel`` can leave small ones out), tensor by
+tensor as the DDP hook does. Side by side in the same run: an fp16 round trip
+(``g.half().float()``) and an exact ``torch.topk`` of the same flat gradient, as the references
+the times are divided by. The median of ``--repeats`` runs is reported, after one warm-up run
+(which also fills the error-feedback residuals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from lgc.compressors import Compressor
+
+__all__ = ["benchmark_compressors", "resnet50_numels"]
+
+_CONF = Path(__file__).resolve().parents[1] / "conf" / "compressor"
+
+
+def resnet50_numels() -> list[int]:
+    """Parameter sizes of torchvision's ResNet-50 (25,557,032 in all)."""
+    from torchvision.models import resnet50
+
+    with torch.device("meta"):
+        return [p.numel() for p in resnet50().parameters()]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def _configured_compressors(density: float) -> dict[str, Compressor]:
+    from lgc.train import build_compressor
+
+    compressors = {}
+    for path in sorted(_CONF.glob("*.yaml")):
+        node = OmegaConf.to_container(OmegaConf.load(path))
+        if "density" in node:
+            node["density"] = density
+        built = build_compressor(node)
+        if isinstance(built, Compressor):
+            compressors[path.stem] = built
+    return compressors
+
+
+def benchmark_compressors(
+    numels: list[int],
+    density: float = 0.001,
+    device: str = "cpu",
+    repeats: int = 5,
+    min_numel: int = 0,
+    only: list[str] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Time every configured compressor on a random gradient with tensors of ``numels`` elements."""
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    grads = {f"t{i}": torch.randn(n, device=dev, generator=gen) for i, n in enumerate(numels) if n >= min_numel}
+    flat = torch.cat(list(grads.values()))
+    total = flat.numel()
+    k = max(1, round(density * total))
+    reference = {
+        "fp16_round_trip_ms": _median_ms(lambda: flat.half().float(), repeats, dev),
+        "torch_topk_ms": _median_ms(lambda: torch.topk(flat.abs(), k, sorted=False), repeats, dev),
+    }
+    rows = []
+    compressors = _configured_compressors(density)
+    for name, compressor in compressors.items():
+        if only and name not in only:
+            continue
+        payload_bytes = 0
+
+        def round_trip(compressor: Compressor = compressor) -> None:
+            nonlocal payload_bytes
+            payload_bytes = 0
+            for key, grad in grads.items():
+                payload = compressor.compress(grad, key)
+                compressor.decompress(payload)
+                payload_bytes += payload.nbytes
+
+        ms = _median_ms(round_trip, repeats, dev)
+        rows.append(
+            {
+                "compressor": name,
+                "description": repr(compressor),
+                "encode_decode_ms": ms,
+                "x_fp16_round_trip": ms / reference["fp16_round_trip_ms"],
+                "x_torch_topk": ms / reference["torch_topk_ms"],
+                "bits_per_element": 8 * payload_bytes / total,
+            }
+        )
+    return {
+        "device": str(dev),
+        "numel": total,
+        "tensors": len(grads),
+        "density": density,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        **reference,
+        "rows": rows,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['numel']:,} elements in {result['tensors']} tensors on {result['device']}, "
+        f"density {result['density']}, "
+        f"median of {result['repeats']} runs, {result['threads']} threads",
+        f"fp16 round trip {result['fp16_round_trip_ms']:.1f} ms; exact torch.topk {result['torch_topk_ms']:.1f} ms",
+        "",
+        "| compressor | encode+decode ms | x fp16 round trip | x torch.topk | bits/element |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['compressor']} | {row['encode_decode_ms']:.1f} | {row['x_fp16_round_trip']:.2f} | "
+            f"{row['x_torch_topk']:.2f} | {row['bits_per_element']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--numel", type=int, nargs="*", help="tensor sizes (default: ResNet-50's parameters)")
+    parser.add_argument("--density", type=float, default=0.001)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", nargs="*", help="compressor config names to run (default: all)")
+    parser.add_argument("--json", type=Path, help="also write the result as JSON here")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    if not 0 < args.density <= 1:
+        raise SystemExit(f"--density must be in (0, 1], got {args.density}")
+    numels = args.numel or resnet50_numels()
+    result = benchmark_compressors(numels, args.density, args.device, args.repeats, only=args.only)
+    print(format_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
