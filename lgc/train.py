@@ -145,8 +145,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     summary = train(cfg)
+    ratio = summary["compression_ratio"]
     print(
-        f"val/acc={summary.get('val/acc', float('nan')):.4f} compression_ratio={summary['compression_ratio']:.2f} "
+        f"val/acc={summary.get('val/acc', float('nan')):.4f} "
+        f"compression_ratio={'n/a' if ratio is None else format(ratio, '.2f')} "
         f"steps={summary['steps']} wall_time={summary['wall_time_s']:.1f}s -> {cfg.output_dir}/summary.json"
     )
 

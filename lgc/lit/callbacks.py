@@ -42,6 +42,11 @@ def gather_worker_stats(state: HookState) -> list[dict[str, float]]:
     return _all_gather_object(state.stats.as_dict())
 
 
+def _ratio(dense_bytes: float, sent_bytes: float) -> float | None:
+    """Dense over sent bytes; None (null in JSON) when nothing was sent that way."""
+    return dense_bytes / sent_bytes if sent_bytes else None
+
+
 class CompressionCallback(pl.Callback):
     """Logs ``comm/*`` metrics and checkpoints the compressor state of every rank.
 
@@ -150,10 +155,11 @@ class RunSummary(pl.Callback):
             "bytes_received_per_worker": [w["bytes_received"] for w in workers],
             "dense_equivalent_bytes_per_worker": [w["dense_equivalent_bytes"] for w in workers],
             "hook_calls": sum(w["hook_calls"] for w in workers),
-            "compression_ratio": dense / sent if sent else math.nan,
+            "compression_ratio": _ratio(dense, sent),
             # The compressor's own ratio on the tensors it compresses (small tensors go dense).
-            "payload_compression_ratio": sum(w["payload_dense_equivalent_bytes"] for w in workers)
-            / max(1, sum(w["payload_bytes"] for w in workers)),
+            "payload_compression_ratio": _ratio(
+                sum(w["payload_dense_equivalent_bytes"] for w in workers), sum(w["payload_bytes"] for w in workers)
+            ),
             "fit_time_s": time.perf_counter() - self._start,
             "config": self.config,
         }
