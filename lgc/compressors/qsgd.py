@@ -1,0 +1,381 @@
+"""QSGD: unbiased stochastic quantization to ``s`` levels per bucket (Alistarh et al., NeurIPS 2017).
+
+"QSGD: Communication-Efficient SGD via Gradient Quantization and Encoding" quantizes each bucket
+``v`` of ``d`` consecutive gradient entries to
+
+    ``Q_s(v)_i = ||v||_2 * sign(v_i) * xi_i / s``,
+
+where ``xi_i`` is ``|v_i| * s / ||v||_2`` rounded *stochastically* to one of its two neighbouring
+integers ``l`` and ``l + 1`` (``l + 1`` with probability ``|v_i| s / ||v||_2 - l``). Hence
+``E[Q_s(v)] = v`` (unbiased) and, by the paper's Lemma 3.1,
+
+    ``E ||Q_s(v) - v||^2 <= min(d / s^2, sqrt(d) / s) * ||v||^2``.
+
+Steps, per tensor (``key``):
+
+1. Split the flat tensor into buckets of ``bucket_size`` consecutive entries (the last one may be
+   shorter); every bucket gets its own ``||v||_2``, which keeps ``d`` in the variance bound small.
+2. ``y = s * v / ||v||_2`` lies in ``[-s, s]``; round it stochastically: ``floor(y + u)`` with
+   ``u ~ U[0, 1)``. This is the paper's rounding of ``|y|`` followed by the sign: stochastic
+   rounding is symmetric, so both give the same distribution. It is computed as
+   ``floor(s + y + u)`` in fp32 (the code directly, see 3.), so it is unbiased up to the fp32
+   rounding of that sum: at most ``2**-23 * (2 s + 1)`` of a level step, far below the noise.
+3. Send the norm (fp32) per bucket and the signed level ``q in [-s, s]`` as the unsigned code
+   ``q + s`` of ``ceil(log2(2 s + 1))`` bits, packed MSB-first with :mod:`lgc.coding.bitpack`.
+
+Wire format (:class:`QuantizedPayload`): ``4 * ceil(numel / bucket_size)`` bytes of fp32 norms,
+then ``ceil(numel * b / 8)`` bytes of codes, ``b = ceil(log2(2 s + 1))``. That is exactly the
+paper's "sign bit plus ``ceil(log2(s + 1))``-bit level" count (``ceil(log2(2 s + 1)) = 1 +
+ceil(log2(s + 1))``), one code per element, so ``b + 32 / bucket_size`` bits per element:
+4.0625 for the defaults (``s = 4``, buckets of 512), a 7.9x reduction from fp32.
+
+**Deviation: no Elias coding.** The paper's encoding compresses the (mostly small) levels with
+Elias integer coding, which pays off for large ``s`` and sparse level vectors (``s = sqrt(d)``:
+at most ``2.8 d + 32`` bits). Here every code has the same width: packing and unpacking are a
+few vectorized passes, and the payload has a fixed size for a given ``numel``
+(``variable_size = False``), so the DDP hook allgathers without exchanging sizes first.
+
+**Randomness.** Each compressor owns a :class:`torch.Generator` per device, seeded from ``seed``
+and saved by :meth:`~StochasticQuantizer.state_dict`, so a resumed run draws the same numbers.
+Draws are consumed in call order (the DDP hook's order is deterministic). Nothing rank-specific
+is needed for correctness: every worker's quantization is unbiased whatever the seed, so ranks
+may share one. With a shared seed the workers use the *same* uniforms, so their rounding errors
+are positively correlated and averaging over ``M`` workers reduces the quantization variance by
+less than ``1 / M`` (not at all for identical gradients); pass a different ``seed`` per rank
+(e.g. ``seed + rank``) when independent noise matters.
+
+Payloads carry bit-packed codes, which cannot be summed by an allreduce: they are allgathered
+(:attr:`CombineMode.GATHER`) and :meth:`~StochasticQuantizer.aggregate` decodes and sums them.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
+from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+
+__all__ = ["MAX_LEVELS", "Buckets", "QSGDCompressor", "QuantizedPayload", "StochasticQuantizer", "code_bits"]
+
+#: Largest number of levels ``s`` accepted: the codes ``[0, 2 s]`` then fit in 16 bits.
+MAX_LEVELS = 2**15 - 1
+
+
+def code_bits(levels: int) -> int:
+    """Width of one code for ``levels`` levels: ``ceil(log2(2 * levels + 1))`` bits (codes ``0 .. 2 s``)."""
+    return (2 * levels).bit_length()
+
+
+@dataclass
+class QuantizedPayload(Payload):
+    """One fp32 scale per bucket and one bit-packed code per element.
+
+    Code ``c`` of an element in a bucket with scale ``a`` decodes to ``(c - s) * a / s``, where
+    ``s`` is the compressor's number of levels (QSGD: ``a = ||v||_2``; TernGrad: ``s = 1`` and
+    ``a = max |v|``). Wire order: ``scales`` then ``codes``.
+    """
+
+    #: fp32, one per bucket.
+    scales: Tensor
+    #: uint8, the codes packed MSB-first by :func:`lgc.coding.bitpack.pack_uint`.
+    codes: Tensor
+
+
+class Buckets:
+    """Consecutive buckets of ``size`` entries over a flat tensor of ``numel`` entries.
+
+    The last bucket holds the remainder when ``size`` does not divide ``numel``; ``size=None``
+    means one bucket for the whole tensor. Work is done on at most two 2-D views (the full
+    buckets, then the short last one), so no per-bucket Python loop and no padding copy.
+    """
+
+    __slots__ = ("full", "numel", "size", "tail")
+
+    def __init__(self, numel: int, size: int | None) -> None:
+        self.numel = numel
+        self.size = numel if size is None or size >= numel else size
+        self.full = numel // self.size if self.size else 0
+        self.tail = numel - self.full * self.size
+
+    @property
+    def count(self) -> int:
+        """Number of buckets, ``ceil(numel / size)``."""
+        return self.full + (1 if self.tail else 0)
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """``flat`` (contiguous, ``numel`` entries) as ``(rows, bucket)`` views, full buckets first."""
+        parts = []
+        if self.full:
+            parts.append(flat[: self.full * self.size].view(self.full, self.size))
+        if self.tail:
+            parts.append(flat[self.full * self.size :].view(1, self.tail))
+        return parts
+
+    def columns(self, per_bucket: Tensor) -> list[Tensor]:
+        """One value per bucket as ``(rows, 1)`` columns matching :meth:`views`, to broadcast over buckets."""
+        column = per_bucket.reshape(-1, 1)
+        parts = []
+        if self.full:
+            parts.append(column[: self.full])
+        if self.tail:
+            parts.append(column[self.full :])
+        return parts
+
+    def reduce(self, flat: Tensor, row_fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """``row_fn`` (a reduction over ``dim=1``) applied to every bucket: one value per bucket."""
+        parts = [row_fn(view) for view in self.views(flat)]
+        return torch.cat(parts) if parts else flat.new_zeros(0)
+
+
+class StochasticQuantizer(Compressor):
+    """Unbiased stochastic rounding of ``s * v / scale`` to the integers ``-s .. s``, per bucket.
+
+    The shared machinery of :class:`QSGDCompressor` (``scale = ||v||_2``) and
+    :class:`~lgc.compressors.terngrad.TernGradCompressor` (``s = 1``, ``scale = max |v|``):
+    subclasses only choose the per-bucket scale. Wire format: :class:`QuantizedPayload`.
+
+    Non-finite inputs (an fp16 overflow under AMP) make their bucket's scale non-finite, and the
+    whole bucket then decodes to NaN, so a gradient scaler still sees the overflow after
+    aggregation.
+
+    ``compress`` keeps scratch buffers per device the size of the largest tensor seen (fp32 for the
+    random numbers, one byte per entry for the codes), so steady-state compression allocates no
+    gradient-sized memory; call it from one thread at a time, as the DDP hook does.
+
+    Args:
+        levels: ``s``, the number of positive quantization levels.
+        bucket_size: entries per bucket, or None for one bucket per tensor.
+        seed: seed of the random rounding (see the module docstring about ranks).
+    """
+
+    combine = CombineMode.GATHER
+    variable_size = False
+
+    def __init__(self, levels: int, bucket_size: int | None, seed: int = 0) -> None:
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= MAX_LEVELS:
+            raise ValueError(f"levels must be an integer in [1, {MAX_LEVELS}], got {levels!r}")
+        if bucket_size is not None and (
+            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
+        ):
+            raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.levels = levels
+        self.bucket_size = bucket_size
+        self.seed = seed
+        #: Bits per element on the wire (the scales come on top).
+        self.code_bits = code_bits(levels)
+        # Random state per device ("cpu", "cuda:0"): a generator lives on one device only.
+        self._generators: dict[str, torch.Generator] = {}
+        # Generator states loaded for devices not used yet in this process (applied on first use).
+        self._pending_states: dict[str, Tensor] = {}
+        # Scratch buffers per (device, dtype): a fresh gradient-sized CPU allocation costs as much as
+        # several arithmetic passes (page faults), so the uniforms and codes go to reused buffers.
+        self._workspace: dict[tuple[str, torch.dtype], Tensor] = {}
+        # Per device: the signed levels of every byte value, for decoding byte-aligned codes.
+        self._tables: dict[str, Tensor] = {}
+
+    @property
+    def scale_covers_input(self) -> bool:
+        """Whether every ``|v|`` is at most its bucket's scale (false when the scale clips entries)."""
+        return True
+
+    @abc.abstractmethod
+    def bucket_scales(self, flat: Tensor, buckets: Buckets) -> Tensor:
+        """The fp32 scale of every bucket of ``flat``: level ``s`` decodes to ``+-scale``."""
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Exact wire size for a tensor of ``numel`` entries (the same for every input)."""
+        return 4 * Buckets(numel, self.bucket_size).count + packed_nbytes(numel * self.code_bits)
+
+    def compress(self, tensor: Tensor, key: str) -> QuantizedPayload:
+        flat = tensor.reshape(-1).contiguous().float()
+        numel, s = flat.numel(), self.levels
+        buckets = Buckets(numel, self.bucket_size)
+        scales = self.bucket_scales(flat, buckets).float()
+        multiplier = s / scales
+        # A zero bucket (and a non-finite one) gets multiplier 0: every level is 0, no 0/0.
+        multiplier = torch.where(torch.isfinite(multiplier), multiplier, 0.0)
+        # u + s with u ~ U[0, 1); adding y = s * v / scale in [-s, s] gives s + y + u in [0, 2 s + 1).
+        work = self._scratch(numel, torch.float32, flat.device)
+        work.uniform_(s, s + 1.0, generator=self.generator(flat.device))
+        for out, values, factor in zip(
+            buckets.views(work), buckets.views(flat), buckets.columns(multiplier), strict=True
+        ):
+            out.addcmul_(values, factor)
+        if not bool(torch.isfinite(scales).all()):
+            work.nan_to_num_(nan=s, posinf=s, neginf=s)  # inf * 0 above; the scale carries the NaN
+        if not self.scale_covers_input:
+            work.clamp_(0.0, 2 * s)  # entries beyond +-scale (clipped ones) go to the extreme levels
+        # The code is floor(s + y + u): y rounded up with probability frac(y), i.e. unbiased. The
+        # values are >= 0 up to a rounding error (> -1), so the conversion's truncation is the floor;
+        # the clamp only catches fp32 rounding at the top edge. int8 converts fastest.
+        if 2 * s + 1 <= 127:
+            codes = self._scratch(numel, torch.int8, flat.device).copy_(work).clamp_max_(2 * s).view(torch.uint8)
+        elif s <= 127:
+            codes = self._scratch(numel, torch.uint8, flat.device).copy_(work).clamp_max_(2 * s)
+        else:
+            codes = self._scratch(numel, torch.int32, flat.device).copy_(work).clamp_(0, 2 * s)
+        return QuantizedPayload(numel=numel, scales=scales, codes=pack_uint(codes, self.code_bits))
+
+    def decompress(self, payload: Payload) -> Tensor:
+        assert isinstance(payload, QuantizedPayload)
+        return self._decode(payload, torch.empty(payload.numel, dtype=torch.float32, device=payload.codes.device))
+
+    def aggregate(self, payloads: list[Payload]) -> Tensor:
+        total = self.decompress(payloads[0])
+        scratch = torch.empty_like(total) if len(payloads) > 1 else None
+        for payload in payloads[1:]:
+            assert isinstance(payload, QuantizedPayload) and scratch is not None
+            total += self._decode(payload, scratch)
+        return total
+
+    def _decode(self, payload: QuantizedPayload, out: Tensor) -> Tensor:
+        """Decode into ``out`` (fp32, ``numel`` entries): ``(code - s) * scale / s`` per bucket."""
+        numel, s, bits = payload.numel, self.levels, self.code_bits
+        if 8 % bits == 0:
+            # Whole codes per byte (2, 4 or 8 bits): one table lookup per byte gives all its levels,
+            # several times faster than unpacking to codes and converting them.
+            per_byte = 8 // bits
+            full = numel // per_byte
+            table = self._level_table(out.device)
+            codes = payload.codes.contiguous()
+            if full:
+                torch.index_select(table, 0, codes[:full].int(), out=out[: full * per_byte].view(full, per_byte))
+            if numel > full * per_byte:
+                out[full * per_byte :].copy_(table[codes[full].long()][: numel - full * per_byte])
+        else:
+            dtype = torch.uint8 if bits <= 8 else torch.int32
+            out.copy_(unpack_uint(payload.codes, bits, numel, dtype=dtype))
+            out.sub_(s)
+        buckets = Buckets(numel, self.bucket_size)
+        steps = payload.scales.float() / s
+        for view, step in zip(buckets.views(out), buckets.columns(steps), strict=True):
+            view.mul_(step)
+        return out
+
+    def _level_table(self, device: torch.device) -> Tensor:
+        """``(256, 8 // b)`` fp32: the signed levels ``code - s`` of the codes packed in each byte value."""
+        name = str(device)
+        table = self._tables.get(name)
+        if table is None:
+            per_byte = 8 // self.code_bits
+            # Unpacking the 256 byte values with the wire format's own reader keeps the layout in one place.
+            codes = unpack_uint(torch.arange(256, dtype=torch.uint8), self.code_bits, 256 * per_byte)
+            table = (codes.view(256, per_byte) - self.levels).float().to(device)
+            self._tables[name] = table
+        return table
+
+    def payload_from_wire(self, wire: Tensor, numel: int) -> QuantizedPayload:
+        scale_bytes = 4 * Buckets(numel, self.bucket_size).count
+        expected = scale_bytes + packed_nbytes(numel * self.code_bits)
+        if wire.numel() != expected:
+            raise ValueError(f"{self!r} payload for {numel} elements has {expected} bytes, got {wire.numel()}")
+        return QuantizedPayload(
+            numel=numel, scales=view_bytes_as(wire[:scale_bytes], torch.float32), codes=wire[scale_bytes:]
+        )
+
+    # Randomness -----------------------------------------------------------------------------
+
+    def generator(self, device: torch.device | str) -> torch.Generator:
+        """This compressor's generator on ``device`` (created from ``seed`` or a loaded state)."""
+        name = str(torch.device(device))
+        gen = self._generators.get(name)
+        if gen is None:
+            gen = torch.Generator(device=name)
+            state = self._pending_states.pop(name, None)
+            if state is None:
+                gen.manual_seed(self.seed)
+            else:
+                gen.set_state(state)
+            self._generators[name] = gen
+        return gen
+
+    def _scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A reused buffer of ``numel`` entries (contents undefined), grown to the largest tensor seen."""
+        key = (str(device), dtype)
+        buffer = self._workspace.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._workspace[key] = buffer
+        return buffer[:numel]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The seed and every device's generator state (CPU byte tensors)."""
+        states = {name: state.clone() for name, state in self._pending_states.items()}
+        states.update({name: gen.get_state() for name, gen in self._generators.items()})
+        return {"seed": self.seed, "generators": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != {"seed", "generators"}:
+            raise ValueError(f"{type(self).__name__} state needs keys 'seed' and 'generators', got {sorted(state)}")
+        self.seed = int(state["seed"])
+        self._generators = {}
+        self._pending_states = {name: s.clone() for name, s in state["generators"].items()}
+
+    # Generators do not pickle; the hook state is pickled to spawned workers and checkpoints.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pending_states"] = self.state_dict()["generators"]
+        state["_generators"] = {}
+        state["_workspace"] = {}
+        state["_tables"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class QSGDCompressor(StochasticQuantizer):
+    """QSGD (Alistarh et al., 2017): unbiased stochastic quantization to ``s`` levels of ``||v||_2``.
+
+    See the module docstring for the algorithm, the wire format and the randomness. Combine with
+    :class:`~lgc.compressors.ErrorFeedback` only if you want to: QSGD is unbiased and converges
+    without it (the yaml default is ``error_feedback: false``).
+
+    Args:
+        levels: ``s`` (default 4). Codes take ``ceil(log2(2 s + 1))`` bits, so the levels that
+            fill their code space are ``s = 2**(b - 1) - 1``: 1 (2 bits, ternary), 3 (3 bits),
+            7 (4 bits), 127 (8 bits). ``s = 4`` costs as many bits as ``s = 7`` but is noisier;
+            raise ``levels`` when training is noisier than dense SGD (the variance shrinks like
+            ``1 / s`` to ``1 / s**2``), lower it to save bytes.
+        bucket_size: entries per bucket with their own norm (default 512; None: one bucket per
+            tensor). Smaller buckets lower the variance (the bound grows with ``d``) and cost
+            ``32 / bucket_size`` bits per element for the norms. The paper's experiments use
+            buckets of a few hundred to a few thousand entries (512 for its 4-bit runs [?]).
+        seed: seed of the stochastic rounding.
+
+    Example::
+
+        >>> qsgd = QSGDCompressor(levels=4, bucket_size=512)
+        >>> payload = qsgd.compress(torch.randn(1000), key="w")
+        >>> payload.nbytes  # two fp32 norms + 1000 four-bit codes
+        508
+    """
+
+    def __init__(self, levels: int = 4, bucket_size: int | None = 512, seed: int = 0) -> None:
+        super().__init__(levels=levels, bucket_size=bucket_size, seed=seed)
+
+    def bucket_scales(self, flat: Tensor, buckets: Buckets) -> Tensor:
+        return buckets.reduce(flat, lambda rows: torch.linalg.vector_norm(rows, dim=1))
+
+    def variance_bound(self, tensor: Tensor) -> float:
+        """Lemma 3.1 summed over buckets: ``sum_b min(d_b / s^2, sqrt(d_b) / s) * ||v_b||^2``."""
+        flat = tensor.reshape(-1).contiguous().float()
+        buckets = Buckets(flat.numel(), self.bucket_size)
+        total = 0.0
+        for rows in buckets.views(flat):
+            d, s = rows.shape[1], self.levels
+            factor = min(d / s**2, math.sqrt(d) / s)
+            total += factor * float(rows.double().square().sum())
+        return total
+
+    def __repr__(self) -> str:
+        return f"QSGDCompressor(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
