@@ -18,6 +18,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from lgc.compressors import Compressor, ErrorFeedback
+from lgc.compressors.dgc import check_optimizer_momentum
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
@@ -102,6 +103,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start = time.perf_counter()
     # Validate and build everything in this process, before any worker starts.
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
+    check_optimizer_momentum(hook_state, cfg.optimizer.get("momentum", 0.0))
     check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
     if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
         raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r} is not a file")

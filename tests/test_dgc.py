@@ -453,3 +453,47 @@ def test_ddp_dgc_with_plain_sgd_trains_like_dense_momentum_sgd():
     for result in results:
         assert all(0.8 * k <= c <= 1.3 * k for c in result["counts"])
         assert result["stats"].payload_bytes == 8 * sum(result["counts"])
+
+
+def _momentum_sgd_two_ways(rank: int, world: int, steps: int) -> dict:
+    """Plain DDP + SGD(momentum) against DGC (density 1, no masking) + SGD(momentum=0), several buckets."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 5))
+
+    reference = DDP(net(), bucket_cap_mb=0.005)
+    hooked = DDP(net(), bucket_cap_mb=0.005)
+    dgc = DGCCompressor(1.0, momentum=0.9, momentum_masking=False, warmup_densities=[])
+    # min_numel 1000: the 32x64 and 64x48 weights are compressed, the 48x5 weight and the biases go dense.
+    register_compression_hook(hooked, dgc, min_numel=1000, start_iter=0)
+    optimizers = [
+        torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9),
+        torch.optim.SGD(hooked.parameters(), lr=0.05, momentum=0.0),
+    ]
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        for model, optimizer in zip((reference, hooked), optimizers, strict=True):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    return {
+        "reference": [p.detach().clone() for p in reference.parameters()],
+        "hooked": [p.detach().clone() for p in hooked.parameters()],
+        "dense_keys": sorted(dgc.dense_momenta),
+        "compressed_keys": sorted(dgc.velocities),
+    }
+
+
+@pytest.mark.multiprocess
+def test_dgc_momentum_reaches_the_tensors_the_hook_sends_dense():
+    """Without sparsity or masking, DGC's momentum correction *is* heavy-ball SGD, for every tensor.
+
+    The hook sends small tensors dense; it must pass them through DGC's momentum too, otherwise the
+    biases and the small weight would train without momentum and the parameters would differ.
+    """
+    for result in run_workers(_momentum_sgd_two_ways, 2, 8):
+        assert result["compressed_keys"] == ["0.weight", "2.weight"]
+        assert result["dense_keys"] == ["0.bias", "2.bias", "4.bias", "4.weight"]
+        for reference, hooked in zip(result["reference"], result["hooked"], strict=True):
+            torch.testing.assert_close(hooked, reference, rtol=1e-5, atol=1e-6)

@@ -170,6 +170,8 @@ def no_workers(monkeypatch):
         (["trainer.accelerator=gpu", "trainer.devices=64"], ValueError, "trainer.devices=64 but this machine has"),
         (["data=cifar10", "data.root=/no/such/folder"], FileNotFoundError, "'/no/such/folder' does not exist"),
         (["ckpt_path=/no/such.ckpt"], FileNotFoundError, "ckpt_path='/no/such.ckpt'"),
+        (["compressor=dgc", "optimizer.momentum=0.9"], ValueError, "optimizer momentum is 0.9 but DGC applies"),
+        (["compressor=dgc", "compressor.error_feedback=true"], ValueError, "DGC keeps its own error feedback"),
     ],
 )
 def test_bad_input_is_reported_before_workers_start(tmp_path, no_workers, overrides, error, message):

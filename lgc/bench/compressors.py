@@ -60,6 +60,8 @@ def _configured_compressors(density: float) -> dict[str, Compressor]:
     compressors = {}
     for path in sorted(_CONF.glob("*.yaml")):
         node = OmegaConf.to_container(OmegaConf.load(path))
+        # Configs in the global package (dgc: it also turns the optimizer's momentum off).
+        node = node.get("compressor", node)
         if "density" in node:
             node["density"] = density
         built = build_compressor(node)

@@ -1,19 +1,36 @@
-"""Compressors: flat tensor -> typed payload (exact wire size) -> flat tensor. Pure PyTorch."""
+"""Compressors: flat tensor -> typed payload (exact wire size) -> flat tensor. Pure PyTorch.
+
+One algorithm per module; each yaml in ``conf/compressor/`` instantiates one of these.
+"""
 
 from lgc.compressors.base import CombineMode, Compressor, Payload
+from lgc.compressors.dgc import DGCCompressor
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.fp16 import FP16Compressor
 from lgc.compressors.none import DensePayload, NoneCompressor
+from lgc.compressors.qsgd import QSGDCompressor
+from lgc.compressors.random_block import RandomBlockCompressor
+from lgc.compressors.redsync import RedSyncCompressor
+from lgc.compressors.sbc import SBCCompressor
+from lgc.compressors.signsgd import SignSGDCompressor
+from lgc.compressors.terngrad import TernGradCompressor
 from lgc.compressors.topk import SparsePayload, TopKCompressor
 
 __all__ = [
     "CombineMode",
     "Compressor",
+    "DGCCompressor",
     "DensePayload",
     "ErrorFeedback",
     "FP16Compressor",
     "NoneCompressor",
     "Payload",
+    "QSGDCompressor",
+    "RandomBlockCompressor",
+    "RedSyncCompressor",
+    "SBCCompressor",
+    "SignSGDCompressor",
     "SparsePayload",
+    "TernGradCompressor",
     "TopKCompressor",
 ]

@@ -108,6 +108,15 @@ class Compressor(abc.ABC):
             total += self.decompress(payload)
         return total
 
+    def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
+        """What to send for a tensor the hook sends dense (smaller than ``min_numel``).
+
+        The identity by default. Compressors that own part of the optimizer (DGC's momentum
+        correction) apply it here too, so small tensors get the same update rule. May return
+        ``tensor`` itself; must not modify it in place.
+        """
+        return tensor
+
     def begin_step(self, step: int) -> None:
         """Called by the hook before the first tensor of every compressed step (``step`` counts from 0)."""
 

@@ -283,9 +283,10 @@ class DGCCompressor(Compressor):
     Interplay with :func:`lgc.ddp.register_compression_hook`: the hook divides the gradient by the
     world size *before* :meth:`compress`, so ``u`` and ``v`` hold this worker's share of the mean
     gradient and the aggregate (a scatter-add over workers) is the mean's sparse update. Tensors
-    below the hook's ``min_numel`` are allreduced dense and never reach :meth:`compress`; they get
-    momentum only if the hook passes them through :meth:`apply_momentum`. The hook's ``start_iter``
-    plain-allreduce iterations bypass DGC entirely.
+    below the hook's ``min_numel`` are allreduced dense and never reach :meth:`compress`; the hook
+    passes them through :meth:`transform_dense` (:meth:`apply_momentum`), so they get the same
+    momentum. The hook's ``start_iter`` plain-allreduce iterations bypass DGC entirely (the first
+    step's gradient then never enters ``u``; with one such step the difference is ``m**t * g_0``).
 
     Args:
         density: final fraction of entries sent, in (0, 1]; the paper uses 0.001 (0.1 %). With
@@ -480,6 +481,9 @@ class DGCCompressor(Compressor):
         if self.nesterov:
             return torch.add(grad * scale, u, alpha=self.momentum)
         return u.clone()
+
+    def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
+        return self.apply_momentum(tensor, key).to(tensor.dtype)
 
     # -- decoding --------------------------------------------------------------------------------
     def decompress(self, payload: Payload) -> Tensor:

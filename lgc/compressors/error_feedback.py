@@ -73,6 +73,9 @@ class ErrorFeedback(Compressor):
     def payload_from_wire(self, wire: Tensor, numel: int) -> Payload:
         return self.compressor.payload_from_wire(wire, numel)
 
+    def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
+        return self.compressor.transform_dense(tensor, key)
+
     def begin_step(self, step: int) -> None:
         self.compressor.begin_step(step)
 

@@ -285,6 +285,11 @@ def average_compressed(
         state.begun_step = step
     dense = [s for s in segments if not s.compressed]
     sparse = [s for s in segments if s.compressed]
+    for s in dense:
+        piece = buffer[s.offset : s.offset + s.numel]
+        sent = compressor.transform_dense(piece, s.name)
+        if sent is not piece:
+            piece.copy_(sent)
     payloads = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in sparse]
     state.stats.payload_bytes += sum(p.nbytes for p in payloads)
     state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in sparse) * buffer.element_size()

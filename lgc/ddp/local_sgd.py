@@ -81,6 +81,10 @@ class CommunicationDelayState:
         return self.exchange_state.stats
 
     @property
+    def compressor(self) -> Compressor:
+        return self.exchange_state.compressor
+
+    @property
     def process_group(self) -> dist.ProcessGroup | None:
         return self.exchange_state.process_group
 
