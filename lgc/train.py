@@ -20,10 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from lgc.compressors import Compressor, ErrorFeedback
 from lgc.compressors.dgc import check_optimizer_momentum
 from lgc.ddp.hook import CompressionHookState
+from lgc.ddp.lgc_base import LGCHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
 
-__all__ = ["build_compressor", "build_hook_state", "check_devices", "main", "train"]
+__all__ = ["build_compressor", "build_hook_state", "check_devices", "expected_optimizer_steps", "main", "train"]
 
 
 def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
@@ -37,14 +38,20 @@ def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
         raise
 
 
-def build_compressor(node: DictConfig | dict[str, Any]) -> Compressor | TorchHookState:
-    """Instantiate a ``compressor`` config node; ``error_feedback: true`` wraps it in :class:`ErrorFeedback`."""
+def build_compressor(node: DictConfig | dict[str, Any]) -> Compressor | TorchHookState | LGCHookState:
+    """Instantiate a ``compressor`` config node; ``error_feedback: true`` wraps it in :class:`ErrorFeedback`.
+
+    PyTorch's hooks (:mod:`lgc.ddp.torch_hooks`) and LGC (:mod:`lgc.ddp.lgc_rar`,
+    :mod:`lgc.ddp.lgc_ps`) are hook states of their own rather than compressors.
+    """
     kwargs = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     with_error_feedback = bool(kwargs.pop("error_feedback", False))
     built = _instantiate(kwargs, "compressor")
-    if isinstance(built, TorchHookState):
+    if isinstance(built, (TorchHookState, LGCHookState)):
         if with_error_feedback:
-            raise ValueError(f"compressor.error_feedback=true does not apply to PyTorch's {built.describe()} hook")
+            raise ValueError(
+                f"compressor.error_feedback=true does not apply to {built.describe()}, which handles its own residuals"
+            )
         return built
     if not isinstance(built, Compressor):
         raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
@@ -53,7 +60,7 @@ def build_compressor(node: DictConfig | dict[str, Any]) -> Compressor | TorchHoo
 
 def build_hook_state(
     compressor_node: DictConfig, comm_node: DictConfig
-) -> CompressionHookState | TorchHookState | CommunicationDelayState:
+) -> CompressionHookState | TorchHookState | CommunicationDelayState | LGCHookState:
     """The hook state for ``cfg.compressor`` and ``cfg.comm``.
 
     ``cfg.compressor`` builds either an lgc :class:`Compressor` (``error_feedback: true`` wraps it in
@@ -63,11 +70,9 @@ def build_hook_state(
     """
     delay = comm_node.get("delay")
     compressor = build_compressor(compressor_node)
-    if isinstance(compressor, TorchHookState):
+    if isinstance(compressor, (TorchHookState, LGCHookState)):
         if delay is not None:
-            raise ValueError(
-                f"comm.delay={delay!r} needs an lgc compressor, not PyTorch's {compressor.describe()} hook"
-            )
+            raise ValueError(f"comm.delay={delay!r} needs an lgc compressor, not {compressor.describe()}")
         return compressor
     if delay is not None:
         return CommunicationDelayState(compressor, delay=delay, min_numel=comm_node.min_numel)
@@ -94,17 +99,77 @@ def check_devices(accelerator: str, devices: Any, oversubscribe: bool) -> int:
     return devices
 
 
+def expected_optimizer_steps(trainer_node: DictConfig, datamodule: Any, world_size: int) -> int | None:
+    """Optimizer steps the run will take (for checks made before workers start), or None if unknown."""
+    max_steps = trainer_node.get("max_steps")
+    if max_steps is not None and max_steps >= 0:
+        return int(max_steps)
+    sampler_of = getattr(datamodule, "train_sampler", None)
+    if sampler_of is None or trainer_node.get("max_epochs") is None:
+        return None
+    datamodule.setup("fit")
+    batches = len(sampler_of(num_replicas=world_size, rank=0)) // datamodule.batch_size
+    limit = trainer_node.get("limit_train_batches")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = int(batches * limit)
+    return batches // int(trainer_node.get("accumulate_grad_batches") or 1) * int(trainer_node.max_epochs)
+
+
+def _check_model_fits_task(model: torch.nn.Module, datamodule: Any, task: str) -> None:
+    """A tiny forward pass: a classifier must give ``[N, classes]``, a segmenter ``[N, classes, H, W]``."""
+    size = 32
+    probe = torch.zeros(2, datamodule.in_channels, size, size)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(probe)
+    finally:
+        model.train(was_training)
+    out = out[0] if isinstance(out, tuple) else out
+    expected = (2, datamodule.num_classes) if task == "classification" else (2, datamodule.num_classes, size, size)
+    if tuple(out.shape) != expected:
+        raise ValueError(
+            f"model {type(model).__name__} gives outputs of shape {tuple(out.shape)} on a {task} task with "
+            f"{datamodule.num_classes} classes (expected {expected}): pick a model for this task"
+        )
+
+
+def _task_module(cfg: DictConfig, model: torch.nn.Module, datamodule: Any) -> Any:
+    from lgc.lit import ImageClassifier, SemanticSegmenter
+
+    task = getattr(datamodule, "task", "classification")
+    if task not in ("classification", "segmentation"):
+        raise ValueError(f"data module {type(datamodule).__name__} has an unknown task {task!r}")
+    _check_model_fits_task(model, datamodule, task)
+    optimizer = hydra.utils.instantiate(cfg.optimizer)
+    scheduler = hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    if task == "segmentation":
+        return SemanticSegmenter(
+            model,
+            num_classes=datamodule.num_classes,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            ignore_index=datamodule.ignore_index,
+            aux_weight=cfg.loss.aux_weight,
+        )
+    return ImageClassifier(model, num_classes=datamodule.num_classes, optimizer=optimizer, scheduler=scheduler)
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says and return the run summary (also written to ``output_dir/summary.json``)."""
     import pytorch_lightning as pl
 
-    from lgc.lit import CompressedDDPStrategy, CompressionCallback, ImageClassifier, RunSummary
+    from lgc.lit import CompressedDDPStrategy, CompressionCallback, RunSummary
 
     start = time.perf_counter()
     # Validate and build everything in this process, before any worker starts.
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
     check_optimizer_momentum(hook_state, cfg.optimizer.get("momentum", 0.0))
-    check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
+    devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
+    world_size = devices * int(cfg.trainer.get("num_nodes") or 1)
     if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
         raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r} is not a file")
     output_dir = Path(cfg.output_dir)
@@ -112,13 +177,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _instantiate(cfg.data, "data")
+    if isinstance(hook_state, LGCHookState):
+        hook_state.set_world_size(world_size)
+        total_steps = expected_optimizer_steps(cfg.trainer, datamodule, world_size)
+        if total_steps is not None:
+            hook_state.check_total_steps(total_steps)
     model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
-    module = ImageClassifier(
-        model,
-        num_classes=datamodule.num_classes,
-        optimizer=hydra.utils.instantiate(cfg.optimizer),
-        scheduler=hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-    )
+    module = _task_module(cfg, model, datamodule)
     strategy = CompressedDDPStrategy(
         hook_state,
         start_method=cfg.ddp.start_method,
@@ -131,6 +196,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         CompressionCallback(),
         RunSummary(str(output_dir), resolved),
         pl.callbacks.ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True, save_top_k=0),
+    ]
+    # Extra callbacks by name (null drops one), e.g. lgc.analysis.GradientRecorder.
+    callbacks += [
+        _instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items() if node
     ]
     trainer = hydra.utils.instantiate(
         cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks, default_root_dir=str(output_dir)
@@ -148,8 +217,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> None:
     summary = train(cfg)
     ratio = summary["compression_ratio"]
+    metrics = " ".join(
+        f"{key}={summary[key]:.4f}" for key in ("val/acc", "val/mIoU", "val/pixel_acc") if key in summary
+    )
     print(
-        f"val/acc={summary.get('val/acc', float('nan')):.4f} "
+        f"{metrics or 'no validation metrics'} "
         f"compression_ratio={'n/a' if ratio is None else format(ratio, '.2f')} "
         f"steps={summary['steps']} wall_time={summary['wall_time_s']:.1f}s -> {cfg.output_dir}/summary.json"
     )

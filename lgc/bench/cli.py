@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lgc.bench import compressors
+from lgc.bench import autoencoder, compressors
 
 __all__ = ["main"]
 
@@ -12,10 +12,11 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lgc-bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    compressors.add_arguments(commands.add_parser("compressors", help=compressors.__doc__.splitlines()[0]))
+    benchmarks = {"compressors": compressors, "autoencoder": autoencoder}
+    for name, module in benchmarks.items():
+        module.add_arguments(commands.add_parser(name, help=module.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    if args.command == "compressors":
-        compressors.run(args)
+    benchmarks[args.command].run(args)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ This module (with :mod:`lgc.ddp.topologies` later) is the only place that calls
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, NamedTuple
 
 import torch
@@ -26,56 +25,18 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors.base import CombineMode, Compressor
+from lgc.compressors.base import CombineMode, Compressor, Payload
+from lgc.ddp import collectives as counted
+from lgc.ddp.collectives import CommStats, nbytes
 
 __all__ = [
     "CommStats",
     "CompressionHookState",
+    "PayloadExchange",
     "average_compressed",
     "compression_hook",
     "register_compression_hook",
 ]
-
-
-@dataclass
-class CommStats:
-    """Cumulative communication of one worker.
-
-    Bytes are the sizes of the tensors this worker passes to and gets from the collectives
-    (logical bytes, independent of how the backend routes them): an allreduce of ``L`` bytes
-    counts ``L`` sent and ``L`` received; an allgather of ``L`` bytes per rank counts ``L`` sent
-    and ``(world - 1) * L`` received.
-    """
-
-    #: How many times DDP called the hook (once per bucket per step).
-    hook_calls: int = 0
-    #: Bytes this worker contributed to collectives.
-    bytes_sent: int = 0
-    #: Bytes this worker received from collectives.
-    bytes_received: int = 0
-    #: Bytes a dense allreduce of the same buckets would have sent (DDP without a hook).
-    dense_equivalent_bytes: int = 0
-    #: Payload bytes of the compressed parameters alone (no dense small tensors, no warm-up).
-    payload_bytes: int = 0
-    #: Dense bytes of those same compressed parameters.
-    payload_dense_equivalent_bytes: int = 0
-
-    @property
-    def compression_ratio(self) -> float:
-        """Dense-equivalent bytes over bytes sent (higher is better; 1.0 for dense fp32)."""
-        return self.dense_equivalent_bytes / self.bytes_sent if self.bytes_sent else math.nan
-
-    @property
-    def payload_compression_ratio(self) -> float:
-        """The compressor's own ratio on the tensors it compresses (``1 / (2 * density)`` for top-k)."""
-        return self.payload_dense_equivalent_bytes / self.payload_bytes if self.payload_bytes else math.nan
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            **asdict(self),
-            "compression_ratio": self.compression_ratio,
-            "payload_compression_ratio": self.payload_compression_ratio,
-        }
 
 
 class _Segment(NamedTuple):
@@ -166,6 +127,14 @@ class CompressionHookState:
         norm = getattr(self.compressor, "residual_norm", None)
         return norm() if norm is not None else None
 
+    def metrics(self) -> dict[str, float]:
+        """Method-specific metrics to log every step besides ``comm/*`` (LGC: ``lgc/stage``, ...)."""
+        return {}
+
+    def summary_extras(self) -> dict[str, Any]:
+        """Method-specific fields for this worker's entry in ``summary.json``."""
+        return {}
+
     def register(self, model: DistributedDataParallel) -> None:
         """Attach to ``model`` and register :func:`compression_hook` with this state."""
         self.attach(model)
@@ -199,7 +168,8 @@ class CompressionHookState:
 
     # The state travels to spawned workers and into checkpoints without its process group.
     def __getstate__(self) -> dict[str, Any]:
-        state = {slot: getattr(self, slot) for slot in self.__slots__}
+        slots = [slot for cls in type(self).__mro__ for slot in getattr(cls, "__slots__", ())]
+        state = {slot: getattr(self, slot) for slot in slots}
         state.update(process_group=None, param_names={}, bucket_layouts={}, begun_step=-1, seed_shared=False)
         return state
 
@@ -217,22 +187,12 @@ class CompressionHookState:
         self.stats = CommStats(**state["stats"])
 
 
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _allreduce(state: CompressionHookState, tensor: Tensor) -> torch.futures.Future:
-    state.stats.bytes_sent += _nbytes(tensor)
-    state.stats.bytes_received += _nbytes(tensor)
-    return dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
+    return counted.all_reduce(state.stats, tensor, state.process_group)
 
 
 def _allgather(state: CompressionHookState, tensor: Tensor, world_size: int) -> tuple[list[Tensor], Any]:
-    outputs = [torch.empty_like(tensor) for _ in range(world_size)]
-    work = dist.all_gather(outputs, tensor, group=state.process_group, async_op=True)
-    state.stats.bytes_sent += _nbytes(tensor)
-    state.stats.bytes_received += (world_size - 1) * _nbytes(tensor)
-    return outputs, work
+    return counted.all_gather(state.stats, tensor, state.process_group)
 
 
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -245,7 +205,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     buffer = bucket.buffer()
     buffer.div_(world_size)
     state.stats.hook_calls += 1
-    state.stats.dense_equivalent_bytes += _nbytes(buffer)
+    state.stats.dense_equivalent_bytes += nbytes(buffer)
     iteration = state.iteration
     if bucket.is_last():
         state.iteration += 1
@@ -266,99 +226,126 @@ def average_compressed(
     the same order on every rank; the future's callback only decodes. Used by the gradient hook
     and by :mod:`lgc.ddp.local_sgd` for weight updates.
     """
-    world_size = dist.get_world_size(state.process_group)
-    compressor = state.compressor
-    if compressor.needs_shared_seed and not state.seed_shared:
-        # Once, on every rank at the same point: everyone adopts rank 0's seed.
-        seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
-        dist.broadcast(
-            seed, src=dist.get_global_rank(state.process_group or dist.group.WORLD, 0), group=state.process_group
-        )
-        if dist.get_rank(state.process_group) == 0:
-            state.stats.bytes_sent += _nbytes(seed)
+    exchange = PayloadExchange(state, buffer, segments, step)
+    return torch.futures.collect_all(exchange.futures).then(lambda _: exchange.finish())
+
+
+class PayloadExchange:
+    """The collectives of one compressed step of one buffer, and the decoding of their results.
+
+    Constructing it compresses every segment and issues all collectives (in the same order on
+    every rank); once :attr:`futures` are done, :meth:`finish` writes the sum into ``buffer``.
+    For gathered payloads, :attr:`received` then holds every rank's payload of every compressed
+    segment (LGC reads the leader's top-k indices from it).
+    """
+
+    def __init__(self, state: CompressionHookState, buffer: Tensor, segments: tuple[_Segment, ...], step: int):
+        self.state = state
+        self.buffer = buffer
+        world_size = dist.get_world_size(state.process_group)
+        compressor = state.compressor
+        if compressor.needs_shared_seed and not state.seed_shared:
+            # Once, on every rank at the same point: everyone adopts rank 0's seed.
+            seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
+            dist.broadcast(
+                seed, src=dist.get_global_rank(state.process_group or dist.group.WORLD, 0), group=state.process_group
+            )
+            if dist.get_rank(state.process_group) == 0:
+                state.stats.bytes_sent += nbytes(seed)
+            else:
+                state.stats.bytes_received += nbytes(seed)
+            compressor.set_shared_seed(int(seed.item()))
+            state.seed_shared = True
+        if state.begun_step != step:
+            compressor.begin_step(step)
+            state.begun_step = step
+        self.dense = [s for s in segments if not s.compressed]
+        self.sparse = [s for s in segments if s.compressed]
+        for s in self.dense:
+            piece = buffer[s.offset : s.offset + s.numel]
+            sent = compressor.transform_dense(piece, s.name)
+            if sent is not piece:
+                piece.copy_(sent)
+        #: This worker's payload of every compressed segment, in segment order.
+        self.own = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
+        #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
+        self.received: dict[str, list[Payload]] = {}
+        state.stats.payload_bytes += sum(p.nbytes for p in self.own)
+        state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in self.sparse) * buffer.element_size()
+        if compressor.combine is CombineMode.SUM:
+            self.futures = self._issue_sum()
         else:
-            state.stats.bytes_received += _nbytes(seed)
-        compressor.set_shared_seed(int(seed.item()))
-        state.seed_shared = True
-    if state.begun_step != step:
-        compressor.begin_step(step)
-        state.begun_step = step
-    dense = [s for s in segments if not s.compressed]
-    sparse = [s for s in segments if s.compressed]
-    for s in dense:
-        piece = buffer[s.offset : s.offset + s.numel]
-        sent = compressor.transform_dense(piece, s.name)
-        if sent is not piece:
-            piece.copy_(sent)
-    payloads = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in sparse]
-    state.stats.payload_bytes += sum(p.nbytes for p in payloads)
-    state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in sparse) * buffer.element_size()
+            self.futures = self._issue_gather(world_size)
 
-    if compressor.combine is CombineMode.SUM:
+    def _issue_sum(self) -> list[torch.futures.Future]:
         # One allreduce per dtype: dense fp32 segments first, then the payloads' own dtypes.
-        groups: dict[torch.dtype, list[Tensor]] = {}
-        for s in dense:
-            groups.setdefault(buffer.dtype, []).append(buffer[s.offset : s.offset + s.numel])
-        for payload in payloads:
+        buffer = self.buffer
+        self.groups: dict[torch.dtype, list[Tensor]] = {}
+        for s in self.dense:
+            self.groups.setdefault(buffer.dtype, []).append(buffer[s.offset : s.offset + s.numel])
+        for payload in self.own:
             (values,) = payload.tensors()
-            groups.setdefault(values.dtype, []).append(values.reshape(-1))
-        flats = {dtype: torch.cat(parts) for dtype, parts in groups.items()}
-        futures = [_allreduce(state, flat) for flat in flats.values()]
+            self.groups.setdefault(values.dtype, []).append(values.reshape(-1))
+        self.flats = {dtype: torch.cat(parts) for dtype, parts in self.groups.items()}
+        return [_allreduce(self.state, flat) for flat in self.flats.values()]
 
-        def decode_sum(_: Any) -> Tensor:
-            pieces = {dtype: iter(flat.split([p.numel() for p in groups[dtype]])) for dtype, flat in flats.items()}
-            for s in dense:
+    def _issue_gather(self, world_size: int) -> list[torch.futures.Future]:
+        # Dense part by allreduce, payloads packed into one byte buffer each.
+        state, buffer = self.state, self.buffer
+        futures = []
+        self.dense_flat = None
+        if self.dense:
+            self.dense_flat = torch.cat([buffer[s.offset : s.offset + s.numel] for s in self.dense])
+            futures.append(_allreduce(state, self.dense_flat))
+        self.gathered: list[Tensor] = []
+        if self.own:
+            wires = [p.to_wire() for p in self.own]
+            local_sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64, device=buffer.device)
+            if state.compressor.variable_size:
+                size_lists = [torch.empty_like(local_sizes) for _ in range(world_size)]
+                # Blocking on purpose: the payload allgather below needs the sizes.
+                dist.all_gather(size_lists, local_sizes, group=state.process_group)
+                state.stats.bytes_sent += nbytes(local_sizes)
+                state.stats.bytes_received += (world_size - 1) * nbytes(local_sizes)
+                self.sizes = torch.stack(size_lists).cpu()
+            else:
+                self.sizes = local_sizes.cpu().expand(world_size, -1)
+            max_total = int(self.sizes.sum(dim=1).max())
+            packed = torch.cat(wires)
+            if packed.numel() < max_total:
+                packed = torch.cat([packed, packed.new_zeros(max_total - packed.numel())])
+            self.gathered, work = _allgather(state, packed, world_size)
+            futures.append(work.get_future())
+        return futures
+
+    def finish(self) -> Tensor:
+        """Decode the finished collectives into ``buffer`` and return it."""
+        compressor, buffer = self.state.compressor, self.buffer
+        if compressor.combine is CombineMode.SUM:
+            pieces = {
+                dtype: iter(flat.split([p.numel() for p in self.groups[dtype]])) for dtype, flat in self.flats.items()
+            }
+            for s in self.dense:
                 buffer[s.offset : s.offset + s.numel].copy_(next(pieces[buffer.dtype]))
-            for s, payload in zip(sparse, payloads, strict=True):
+            for s, payload in zip(self.sparse, self.own, strict=True):
                 (values,) = payload.tensors()
                 summed = next(pieces[values.dtype]).contiguous().view(torch.uint8)
                 decoded = compressor.decompress(compressor.payload_from_wire(summed, s.numel))
                 buffer[s.offset : s.offset + s.numel].copy_(decoded)
             return buffer
-
-        return torch.futures.collect_all(futures).then(decode_sum)
-
-    # CombineMode.GATHER: dense part by allreduce, payloads packed into one byte buffer each.
-    futures = []
-    dense_flat = None
-    if dense:
-        dense_flat = torch.cat([buffer[s.offset : s.offset + s.numel] for s in dense])
-        futures.append(_allreduce(state, dense_flat))
-    gathered: list[Tensor] = []
-    if payloads:
-        wires = [p.to_wire() for p in payloads]
-        local_sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64, device=buffer.device)
-        if compressor.variable_size:
-            size_lists = [torch.empty_like(local_sizes) for _ in range(world_size)]
-            # Blocking on purpose: the payload allgather below needs the sizes.
-            dist.all_gather(size_lists, local_sizes, group=state.process_group)
-            state.stats.bytes_sent += _nbytes(local_sizes)
-            state.stats.bytes_received += (world_size - 1) * _nbytes(local_sizes)
-            sizes = torch.stack(size_lists).cpu()
-        else:
-            sizes = local_sizes.cpu().expand(world_size, -1)
-        max_total = int(sizes.sum(dim=1).max())
-        packed = torch.cat(wires)
-        if packed.numel() < max_total:
-            packed = torch.cat([packed, packed.new_zeros(max_total - packed.numel())])
-        gathered, work = _allgather(state, packed, world_size)
-        futures.append(work.get_future())
-
-    def decode_gather(_: Any) -> Tensor:
-        if dense_flat is not None:
-            for s, piece in zip(dense, dense_flat.split([s.numel for s in dense]), strict=True):
+        if self.dense_flat is not None:
+            for s, piece in zip(self.dense, self.dense_flat.split([s.numel for s in self.dense]), strict=True):
                 buffer[s.offset : s.offset + s.numel].copy_(piece)
-        if payloads:
+        if self.own:
             per_rank = [
                 iter(g.split(row.tolist() + [g.numel() - int(row.sum())]))
-                for g, row in zip(gathered, sizes, strict=True)
+                for g, row in zip(self.gathered, self.sizes, strict=True)
             ]
-            for s in sparse:
+            for s in self.sparse:
                 received = [compressor.payload_from_wire(next(wires_of_rank), s.numel) for wires_of_rank in per_rank]
+                self.received[s.name] = received
                 buffer[s.offset : s.offset + s.numel].copy_(compressor.aggregate(received))
         return buffer
-
-    return torch.futures.collect_all(futures).then(decode_gather)
 
 
 def register_compression_hook(

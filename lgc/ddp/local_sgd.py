@@ -101,6 +101,12 @@ class CommunicationDelayState:
     def residual_norm(self) -> float | None:
         return self.exchange_state.residual_norm()
 
+    def metrics(self) -> dict[str, float]:
+        return self.exchange_state.metrics()
+
+    def summary_extras(self) -> dict[str, Any]:
+        return self.exchange_state.summary_extras()
+
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         assert self.module is not None, "call register(model) first"
         return [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]

@@ -98,6 +98,12 @@ class TorchHookState:
     def residual_norm(self) -> float | None:
         return None
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def summary_extras(self) -> dict[str, Any]:
+        return {}
+
     def _inner_state(self) -> Any:
         return self.process_group
 

@@ -2,14 +2,18 @@
 
 from lgc.lit.callbacks import CompressionCallback, RunSummary
 from lgc.lit.classification import ImageClassifier
-from lgc.lit.data import CIFAR10DataModule, DigitsDataModule
+from lgc.lit.data import CamVidDataModule, CIFAR10DataModule, DigitsDataModule, ImageNetDataModule
+from lgc.lit.segmentation import SemanticSegmenter
 from lgc.lit.strategy import CompressedDDPStrategy
 
 __all__ = [
     "CIFAR10DataModule",
+    "CamVidDataModule",
     "CompressedDDPStrategy",
     "CompressionCallback",
     "DigitsDataModule",
+    "ImageNetDataModule",
     "ImageClassifier",
     "RunSummary",
+    "SemanticSegmenter",
 ]

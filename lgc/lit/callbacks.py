@@ -39,12 +39,29 @@ def _all_gather_object(obj: Any) -> list[Any]:
 
 def gather_worker_stats(state: HookState) -> list[dict[str, float]]:
     """Every worker's :class:`~lgc.ddp.CommStats` as dicts, on every rank (a collective)."""
-    return _all_gather_object(state.stats.as_dict())
+    return _all_gather_object({**state.stats.as_dict(), **state.summary_extras()})
 
 
 def _ratio(dense_bytes: float, sent_bytes: float) -> float | None:
     """Dense over sent bytes; None (null in JSON) when nothing was sent that way."""
     return dense_bytes / sent_bytes if sent_bytes else None
+
+
+def _stage_totals(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """LGC's per-stage bytes summed over workers, with each stage's compression ratios."""
+    totals: dict[str, dict[str, Any]] = {}
+    for stages in per_worker:
+        for name, stage in stages.items():
+            total = totals.setdefault(name, {})
+            for key, value in stage.items():
+                total[key] = total.get(key, 0) + value
+    for total in totals.values():
+        total["compression_ratio"] = _ratio(total["dense_equivalent_bytes"], total["bytes_sent"])
+        total["upstream_compression_ratio"] = _ratio(
+            total["dense_equivalent_bytes"], total["bytes_sent"] - total["server_bytes_sent"]
+        )
+        total["payload_compression_ratio"] = _ratio(total["payload_dense_equivalent_bytes"], total["payload_bytes"])
+    return totals
 
 
 class CompressionCallback(pl.Callback):
@@ -96,6 +113,7 @@ class CompressionCallback(pl.Callback):
         residual_norm = self._state.residual_norm()
         if residual_norm is not None:
             metrics["comm/residual_norm"] = residual_norm
+        metrics.update(self._state.metrics())
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         self._last = copy.copy(stats)
 
@@ -156,6 +174,8 @@ class RunSummary(pl.Callback):
             "dense_equivalent_bytes_per_worker": [w["dense_equivalent_bytes"] for w in workers],
             "hook_calls": sum(w["hook_calls"] for w in workers),
             "compression_ratio": _ratio(dense, sent),
+            # Without what rank 0 sent as LGC-PS's parameter server (the downstream broadcasts).
+            "upstream_compression_ratio": _ratio(dense, sent - sum(w["server_bytes_sent"] for w in workers)),
             # The compressor's own ratio on the tensors it compresses (small tensors go dense).
             "payload_compression_ratio": _ratio(
                 sum(w["payload_dense_equivalent_bytes"] for w in workers), sum(w["payload_bytes"] for w in workers)
@@ -163,6 +183,9 @@ class RunSummary(pl.Callback):
             "fit_time_s": time.perf_counter() - self._start,
             "config": self.config,
         }
-        summary.update({k: summary["metrics"][k] for k in ("val/acc", "val/loss") if k in summary["metrics"]})
+        if all("lgc" in w for w in workers):
+            summary["lgc_stages"] = _stage_totals([w["lgc"]["stages"] for w in workers])
+        top_level = ("val/acc", "val/loss", "val/mIoU", "val/pixel_acc")
+        summary.update({k: summary["metrics"][k] for k in top_level if k in summary["metrics"]})
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

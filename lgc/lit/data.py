@@ -1,40 +1,119 @@
-"""Lightning data modules. Worker sharding is Lightning's ``DistributedSampler``."""
+"""Lightning data modules: digits, CIFAR-10, ImageNet (classification) and CamVid (segmentation).
+
+Every module has ``num_classes``, ``in_channels`` and ``task`` (``"classification"`` or
+``"segmentation"``), readable right after construction, and checks its folders at construction:
+``lgc.train.train`` builds the data module in the launching process, so a bad path is reported
+before any worker process starts.
+
+Training data of the classification modules is split among the data-parallel workers by
+:class:`lgc.data.PartitionSampler`: ``partition="iid"`` (default; a fresh disjoint random shard
+per rank every epoch, like Lightning's ``DistributedSampler``) or ``partition="dirichlet"``
+(non-IID label skew with concentration ``alpha``). Validation and test data keep Lightning's
+default: the whole set, sharded across ranks by its ``DistributedSampler``.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 
+from lgc.data.camvid import (
+    CAMVID_CLASSES,
+    CAMVID_IGNORE_INDEX,
+    CamVidDataset,
+    camvid_eval_transform,
+    camvid_pairs,
+    camvid_train_transform,
+)
+from lgc.data.cifar10 import check_cifar10_folder, cifar10_transform
 from lgc.data.digits import load_digits_split
+from lgc.data.folders import require_folder
+from lgc.data.imagenet import imagenet_classes, imagenet_eval_transform, imagenet_train_transform
+from lgc.data.partition import check_partition, dataset_labels
+from lgc.data.sampler import PartitionSampler
 
-__all__ = ["CIFAR10DataModule", "DigitsDataModule", "require_folder"]
+__all__ = [
+    "CIFAR10DataModule",
+    "CamVidDataModule",
+    "DigitsDataModule",
+    "ImageNetDataModule",
+    "require_folder",
+]
 
 
-def require_folder(root: str | Path, what: str) -> Path:
-    """``root`` as a Path, or a clear error naming it when it is not an existing folder."""
-    path = Path(root).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"{what} data folder {str(path)!r} does not exist; set data.root to the dataset folder")
-    return path
+def _check_loader_knobs(batch_size: int, num_workers: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers!r}")
 
 
 class _ClassificationDataModule(pl.LightningDataModule):
-    def __init__(self, batch_size: int, num_workers: int) -> None:
+    """Training batches from this rank's partition; validation through Lightning's default sharding.
+
+    Args:
+        batch_size: per-worker batch size.
+        num_workers: DataLoader worker processes per rank.
+        partition: ``"iid"`` or ``"dirichlet"`` (see :class:`lgc.data.PartitionSampler`).
+        alpha: Dirichlet concentration (> 0); only read by ``"dirichlet"``.
+        partition_seed: seed of the Dirichlet partition, the same on every rank.
+    """
+
+    task = "classification"
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_workers: int,
+        partition: str = "iid",
+        alpha: float = 1.0,
+        partition_seed: int = 0,
+    ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        _check_loader_knobs(batch_size, num_workers)
+        check_partition(partition, alpha)
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.partition = partition
+        self.alpha = alpha
+        self.partition_seed = partition_seed
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
+    def train_labels(self) -> np.ndarray:
+        """The class of every training sample (after ``setup``), read without loading images."""
+        if self.train_set is None:
+            raise RuntimeError("call setup() before train_labels()")
+        return dataset_labels(self.train_set)
+
+    def train_sampler(self, num_replicas: int | None = None, rank: int | None = None) -> PartitionSampler:
+        """This rank's :class:`PartitionSampler`; rank and world size from ``torch.distributed`` by default."""
+        if self.train_set is None:
+            raise RuntimeError("call setup() before train_sampler()")
+        return PartitionSampler(
+            self.train_set,
+            labels=self.train_labels() if self.partition == "dirichlet" else None,
+            partition=self.partition,
+            alpha=self.alpha,
+            partition_seed=self.partition_seed,
+            # The order seed Lightning gives its own DistributedSampler (set by seed_everything).
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            num_replicas=num_replicas,
+            rank=rank,
+        )
+
     def train_dataloader(self) -> DataLoader:
+        # Built by Lightning after the process group exists, so the sampler sees the real rank.
         return DataLoader(
             self.train_set,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=self.train_sampler(),
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -56,13 +135,28 @@ class DigitsDataModule(_ClassificationDataModule):
         batch_size: per-worker batch size.
         val_fraction: share of the 1,797 images held out for validation.
         split_seed: seed of the split (fixed, so every worker and every run sees the same split).
+        num_workers: DataLoader worker processes per rank (0: load in the training process).
+        partition: ``"iid"`` or ``"dirichlet"`` split of the training set among workers.
+        alpha: Dirichlet concentration (> 0), for ``partition="dirichlet"``.
+        partition_seed: seed of the Dirichlet partition.
     """
 
     num_classes = 10
     in_channels = 1
 
-    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0, num_workers: int = 0):
-        super().__init__(batch_size, num_workers)
+    def __init__(
+        self,
+        batch_size: int = 32,
+        val_fraction: float = 0.2,
+        split_seed: int = 0,
+        num_workers: int = 0,
+        partition: str = "iid",
+        alpha: float = 1.0,
+        partition_seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
         self.val_fraction = val_fraction
         self.split_seed = split_seed
 
@@ -75,20 +169,33 @@ class CIFAR10DataModule(_ClassificationDataModule):
     """CIFAR-10 through torchvision's loader (``root`` holds ``cifar-10-batches-py``).
 
     Args:
-        root: the folder torchvision's ``CIFAR10`` reads; checked before any worker starts.
-        download: let torchvision download the archive (needs internet).
+        root: the folder torchvision's ``CIFAR10`` reads; its files are checked at construction
+            (torchvision verifies their MD5 checksums when it loads them).
+        batch_size: per-worker batch size.
+        download: let torchvision download the archive into ``root`` (needs internet).
         augment: random crop with 4-pixel padding and horizontal flips (the standard recipe).
+        num_workers: DataLoader worker processes per rank.
+        partition: ``"iid"`` or ``"dirichlet"`` split of the training set among workers.
+        alpha: Dirichlet concentration (> 0), for ``partition="dirichlet"``.
+        partition_seed: seed of the Dirichlet partition.
     """
 
     num_classes = 10
     in_channels = 3
-    _MEAN, _STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
     def __init__(
-        self, root: str, batch_size: int = 128, download: bool = False, augment: bool = True, num_workers: int = 2
+        self,
+        root: str,
+        batch_size: int = 128,
+        download: bool = False,
+        augment: bool = True,
+        num_workers: int = 2,
+        partition: str = "iid",
+        alpha: float = 1.0,
+        partition_seed: int = 0,
     ) -> None:
-        super().__init__(batch_size, num_workers)
-        self.root = str(root) if download else str(require_folder(root, "CIFAR-10"))
+        super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
+        self.root = str(Path(root).expanduser()) if download else str(check_cifar10_folder(root))
         self.download = download
         self.augment = augment
 
@@ -100,12 +207,146 @@ class CIFAR10DataModule(_ClassificationDataModule):
             CIFAR10(self.root, train=False, download=True)
 
     def setup(self, stage: str | None = None) -> None:
-        from torchvision import transforms as T
         from torchvision.datasets import CIFAR10
 
-        normalize = [T.ToTensor(), T.Normalize(self._MEAN, self._STD)]
-        train_tf = T.Compose(
-            ([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()] if self.augment else []) + normalize
+        if self.train_set is None:
+            self.train_set = CIFAR10(self.root, train=True, transform=cifar10_transform(self.augment))
+            self.val_set = CIFAR10(self.root, train=False, transform=cifar10_transform(augment=False))
+
+
+class ImageNetDataModule(_ClassificationDataModule):
+    """ImageNet, or any ``root/{train,val}/<class>/<image>`` tree, through torchvision's ``ImageFolder``.
+
+    ``num_classes`` is the number of class folders in ``root/train`` (``val`` must hold the same).
+
+    Args:
+        root: the folder holding ``train/`` and ``val/``; checked at construction.
+        batch_size: per-worker batch size.
+        num_classes: expected number of classes (1000 for ImageNet-1k), checked against the
+            folders; None accepts what the folders hold.
+        train_crop_size: side of the random-resized training crops (224 in the standard recipe).
+        val_resize_size: validation images' shorter side is resized to this (256)...
+        val_crop_size: ...and the central square of this side is kept (224).
+        augment: random-resized crop and flips for training; False trains on the validation crops.
+        num_workers: DataLoader worker processes per rank (JPEG decoding is the bottleneck).
+        partition: ``"iid"`` or ``"dirichlet"`` split of the training set among workers.
+        alpha: Dirichlet concentration (> 0), for ``partition="dirichlet"``.
+        partition_seed: seed of the Dirichlet partition.
+    """
+
+    in_channels = 3
+
+    def __init__(
+        self,
+        root: str,
+        batch_size: int = 256,
+        num_classes: int | None = None,
+        train_crop_size: int = 224,
+        val_resize_size: int = 256,
+        val_crop_size: int = 224,
+        augment: bool = True,
+        num_workers: int = 8,
+        partition: str = "iid",
+        alpha: float = 1.0,
+        partition_seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
+        self.root = str(require_folder(root, "ImageNet"))
+        self.classes = imagenet_classes(self.root, num_classes)
+        # Built here so that bad sizes are reported at construction too.
+        self.train_transform = imagenet_train_transform(train_crop_size, augment)
+        self.val_transform = imagenet_eval_transform(val_resize_size, val_crop_size)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def setup(self, stage: str | None = None) -> None:
+        from torchvision.datasets import ImageFolder
+
+        if self.train_set is None:
+            self.train_set = ImageFolder(str(Path(self.root) / "train"), transform=self.train_transform)
+            self.val_set = ImageFolder(str(Path(self.root) / "val"), transform=self.val_transform)
+
+
+class CamVidDataModule(pl.LightningDataModule):
+    """CamVid road scenes (SegNet's 11-class layout): ``(image[3, H, W], mask[H, W])`` batches.
+
+    Pixels labelled ``ignore_index`` (11, void) must be ignored by the loss and the metrics
+    (``F.cross_entropy(..., ignore_index=datamodule.ignore_index)``). Training batches are random
+    crops of randomly scaled and flipped frames (:func:`lgc.data.camvid_train_transform`);
+    validation and test use whole frames. Workers get IID shards through Lightning's
+    ``DistributedSampler``: a Dirichlet split over labels is not defined for dense labels.
+
+    Args:
+        root: the folder holding ``train/``, ``trainannot/``, ``val/``, ``valannot/``, ``test/``,
+            ``testannot/``; every split's images and label maps are matched at construction.
+        batch_size: per-worker batch size.
+        crop_size: ``(height, width)`` of training crops.
+        scale_range: random scale of training frames, relative to a shorter side of ``base_size``.
+        base_size: shorter side at scale 1 (CamVid's frames are 360x480).
+        augment: random scale, crop and flip for training; False trains on whole frames.
+        num_workers: DataLoader worker processes per rank.
+    """
+
+    num_classes = len(CAMVID_CLASSES)
+    in_channels = 3
+    ignore_index = CAMVID_IGNORE_INDEX
+    task = "segmentation"
+    classes = CAMVID_CLASSES
+
+    def __init__(
+        self,
+        root: str,
+        batch_size: int = 8,
+        crop_size: Sequence[int] = (360, 480),
+        scale_range: Sequence[float] = (0.5, 2.0),
+        base_size: int = 360,
+        augment: bool = True,
+        num_workers: int = 2,
+    ) -> None:
+        super().__init__()
+        _check_loader_knobs(batch_size, num_workers)
+        if len(crop_size) != 2 or len(scale_range) != 2:
+            raise ValueError(f"crop_size and scale_range take two values, got {crop_size!r} and {scale_range!r}")
+        if base_size < 1:
+            raise ValueError(f"base_size must be >= 1, got {base_size!r}")
+        self.root = str(require_folder(root, "CamVid"))
+        for split in ("train", "val", "test"):
+            camvid_pairs(self.root, split)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.train_transform = (
+            camvid_train_transform((int(crop_size[0]), int(crop_size[1])), (scale_range[0], scale_range[1]), base_size)
+            if augment
+            else camvid_eval_transform()
         )
-        self.train_set = CIFAR10(self.root, train=True, transform=train_tf)
-        self.val_set = CIFAR10(self.root, train=False, transform=T.Compose(normalize))
+        self.eval_transform = camvid_eval_transform()
+        self.train_set: CamVidDataset | None = None
+        self.val_set: CamVidDataset | None = None
+        self.test_set: CamVidDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set = CamVidDataset(self.root, "train", self.train_transform)
+            self.val_set = CamVidDataset(self.root, "val", self.eval_transform)
+            self.test_set = CamVidDataset(self.root, "test", self.eval_transform)
+
+    def _loader(self, dataset: Dataset[Any] | None, train: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=train,
+            drop_last=train,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)

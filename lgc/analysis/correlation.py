@@ -1,0 +1,144 @@
+"""How alike are the workers' gradients? Cross-worker cosine similarity and top-k overlap.
+
+The premise of learned gradient compression (Abrahamyan et al., "Learned Gradient Compression
+for Distributed Deep Learning", IEEE TNNLS 2021) is that the gradients that data-parallel
+workers compute at the same step are strongly correlated, so that one encoder can exploit what
+they share. These functions measure that on a :class:`~lgc.analysis.GradientRecording`: the
+cosine similarity of the workers' gradients of a layer at every step, and how much their top-k
+supports (the entries a sparsifier would send) overlap. All take and return plain tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lgc.analysis.recording import GradientRecording
+
+__all__ = [
+    "compare_recordings",
+    "cross_worker_cosine",
+    "pairwise_cosine",
+    "pairwise_topk_jaccard",
+    "random_topk_jaccard",
+    "recording_cosine",
+    "recording_topk_jaccard",
+    "summarize_recording",
+    "topk_jaccard",
+]
+
+
+def _check_workers_steps_numel(grads: Tensor) -> None:
+    if grads.dim() != 3:
+        raise ValueError(f"expected gradients of shape [workers, steps, numel], got {tuple(grads.shape)}")
+    if grads.shape[0] < 2:
+        raise ValueError(f"cross-worker statistics need at least 2 workers, got {grads.shape[0]}")
+
+
+def _mean_over_pairs(matrices: Tensor) -> Tensor:
+    """``[T, W, W]`` -> ``[T]``: mean over the unordered pairs of distinct workers."""
+    workers = matrices.shape[-1]
+    upper = torch.triu_indices(workers, workers, offset=1)
+    return matrices[:, upper[0], upper[1]].mean(dim=-1)
+
+
+def pairwise_cosine(grads: Tensor, eps: float = 1e-12) -> Tensor:
+    """Cosine similarity of every pair of workers at every step: ``[W, T, N]`` -> ``[T, W, W]``.
+
+    A worker whose gradient is zero has similarity 0 with every other (not NaN).
+    """
+    _check_workers_steps_numel(grads)
+    grads = grads.double()
+    unit = grads / grads.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return torch.einsum("itn,jtn->tij", unit, unit).float()
+
+
+def cross_worker_cosine(grads: Tensor) -> Tensor:
+    """Mean cosine similarity over pairs of workers at every step: ``[W, T, N]`` -> ``[T]``.
+
+    1 means every worker computed the same direction; about 0 means unrelated directions (random
+    high-dimensional vectors); negative means the workers pull against each other.
+    """
+    return _mean_over_pairs(pairwise_cosine(grads))
+
+
+def _topk_masks(grads: Tensor, density: float) -> tuple[Tensor, int]:
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    numel = grads.shape[-1]
+    k = max(1, round(density * numel))
+    indices = grads.abs().topk(k, dim=-1, sorted=False).indices
+    masks = torch.zeros(grads.shape, dtype=torch.float32).scatter_(-1, indices, 1.0)
+    return masks, k
+
+
+def pairwise_topk_jaccard(grads: Tensor, density: float) -> Tensor:
+    """Jaccard index ``|A ∩ B| / |A ∪ B|`` of the workers' top-k supports: ``[W, T, N]`` -> ``[T, W, W]``.
+
+    ``k = max(1, round(density * N))`` largest magnitudes of each worker's gradient at each step.
+    """
+    _check_workers_steps_numel(grads)
+    masks, k = _topk_masks(grads, density)
+    intersection = torch.einsum("itn,jtn->tij", masks, masks)
+    return intersection / (2 * k - intersection)
+
+
+def topk_jaccard(grads: Tensor, density: float) -> Tensor:
+    """Mean Jaccard index of the top-k supports over pairs of workers at every step: ``[T]``."""
+    return _mean_over_pairs(pairwise_topk_jaccard(grads, density))
+
+
+def random_topk_jaccard(numel: int, density: float) -> float:
+    """The mean Jaccard index of two independent uniformly random k-subsets of ``numel`` entries.
+
+    The baseline for :func:`topk_jaccard` (what unrelated gradients would give): the intersection
+    ``X`` of the two subsets is hypergeometric (``numel`` entries, ``k`` marked, ``k`` drawn), and
+    the Jaccard index is ``X / (2k - X)``; this is its exact expectation.
+    """
+    from scipy.stats import hypergeom
+
+    k = max(1, round(density * numel))
+    overlap = np.arange(k + 1)
+    return float(np.sum(hypergeom.pmf(overlap, numel, k, k) * overlap / (2 * k - overlap)))
+
+
+def recording_cosine(recording: GradientRecording) -> dict[str, Tensor]:
+    """:func:`cross_worker_cosine` of every recorded layer: ``{name: [T]}``."""
+    return {name: cross_worker_cosine(recording.flat(name)) for name in recording.names}
+
+
+def recording_topk_jaccard(recording: GradientRecording, density: float) -> dict[str, Tensor]:
+    """:func:`topk_jaccard` of every recorded layer at ``density``: ``{name: [T]}``."""
+    return {name: topk_jaccard(recording.flat(name), density) for name in recording.names}
+
+
+def summarize_recording(recording: GradientRecording, density: float = 0.01) -> dict[str, dict[str, float]]:
+    """Per layer: mean and standard deviation over steps of the cosine and top-k Jaccard, with the random baseline."""
+    summary = {}
+    cosine, jaccard = recording_cosine(recording), recording_topk_jaccard(recording, density)
+    for name in recording.names:
+        numel = recording.flat(name).shape[-1]
+        summary[name] = {
+            "cosine_mean": float(cosine[name].mean()),
+            "cosine_std": float(cosine[name].std()) if len(cosine[name]) > 1 else 0.0,
+            "jaccard_mean": float(jaccard[name].mean()),
+            "jaccard_random": random_topk_jaccard(numel, density),
+            "numel": float(numel),
+        }
+    return summary
+
+
+def compare_recordings(
+    recordings: Mapping[str, GradientRecording], density: float = 0.01
+) -> dict[str, dict[str, dict[str, float]]]:
+    """:func:`summarize_recording` of several runs (e.g. ``{"iid": ..., "dirichlet 0.1": ...}``), by label.
+
+    The runs must have recorded the same layers, so that their rows compare like with like.
+    """
+    names = {label: rec.names for label, rec in recordings.items()}
+    if len({tuple(n) for n in names.values()}) > 1:
+        raise ValueError(f"the recordings hold different layers: {names}")
+    return {label: summarize_recording(rec, density) for label, rec in recordings.items()}

@@ -1,0 +1,179 @@
+"""LGC's gradient autoencoder: 1-D convolutions over fixed-length chunks of top-k values.
+
+Abrahamyan, Chen, Bekoulis & Deligiannis, "Learned Gradient Compression for Distributed Deep
+Learning" (IEEE TNNLS 2021, arXiv:2103.08870). The encoder maps a chunk of ``L`` gradient values
+(one channel) through strided ``Conv1d`` layers (kernel 3, stride 2, LeakyReLU) and a final
+``1x1`` convolution to ``latent_channels`` channels of length ``L / 2**depth``; with the reference
+widths ``1 -> 64 -> 128 -> 256 -> 64 -> 4`` the latent holds ``L / 4`` floats. A decoder mirrors
+it with ``ConvTranspose1d`` layers (``4 -> 32 -> 64 -> 128 -> 32``), interpolates to ``L``, and a
+``1x1`` convolution maps back to one channel; the parameter-server variant concatenates an
+*innovation* channel (a worker's own sparse values) before that last convolution.
+
+Unlike the reference, whose input length is the model's whole top-k vector, this autoencoder works
+on chunks of ``chunk`` values (:mod:`lgc.autoencoder.chunks`), so one autoencoder serves every
+bucket of every model. As in CompressAI, the training path (:mod:`lgc.autoencoder.losses`) is kept
+apart from the runtime path (:meth:`GradientAutoencoder.encode` / :meth:`GradientAutoencoder.decode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["AutoencoderConfig", "GradientAutoencoder"]
+
+
+@dataclass(frozen=True)
+class AutoencoderConfig:
+    """Shape of :class:`GradientAutoencoder` (the reference's values by default)."""
+
+    #: Values per chunk ``L``: the encoder's input length. A multiple of ``2 ** len(encoder_channels)``
+    #: and at least the encoder's receptive field. Longer chunks see more context per code; the
+    #: last chunk of a bucket is zero-padded, so very long chunks waste bytes on small buckets.
+    chunk: int = 128
+    #: Output channels of the strided (kernel 3, stride 2) encoder convolutions; each halves the length.
+    encoder_channels: tuple[int, ...] = (64, 128, 256, 64)
+    #: Channels of the latent code (a ``1x1`` convolution). Latent floats per chunk:
+    #: ``latent_channels * chunk / 2 ** len(encoder_channels)`` (``chunk / 4`` by default).
+    latent_channels: int = 4
+    #: Output channels of the decoder's transposed convolutions (kernel 3, stride 2).
+    decoder_channels: tuple[int, ...] = (32, 64, 128, 32)
+    #: Slope of the LeakyReLU activations.
+    negative_slope: float = 0.01
+    #: Decoders: 1 for ring-allreduce (one decoder of the mean latent), one per worker for the
+    #: parameter server (decoder ``i`` reconstructs worker ``i``'s values).
+    num_decoders: int = 1
+    #: Whether decoders take an innovation channel (the parameter-server variant).
+    innovation: bool = False
+    #: Seed of the weight initialization: every worker builds the same autoencoder.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        depth = len(self.encoder_channels)
+        if depth < 1 or not self.decoder_channels:
+            raise ValueError("encoder_channels and decoder_channels must each name at least one layer")
+        for name in ("encoder_channels", "decoder_channels"):
+            widths = getattr(self, name)
+            if any(int(c) < 1 for c in widths):
+                raise ValueError(f"{name} must be positive, got {list(widths)}")
+        if self.latent_channels < 1:
+            raise ValueError(f"latent_channels must be >= 1, got {self.latent_channels}")
+        if self.num_decoders < 1:
+            raise ValueError(f"num_decoders must be >= 1, got {self.num_decoders}")
+        stride = 2**depth
+        if self.chunk < self.receptive_field:
+            raise ValueError(
+                f"autoencoder chunk={self.chunk} is shorter than the encoder's receptive field "
+                f"({self.receptive_field} values for {depth} stride-2 convolutions of kernel 3)"
+            )
+        if self.chunk % stride:
+            raise ValueError(f"autoencoder chunk={self.chunk} must be a multiple of 2**{depth} = {stride}")
+
+    @property
+    def receptive_field(self) -> int:
+        """Input values that one latent position sees: ``1 + 2 * (2**depth - 1)`` for kernel 3, stride 2."""
+        return 1 + 2 * (2 ** len(self.encoder_channels) - 1)
+
+    @property
+    def latent_length(self) -> int:
+        return self.chunk // 2 ** len(self.encoder_channels)
+
+    @property
+    def latent_numel(self) -> int:
+        """Floats of one chunk's latent code."""
+        return self.latent_channels * self.latent_length
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> AutoencoderConfig:
+        """Build from config values (lists become tuples)."""
+        for name in ("encoder_channels", "decoder_channels"):
+            if name in kwargs and isinstance(kwargs[name], Sequence):
+                kwargs[name] = tuple(int(c) for c in kwargs[name])  # type: ignore[union-attr]
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _encoder(config: AutoencoderConfig) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    in_channels = 1
+    for width in config.encoder_channels:
+        layers += [nn.Conv1d(in_channels, width, 3, stride=2, padding=1), nn.LeakyReLU(config.negative_slope)]
+        in_channels = width
+    layers.append(nn.Conv1d(in_channels, config.latent_channels, 1))
+    return nn.Sequential(*layers)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, config: AutoencoderConfig) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        in_channels = config.latent_channels
+        for width in config.decoder_channels:
+            layers += [
+                nn.ConvTranspose1d(in_channels, width, 3, stride=2, padding=1, output_padding=1),
+                nn.LeakyReLU(config.negative_slope),
+            ]
+            in_channels = width
+        self.body = nn.Sequential(*layers)
+        self.chunk = config.chunk
+        self.head = nn.Conv1d(in_channels + int(config.innovation), 1, 1)
+
+    def forward(self, latent: Tensor, innovation: Tensor | None) -> Tensor:
+        features = self.body(latent)
+        if features.shape[-1] != self.chunk:
+            features = F.interpolate(features, size=self.chunk, mode="linear", align_corners=False)
+        if innovation is not None:
+            features = torch.cat([features, innovation.unsqueeze(1)], dim=1)
+        return self.head(features).squeeze(1)
+
+
+class GradientAutoencoder(nn.Module):
+    """Encoder and decoder(s) of LGC, over chunks of ``config.chunk`` values.
+
+    Args:
+        config: the architecture (:class:`AutoencoderConfig`).
+
+    Example::
+
+        >>> ae = GradientAutoencoder(AutoencoderConfig(chunk=64))
+        >>> chunks = torch.randn(5, 64)
+        >>> ae.encode(chunks).shape, ae.decode(ae.encode(chunks)).shape
+        (torch.Size([5, 4, 4]), torch.Size([5, 64]))
+    """
+
+    def __init__(self, config: AutoencoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Built under a fixed seed, without touching the global generator: every worker gets the
+        # same weights, and the model's own initialization is not shifted by building this.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            self.encoder = _encoder(config)
+            self.decoders = nn.ModuleList(_Decoder(config) for _ in range(config.num_decoders))
+
+    def encode(self, chunks: Tensor) -> Tensor:
+        """``[B, chunk]`` values -> ``[B, latent_channels, latent_length]`` codes."""
+        return self.encoder(chunks.unsqueeze(1))
+
+    def decode(self, latent: Tensor, innovation: Tensor | None = None, decoder: int = 0) -> Tensor:
+        """``[B, latent_channels, latent_length]`` codes (and ``[B, chunk]`` innovations) -> ``[B, chunk]``."""
+        if self.config.innovation != (innovation is not None):
+            raise ValueError(
+                "this autoencoder's decoders "
+                + ("need an innovation channel" if self.config.innovation else "take no innovation channel")
+            )
+        return self.decoders[decoder](latent, innovation)
+
+    def encoder_numel(self) -> int:
+        return sum(p.numel() for p in self.encoder.parameters())
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"GradientAutoencoder(chunk={c.chunk}, latent={c.latent_channels}x{c.latent_length}, "
+            f"decoders={c.num_decoders}, innovation={c.innovation}, "
+            f"params={sum(p.numel() for p in self.parameters()):,}, ratio={c.chunk / c.latent_numel:g})"
+        )

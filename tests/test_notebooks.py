@@ -1,0 +1,57 @@
+"""The notebooks are stored without outputs and run from top to bottom (nbclient, a real kernel)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+# Each notebook runs in under 2 minutes on 2 cores; the margin is for a machine busy with other work.
+TIMEOUT_S = 300
+
+
+def _notebooks() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert "gradient_correlation.ipynb" in [path.name for path in _notebooks()]
+
+
+@pytest.mark.parametrize("path", _notebooks(), ids=lambda path: path.stem)
+def test_notebook_is_stored_without_outputs(path):
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
+
+
+def _run(path: Path, cwd: Path) -> tuple[nbformat.NotebookNode, float]:
+    notebook = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    nbclient.NotebookClient(
+        notebook, timeout=TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    ).execute()
+    return notebook, time.perf_counter() - start
+
+
+@pytest.mark.multiprocess
+def test_gradient_correlation_notebook_runs_and_reports_both_partitions(tmp_path):
+    notebook, seconds = _run(NOTEBOOKS / "gradient_correlation.ipynb", tmp_path)
+    last = notebook.cells[-1].outputs[-1]["text"].strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert list(summary) == ["IID", "Dirichlet alpha=0.1"]
+    for layers in summary.values():
+        assert len(layers) == 3  # the first, a middle and the last conv weight
+        for row in layers.values():
+            assert -1.0 <= row["cosine_mean"] <= 1.0 and 0.0 <= row["jaccard_mean"] <= 1.0
+    figures = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(figures) == 2
+    assert seconds < TIMEOUT_S
