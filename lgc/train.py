@@ -24,7 +24,15 @@ from lgc.ddp.lgc_base import LGCHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
 
-__all__ = ["build_compressor", "build_hook_state", "check_devices", "expected_optimizer_steps", "main", "train"]
+__all__ = [
+    "build_compressor",
+    "build_hook_state",
+    "check_devices",
+    "expected_optimizer_steps",
+    "launched_externally",
+    "main",
+    "train",
+]
 
 
 def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
@@ -79,8 +87,22 @@ def build_hook_state(
     return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
 
 
+def launched_externally() -> bool:
+    """Whether torchrun or SLURM started this process as one of the workers (multi-node runs)."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    return TorchElasticEnvironment.detect() or (SLURMEnvironment.detect() and "SLURM_NTASKS" in os.environ)
+
+
 def check_devices(accelerator: str, devices: Any, oversubscribe: bool) -> int:
-    """Number of worker processes per node; an error names a count this machine cannot run."""
+    """Number of worker processes per node; an error names a count this machine cannot run.
+
+    ``devices=-1`` on GPU means every visible GPU.
+    """
+    if accelerator in ("gpu", "cuda") and devices == -1 and not isinstance(devices, bool):
+        devices = torch.cuda.device_count()
+        if devices == 0:
+            raise ValueError("trainer.devices=-1 (every visible GPU) but this machine has no CUDA device")
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"trainer.devices must be a positive number of worker processes, got {devices!r}")
     if accelerator in ("gpu", "cuda"):
@@ -186,7 +208,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module = _task_module(cfg, model, datamodule)
     strategy = CompressedDDPStrategy(
         hook_state,
-        start_method=cfg.ddp.start_method,
+        start_method="popen" if launched_externally() else cfg.ddp.start_method,
         process_group_backend=cfg.ddp.process_group_backend,
         bucket_cap_mb=cfg.ddp.bucket_cap_mb,
     )

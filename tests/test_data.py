@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import io
 import pickle
 from functools import partial
 from pathlib import Path
@@ -12,6 +10,18 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from fixtures import (
+    CAMVID_SIZE,
+    CIFAR_NAMES,
+    CIFAR_PER_BATCH,
+    IMAGENET_COLORS,
+    PALETTE,
+    cifar_checksums,
+    cifar_image,
+    write_camvid,
+    write_cifar10,
+    write_imagenet,
+)
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,84 +40,27 @@ from lgc.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
 from lgc.lit.data import CamVidDataModule, CIFAR10DataModule, DigitsDataModule, ImageNetDataModule
 
 # ----------------------------------------------------------------------------------------------
-# CIFAR-10: the python version's pickles, written the way the real (Python 2) files are.
-
-
-class _Py2Str(bytes):
-    """A Python 2 ``str``: pickled with the (SHORT_)BINSTRING opcode, as in the real CIFAR-10 files."""
-
-
-class _Py2Pickler(pickle._Pickler):
-    # The real files were pickled by Python 2: their keys load as str with encoding="latin1"
-    # (torchvision) and as bytes (b"data", b"labels") with encoding="bytes" (the CIFAR web page).
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def _save_py2str(self, obj: _Py2Str) -> None:
-        size = len(obj)
-        opcode = pickle.SHORT_BINSTRING + bytes([size]) if size < 256 else pickle.BINSTRING + size.to_bytes(4, "little")
-        self.write(opcode + bytes(obj))
-        self.memoize(obj)
-
-    dispatch[_Py2Str] = _save_py2str
-
-
-def _py2_pickle(path: Path, obj: dict) -> None:
-    buffer = io.BytesIO()
-    _Py2Pickler(buffer, protocol=2).dump(obj)
-    path.write_bytes(buffer.getvalue())
-
-
-_CIFAR_PER_BATCH = 4
-
-
-def _cifar_image(index: int) -> np.ndarray:
-    """3072 bytes, 1024 per channel (R, G, B planes, rows of 32): each plane constant."""
-    return np.repeat(np.array([index * 7 % 256, 100 + index, 200 - index], dtype=np.uint8), 1024)
+# CIFAR-10
 
 
 @pytest.fixture
 def cifar10_root(tmp_path, monkeypatch):
     from torchvision.datasets import CIFAR10
 
-    folder = tmp_path / "cifar10" / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    for batch, name in enumerate(names):
-        indices = range(batch * _CIFAR_PER_BATCH, (batch + 1) * _CIFAR_PER_BATCH)
-        _py2_pickle(
-            folder / name,
-            {
-                _Py2Str(b"batch_label"): _Py2Str(f"batch {batch}".encode()),
-                _Py2Str(b"labels"): [i % 10 for i in indices],
-                _Py2Str(b"data"): np.stack([_cifar_image(i) for i in indices]),
-                _Py2Str(b"filenames"): [_Py2Str(f"img_{i}.png".encode()) for i in indices],
-            },
-        )
-    classes = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-    _py2_pickle(
-        folder / "batches.meta",
-        {
-            _Py2Str(b"label_names"): [_Py2Str(c.encode()) for c in classes],
-            _Py2Str(b"num_cases_per_batch"): _CIFAR_PER_BATCH,
-            _Py2Str(b"num_vis"): 3072,
-        },
-    )
-
+    root = write_cifar10(tmp_path / "cifar10")
     # torchvision verifies each file's MD5: give it the fixture's checksums (the check still runs).
-    def md5(name: str) -> str:
-        return hashlib.md5((folder / name).read_bytes()).hexdigest()
-
-    monkeypatch.setattr(CIFAR10, "train_list", [[name, md5(name)] for name in names[:5]])
-    monkeypatch.setattr(CIFAR10, "test_list", [["test_batch", md5("test_batch")]])
-    monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": md5("batches.meta")})
-    return folder.parent
+    md5 = cifar_checksums(root)
+    monkeypatch.setattr(CIFAR10, "train_list", [[name, md5[name]] for name in CIFAR_NAMES[:5]])
+    monkeypatch.setattr(CIFAR10, "test_list", [["test_batch", md5["test_batch"]]])
+    monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": md5["batches.meta"]})
+    return root
 
 
 def test_cifar10_fixture_has_the_real_pickle_layout(cifar10_root):
     with open(cifar10_root / "cifar-10-batches-py" / "data_batch_1", "rb") as f:
         entry = pickle.load(f, encoding="bytes")
     assert {b"data", b"labels"} <= entry.keys()
-    assert entry[b"data"].dtype == np.uint8 and entry[b"data"].shape == (_CIFAR_PER_BATCH, 3072)
+    assert entry[b"data"].dtype == np.uint8 and entry[b"data"].shape == (CIFAR_PER_BATCH, 3072)
 
 
 def test_cifar10_loads_through_torchvision_with_checksums(cifar10_root):
@@ -116,14 +69,14 @@ def test_cifar10_loads_through_torchvision_with_checksums(cifar10_root):
     module = CIFAR10DataModule(str(cifar10_root), batch_size=4, augment=False, num_workers=0)
     assert (module.num_classes, module.in_channels, module.task) == (10, 3, "classification")
     module.setup("fit")
-    assert len(module.train_set) == 5 * _CIFAR_PER_BATCH and len(module.val_set) == _CIFAR_PER_BATCH
+    assert len(module.train_set) == 5 * CIFAR_PER_BATCH and len(module.val_set) == CIFAR_PER_BATCH
     image, label = module.train_set[3]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and label == 3
     # The R, G, B planes come back as the channels (CHW), normalized.
     mean, std = torch.tensor(CIFAR10_MEAN)[:, None, None], torch.tensor(CIFAR10_STD)[:, None, None]
-    expected = torch.from_numpy(_cifar_image(3).reshape(3, 32, 32).astype(np.float32) / 255)
+    expected = torch.from_numpy(cifar_image(3).reshape(3, 32, 32).astype(np.float32) / 255)
     torch.testing.assert_close(image * std + mean, expected, atol=1e-5, rtol=0)
-    assert dataset_labels(module.train_set).tolist() == [i % 10 for i in range(5 * _CIFAR_PER_BATCH)]
+    assert dataset_labels(module.train_set).tolist() == [i % 10 for i in range(5 * CIFAR_PER_BATCH)]
 
 
 def test_cifar10_augmentation_pads_4_pixels_and_crops_32(cifar10_root):
@@ -164,19 +117,10 @@ def test_cifar10_corrupted_file_is_refused_by_the_checksum(cifar10_root):
 # ----------------------------------------------------------------------------------------------
 # ImageNet: an ImageFolder tree of small JPEGs.
 
-_IMAGENET_COLORS = {"n01440764": (220, 30, 30), "n01443537": (30, 220, 30), "n01484850": (30, 30, 220)}
-
 
 @pytest.fixture
 def imagenet_root(tmp_path):
-    root = tmp_path / "imagenet"
-    for split, count in (("train", 3), ("val", 2)):
-        for name, color in _IMAGENET_COLORS.items():
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(count):
-                Image.new("RGB", (40 + 4 * i, 30), color).save(folder / f"{name}_{i}.JPEG", quality=95)
-    return root
+    return write_imagenet(tmp_path / "imagenet")
 
 
 def test_imagenet_reads_the_image_folder_tree(imagenet_root):
@@ -193,7 +137,7 @@ def test_imagenet_reads_the_image_folder_tree(imagenet_root):
             image, label = dataset[index]
             assert image.shape == (3, 16, 16) and image.dtype == torch.float32
             # The label is the sorted folder's index: its colour is the image's colour.
-            color = torch.tensor(list(_IMAGENET_COLORS.values())[label], dtype=torch.float32) / 255
+            color = torch.tensor(list(IMAGENET_COLORS.values())[label], dtype=torch.float32) / 255
             torch.testing.assert_close((image * std + mean).mean(dim=(1, 2)), color, atol=0.05, rtol=0)
     images, labels = next(iter(module.val_dataloader()))
     assert images.shape == (2, 3, 16, 16) and labels.dtype == torch.int64
@@ -223,31 +167,10 @@ def test_imagenet_bad_layouts_are_named(imagenet_root, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # CamVid: SegNet's layout of PNG frames and one-byte label maps, void pixels included.
 
-# One colour per CamVid class (0-10) and black for void (11).
-_PALETTE = np.array([[17 * c + 20, (53 * c) % 256, 255 - 19 * c] for c in range(11)] + [[0, 0, 0]], dtype=np.uint8)
-_CAMVID_SIZE = (24, 32)  # (height, width)
-
-
-def _camvid_mask(seed: int) -> np.ndarray:
-    """Blocks of 8x8 pixels, each one class or void."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 12, size=(_CAMVID_SIZE[0] // 8, _CAMVID_SIZE[1] // 8), dtype=np.uint8)
-    return np.kron(blocks, np.ones((8, 8), dtype=np.uint8))
-
 
 @pytest.fixture
 def camvid_root(tmp_path):
-    root = tmp_path / "camvid"
-    for split, count in (("train", 3), ("val", 2), ("test", 2)):
-        (root / split).mkdir(parents=True)
-        (root / f"{split}annot").mkdir()
-        for i in range(count):
-            mask = _camvid_mask(seed=10 * ("train", "val", "test").index(split) + i)
-            mask[0, 0] = CAMVID_IGNORE_INDEX  # every map has void pixels
-            name = f"0001TP_{i:06d}.png"
-            Image.fromarray(_PALETTE[mask]).save(root / split / name)
-            Image.fromarray(mask, mode="L").save(root / f"{split}annot" / name)
-    return root
+    return write_camvid(tmp_path / "camvid")
 
 
 def _unnormalize(image: torch.Tensor) -> torch.Tensor:
@@ -261,12 +184,12 @@ def test_camvid_module_reads_frames_and_label_maps(camvid_root):
     module.setup("fit")
     assert (len(module.train_set), len(module.val_set), len(module.test_set)) == (3, 2, 2)
     image, mask = module.val_set[1]
-    assert image.shape == (3, *_CAMVID_SIZE) and image.dtype == torch.float32
-    assert mask.shape == _CAMVID_SIZE and mask.dtype == torch.int64
+    assert image.shape == (3, *CAMVID_SIZE) and image.dtype == torch.float32
+    assert mask.shape == CAMVID_SIZE and mask.dtype == torch.int64
     stored = np.array(Image.open(sorted((camvid_root / "valannot").glob("*.png"))[1]))
     assert torch.equal(mask, torch.from_numpy(stored).long())
     assert int(mask[0, 0]) == CAMVID_IGNORE_INDEX and int(mask.max()) <= CAMVID_IGNORE_INDEX
-    color = torch.from_numpy(_PALETTE[stored]).permute(2, 0, 1).float() / 255
+    color = torch.from_numpy(PALETTE[stored]).permute(2, 0, 1).float() / 255
     torch.testing.assert_close(_unnormalize(image), color, atol=1e-5, rtol=0)
     images, masks = next(iter(module.train_dataloader()))
     assert images.shape == (2, 3, 16, 16) and masks.shape == (2, 16, 16) and masks.dtype == torch.int64
@@ -274,7 +197,7 @@ def test_camvid_module_reads_frames_and_label_maps(camvid_root):
 
 def test_camvid_joint_transform_keeps_image_and_mask_aligned(camvid_root):
     dataset = CamVidDataset(camvid_root, "train", camvid_train_transform((20, 20), (0.5, 2.0), base_size=24))
-    palette = torch.from_numpy(_PALETTE).float() / 255
+    palette = torch.from_numpy(PALETTE).float() / 255
     torch.manual_seed(0)
     looks, padded, agreements = set(), 0, []
     for step in range(24):
@@ -328,7 +251,7 @@ def test_camvid_bad_layouts_are_named(camvid_root, tmp_path):
     Image.new("RGB", (32, 24)).save(rgb_label)
     with pytest.raises(ValueError, match="0001TP_000000.png' has PIL mode 'RGB'"):
         CamVidDataset(camvid_root, "test")[0]
-    Image.fromarray(np.full(_CAMVID_SIZE, 40, dtype=np.uint8), mode="L").save(rgb_label)
+    Image.fromarray(np.full(CAMVID_SIZE, 40, dtype=np.uint8), mode="L").save(rgb_label)
     with pytest.raises(ValueError, match="holds label 40"):
         CamVidDataset(camvid_root, "test")[0]
     for path in (camvid_root / "testannot").iterdir():
