@@ -21,7 +21,8 @@ def _notebooks() -> list[Path]:
 
 
 def test_there_are_notebooks():
-    assert "gradient_correlation.ipynb" in [path.name for path in _notebooks()]
+    names = [path.name for path in _notebooks()]
+    assert "gradient_correlation.ipynb" in names and "compression_tradeoffs.ipynb" in names
 
 
 @pytest.mark.parametrize("path", _notebooks(), ids=lambda path: path.stem)
@@ -52,6 +53,34 @@ def test_gradient_correlation_notebook_runs_and_reports_both_partitions(tmp_path
         assert len(layers) == 3  # the first, a middle and the last conv weight
         for row in layers.values():
             assert -1.0 <= row["cosine_mean"] <= 1.0 and 0.0 <= row["jaccard_mean"] <= 1.0
+    figures = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(figures) == 2
+    assert seconds < TIMEOUT_S
+
+
+@pytest.mark.multiprocess
+def test_compression_tradeoffs_notebook_runs_its_sweep_and_reports_it(tmp_path):
+    notebook, seconds = _run(NOTEBOOKS / "compression_tradeoffs.ipynb", tmp_path)
+    rows = json.loads(notebook.cells[-1].outputs[-1]["text"].strip().splitlines()[-1])
+    # Labels from the configs alone: the compressor group, then what differs from its yaml or between runs.
+    assert [row["label"] for row in rows] == [
+        "none",
+        "topk density=0.01",
+        "topk density=0.1",
+        "dgc warmup_densities=[]",
+    ]
+    for row in rows:
+        assert row["world_size"] == 2 and row["steps"] == 22 and 0.0 <= row["val/acc"] <= 1.0
+    dense, topk, topk_10pct, dgc = rows
+    assert dense["compression_ratio"] == dense["payload_compression_ratio"] == 1.0
+    # The compressor's own ratio: 8 bytes per kept entry (top-k), fewer entries kept by DGC at 0.1 %.
+    assert topk["payload_compression_ratio"] == pytest.approx(50, rel=0.02)
+    assert topk_10pct["payload_compression_ratio"] == pytest.approx(5, rel=0.02)
+    assert dgc["payload_compression_ratio"] > topk["payload_compression_ratio"]
+    # Overall, the dense first step and the small tensors count too.
+    assert 1.0 < topk_10pct["compression_ratio"] < topk["compression_ratio"] < topk["payload_compression_ratio"]
+    table = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
+    assert "| topk density=0.1        | topk       |          2 |    22 |" in table
     figures = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(figures) == 2
     assert seconds < TIMEOUT_S

@@ -1,0 +1,426 @@
+"""lgc-report: summaries of fake runs (as RunSummary writes them) to labels, table, plot and JSON."""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from lgc.report import LGC_COMPRESSED_RATIO, load_runs, main, plot_tradeoff, report_table, table_rows
+
+# ----------------------------------------------------------------------------------------------
+# Fake runs: the real composed config, and the summary lgc.lit.RunSummary + lgc.train.train write.
+
+# One step of ResNet-8 on digits in bytes, dense, and the part in tensors of >= comm.min_numel elements.
+STEP = 300_000
+LARGE = 295_000
+
+
+@cache
+def _resolved_config(overrides: tuple[str, ...]) -> dict[str, Any]:
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=smoke", "logger=none", "output_dir=OUT", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _config(output_dir: Path, *overrides: str) -> dict[str, Any]:
+    """The resolved config that lgc.train.train stores in the summary."""
+    config = copy.deepcopy(_resolved_config(overrides))
+    config["output_dir"] = str(output_dir)
+    return config
+
+
+def _ratio(dense: float, sent: float) -> float | None:
+    return dense / sent if sent else None
+
+
+def _worker(
+    sent: int, payload: int, *, server: int = 0, steps: int = 4, compressed_steps: int = 3, lgc: dict | None = None
+) -> dict[str, Any]:
+    """One worker's CommStats (plus summary extras) for a run whose first step is a dense allreduce."""
+    dense, payload_dense = steps * STEP, compressed_steps * LARGE
+    worker = {
+        "hook_calls": steps,
+        "bytes_sent": sent,
+        "bytes_received": sent,
+        "dense_equivalent_bytes": dense,
+        "server_bytes_sent": server,
+        "payload_bytes": payload,
+        "payload_dense_equivalent_bytes": payload_dense,
+        "compression_ratio": _ratio(dense, sent),
+        "upstream_compression_ratio": _ratio(dense, sent - server),
+        "payload_compression_ratio": _ratio(payload_dense, payload),
+    }
+    if lgc is not None:
+        worker["lgc"] = lgc
+    return worker
+
+
+def _write_run(
+    folder: Path,
+    overrides: tuple[str, ...],
+    describe: str,
+    workers: list[dict[str, Any]],
+    metrics: dict[str, float],
+    steps: int = 4,
+    wall_time_s: float = 21.5,
+) -> dict[str, Any]:
+    """Writes folder/summary.json with the fields and aggregation of lgc.lit.RunSummary."""
+    sent = sum(w["bytes_sent"] for w in workers)
+    dense = sum(w["dense_equivalent_bytes"] for w in workers)
+    summary: dict[str, Any] = {
+        "metrics": {"train/loss": 1.9, **metrics},
+        "steps": steps,
+        "epochs": 1,
+        "world_size": len(workers),
+        "compressor": describe,
+        "workers": workers,
+        "bytes_sent_per_worker": [w["bytes_sent"] for w in workers],
+        "bytes_received_per_worker": [w["bytes_received"] for w in workers],
+        "dense_equivalent_bytes_per_worker": [w["dense_equivalent_bytes"] for w in workers],
+        "hook_calls": sum(w["hook_calls"] for w in workers),
+        "compression_ratio": _ratio(dense, sent),
+        "upstream_compression_ratio": _ratio(dense, sent - sum(w["server_bytes_sent"] for w in workers)),
+        "payload_compression_ratio": _ratio(
+            sum(w["payload_dense_equivalent_bytes"] for w in workers), sum(w["payload_bytes"] for w in workers)
+        ),
+        "fit_time_s": wall_time_s - 20.0,
+        "config": _config(folder, *overrides),
+    }
+    if all("lgc" in w for w in workers):
+        totals: dict[str, dict[str, Any]] = {}
+        for w in workers:
+            for name, stage in w["lgc"]["stages"].items():
+                total = totals.setdefault(name, {})
+                for key, value in stage.items():
+                    total[key] = total.get(key, 0) + value
+        for total in totals.values():
+            total["compression_ratio"] = _ratio(total["dense_equivalent_bytes"], total["bytes_sent"])
+            total["upstream_compression_ratio"] = _ratio(
+                total["dense_equivalent_bytes"], total["bytes_sent"] - total["server_bytes_sent"]
+            )
+            total["payload_compression_ratio"] = _ratio(total["payload_dense_equivalent_bytes"], total["payload_bytes"])
+        summary["lgc_stages"] = totals
+    summary.update({k: v for k, v in metrics.items() if k in ("val/acc", "val/loss", "val/mIoU", "val/pixel_acc")})
+    summary["wall_time_s"] = wall_time_s
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _stage(sent: int, dense: int, *, server: int = 0, payload: int = 0, payload_dense: int = 0, calls: int = 1):
+    return {
+        "hook_calls": calls,
+        "bytes_sent": sent,
+        "bytes_received": sent,
+        "dense_equivalent_bytes": dense,
+        "server_bytes_sent": server,
+        "payload_bytes": payload,
+        "payload_dense_equivalent_bytes": payload_dense,
+    }
+
+
+def _lgc_ps_worker(compressed_sent: int, server: int) -> dict[str, Any]:
+    # 2 dense warm-up steps, 1 step of top-k while the autoencoder trains, 1 compressed step.
+    stages = {
+        "warmup": _stage(2 * STEP, 2 * STEP, calls=2),
+        "autoencoder_training": _stage(20_000, STEP, payload=LARGE // 50, payload_dense=LARGE),
+        "autoencoder_weights": _stage(0, 0, calls=0),
+        "compressed": _stage(compressed_sent + server, STEP, server=server, payload=LARGE // 1000, payload_dense=LARGE),
+    }
+    sent = sum(stage["bytes_sent"] for stage in stages.values())
+    lgc = {"stages": stages, "refreshes": 0, "autoencoder": "GradientAutoencoder(chunk=64, latent=4x4, decoders=2)"}
+    return _worker(sent, LARGE // 50 + LARGE // 1000, server=server, compressed_steps=2, lgc=lgc)
+
+
+def _classification_sweep(root: Path) -> tuple[Path, Path]:
+    """A Hydra multirun folder (none, topk twice, dgc, torch_fp16) and a separate LGC-PS run."""
+    multirun = root / "multirun" / "2026-11-23" / "13-52-41"
+    multirun.mkdir(parents=True)
+    (multirun / "multirun.yaml").write_text("hydra: {}\n")
+    # Dense: every byte as it is.
+    _write_run(
+        multirun / "0",
+        ("compressor=none",),
+        "NoneCompressor()",
+        [_worker(4 * STEP, 3 * LARGE)] * 2,
+        {"val/acc": 0.515625, "val/loss": 2.11},
+        wall_time_s=22.84,
+    )
+    # Top-k 1 %: 8 bytes per kept entry, small tensors dense; payload ratio 50.
+    topk_sent = STEP + 3 * (STEP - LARGE + LARGE // 50)
+    _write_run(
+        multirun / "1",
+        ("compressor=topk",),
+        "ErrorFeedback(TopKCompressor(density=0.01))",
+        [_worker(topk_sent, 3 * LARGE // 50)] * 2,
+        {"val/acc": 0.4296875, "val/loss": 2.18},
+    )
+    # Top-k 0.1 %: payload ratio 500.
+    sparse_sent = STEP + 3 * (STEP - LARGE + LARGE // 500)
+    _write_run(
+        multirun / "2",
+        ("compressor=topk", "compressor.density=0.001"),
+        "ErrorFeedback(TopKCompressor(density=0.001))",
+        [_worker(sparse_sent, 3 * LARGE // 500)] * 2,
+        {"val/acc": 0.40625, "val/loss": 2.2},
+    )
+    # DGC in its first warm-up epoch (density 0.25: payload ratio 2); its config turns optimizer momentum off.
+    dgc_sent = STEP + 3 * (STEP - LARGE + LARGE // 2)
+    _write_run(
+        multirun / "3",
+        ("compressor=dgc",),
+        "DGCCompressor(density=0.001, momentum=0.9, nesterov=False, momentum_masking=True, clip_norm=None, "
+        "warmup_densities=[0.25, 0.0625, 0.015625, 0.00390625], sample_fraction=0.01)",
+        [_worker(dgc_sent, 3 * LARGE // 2)] * 2,
+        {"val/acc": 0.3125, "val/loss": 2.22},
+    )
+    # PyTorch's fp16 hook: half the bytes, no payload of lgc's own (a null payload ratio).
+    _write_run(
+        multirun / "4",
+        ("compressor=torch_fp16",),
+        "torch:fp16",
+        [_worker(2 * STEP, 0) | {"payload_dense_equivalent_bytes": 0, "payload_compression_ratio": None}] * 2,
+        {"val/acc": 0.5078125, "val/loss": 2.12},
+        wall_time_s=19.4,
+    )
+    # LGC-PS: rank 0 is the parameter server and also broadcasts the decoded update.
+    lgc_run = root / "outputs" / "2026-11-23" / "14-02-10"
+    _write_run(
+        lgc_run,
+        ("compressor=lgc_ps", "compressor.warmup_steps=2", "compressor.ae_steps=1"),
+        "LGCParameterServerState(density=0.01, warmup_steps=2 (dense), ae_steps=1, chunk=64, latent=float32, "
+        "indices=raw, leader=0, innovation_density=0.001)",
+        [_lgc_ps_worker(5_000, server=10_000), _lgc_ps_worker(5_000, server=0)],
+        {"val/acc": 0.75, "val/loss": 1.74},
+        wall_time_s=20.21,
+    )
+    return multirun, lgc_run
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and labels.
+
+
+def test_a_multirun_folder_and_a_run_folder_give_one_labelled_record_per_run(tmp_path):
+    multirun, lgc_run = _classification_sweep(tmp_path)
+    records = load_runs([multirun, lgc_run])
+    assert [record.path for record in records] == [multirun / str(i) for i in range(5)] + [lgc_run]
+    # The compressor's group, then what differs from its yaml or between runs of the group; not the
+    # optimizer momentum that compressor=dgc turns off, nor the output folders.
+    assert [record.label for record in records] == [
+        "none",
+        "topk density=0.01",
+        "topk density=0.001",
+        "dgc",
+        "torch_fp16",
+        "lgc_ps warmup_steps=2 ae_steps=1",
+    ]
+    assert [record.compressor for record in records] == ["none", "topk", "topk", "dgc", "torch_fp16", "lgc_ps"]
+    assert [record.is_dense for record in records] == [True, False, False, False, False, False]
+    assert records[0].metric_key == "val/acc" and records[0].metric == 0.515625
+    assert records[3].config["optimizer"]["momentum"] == 0.0
+    assert records[5].value(LGC_COMPRESSED_RATIO) == pytest.approx(2 * STEP / 20_000)
+    assert records[4].value("payload_compression_ratio") is None and records[4].value("no.such.field") is None
+    # The same file reached twice counts once.
+    assert len(load_runs([multirun, multirun / "1", multirun / "1" / "summary.json"])) == 5
+
+
+def test_labels_leave_out_values_that_configs_derive_from_others(tmp_path):
+    runs = [
+        ("a", ("compressor=none",)),
+        ("b", ("compressor=none", "seed=1")),
+        # scheduler.T_max follows trainer.max_epochs in train.yaml.
+        ("c", ("compressor=none", "trainer.max_epochs=2")),
+        # DGC's compressor.world_size follows trainer.devices.
+        ("d", ("compressor=dgc",)),
+        ("e", ("compressor=dgc", "trainer.devices=4", "ddp.oversubscribe=true")),
+        # Written by a notebook: forked workers and a CSV log change nothing that is trained.
+        ("f", ("compressor=dgc", "ddp.start_method=fork", "logger=csv")),
+    ]
+    for name, overrides in runs:
+        _write_run(tmp_path / name, overrides, "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    labels = [record.label for record in load_runs([tmp_path])]
+    assert labels == [
+        "none seed=0 trainer.devices=2 trainer.max_epochs=1",
+        "none seed=1 trainer.devices=2 trainer.max_epochs=1",
+        "none seed=0 trainer.devices=2 trainer.max_epochs=2",
+        "dgc seed=0 trainer.devices=2 trainer.max_epochs=1 (d)",
+        "dgc seed=0 trainer.devices=4 trainer.max_epochs=1",
+        "dgc seed=0 trainer.devices=2 trainer.max_epochs=1 (f)",
+    ]
+
+
+def test_runs_alike_in_every_setting_are_told_apart_by_their_folders(tmp_path):
+    for repeat in ("first", "second"):
+        _write_run(tmp_path / repeat / "0", ("compressor=topk",), "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    assert [record.label for record in load_runs([tmp_path])] == ["topk (first/0)", "topk (second/0)"]
+
+
+def test_the_model_or_data_class_labels_a_run_rather_than_its_settings(tmp_path):
+    classification = ("compressor=topk",)
+    segmentation = ("compressor=topk", "data=camvid", "model=pspnet_r18")
+    _write_run(tmp_path / "0", classification, "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    _write_run(tmp_path / "1", segmentation, "?", [_worker(STEP, 0)] * 2, {"val/mIoU": 0.25, "val/pixel_acc": 0.6})
+    records = load_runs([tmp_path])
+    assert [record.label for record in records] == [
+        "topk model=CifarResNet data=DigitsDataModule",
+        "topk model=PSPNet data=CamVidDataModule",
+    ]
+    assert [record.metric_key for record in records] == ["val/acc", "val/mIoU"]
+    header = report_table(records).splitlines()[0]
+    assert "| val/acc | val/mIoU |" in header
+    rows = table_rows(records)
+    assert (rows[0]["val/acc"], rows[0]["val/mIoU"], rows[1]["val/acc"], rows[1]["val/mIoU"]) == (0.5, None, None, 0.25)
+    figure = plot_tradeoff(records)
+    assert [axis.get_ylabel() for axis in figure.axes] == ["val/acc", "val/mIoU"]
+
+
+def test_multirun_subfolders_in_natural_order(tmp_path):
+    for number in (10, 2, 1):
+        _write_run(tmp_path / str(number), ("compressor=topk", f"seed={number}"), "?", [_worker(STEP, 0)] * 2, {})
+    assert [record.path.name for record in load_runs([tmp_path])] == ["1", "2", "10"]
+
+
+def test_a_folder_without_any_summary_is_an_error_that_names_it(tmp_path, capsys):
+    (tmp_path / "empty" / "0").mkdir(parents=True)
+    (tmp_path / "empty" / "0" / "train.log").write_text("crashed\n")
+    with pytest.raises(FileNotFoundError, match=f"no summary.json in {tmp_path / 'empty'}"):
+        load_runs([tmp_path / "empty"])
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'missing'} does not exist"):
+        load_runs([tmp_path / "missing"])
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "summary.json").write_text("{")
+    with pytest.raises(ValueError, match="summary.json is not valid JSON"):
+        load_runs([tmp_path / "broken"])
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "empty")])
+    assert exit_info.value.code == 2
+    assert f"lgc-report: error: no summary.json in {tmp_path / 'empty'}" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Table, JSON rows and plot.
+
+
+def test_table_rows_with_null_ratios_and_lgc_stages(tmp_path):
+    records = load_runs(_classification_sweep(tmp_path))
+    assert report_table(records).splitlines() == [
+        "| run                              | compressor | world size | steps | val/acc | compression ratio "
+        "| upstream ratio | payload ratio | LGC compressed-stage ratio | wall time (s) |",
+        "|----------------------------------|------------|-----------:|------:|--------:|------------------:"
+        "|---------------:|--------------:|---------------------------:|--------------:|",
+        "| none                             | none       |          2 |     4 |  0.5156 |              1.00 "
+        "|           1.00 |          1.00 |                          - |          22.8 |",
+        "| topk density=0.01                | topk       |          2 |     4 |  0.4297 |              3.61 "
+        "|           3.61 |         50.00 |                          - |          21.5 |",
+        "| topk density=0.001               | topk       |          2 |     4 |  0.4062 |              3.79 "
+        "|           3.79 |        500.00 |                          - |          21.5 |",
+        "| dgc                              | dgc        |          2 |     4 |  0.3125 |              1.58 "
+        "|           1.58 |          2.00 |                          - |          21.5 |",
+        "| torch_fp16                       | torch_fp16 |          2 |     4 |  0.5078 |              2.00 "
+        "|           2.00 |           n/a |                          - |          19.4 |",
+        "| lgc_ps warmup_steps=2 ae_steps=1 | lgc_ps     |          2 |     4 |  0.7500 |              1.90 "
+        "|           1.92 |         95.24 |                      30.00 |          20.2 |",
+    ]
+    # The numbers above, from the bytes (per worker: a dense first step, then the small tensors
+    # dense and the large ones compressed).
+    dense = 4 * STEP
+    assert dense / (STEP + 3 * (STEP - LARGE + LARGE // 50)) == pytest.approx(3.61, abs=0.005)
+    assert dense / (STEP + 3 * (STEP - LARGE + LARGE // 2)) == pytest.approx(1.58, abs=0.005)
+    lgc_sent = 2 * (2 * STEP + 20_000 + 5_000) + 10_000  # rank 0 also sends 10,000 bytes as the server
+    assert 2 * dense / lgc_sent == pytest.approx(1.90, abs=0.005)
+    assert 2 * dense / (lgc_sent - 10_000) == pytest.approx(1.92, abs=0.005)
+    assert 2 * 2 * LARGE / (2 * (LARGE // 50 + LARGE // 1000)) == pytest.approx(95.24, abs=0.005)
+    assert 2 * STEP / (5_000 + 10_000 + 5_000) == 30.0
+
+    rows = table_rows(records)
+    assert list(rows[0]) == [
+        "label",
+        "compressor",
+        "world_size",
+        "steps",
+        "val/acc",
+        "compression_ratio",
+        "upstream_compression_ratio",
+        "payload_compression_ratio",
+        LGC_COMPRESSED_RATIO,
+        "wall_time_s",
+        "path",
+    ]
+    assert rows[4]["payload_compression_ratio"] is None and rows[4][LGC_COMPRESSED_RATIO] is None
+    assert rows[5][LGC_COMPRESSED_RATIO] == pytest.approx(30.0)
+    assert rows[5]["path"] == str(records[5].path) and rows[0]["wall_time_s"] == 22.84
+
+
+def test_a_run_that_sent_nothing_reads_na_and_is_left_off_the_plot(tmp_path):
+    # Resumed from the checkpoint of a finished run: no step left, nothing sent.
+    _write_run(
+        tmp_path / "0", ("compressor=none",), "NoneCompressor()", [_worker(4 * STEP, 3 * LARGE)] * 2, {"val/acc": 0.5}
+    )
+    _write_run(
+        tmp_path / "1",
+        ("compressor=topk", "ckpt_path=outputs/x/checkpoints/last.ckpt"),
+        "ErrorFeedback(TopKCompressor(density=0.01))",
+        [_worker(0, 0) | {"hook_calls": 0, "dense_equivalent_bytes": 0, "payload_dense_equivalent_bytes": 0}] * 2,
+        {"val/acc": 0.75},
+        wall_time_s=30.0,
+    )
+    records = load_runs([tmp_path])
+    summary = records[1].summary
+    assert summary["compression_ratio"] is None and summary["payload_compression_ratio"] is None
+    assert report_table(records).splitlines()[3] == (
+        "| topk | topk       |          2 |     4 |  0.7500 |               n/a |            n/a |           n/a "
+        "|          30.0 |"
+    )
+    assert table_rows(records)[1]["compression_ratio"] is None
+    (axis,) = plot_tradeoff(records).axes
+    assert len(axis.collections) == 1  # only the dense run's marker
+    assert "not plotted (no val/acc or compression_ratio): topk" in axis.get_legend_handles_labels()[1]
+
+
+def test_plot_has_a_labelled_marker_per_run_and_the_dense_baseline(tmp_path):
+    records = load_runs(_classification_sweep(tmp_path))
+    (axis,) = plot_tradeoff(records).axes
+    assert axis.get_xscale() == "log" and axis.get_ylabel() == "val/acc"
+    points = [tuple(collection.get_offsets()[0]) for collection in axis.collections]
+    expected = [(record.summary["compression_ratio"], record.metric) for record in records]
+    assert points == pytest.approx(expected)
+    assert [text.get_text() for text in axis.texts] == [record.label for record in records]
+    (baseline,) = [line for line in axis.get_lines() if line.get_label() == "dense baseline"]
+    assert list(baseline.get_ydata()) == [0.515625, 0.515625]
+    assert axis.get_legend_handles_labels()[1] == ["none", "topk", "dgc", "torch_fp16", "lgc_ps", "dense baseline"]
+
+    (axis,) = plot_tradeoff(records, ratio=LGC_COMPRESSED_RATIO).axes
+    assert [text.get_text() for text in axis.texts] == ["lgc_ps warmup_steps=2 ae_steps=1"]
+    without_dense = plot_tradeoff(records[1:]).axes[0]
+    assert not [line for line in without_dense.get_lines() if "dense" in line.get_label()]
+    with pytest.raises(ValueError, match="no runs"):
+        plot_tradeoff([])
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.endswith(b"IEND\xaeB`\x82")
+    return struct.unpack(">II", data[16:24])
+
+
+def test_command_prints_the_table_and_writes_report_plot_and_json(tmp_path, capsys):
+    multirun, lgc_run = _classification_sweep(tmp_path / "runs")
+    out = tmp_path / "report"
+    main([str(multirun), str(lgc_run), "--out", str(out), "--json", str(out / "rows.json")])
+    records = load_runs([multirun, lgc_run])
+    table = report_table(records)
+    assert capsys.readouterr().out == table + "\n"
+    report = (out / "report.md").read_text()
+    assert table in report and "![accuracy against compression ratio](accuracy_vs_ratio.png)" in report
+    width, height = _png_size(out / "accuracy_vs_ratio.png")
+    assert width > 400 and height > 300
+    assert json.loads((out / "rows.json").read_text()) == table_rows(records)
