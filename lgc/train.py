@@ -6,9 +6,11 @@ launching process, before any worker process starts; a bad value raises an error
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +182,43 @@ def _task_module(cfg: DictConfig, model: torch.nn.Module, datamodule: Any) -> An
     return ImageClassifier(model, num_classes=datamodule.num_classes, optimizer=optimizer, scheduler=scheduler)
 
 
+@contextlib.contextmanager
+def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[None]:
+    """Environment of one ``trainer.fit``, restored afterwards.
+
+    * ``MASTER_PORT``: Lightning picks a free port for spawned workers and leaves it in
+      ``os.environ``, where every later run in the same process (a notebook, a test session) would
+      reuse it although something else may hold it by then. Unless the caller set it, each run
+      picks its own.
+    * ``WANDB_DIR``: with spawned workers Lightning creates the wandb run in this process and the
+      rank-0 worker attaches to it; the attached run would write its media (the per-layer tables)
+      under the working directory's ``wandb/`` instead of the logger's ``save_dir``. The run is
+      created here, before the port is chosen (wandb's service listens on a port of its own), and
+      finished when training ends, which flushes the offline transaction log before ``train``
+      returns.
+    """
+    from pytorch_lightning.loggers import WandbLogger
+
+    wandb_loggers = [logger for logger in loggers if isinstance(logger, WandbLogger)]
+    saved = {name: os.environ.get(name) for name in ("MASTER_PORT", "WANDB_DIR")}
+    if wandb_loggers and wandb_loggers[0].save_dir:
+        os.environ["WANDB_DIR"] = str(Path(wandb_loggers[0].save_dir).resolve())
+    try:
+        if spawns_workers:
+            for logger in wandb_loggers:
+                _ = logger.experiment
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for logger in wandb_loggers:
+            if logger._experiment is not None:
+                logger._experiment.finish()
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says and return the run summary (also written to ``output_dir/summary.json``)."""
     import pytorch_lightning as pl
@@ -226,7 +265,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer = hydra.utils.instantiate(
         cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks, default_root_dir=str(output_dir)
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    with _launch_environment(loggers, spawns_workers=not launched_externally()):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
 
     summary_path = output_dir / "summary.json"
     summary = json.loads(summary_path.read_text())

@@ -27,6 +27,26 @@ def test_every_paper_reproduction_has_a_smoke_variant():
     assert len(EMBEDDED) >= 17
 
 
+@pytest.mark.parametrize("name", PAPER_SMOKE)
+def test_smoke_variants_keep_their_papers_compressor_model_and_data(name):
+    """A smoke variant only shortens the run: a smoke that silently trained another method would test nothing."""
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        smoke = compose("train", overrides=[f"experiment={name}", "output_dir=OUT"])
+        full = compose("train", overrides=[f"experiment={name.removesuffix('_smoke')}", "output_dir=OUT"])
+    for group in ("compressor", "model", "data"):
+        assert smoke[group]._target_ == full[group]._target_, group
+    assert smoke.optimizer == full.optimizer
+    assert smoke.trainer.limit_train_batches == 4 and smoke.trainer.accelerator == "cpu"
+
+
+def test_the_default_run_is_lgc_rar_and_smoke_is_top_k_unless_told():
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        assert compose("train")["compressor"]._target_ == "lgc.ddp.lgc_rar.LGCRingAllreduceState"
+        assert compose("train", ["experiment=smoke"])["compressor"]._target_ == "lgc.compressors.TopKCompressor"
+        told = compose("train", ["experiment=smoke", "compressor=dgc"])
+    assert told["compressor"]._target_ == "lgc.compressors.dgc.DGCCompressor" and told.trainer.limit_train_batches == 4
+
+
 @pytest.fixture(scope="module")
 def data_roots(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")

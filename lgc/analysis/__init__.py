@@ -3,7 +3,7 @@
 :class:`GradientRecorder` (a Lightning callback) saves every worker's local gradients;
 :func:`load_recording` reads them back; :mod:`lgc.analysis.correlation` measures how alike the
 workers' gradients are; :mod:`lgc.analysis.plots` draws it; :func:`record_gradients` runs a short
-recorded training on the embedded task.
+recorded training on the embedded task; :func:`read_offline_run` reads an offline wandb run.
 """
 
 from lgc.analysis.correlation import (
@@ -21,11 +21,13 @@ from lgc.analysis.plots import plot_cosine_over_time, plot_topk_jaccard_over_tim
 from lgc.analysis.record import compose_recording_config, record_gradients
 from lgc.analysis.recorder import GradientRecorder, select_parameters
 from lgc.analysis.recording import RECORDING_FORMAT, GradientRecording, load_recording
+from lgc.analysis.wandb_offline import OfflineRun, read_offline_run
 
 __all__ = [
     "RECORDING_FORMAT",
     "GradientRecorder",
     "GradientRecording",
+    "OfflineRun",
     "compare_recordings",
     "compose_recording_config",
     "cross_worker_cosine",
@@ -35,6 +37,7 @@ __all__ = [
     "plot_cosine_over_time",
     "plot_topk_jaccard_over_time",
     "random_topk_jaccard",
+    "read_offline_run",
     "record_gradients",
     "recording_cosine",
     "recording_topk_jaccard",

@@ -62,6 +62,8 @@ def _configured_compressors(density: float) -> dict[str, Compressor]:
         node = OmegaConf.to_container(OmegaConf.load(path))
         # Configs in the global package (dgc: it also turns the optimizer's momentum off).
         node = node.get("compressor", node)
+        if "defaults" in node:
+            continue  # variants of another config (e.g. lgc_rar_paper extends lgc_rar), not new methods
         if str(node.get("_target_", "")).startswith("lgc.ddp."):
             continue  # whole hook states (PyTorch's hooks, LGC), not compressors of a tensor
         if "density" in node:

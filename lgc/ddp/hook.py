@@ -17,7 +17,7 @@ This module (with :mod:`lgc.ddp.topologies` later) is the only place that calls
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -37,6 +37,29 @@ __all__ = [
     "compression_hook",
     "register_compression_hook",
 ]
+
+
+@dataclass
+class LayerStats:
+    """What one parameter cost on the wire (one worker)."""
+
+    numel: int
+    #: Whether the compressor handled it (the last step's answer; LGC's warm-up sends everything dense).
+    compressed: bool
+    #: Steps it was sent in.
+    steps: int = 0
+    #: Bytes of it this worker sent (a share of a joint code is booked pro rata, see LGC).
+    bytes_sent: int = 0
+
+
+def _residual_store(compressor: Compressor) -> dict[str, Tensor]:
+    """The per-parameter error-feedback memory of ``compressor`` (ErrorFeedback, DGC), if any."""
+    for attribute in ("residuals", "velocities"):
+        store = getattr(compressor, attribute, None)
+        if isinstance(store, dict):
+            return store
+    inner = getattr(compressor, "compressor", None)
+    return _residual_store(inner) if isinstance(inner, Compressor) else {}
 
 
 class _Segment(NamedTuple):
@@ -81,6 +104,7 @@ class CompressionHookState:
         "bucket_layouts",  # bucket index -> which parts of the flat buffer are compressed
         # stats
         "stats",
+        "layer_stats",  # parameter name -> LayerStats (bytes per parameter, for the per-layer table)
     )
 
     def __init__(
@@ -109,6 +133,36 @@ class CompressionHookState:
         self.param_names: dict[int, str] = {}
         self.bucket_layouts: dict[int, _BucketLayout] = {}
         self.stats = CommStats()
+        self.layer_stats: dict[str, LayerStats] = {}
+
+    def book_layer(self, name: str, numel: int, compressed: bool, nbytes: int) -> None:
+        """Count ``nbytes`` put on the wire for one parameter in one step."""
+        layer = self.layer_stats.get(name)
+        if layer is None:
+            layer = self.layer_stats[name] = LayerStats(numel, compressed)
+        layer.steps += 1
+        layer.compressed = compressed
+        layer.bytes_sent += nbytes
+
+    def layer_table(self) -> list[dict[str, Any]]:
+        """One row per parameter: size, steps, bytes sent, compression ratio and residual norm."""
+        residuals = _residual_store(self.compressor)
+        rows = []
+        for name, layer in self.layer_stats.items():
+            dense = 4 * layer.numel * layer.steps
+            residual = residuals.get(name)
+            rows.append(
+                {
+                    "layer": name,
+                    "numel": layer.numel,
+                    "compressed": layer.compressed,
+                    "steps": layer.steps,
+                    "bytes_sent": layer.bytes_sent,
+                    "compression_ratio": dense / layer.bytes_sent if layer.bytes_sent else None,
+                    "residual_norm": None if residual is None else float(torch.linalg.vector_norm(residual)),
+                }
+            )
+        return rows
 
     def attach(self, model: DistributedDataParallel) -> None:
         """Learn the parameter names of ``model`` (compressor state is keyed by them)."""
@@ -132,8 +186,8 @@ class CompressionHookState:
         return {}
 
     def summary_extras(self) -> dict[str, Any]:
-        """Method-specific fields for this worker's entry in ``summary.json``."""
-        return {}
+        """Method-specific fields for this worker's entry in ``summary.json`` (and its per-layer table)."""
+        return {"layers": self.layer_table()}
 
     def register(self, model: DistributedDataParallel) -> None:
         """Attach to ``model`` and register :func:`compression_hook` with this state."""
@@ -179,12 +233,18 @@ class CompressionHookState:
 
     def state_dict(self) -> dict[str, Any]:
         """This worker's state: compressor state (residuals), iteration counter and statistics."""
-        return {"compressor": self.compressor.state_dict(), "iteration": self.iteration, "stats": asdict(self.stats)}
+        return {
+            "compressor": self.compressor.state_dict(),
+            "iteration": self.iteration,
+            "stats": asdict(self.stats),
+            "layers": {name: asdict(layer) for name, layer in self.layer_stats.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.compressor.load_state_dict(state["compressor"])
         self.iteration = int(state["iteration"])
         self.stats = CommStats(**state["stats"])
+        self.layer_stats = {name: LayerStats(**layer) for name, layer in state["layers"].items()}
 
 
 def _allreduce(state: CompressionHookState, tensor: Tensor) -> torch.futures.Future:
@@ -211,6 +271,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         state.iteration += 1
 
     if iteration < state.start_iter:
+        for segment in state.layout(bucket).segments:
+            state.book_layer(segment.name, segment.numel, False, segment.numel * buffer.element_size())
         return _allreduce(state, buffer).then(lambda fut: fut.value()[0])
 
     return average_compressed(state, buffer, state.layout(bucket).segments, iteration)
@@ -270,6 +332,10 @@ class PayloadExchange:
         self.own = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
         #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
         self.received: dict[str, list[Payload]] = {}
+        for s, payload in zip(self.sparse, self.own, strict=True):
+            state.book_layer(s.name, s.numel, True, payload.nbytes)
+        for s in self.dense:
+            state.book_layer(s.name, s.numel, False, s.numel * buffer.element_size())
         state.stats.payload_bytes += sum(p.nbytes for p in self.own)
         state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in self.sparse) * buffer.element_size()
         if compressor.combine is CombineMode.SUM:

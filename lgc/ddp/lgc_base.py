@@ -489,6 +489,8 @@ class LGCHookState(CompressionHookState):
         segments = self.layout(bucket).segments
         if self.stage is LGCStage.WARMUP:
             if step == 0 or self.warmup == "dense" or not any(s.compressed for s in segments):
+                for s in segments:
+                    self.book_layer(s.name, s.numel, False, s.numel * buffer.element_size())
                 return counted.all_reduce(self.stats, buffer, self.process_group).then(lambda fut: fut.value()[0])
             self.topk.density = self._warmup_density(step)
             return average_compressed(self, buffer, segments, step)
@@ -593,9 +595,14 @@ class LGCHookState(CompressionHookState):
         return torch.cat(parts)
 
     def _count_payload(self, sent: int, plan: StepPlan) -> None:
-        """Book what this worker sent for the compressed parameters (its own compression ratio)."""
+        """Book what this worker sent for the compressed parameters (its own compression ratio).
+
+        The parameters share one code, so each is booked the share of its selected values.
+        """
         self.stats.payload_bytes += sent
         self.stats.payload_dense_equivalent_bytes += plan.numel * plan.compressed[0].grad.element_size()
+        for part, k in zip(plan.compressed, plan.ks, strict=True):
+            self.book_layer(part.name, part.grad.numel(), True, round(sent * k / plan.k))
 
     def _keep_residuals(self, plan: StepPlan, residual: Tensor) -> None:
         for part, offset in zip(plan.compressed, plan.cat_offsets, strict=True):
@@ -606,6 +613,8 @@ class LGCHookState(CompressionHookState):
 
         Writes the dense parameters' sums into their gradients; returns the summed ``extra`` part.
         """
+        for part in plan.dense:
+            self.book_layer(part.name, part.grad.numel(), False, part.grad.numel() * part.grad.element_size())
         pieces = [part.grad for part in plan.dense] + extra
         if not pieces:
             return None
@@ -707,7 +716,8 @@ class LGCHookState(CompressionHookState):
     def summary_extras(self) -> dict[str, Any]:
         self._book_stage_bytes()
         stages = {name: vars(s).copy() for name, s in self.stage_stats.items()}
-        return {"lgc": {"stages": stages, "refreshes": self.refreshes, "autoencoder": repr(self.trainer.autoencoder)}}
+        lgc = {"stages": stages, "refreshes": self.refreshes, "autoencoder": repr(self.trainer.autoencoder)}
+        return {**super().summary_extras(), "lgc": lgc}
 
     def state_dict(self) -> dict[str, Any]:
         assert self.trainer is not None

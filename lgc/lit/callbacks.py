@@ -19,7 +19,7 @@ from lgc.ddp.torch_hooks import TorchHookState
 
 HookState = CompressionHookState | TorchHookState | CommunicationDelayState
 
-__all__ = ["CompressionCallback", "RunSummary", "gather_worker_stats"]
+__all__ = ["LAYER_COLUMNS", "CompressionCallback", "RunSummary", "gather_worker_stats"]
 
 
 def _hook_state(trainer: pl.Trainer) -> HookState:
@@ -45,6 +45,23 @@ def gather_worker_stats(state: HookState) -> list[dict[str, float]]:
 def _ratio(dense_bytes: float, sent_bytes: float) -> float | None:
     """Dense over sent bytes; None (null in JSON) when nothing was sent that way."""
     return dense_bytes / sent_bytes if sent_bytes else None
+
+
+#: Columns of the per-layer table (``summary.json``'s ``layers`` and wandb's ``comm/layers``).
+LAYER_COLUMNS = ("layer", "numel", "compressed", "steps", "bytes_sent", "compression_ratio", "residual_norm")
+
+
+def _log_layer_table(trainer: pl.Trainer, layers: list[dict[str, Any]]) -> None:
+    """The per-layer compression statistics as a wandb Table (``comm/layers``), when wandb logs."""
+    from pytorch_lightning.loggers import WandbLogger
+
+    if not layers:
+        return
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.log_table(
+                key="comm/layers", columns=list(LAYER_COLUMNS), data=[[row[c] for c in LAYER_COLUMNS] for row in layers]
+            )
 
 
 def _stage_totals(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -153,11 +170,17 @@ class RunSummary(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
+        # The resolved run config, in every logger (wandb's run config, CSV's hparams.yaml).
+        if self.config:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(self.config)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         workers = gather_worker_stats(_hook_state(trainer))
         if trainer.global_rank != 0:
             return
+        # One per-layer table (rank 0's; every worker sends the same layers) rather than one per worker.
+        layers = [w.pop("layers", []) for w in workers][0]
         sent = sum(w["bytes_sent"] for w in workers)
         dense = sum(w["dense_equivalent_bytes"] for w in workers)
         summary = {
@@ -187,5 +210,7 @@ class RunSummary(pl.Callback):
             summary["lgc_stages"] = _stage_totals([w["lgc"]["stages"] for w in workers])
         top_level = ("val/acc", "val/loss", "val/mIoU", "val/pixel_acc")
         summary.update({k: summary["metrics"][k] for k in top_level if k in summary["metrics"]})
+        summary["layers"] = layers
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        _log_layer_table(trainer, layers)
