@@ -199,6 +199,12 @@ def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[No
     """
     from pytorch_lightning.loggers import WandbLogger
 
+    if spawns_workers and torch.distributed.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group is already initialized in the process that launches the workers "
+            f"(it holds MASTER_PORT={os.environ.get('MASTER_PORT')}); call torch.distributed.destroy_process_group() "
+            "first, or launch with torchrun"
+        )
     wandb_loggers = [logger for logger in loggers if isinstance(logger, WandbLogger)]
     saved = {name: os.environ.get(name) for name in ("MASTER_PORT", "WANDB_DIR")}
     if wandb_loggers and wandb_loggers[0].save_dir:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from lgc.bench.cli import main
 from lgc.bench.compressors import resnet50_numels
 
@@ -22,4 +24,17 @@ def test_compressor_benchmark_reports_every_configured_compressor(tmp_path, caps
     assert rows["fp16"]["bits_per_element"] == 16
     # top-k sends ceil(0.01 n) (fp32 value, int32 index) pairs per tensor: 50 + 700 pairs of 64 bits.
     assert rows["topk"]["bits_per_element"] == 64 * (50 + 700) / 75_000
+    # DGC is timed after its warm-up, at the density asked for (same k per tensor as top-k).
+    assert rows["dgc"]["bits_per_element"] == rows["topk"]["bits_per_element"]
     assert "| topk |" in capsys.readouterr().out
+
+
+def test_golomb_section_measures_the_code_against_its_formula_and_the_entropy_bound():
+    from lgc.bench.compressors import golomb_bits
+
+    rows = golomb_bits(2_000_000, ps=(0.01, 0.001))
+    for row in rows:
+        assert row["positions"] == pytest.approx(row["p"] * 2_000_000, rel=0.1)
+        assert row["bits_per_position"] == pytest.approx(row["expected_bits"], rel=0.01)
+        assert row["bits_per_position"] == pytest.approx(row["entropy_bits"], rel=0.02)
+    assert [row["b"] for row in rows] == [6, 9]

@@ -147,6 +147,8 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
     module = ImageClassifier(resnet8(num_classes=10, in_channels=1), 10, optimizer=partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(ValueError, match="CompressionCallback"):
         trainer.fit(module, datamodule=DigitsDataModule())
+    # Refused before any process group was created (one left behind would hold MASTER_PORT).
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.fixture
@@ -182,3 +184,14 @@ def test_bad_input_is_reported_before_workers_start(tmp_path, no_workers, overri
 def test_unknown_compressor_is_named(tmp_path):
     with pytest.raises(MissingConfigException, match="nosuchmethod"):
         compose_cfg(tmp_path, "compressor=nosuchmethod")
+
+
+def test_a_process_group_left_in_the_launching_process_is_reported(tmp_path, no_workers):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="process group is already initialized"):
+            train(compose_cfg(tmp_path))
+    finally:
+        dist.destroy_process_group()

@@ -6,7 +6,12 @@ the requested density) compresses and decompresses a gradient with ResNet-50's p
 tensor as the DDP hook does. Side by side in the same run: an fp16 round trip
 (``g.half().float()``) and an exact ``torch.topk`` of the same flat gradient, as the references
 the times are divided by. The median of ``--repeats`` runs is reported, after one warm-up run
-(which also fills the error-feedback residuals).
+(which also fills the error-feedback residuals). DGC is timed past its warm-up epochs, at the
+requested density.
+
+Then SBC's Golomb position code: random positions kept with probability ``p`` among the
+benchmark's elements, coded with the optimal parameter ``b*``, and the measured bits per position
+next to the expected length ``b* + 1 / (1 - (1 - p)^(2^b*))`` and the entropy bound ``H(p) / p``.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ def _configured_compressors(density: float) -> dict[str, Compressor]:
             continue  # whole hook states (PyTorch's hooks, LGC), not compressors of a tensor
         if "density" in node:
             node["density"] = density
+        if "warmup_densities" in node:
+            node["warmup_densities"] = []  # DGC after its warm-up epochs: the density asked for
         built = build_compressor(node)
         if isinstance(built, Compressor):
             compressors[path.stem] = built
@@ -121,6 +128,7 @@ def benchmark_compressors(
             }
         )
     return {
+        "golomb": golomb_bits(total, device=dev, seed=seed),
         "device": str(dev),
         "numel": total,
         "tensors": len(grads),
@@ -130,6 +138,35 @@ def benchmark_compressors(
         **reference,
         "rows": rows,
     }
+
+
+def golomb_bits(
+    numel: int, ps: tuple[float, ...] = (0.01, 0.001, 0.0001), device: torch.device | str = "cpu", seed: int = 0
+) -> list[dict[str, float]]:
+    """Bits per position of the Golomb code against its expected length and the entropy bound."""
+    from lgc.coding import binary_entropy_bits_per_position, expected_bits_per_position, golomb_encode
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = []
+    for p in ps:
+        positions = (torch.rand(numel, generator=gen, device=device) < p).nonzero().squeeze(1)
+        code = golomb_encode(positions, numel)
+        measured = code.bits_per_position
+        expected = expected_bits_per_position(p, code.b)
+        entropy = binary_entropy_bits_per_position(p)
+        rows.append(
+            {
+                "p": p,
+                "positions": positions.numel(),
+                "b": code.b,
+                "bits_per_position": measured,
+                "expected_bits": expected,
+                "entropy_bits": entropy,
+                "vs_expected": measured / expected - 1,
+                "vs_entropy": measured / entropy - 1,
+            }
+        )
+    return rows
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -146,6 +183,19 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['compressor']} | {row['encode_decode_ms']:.1f} | {row['x_fp16_round_trip']:.2f} | "
             f"{row['x_torch_topk']:.2f} | {row['bits_per_element']:.4f} |"
+        )
+    lines += [
+        "",
+        "Golomb position code (SBC), optimal b*:",
+        "",
+        "| p | positions | b* | bits/position | expected | vs expected | entropy H(p)/p | vs entropy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["golomb"]:
+        lines.append(
+            f"| {row['p']} | {row['positions']:,} | {row['b']} | {row['bits_per_position']:.3f} | "
+            f"{row['expected_bits']:.3f} | {100 * row['vs_expected']:+.2f} % | {row['entropy_bits']:.3f} | "
+            f"{100 * row['vs_entropy']:+.2f} % |"
         )
     return "\n".join(lines)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
 
@@ -53,15 +52,18 @@ class CompressedDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.hook_state = hook_state
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup_environment(self) -> None:
+        # Checked before the process group exists: Lightning never destroys it, and one left behind
+        # in this process would hold MASTER_PORT for every later run.
         from lgc.lit.callbacks import CompressionCallback
 
+        trainer = self.lightning_module.trainer
         if not any(isinstance(cb, CompressionCallback) for cb in trainer.callbacks):
             raise ValueError(
                 "CompressedDDPStrategy needs lgc.lit.CompressionCallback in Trainer(callbacks=...) so that every "
                 "rank's compressor state (residuals) is checkpointed"
             )
-        super().setup(trainer)
+        super().setup_environment()
 
     def _register_ddp_hooks(self) -> None:
         # Deliberately not Lightning's CUDA-only path: register on gloo and NCCL alike.
