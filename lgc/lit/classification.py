@@ -14,6 +14,18 @@ from torchmetrics.classification import MulticlassAccuracy
 __all__ = ["ImageClassifier"]
 
 
+
+def optimizer_with_epoch_scheduler(
+    parameters: Any,
+    optimizer_factory: Callable[..., torch.optim.Optimizer],
+    scheduler_factory: Callable[..., Any] | None,
+) -> Any:
+    """``configure_optimizers``' answer for the task modules: the optimizer, stepping its scheduler once per epoch."""
+    optimizer = optimizer_factory(parameters)
+    if scheduler_factory is None:
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler_factory(optimizer), "interval": "epoch"}}
+
 class ImageClassifier(pl.LightningModule):
     """Cross-entropy training of ``model``; logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``.
 
@@ -58,10 +70,4 @@ class ImageClassifier(pl.LightningModule):
         self.log("val/acc", self.val_acc, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "epoch"},
-        }
+        return optimizer_with_epoch_scheduler(self.parameters(), self.optimizer_factory, self.scheduler_factory)

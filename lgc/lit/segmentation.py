@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
+from lgc.lit.classification import optimizer_with_epoch_scheduler
+
 __all__ = ["SemanticSegmenter", "pixel_cross_entropy", "split_logits"]
 
 
@@ -126,10 +128,4 @@ class SemanticSegmenter(pl.LightningModule):
         self.log("val/pixel_acc", self.val_pixel_acc)
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "epoch"},
-        }
+        return optimizer_with_epoch_scheduler(self.parameters(), self.optimizer_factory, self.scheduler_factory)
