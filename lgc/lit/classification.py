@@ -14,7 +14,6 @@ from torchmetrics.classification import MulticlassAccuracy
 __all__ = ["ImageClassifier"]
 
 
-
 def optimizer_with_epoch_scheduler(
     parameters: Any,
     optimizer_factory: Callable[..., torch.optim.Optimizer],
@@ -25,6 +24,7 @@ def optimizer_with_epoch_scheduler(
     if scheduler_factory is None:
         return optimizer
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler_factory(optimizer), "interval": "epoch"}}
+
 
 class ImageClassifier(pl.LightningModule):
     """Cross-entropy training of ``model``; logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``.
