@@ -1,21 +1,26 @@
 """``train(cfg)``: one Hydra config in, one trained model and ``summary.json`` out.
 
 ``lgc-train`` is a thin Hydra wrapper around :func:`train`. Every value is checked here, in the
-launching process, before any worker process starts; a bad value raises an error that names it.
+launching process, before any worker process starts; a bad value raises an error that names it,
+and ``lgc-train`` then removes the run folder Hydra made for it if it holds only Hydra's own files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import shutil
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,8 +90,23 @@ def build_hook_state(
             raise ValueError(f"comm.delay={delay!r} needs an lgc compressor, not {compressor.describe()}")
         return compressor
     if delay is not None:
+        for inner in _unwrapped(compressor):
+            if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
+                raise ValueError(
+                    f"comm.delay={delay!r} exchanges weight updates, which the local optimizer's weight decay "
+                    f"already shaped; {type(inner).__name__}'s weight_decay={inner.weight_decay!r} would decay them "
+                    "again: set compressor.weight_decay=0 and keep the decay in the optimizer"
+                )
         return CommunicationDelayState(compressor, delay=delay, min_numel=comm_node.min_numel)
     return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
+
+
+def _unwrapped(compressor: Compressor) -> list[Compressor]:
+    """``compressor`` and what it wraps (error feedback around a compressor)."""
+    chain = [compressor]
+    while isinstance(inner := getattr(chain[-1], "compressor", None), Compressor):
+        chain.append(inner)
+    return chain
 
 
 def launched_externally() -> bool:
@@ -182,6 +202,38 @@ def _task_module(cfg: DictConfig, model: torch.nn.Module, datamodule: Any) -> An
     return ImageClassifier(model, num_classes=datamodule.num_classes, optimizer=optimizer, scheduler=scheduler)
 
 
+# Third-party messages that say nothing about the run and that the user cannot act on.
+#: torch deprecates ``LeafSpec`` (a FutureWarning), which Lightning's ``CombinedLoader`` still builds,
+#: once per worker; to be fixed on Lightning's side, not ours.
+_LEAFSPEC_WARNING = {
+    "message": r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    "category": FutureWarning,
+    "module": r"pytorch_lightning\.utilities\._pytree",
+}
+#: The same filter for spawned workers, as ``PYTHONWARNINGS`` (a literal message prefix, no commas).
+_LEAFSPEC_PYTHONWARNINGS = "ignore:`isinstance(treespec:FutureWarning:pytorch_lightning.utilities._pytree"
+
+
+def _drop_lightning_tips(record: logging.LogRecord) -> bool:
+    """Logging filter: Lightning's "💡 Tip: try installing litlogger / litmodels" advertisements."""
+    return not record.getMessage().startswith("💡 Tip:")
+
+
+def _without_require_service(require: Callable[..., Any]) -> Callable[..., Any]:
+    """``wandb.require`` minus ``"service"``, a no-op in current wandb that warns on every call.
+
+    Lightning's ``WandbLogger`` calls ``wandb.require("service")`` whenever it is pickled for a
+    spawned worker, which printed the same warning once per worker.
+    """
+
+    def without_service(*args: Any, **kwargs: Any) -> Any:
+        if args == ("service",) and not kwargs:
+            return None
+        return require(*args, **kwargs)
+
+    return without_service
+
+
 @contextlib.contextmanager
 def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[None]:
     """Environment of one ``trainer.fit``, restored afterwards.
@@ -196,6 +248,9 @@ def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[No
       created here, before the port is chosen (wandb's service listens on a port of its own), and
       finished when training ends, which flushes the offline transaction log before ``train``
       returns.
+    * Third-party noise on every run is left out, here and in the workers: torch's ``LeafSpec``
+      deprecation warning raised by Lightning's code (``PYTHONWARNINGS`` for spawned workers), and
+      wandb's warnings about settings Lightning passes (``anonymous=None``, ``require("service")``).
     """
     from pytorch_lightning.loggers import WandbLogger
 
@@ -206,15 +261,31 @@ def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[No
             "first, or launch with torchrun"
         )
     wandb_loggers = [logger for logger in loggers if isinstance(logger, WandbLogger)]
-    saved = {name: os.environ.get(name) for name in ("MASTER_PORT", "WANDB_DIR")}
+    saved = {name: os.environ.get(name) for name in ("MASTER_PORT", "WANDB_DIR", "PYTHONWARNINGS")}
     if wandb_loggers and wandb_loggers[0].save_dir:
         os.environ["WANDB_DIR"] = str(Path(wandb_loggers[0].save_dir).resolve())
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (saved["PYTHONWARNINGS"], _LEAFSPEC_PYTHONWARNINGS)))
+    for logger in wandb_loggers:
+        # Lightning passes anonymous=None, which current wandb warns about as a setting with no effect.
+        init_kwargs = getattr(logger, "_wandb_init", {})
+        if "anonymous" in init_kwargs and init_kwargs["anonymous"] is None:
+            del init_kwargs["anonymous"]
+    wandb = None
+    if wandb_loggers:
+        import wandb
+
+        require = wandb.require
+        wandb.require = _without_require_service(require)
     try:
-        if spawns_workers:
-            for logger in wandb_loggers:
-                _ = logger.experiment
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", **_LEAFSPEC_WARNING)
+            if spawns_workers:
+                for logger in wandb_loggers:
+                    _ = logger.experiment
+            yield
     finally:
+        if wandb is not None:
+            wandb.require = require
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -225,22 +296,32 @@ def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[No
                 logger._experiment.finish()
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says and return the run summary (also written to ``output_dir/summary.json``)."""
+class _PreparedRun(NamedTuple):
+    """Everything :func:`train` builds and checks before it writes a file or starts a worker."""
+
+    trainer: Any  # pl.Trainer
+    module: Any  # the task's LightningModule
+    datamodule: Any
+    loggers: list[Any]
+    output_dir: Path
+    ckpt_path: str | None
+
+
+def _prepare(cfg: DictConfig) -> _PreparedRun:
+    """Validate and build everything in this process; writes nothing, starts no worker."""
     import pytorch_lightning as pl
 
     from lgc.lit import CompressedDDPStrategy, CompressionCallback, RunSummary
 
-    start = time.perf_counter()
-    # Validate and build everything in this process, before any worker starts.
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
-    check_optimizer_momentum(hook_state, cfg.optimizer.get("momentum", 0.0))
+    check_optimizer_momentum(
+        hook_state, cfg.optimizer.get("momentum", 0.0), weight_decay=cfg.optimizer.get("weight_decay", 0.0)
+    )
     devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
     world_size = devices * int(cfg.trainer.get("num_nodes") or 1)
     if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
         raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r} is not a file")
     output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _instantiate(cfg.data, "data")
@@ -268,31 +349,118 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks += [
         _instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items() if node
     ]
+    logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_drop_lightning_tips)
     trainer = hydra.utils.instantiate(
         cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks, default_root_dir=str(output_dir)
     )
-    with _launch_environment(loggers, spawns_workers=not launched_externally()):
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    return _PreparedRun(trainer, module, datamodule, loggers, output_dir, cfg.ckpt_path)
 
-    summary_path = output_dir / "summary.json"
+
+def _fit(run: _PreparedRun, start: float) -> dict[str, Any]:
+    """Train a prepared run; its summary gets the wall time since ``start`` (a ``time.perf_counter()``)."""
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    with _launch_environment(run.loggers, spawns_workers=not launched_externally()):
+        run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+
+    summary_path = run.output_dir / "summary.json"
     summary = json.loads(summary_path.read_text())
     summary["wall_time_s"] = time.perf_counter() - start
     summary_path.write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
-    summary = train(cfg)
-    ratio = summary["compression_ratio"]
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says and return the run summary (also written to ``output_dir/summary.json``).
+
+    Every value is checked, and the model, data and trainer built, before anything is written or a
+    worker starts: a refused config leaves no trace.
+    """
+    start = time.perf_counter()
+    return _fit(_prepare(cfg), start)
+
+
+# What Hydra writes into a run folder before the job starts.
+_HYDRA_FILES = frozenset({"config.yaml", "hydra.yaml", "overrides.yaml"})
+
+
+def _remove_unused_run_folder(folder: Path, log_name: str, stop_at: Path) -> bool:
+    """Remove ``folder`` if it holds nothing but Hydra's own files, then its empty parents below ``stop_at``.
+
+    Hydra's own files are ``.hydra/{config,hydra,overrides}.yaml`` and an *empty* job log
+    ``log_name``; a folder holding anything else (a log with something in it included) is kept.
+    Returns whether ``folder`` was removed.
+    """
+    folder = folder.resolve()
+    try:
+        entries = {entry.name: entry for entry in folder.iterdir()}
+        hydra_dir, log = entries.pop(".hydra", None), entries.pop(log_name, None)
+        if entries or (log is not None and (not log.is_file() or log.stat().st_size > 0)):
+            return False
+        if hydra_dir is not None and (
+            not hydra_dir.is_dir() or any(not f.is_file() or f.name not in _HYDRA_FILES for f in hydra_dir.iterdir())
+        ):
+            return False
+    except OSError:
+        return False
+    # Hydra's job log handler still has the file open (Windows would refuse to delete it).
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", [])):
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == folder:
+                handler.close()
+                logger.removeHandler(handler)
+    shutil.rmtree(folder, ignore_errors=True)
+    stop_at = stop_at.resolve()
+    for parent in folder.parents:
+        if parent == stop_at or stop_at not in parent.parents:
+            break
+        try:
+            parent.rmdir()  # only while empty: outputs/DATE/ of this run alone, then outputs/
+        except OSError:
+            break
+    return not folder.exists()
+
+
+def _remove_refused_run_folder() -> None:
+    """After a refused config: the folder Hydra made for the run, unless the user named it."""
+    hydra_cfg = HydraConfig.get()
+    pinned = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.sweep.subdir=")
+    if any(override.startswith(pinned) for override in hydra_cfg.overrides.hydra):
+        return
+    folder = Path(hydra_cfg.runtime.output_dir)
+    _remove_unused_run_folder(folder, f"{hydra_cfg.job.name}.log", stop_at=Path(hydra_cfg.runtime.cwd))
+
+
+def _result_line(summary: dict[str, Any], output_dir: str) -> str:
+    """The line ``lgc-train`` ends with: final metrics, the run's overall ratio (and LGC's compressed stage's)."""
+
+    def ratio(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
     metrics = " ".join(
         f"{key}={summary[key]:.4f}" for key in ("val/acc", "val/mIoU", "val/pixel_acc") if key in summary
     )
-    print(
-        f"{metrics or 'no validation metrics'} "
-        f"compression_ratio={'n/a' if ratio is None else format(ratio, '.2f')} "
-        f"steps={summary['steps']} wall_time={summary['wall_time_s']:.1f}s -> {cfg.output_dir}/summary.json"
-    )
+    parts = [
+        metrics or "no validation metrics",
+        # Not wandb's comm/compression_ratio (rank 0's running value): every worker, every step.
+        f"overall_compression_ratio={ratio(summary['compression_ratio'])} "
+        f"(all {summary['world_size']} workers, all {summary['steps']} steps)",
+    ]
+    compressed = summary.get("lgc_stages", {}).get("compressed")
+    if compressed is not None:
+        parts.append(f"lgc_compressed_stage_ratio={ratio(compressed['compression_ratio'])}")
+    parts.append(f"wall_time={summary['wall_time_s']:.1f}s -> {output_dir}/summary.json")
+    return " ".join(parts)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    start = time.perf_counter()
+    try:
+        run = _prepare(cfg)
+    except Exception:
+        _remove_refused_run_folder()
+        raise
+    print(_result_line(_fit(run, start), cfg.output_dir))
 
 
 if __name__ == "__main__":

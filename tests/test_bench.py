@@ -1,6 +1,8 @@
 """lgc-bench runs end to end on a small gradient (a smoke test; timings are not asserted)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -38,3 +40,21 @@ def test_golomb_section_measures_the_code_against_its_formula_and_the_entropy_bo
         assert row["bits_per_position"] == pytest.approx(row["expected_bits"], rel=0.01)
         assert row["bits_per_position"] == pytest.approx(row["entropy_bits"], rel=0.02)
     assert [row["b"] for row in rows] == [6, 9]
+
+
+def test_help_is_plain_text_and_loads_no_training_stack():
+    # In a fresh interpreter: this test process has Lightning loaded already.
+    code = """
+import sys
+from lgc.bench.cli import main
+for argv in (["--help"], ["compressors", "--help"], ["autoencoder", "--help"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+heavy = ("pytorch_lightning", "lightning_fabric", "torchvision", "torchmetrics", "wandb", "hydra", "lgc.analysis")
+print("loaded:", sorted(name for name in heavy if name in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "loaded: []"
+    assert "encode + decode time and bits per element" in out and "``" not in out and ":func:" not in out

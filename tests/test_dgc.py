@@ -97,6 +97,188 @@ def test_density_one_with_masking_is_plain_sgd_without_momentum():
         assert torch.count_nonzero(dgc.momenta["w"]) == 0
 
 
+# -- (1b) weight decay inside momentum correction ----------------------------------------------------
+# torch.optim.SGD(momentum=m, weight_decay=wd) steps along the momentum of g + wd * w. DGC adds
+# wd * w to the gradient before its momentum correction, so in the dense limit (density 1, masking
+# off) DGC + SGD(momentum=0, weight_decay=0) is that optimizer, for compressed and dense tensors.
+# Decay left in the optimizer instead acts outside the momentum: at equilibrium u = g / (1 - m),
+# so it is (1 - m) * wd, 10x weaker at m = 0.9 (the defect this section guards against).
+_WD = 0.5
+_LR = 0.05
+
+
+def _regression() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(256, 20, generator=gen)
+    target = features @ torch.randn(20, 5, generator=gen) + 0.5 * torch.randn(256, 5, generator=gen)
+    return features, target
+
+
+def _linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(20, 5)  # a 100-entry weight (compressed below) and a 5-entry bias (sent dense)
+
+
+def _train_regression(
+    optimizer_kwargs: dict, dgc: DGCCompressor | None, steps: int, make_optimizer=None
+) -> list[list[torch.Tensor]]:
+    """Parameters after every step; with ``dgc``, gradients go through it as the hook would send them.
+
+    One process stands in for the hook with world size 1: the gradient is divided by 1, tensors of
+    at least 64 entries are compressed and decoded, smaller ones pass through ``transform_dense``.
+    """
+    features, target = _regression()
+    model = _linear()
+    if dgc is not None:
+        dgc.attach_parameters(dict(model.named_parameters()))
+    if make_optimizer is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=_LR, **optimizer_kwargs)
+    else:
+        optimizer = make_optimizer(model.parameters())
+    trajectory = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        (0.5 * (model(features) - target).square().sum(1).mean()).backward()
+        if dgc is not None:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    share = param.grad.reshape(-1) / 1  # the hook divides by the world size
+                    if param.numel() >= 64:
+                        sent = dgc.decompress(dgc.compress(share, name))
+                    else:
+                        sent = dgc.transform_dense(share, name)
+                    param.grad.copy_(sent.view_as(param))
+        optimizer.step()
+        trajectory.append([p.detach().clone() for p in model.parameters()])
+    return trajectory
+
+
+def _dense_limit_dgc(nesterov: bool, weight_decay: float, world_size: int = 1) -> DGCCompressor:
+    return DGCCompressor(
+        1.0,
+        momentum=0.9,
+        nesterov=nesterov,
+        momentum_masking=False,
+        warmup_densities=[],
+        weight_decay=weight_decay,
+        world_size=world_size,
+    )
+
+
+def _norm(params: list[torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.cat([p.reshape(-1) for p in params])))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dense_limit_with_weight_decay_is_momentum_sgd_with_weight_decay_step_for_step(nesterov):
+    steps = 60
+    expected = _train_regression(dict(momentum=0.9, weight_decay=_WD, nesterov=nesterov), None, steps)
+    dgc = _dense_limit_dgc(nesterov, _WD)
+    got = _train_regression(dict(momentum=0.0, weight_decay=0.0), dgc, steps)
+    for step, (mine, reference) in enumerate(zip(got, expected, strict=True)):
+        for param, ref in zip(mine, reference, strict=True):
+            torch.testing.assert_close(param, ref, rtol=1e-6, atol=1e-6, msg=lambda m, step=step: f"step {step}: {m}")
+    assert sorted(dgc.velocities) == ["weight"] and sorted(dgc.dense_momenta) == ["bias"]
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_weight_decay_outside_dgc_is_one_minus_m_weaker_and_inside_it_is_not(nesterov):
+    """Equilibrium norms (measured: dense SGD 7.676, DGC with the decay 7.676, decay in the optimizer 11.118).
+
+    Before the decay moved into DGC, the dgc config left it in the optimizer: the weights settled
+    where dense momentum SGD with a decay of (1 - m) * wd settles, not with wd.
+    """
+    steps = 400  # converged by then (the norms agree to 1e-7 with 800 steps)
+    dense = _norm(_train_regression(dict(momentum=0.9, weight_decay=_WD, nesterov=nesterov), None, steps)[-1])
+    weaker = _norm(_train_regression(dict(momentum=0.9, weight_decay=0.1 * _WD, nesterov=nesterov), None, steps)[-1])
+    inside = _norm(_train_regression(dict(momentum=0.0), _dense_limit_dgc(nesterov, _WD), steps)[-1])
+    outside = _norm(_train_regression(dict(momentum=0.0, weight_decay=_WD), _dense_limit_dgc(nesterov, 0.0), steps)[-1])
+    assert inside == pytest.approx(dense, rel=1e-5)
+    assert outside == pytest.approx(weaker, rel=1e-4)
+    assert outside > 1.4 * dense
+
+
+def test_dgc_config_in_the_dense_limit_trains_like_the_dense_config():
+    """compressor=dgc (density 1, masking off) against compressor=none with heavy-ball momentum.
+
+    Optimizer and compressor are built from the composed configs, as lgc-train builds them: the
+    dgc config must move the weight decay into the compressor, otherwise its weights decay
+    (1 - m) times more slowly and drift from the dense run's (5e-4, lr 0.1: ~1e-4 after 60 steps).
+    """
+    import hydra
+    from hydra import compose, initialize_config_module
+
+    from lgc.train import build_compressor
+
+    dense_limit = ["compressor.density=1.0", "compressor.momentum_masking=false", "compressor.warmup_densities=[]"]
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        dgc_cfg = compose("train", overrides=["compressor=dgc", "compressor.world_size=1", *dense_limit])
+        dense_cfg = compose("train", overrides=["compressor=none", "optimizer.nesterov=false"])
+    dgc = build_compressor(dgc_cfg.compressor)
+    steps = 60
+    got = _train_regression({}, dgc, steps, hydra.utils.instantiate(dgc_cfg.optimizer))
+    expected = _train_regression({}, None, steps, hydra.utils.instantiate(dense_cfg.optimizer))
+    for step, (mine, reference) in enumerate(zip(got, expected, strict=True)):
+        for param, ref in zip(mine, reference, strict=True):
+            torch.testing.assert_close(param, ref, rtol=1e-6, atol=1e-6, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+def test_each_worker_adds_its_share_of_the_weight_decay():
+    """The hook divides gradients by the world size before compressing: N workers' shares sum to g + wd * w."""
+    world, n = 4, 3000
+    weight = _randn(n, 7)
+    grads = [_randn(n, seed) for seed in range(world)]
+    mean = torch.stack(grads).mean(0)
+    sent = []
+    for rank in range(world):
+        dgc = DGCCompressor(1.0, momentum=0.0, warmup_densities=[], weight_decay=0.01, world_size=world)
+        dgc.attach_parameters({"w": weight, "b": weight[:10]})
+        sent.append(
+            (dgc.decompress(dgc.compress(grads[rank] / world, "w")), dgc.apply_momentum(grads[rank][:10] / world, "b"))
+        )
+    torch.testing.assert_close(sum(s[0] for s in sent), mean + 0.01 * weight)
+    torch.testing.assert_close(sum(s[1] for s in sent), mean[:10] + 0.01 * weight[:10])
+    # The hook can tell the world size instead of the constructor.
+    told = DGCCompressor(1.0, momentum=0.0, warmup_densities=[], weight_decay=0.01)
+    told.set_world_size(world)
+    told.attach_parameters({"w": weight})
+    torch.testing.assert_close(told.decompress(told.compress(grads[0] / world, "w")), sent[0][0])
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+        told.set_world_size(0)
+
+
+def test_weight_decay_refuses_to_run_without_the_weights():
+    dgc = DGCCompressor(0.01, weight_decay=1e-4)
+    with pytest.raises(ValueError, match=r"weight_decay=0.0001 needs the model's weights.*attach_parameters"):
+        dgc.compress(_randn(1000), "w")
+    with pytest.raises(ValueError, match="attach_parameters"):
+        dgc.transform_dense(_randn(10), "b")
+    dgc.attach_parameters({"w": torch.zeros(1000)})
+    with pytest.raises(ValueError, match="gradient for 'v' but no parameter of that name"):
+        dgc.compress(_randn(1000), "v")
+    with pytest.raises(ValueError, match="parameter 'w' has 1000 elements but its gradient 999"):
+        dgc.compress(_randn(999), "w")
+    # Without weight decay nothing needs attaching.
+    DGCCompressor(0.01).compress(_randn(1000), "w")
+
+
+def test_attached_weights_are_neither_pickled_nor_checkpointed():
+    import pickle
+
+    model = _linear()
+    dgc = DGCCompressor(1.0, weight_decay=1e-4, warmup_densities=[])
+    state = CompressionHookState(dgc, min_numel=0)
+    dgc.attach_parameters(dict(model.named_parameters()))
+    dgc.compress(_randn(100), "weight")
+    copy = pickle.loads(pickle.dumps(state))  # what a spawned worker receives
+    assert copy.compressor._parameters is None and dgc._parameters is not None
+    assert copy.compressor.weight_decay == 1e-4 and torch.equal(
+        copy.compressor.velocities["weight"], dgc.velocities["weight"]
+    )
+    assert set(dgc.state_dict()) == {"momenta", "velocities", "dense_momenta", "rng", "epoch"}
+    assert sorted(dgc.state_dict()["velocities"]) == ["weight"]  # DGC's own buffers, not the model's weights
+
+
 # -- (2) momentum factor masking and (3) the error-feedback invariant -------------------------------
 SAMPLED = {"exact_below_numel": 0}  # force the sampled-threshold path on small tensors
 EXACT = {}  # tensors below exact_below_numel use torch.topk
@@ -329,6 +511,22 @@ def test_apply_momentum_is_sgd_momentum_for_dense_tensors():
 
 
 # -- (7) configuration checks ------------------------------------------------------------------------
+def test_check_optimizer_momentum_refuses_weight_decay_in_both_places():
+    dgc = DGCCompressor(weight_decay=5e-4)
+    with pytest.raises(
+        ValueError, match=r"optimizer weight_decay is 0.0005 but DGC applies weight decay itself"
+    ) as err:
+        check_optimizer_momentum(dgc, 0.0, weight_decay=5e-4)
+    assert "optimizer.weight_decay=0" in str(err.value) and "compressor.weight_decay" in str(err.value)
+    with pytest.raises(ValueError, match="applied twice"):
+        check_optimizer_momentum(CompressionHookState(dgc), 0, weight_decay=1e-4)
+    check_optimizer_momentum(dgc, 0.0, weight_decay=0.0)
+    check_optimizer_momentum(dgc, 0.0, weight_decay=None)  # not told: not checked
+    check_optimizer_momentum(dgc, 0.0)  # the positional signature of before
+    check_optimizer_momentum(DGCCompressor(), 0.0, weight_decay=5e-4)  # decay only in the optimizer
+    check_optimizer_momentum(ErrorFeedback(TopKCompressor(0.01)), 0.9, weight_decay=5e-4)
+
+
 def test_check_optimizer_momentum_refuses_double_momentum_and_double_error_feedback():
     dgc = DGCCompressor()
     with pytest.raises(ValueError, match="DGC applies momentum correction itself; set optimizer.momentum=0"):
@@ -350,6 +548,8 @@ def test_check_optimizer_momentum_refuses_double_momentum_and_double_error_feedb
         ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
         ({"clip_norm": -1.0}, r"clip_norm must be positive or None, got -1.0"),
         ({"world_size": 0}, r"world_size must be a positive integer, got 0"),
+        ({"weight_decay": -1e-4}, r"weight_decay must be a finite number >= 0, got -0.0001"),
+        ({"weight_decay": math.inf}, r"weight_decay must be a finite number >= 0, got inf"),
         ({"warmup_densities": [0.25, 2.0]}, r"warmup_densities must lie in \(0, 1\], got 2.0"),
         ({"sample_fraction": 0.0}, r"sample_fraction must be in \(0, 1\], got 0.0"),
         ({"exact_below_numel": -1}, r"exact_below_numel must be a non-negative integer, got -1"),
@@ -380,7 +580,24 @@ def test_yaml_holds_the_paper_defaults_without_error_feedback():
     )
     assert dgc.warmup_densities == PAPER_WARMUP_DENSITIES and dgc.sample_fraction == 0.01
     assert dgc.world_size == cfg.trainer.devices
-    check_optimizer_momentum(state, cfg.optimizer.momentum)
+    # The weight decay moves from the optimizer (train.yaml's 5e-4) into the compressor.
+    assert dgc.weight_decay == 5e-4 and cfg.optimizer.weight_decay == 0.0
+    check_optimizer_momentum(state, cfg.optimizer.momentum, weight_decay=cfg.optimizer.weight_decay)
+
+
+def test_yaml_weight_decay_follows_the_runs_weight_decay_and_refuses_it_twice():
+    from hydra import compose, initialize_config_module
+
+    from lgc.train import build_hook_state
+
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        paper = compose("train", overrides=["experiment=paper/dgc_cifar10_resnet110"])
+        twice = compose("train", overrides=["compressor=dgc", "optimizer.weight_decay=5e-4"])
+    dgc = build_hook_state(paper.compressor, paper.comm).compressor
+    assert dgc.weight_decay == paper.regularization.weight_decay == 1e-4 and paper.optimizer.weight_decay == 0.0
+    state = build_hook_state(twice.compressor, twice.comm)
+    with pytest.raises(ValueError, match="applied twice"):
+        check_optimizer_momentum(state, twice.optimizer.momentum, weight_decay=twice.optimizer.weight_decay)
 
 
 # -- (8) two-process DDP training ---------------------------------------------------------------------
@@ -455,8 +672,10 @@ def test_ddp_dgc_with_plain_sgd_trains_like_dense_momentum_sgd():
         assert result["stats"].payload_bytes == 8 * sum(result["counts"])
 
 
-def _momentum_sgd_two_ways(rank: int, world: int, steps: int) -> dict:
-    """Plain DDP + SGD(momentum) against DGC (density 1, no masking) + SGD(momentum=0), several buckets."""
+def _momentum_sgd_two_ways(
+    rank: int, world: int, steps: int, weight_decay: float = 0.0, nesterov: bool = False
+) -> dict:
+    """Plain DDP + SGD(momentum, weight_decay) against DGC (density 1, no masking) + plain SGD, several buckets."""
 
     def net() -> nn.Module:
         torch.manual_seed(0)
@@ -464,11 +683,11 @@ def _momentum_sgd_two_ways(rank: int, world: int, steps: int) -> dict:
 
     reference = DDP(net(), bucket_cap_mb=0.005)
     hooked = DDP(net(), bucket_cap_mb=0.005)
-    dgc = DGCCompressor(1.0, momentum=0.9, momentum_masking=False, warmup_densities=[])
+    dgc = _dense_limit_dgc(nesterov, weight_decay, world)
     # min_numel 1000: the 32x64 and 64x48 weights are compressed, the 48x5 weight and the biases go dense.
     register_compression_hook(hooked, dgc, min_numel=1000, start_iter=0)
     optimizers = [
-        torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9),
+        torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay),
         torch.optim.SGD(hooked.parameters(), lr=0.05, momentum=0.0),
     ]
     for step in range(steps):
@@ -493,6 +712,20 @@ def test_dgc_momentum_reaches_the_tensors_the_hook_sends_dense():
     biases and the small weight would train without momentum and the parameters would differ.
     """
     for result in run_workers(_momentum_sgd_two_ways, 2, 8):
+        assert result["compressed_keys"] == ["0.weight", "2.weight"]
+        assert result["dense_keys"] == ["0.bias", "2.bias", "4.bias", "4.weight"]
+        for reference, hooked in zip(result["reference"], result["hooked"], strict=True):
+            torch.testing.assert_close(hooked, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_dgc_weight_decay_through_the_hook_is_momentum_sgd_weight_decay():
+    """The hook attaches the weights and divides by the world size: two workers each add half the decay.
+
+    Nesterov, weight decay 0.05, density 1 without masking: every parameter, compressed or sent
+    dense, follows SGD(momentum=0.9, nesterov=True, weight_decay=0.05) on the averaged gradient.
+    """
+    for result in run_workers(_momentum_sgd_two_ways, 2, 8, 0.05, True):
         assert result["compressed_keys"] == ["0.weight", "2.weight"]
         assert result["dense_keys"] == ["0.bias", "2.bias", "4.bias", "4.weight"]
         for reference, hooked in zip(result["reference"], result["hooked"], strict=True):

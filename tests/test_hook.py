@@ -100,7 +100,8 @@ def test_topk_statistics_equal_bytes_passed_to_collectives_and_the_formula():
         dense_bytes = 4 * sum(numels)
         # Step 1 is a plain allreduce (DDP rebuilds its buckets); then k (value, index) pairs per
         # large parameter and every small parameter dense, per step.
-        per_step = sum(8 * num_selected(n, density) if n >= MIN_NUMEL else 4 * n for n in numels)
+        # ... plus the step guard: one byte per parameter and one for "non-finite somewhere".
+        per_step = sum(8 * num_selected(n, density) if n >= MIN_NUMEL else 4 * n for n in numels) + 1 + len(numels)
         assert stats["dense_equivalent_bytes"] == steps * dense_bytes
         assert stats["bytes_sent"] == dense_bytes + (steps - 1) * per_step
         assert stats["compression_ratio"] == pytest.approx(steps * dense_bytes / (dense_bytes + (steps - 1) * per_step))
@@ -140,3 +141,73 @@ def test_topk_with_error_feedback_converges_like_dense():
     assert topk[-1] < 1e-6 * topk[0], f"top-k + EF did not converge: {topk[0]:.3g} -> {topk[-1]:.3g}"
     # Error feedback is what makes 5 % top-k converge: without it the loss stalls far higher.
     assert topk[-1] < 1e-3 * without_feedback[-1]
+
+
+def _train_with_loss_scaling(rank: int, world: int, scaled: bool, attach_scale: bool, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = DDP(_net(), bucket_cap_mb=0.01)
+    state = register_compression_hook(model, ErrorFeedback(TopKCompressor(0.05)), min_numel=MIN_NUMEL)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    # The scale doubles every step (a GradScaler's growth, compressed into a few steps).
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1, enabled=scaled)
+    if attach_scale:
+        state.loss_scale = scaler.get_scale
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
+        optimizer.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "residuals": {k: v.clone() for k, v in state.compressor.residuals.items()},
+        "scale": scaler.get_scale(),
+    }
+
+
+def test_loss_scaled_gradients_are_compressed_unscaled():
+    # With the scale attached, training under a changing loss scale equals training without one,
+    # bitwise (the scales are powers of two); without it, residuals accumulated at one scale are
+    # added to gradients at another, and the runs differ.
+    steps = 6
+    plain = run_workers(_train_with_loss_scaling, 2, False, False, steps)
+    attached = run_workers(_train_with_loss_scaling, 2, True, True, steps)
+    unattached = run_workers(_train_with_loss_scaling, 2, True, False, steps)
+    for rank in range(2):
+        assert attached[rank]["scale"] == 2.0 ** (10 + steps)
+        for a, b in zip(plain[rank]["params"], attached[rank]["params"], strict=True):
+            assert torch.equal(a, b)
+        for key, residual in plain[rank]["residuals"].items():
+            assert torch.equal(residual, attached[rank]["residuals"][key])
+        assert any(
+            not torch.equal(a, b) for a, b in zip(plain[rank]["params"], unattached[rank]["params"], strict=True)
+        )
+
+
+def _dense_in_dtype(rank: int, world: int, dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    reference = DDP(_net().to(dtype), bucket_cap_mb=0.01)
+    hooked = DDP(_net().to(dtype), bucket_cap_mb=0.01)
+    state = register_compression_hook(hooked, NoneCompressor(), min_numel=MIN_NUMEL)
+    grads = []
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank)).to(dtype)
+        for model in (reference, hooked):
+            model.zero_grad()
+            model(x).float().square().mean().backward()
+        grads.append(([p.grad.clone() for p in reference.parameters()], [p.grad.clone() for p in hooked.parameters()]))
+    return {"grads": grads, "stats": state.stats.as_dict(), "numel": sum(p.numel() for p in hooked.parameters())}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_none_sends_half_precision_gradients_as_plain_ddp_does(dtype):
+    # A model in fp16/bf16: plain DDP sends 2 bytes per element, and so must `none` (it sent fp32,
+    # twice the bytes, and reported a compression ratio of 0.51).
+    for result in run_workers(_dense_in_dtype, 2, dtype):
+        for reference, hooked in result["grads"]:
+            for a, b in zip(reference, hooked, strict=True):
+                assert b.dtype == dtype and torch.equal(a, b)
+        stats = result["stats"]
+        assert stats["dense_equivalent_bytes"] == 3 * 2 * result["numel"]
+        assert stats["bytes_sent"] == stats["dense_equivalent_bytes"]
+        assert stats["compression_ratio"] == 1.0

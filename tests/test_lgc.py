@@ -226,10 +226,13 @@ def test_stages_switch_at_the_configured_steps_and_bytes_match_the_payloads(vari
         k = sum(num_selected(n, 0.05) for n in compressed)
         rows = -(-k // 32)  # chunks of 32 values; the latent holds 2 channels x 8 positions per chunk
         stages = result["extras"]["lgc"]["stages"]
+        # Every step starts with the step guard: one byte per parameter and the non-finite flag.
+        guard = 1 + len(numels)
+        assert "skipped" not in stages
         # Warm-up: 2 dense allreduces of the whole bucket.
-        assert stages["warmup"]["bytes_sent"] == 2 * 4 * sum(numels)
+        assert stages["warmup"]["bytes_sent"] == 2 * (4 * sum(numels) + guard)
         # Stage 2: top-k allgather (8 bytes per entry) + dense allreduce + the sample gather to rank 0.
-        per_step = 8 * k + 4 * dense + (0 if rank == 0 else 4 * k)
+        per_step = 8 * k + 4 * dense + (0 if rank == 0 else 4 * k) + guard
         if variant == "ps":
             per_step += 0 if rank == 0 else -(-k // 8)  # the innovation mask, one bit per value
         assert stages["autoencoder_training"]["bytes_sent"] == 4 * per_step
@@ -238,13 +241,15 @@ def test_stages_switch_at_the_configured_steps_and_bytes_match_the_payloads(vari
             # broadcasts its scales and raw positions.
             latent = 4 * rows * 16
             leader = 4 * rows + 4 * k
-            assert stages["compressed"]["bytes_sent"] == 6 * (latent + 4 * dense + (leader if rank == 0 else 0))
-            assert stages["compressed"]["bytes_received"] == 6 * (latent + 4 * dense + (0 if rank == 0 else leader))
+            assert stages["compressed"]["bytes_sent"] == 6 * (latent + 4 * dense + guard + (leader if rank == 0 else 0))
+            assert stages["compressed"]["bytes_received"] == 6 * (
+                latent + 4 * dense + guard + (0 if rank == 0 else leader)
+            )
             small = AutoencoderConfig(chunk=32, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2)
             weights = sum(p.numel() for p in GradientAutoencoder(small).parameters())
         else:
             innovation = 8 * sum(num_selected(n, 0.01) for n in compressed)
-            upstream = 4 * dense + (0 if rank == 0 else innovation)  # the leader is the server here
+            upstream = 4 * dense + guard + (0 if rank == 0 else innovation)  # the leader is the server here
             compressed_stats = stages["compressed"]
             assert compressed_stats["bytes_sent"] - compressed_stats["server_bytes_sent"] == 6 * upstream
             server_sent = compressed_stats["server_bytes_sent"]

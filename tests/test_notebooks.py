@@ -34,20 +34,31 @@ def test_notebook_is_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
 
 
-def _run(path: Path, cwd: Path) -> tuple[nbformat.NotebookNode, float]:
+def _run(path: Path, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[nbformat.NotebookNode, float]:
+    """Execute the notebook in ``cwd``; it must leave none of its temporary folders (in ``cwd/tmp``) behind."""
     notebook = nbformat.read(path, as_version=4)
+    tmp = cwd / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # inherited by the kernel (tempfile.gettempdir())
     start = time.perf_counter()
     nbclient.NotebookClient(
         notebook, timeout=TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
     ).execute()
-    return notebook, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    assert not list(tmp.glob(f"{path.stem}_*")), f"{path.name} left its temporary folder behind"
+    return notebook, seconds
+
+
+def _printed_json(notebook: nbformat.NotebookNode) -> object:
+    """The last line printed by the cell that prints ``json.dumps(...)``."""
+    (cell,) = [cell for cell in notebook.cells if cell.cell_type == "code" and "print(json.dumps(" in cell.source]
+    return json.loads(cell.outputs[-1]["text"].strip().splitlines()[-1])
 
 
 @pytest.mark.multiprocess
-def test_gradient_correlation_notebook_runs_and_reports_both_partitions(tmp_path):
-    notebook, seconds = _run(NOTEBOOKS / "gradient_correlation.ipynb", tmp_path)
-    last = notebook.cells[-1].outputs[-1]["text"].strip().splitlines()[-1]
-    summary = json.loads(last)
+def test_gradient_correlation_notebook_runs_and_reports_both_partitions(tmp_path, monkeypatch):
+    notebook, seconds = _run(NOTEBOOKS / "gradient_correlation.ipynb", tmp_path, monkeypatch)
+    summary = _printed_json(notebook)
     assert list(summary) == ["IID", "Dirichlet alpha=0.1"]
     for layers in summary.values():
         assert len(layers) == 3  # the first, a middle and the last conv weight
@@ -59,9 +70,9 @@ def test_gradient_correlation_notebook_runs_and_reports_both_partitions(tmp_path
 
 
 @pytest.mark.multiprocess
-def test_compression_tradeoffs_notebook_runs_its_sweep_and_reports_it(tmp_path):
-    notebook, seconds = _run(NOTEBOOKS / "compression_tradeoffs.ipynb", tmp_path)
-    rows = json.loads(notebook.cells[-1].outputs[-1]["text"].strip().splitlines()[-1])
+def test_compression_tradeoffs_notebook_runs_its_sweep_and_reports_it(tmp_path, monkeypatch):
+    notebook, seconds = _run(NOTEBOOKS / "compression_tradeoffs.ipynb", tmp_path, monkeypatch)
+    rows = _printed_json(notebook)
     # Labels from the configs alone: the compressor group, then what differs from its yaml or between runs.
     assert [row["label"] for row in rows] == [
         "none",

@@ -66,7 +66,8 @@ def test_shared_payload_is_values_only_and_unshared_carries_an_int64_offset():
 def test_combine_modes_and_shared_seed_flags():
     shared, unshared = RandomBlockCompressor(0.01), RandomBlockCompressor(0.01, shared=False)
     assert shared.combine is CombineMode.SUM and shared.needs_shared_seed and not shared.variable_size
-    assert unshared.combine is CombineMode.GATHER and not unshared.needs_shared_seed and not unshared.variable_size
+    # Unshared mode adopts rank 0's seed too: its offsets differ by rank, never by inherited generator state.
+    assert unshared.combine is CombineMode.GATHER and unshared.needs_shared_seed and not unshared.variable_size
     ef = ErrorFeedback(shared)
     assert ef.combine is CombineMode.SUM and ef.needs_shared_seed
     ef.set_shared_seed(42)
@@ -156,13 +157,33 @@ def test_state_dict_round_trip_continues_identically(shared):
         restored.compressor.load_state_dict({"thresholds": {}})
 
 
-def test_pickled_compressor_keeps_its_generator_state():
-    compressor = RandomBlockCompressor(0.01, shared=False, seed=None)
-    compressor.compress(_randn(1000), "w")
-    copy = pickle.loads(pickle.dumps(compressor))
-    assert [copy.compress(_randn(1000), "w").offset for _ in range(5)] == [
-        compressor.compress(_randn(1000), "w").offset for _ in range(5)
-    ]
+@pytest.mark.parametrize("seed", [0, None])
+def test_unshared_offsets_are_independent_per_rank_whatever_the_seed(seed):
+    # Every spawned worker starts from a pickled copy of the launching process's compressor (same
+    # seed, or the same entropy with seed=None): the rank alone must make their offsets differ.
+    built = RandomBlockCompressor(0.01, shared=False, seed=seed)
+    workers = [pickle.loads(pickle.dumps(built)) for _ in range(4)]
+    offsets = []
+    for rank, worker in enumerate(workers):
+        worker.set_rank(rank)
+        worker.set_shared_seed(workers[0].shared_seed)  # what the hook's broadcast does
+        row = []
+        for step in range(200):
+            worker.begin_step(step)
+            row.append(worker.compress(_randn(1000), "w").offset)
+        offsets.append(row)
+    for a in range(4):
+        for b in range(a + 1, 4):
+            same = sum(x == y for x, y in zip(offsets[a], offsets[b], strict=True))
+            assert same < 5, f"ranks {a} and {b} drew {same} equal offsets in 200 steps"
+    # Independent, uniform offsets: no rank's offsets cluster (each covers most of the 10 deciles).
+    for row in offsets:
+        assert len({o // 100 for o in row}) == 10
+    # A pure function of (seed, step, length, rank, name): a copy of a worker draws the same offsets.
+    again = pickle.loads(pickle.dumps(workers[2]))
+    again.begin_step(7)
+    workers[2].begin_step(7)
+    assert again.compress(_randn(1000), "w").offset == workers[2].compress(_randn(1000), "w").offset
 
 
 def test_bad_knobs_are_refused():
@@ -205,8 +226,10 @@ def _train_least_squares(rank: int, world: int, modes: list, density: float, ste
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         compressor, state = None, None
         if mode is not None:
-            # Deliberately different seeds per rank: shared mode must adopt rank 0's.
-            compressor = _RecordingRandomBlock(density, shared=mode == "shared", seed=1000 * rank + 1)
+            # Shared: deliberately different seeds per rank, it must adopt rank 0's. Unshared: the
+            # same default seed on every rank (what a config gives), the offsets must still differ.
+            seed = 1000 * rank + 1 if mode == "shared" else 0
+            compressor = _RecordingRandomBlock(density, shared=mode == "shared", seed=seed)
             state = register_compression_hook(model, ErrorFeedback(compressor), min_numel=0)
         losses, grads = [], []
         for _ in range(steps):
@@ -276,7 +299,7 @@ def test_two_workers_share_offsets_send_only_values_and_converge(two_workers):
     for rank, run in enumerate((shared0, shared1)):
         stats = run["stats"]
         assert stats["payload_bytes"] == (steps - 1) * 4 * k
-        assert stats["bytes_sent"] == 4 * numel + (8 if rank == 0 else 0) + (steps - 1) * 4 * k
+        assert stats["bytes_sent"] == 4 * numel + (8 if rank == 0 else 0) + (steps - 1) * (4 * k + 2)
 
     # Unshared: each rank draws its own offsets and sends offset + values (8 + 4 k bytes).
     assert [o for o, _ in unshared0["sent"]] != [o for o, _ in unshared1["sent"]]
@@ -285,8 +308,11 @@ def test_two_workers_share_offsets_send_only_values_and_converge(two_workers):
         expected[(o0 + torch.arange(k)) % numel] += v0
         expected[(o1 + torch.arange(k)) % numel] += v1
         torch.testing.assert_close(unshared0["grads"][step], expected, rtol=0, atol=0)
-    for run in (unshared0, unshared1):
-        assert run["stats"]["bytes_sent"] == 4 * numel + (steps - 1) * (8 + 4 * k)
+    for rank, run in enumerate((unshared0, unshared1)):
+        # Rank 0 broadcasts the run's seed (8 bytes); every step also has its guard (2 bytes: one
+        # parameter plus the non-finite flag).
+        guard = 2
+        assert run["stats"]["bytes_sent"] == 4 * numel + (8 if rank == 0 else 0) + (steps - 1) * (8 + 4 * k + guard)
 
     # Convergence (lr 0.1): dense reaches 1e-13 of the initial loss; both modes reach 1e-9 (measured
     # ~2e-14). Error feedback delays an entry ~1 / density steps: at density 0.1 this lr diverges.

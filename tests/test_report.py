@@ -392,7 +392,10 @@ def test_plot_has_a_labelled_marker_per_run_and_the_dense_baseline(tmp_path):
     assert axis.get_xscale() == "log" and axis.get_ylabel() == "val/acc"
     points = [tuple(collection.get_offsets()[0]) for collection in axis.collections]
     expected = [(record.summary["compression_ratio"], record.metric) for record in records]
-    assert points == pytest.approx(expected)
+    # approx() compares flat sequences only: one (x, y) pair at a time.
+    assert len(points) == len(expected)
+    for point, want in zip(points, expected, strict=True):
+        assert point == pytest.approx(want)
     assert [text.get_text() for text in axis.texts] == [record.label for record in records]
     (baseline,) = [line for line in axis.get_lines() if line.get_label() == "dense baseline"]
     assert list(baseline.get_ydata()) == [0.515625, 0.515625]

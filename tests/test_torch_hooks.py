@@ -1,14 +1,18 @@
 """PyTorch's own hooks, wrapped with lgc statistics, on two gloo workers with several buckets."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from distributed import run_workers
 from test_hook import _count_collective_bytes, _net
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState
+from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState, _orthogonalize_with_epsilon
 
-pytestmark = pytest.mark.multiprocess
+CONF = Path(__file__).resolve().parents[1] / "lgc" / "conf" / "compressor"
 
 
 def _run_wrapped(rank: int, world: int, state, steps: int) -> dict:
@@ -33,6 +37,7 @@ def _run_wrapped(rank: int, world: int, state, steps: int) -> dict:
     }
 
 
+@pytest.mark.multiprocess
 def test_torch_fp16_hook_is_wrapped_with_exact_byte_counts():
     steps = 3
     for result in run_workers(_run_wrapped, 2, TorchHookState("fp16"), steps):
@@ -45,6 +50,7 @@ def test_torch_fp16_hook_is_wrapped_with_exact_byte_counts():
         assert stats["compression_ratio"] == pytest.approx(2.0)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("batched", [False, True])
 def test_powersgd_runs_on_gloo_with_several_buckets_and_counts_its_bytes(batched):
     steps = 5
@@ -63,3 +69,210 @@ def test_powersgd_runs_on_gloo_with_several_buckets_and_counts_its_bytes(batched
     for (_, g0), (_, g1) in zip(results[0]["grads"], results[1]["grads"], strict=True):
         for a, b in zip(g0, g1, strict=True):
             torch.testing.assert_close(a, b)
+
+
+class _NetWithAuxiliaryBranch(nn.Module):
+    """A trunk and head used at every step, and an auxiliary branch used only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU())
+        self.head = nn.Linear(48, 5)
+        # Large enough that, with bucket_cap_mb=0.01, the branch's last parameters fill a bucket of
+        # their own: the batched hook then sees a bucket that is all zero when the branch is unused.
+        self.aux = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 5))
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.head(h) + self.aux(h) if use_aux else self.head(h)
+
+
+def _run_with_auxiliary_branch(rank: int, world: int, state: PowerSGDHookState, steps: int) -> list[dict]:
+    model = DDP(_NetWithAuxiliaryBranch(), bucket_cap_mb=0.01, find_unused_parameters=True)
+    state.register(model)
+    grads = []
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
+        model.zero_grad()
+        # The branch is unused at step 2, the first compressed one, and used at every odd step.
+        model(x, use_aux=step % 2 == 1).square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in model.module.named_parameters() if p.grad is not None})
+    return grads
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("batched", [False, True], ids=["per_tensor", "batched"])
+def test_powersgd_stays_finite_when_a_layer_is_unused_at_the_first_compressed_step(batched):
+    # Issue 10, defect 6: the branch's matrices are zero on both ranks at step 2, so Gram-Schmidt divided
+    # 0 by 0; error feedback carried the NaN into step 3 (the batched hook ignored PyTorch's epsilon).
+    steps = 8
+    state = PowerSGDHookState(start_powerSGD_iter=2, min_compression_rate=1.1, batched=batched)
+    for grads in run_workers(_run_with_auxiliary_branch, 2, state, steps):
+        for step, step_grads in enumerate(grads):
+            for name, grad in step_grads.items():
+                assert torch.isfinite(grad).all(), f"step {step}: non-finite gradient in {name}"
+            assert ("aux.0.weight" in step_grads) == (step % 2 == 1)  # DDP leaves unused gradients None
+        # The branch is still trained once it is used again: its Q, zeroed by the all-zero step, is
+        # re-drawn (under warm start it would otherwise stay zero, and so would these gradients).
+        for step in range(3, steps, 2):
+            for name in ("aux.0.weight", "aux.0.bias", "aux.2.weight", "aux.2.bias"):
+                assert grads[step][name].norm() > 1e-3, f"step {step}: {name} gets no gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_orthogonalization_of_a_zero_matrix_is_zero_not_nan(dtype, rank):
+    zeros = torch.zeros(1, 12, rank, dtype=dtype)
+    with _orthogonalize_with_epsilon(1e-8):
+        powerSGD_hook._orthogonalize(zeros, 1e-8)  # the per-tensor hook passes the state's epsilon
+        matrix = torch.zeros(12, rank, dtype=dtype)
+        powerSGD_hook._orthogonalize(matrix)  # the batched hook passes a 2-D Q and no epsilon
+    # (QR, used for rank > 2 in float32, turns a zero matrix into orthonormal columns.)
+    assert torch.isfinite(zeros).all() and torch.isfinite(matrix).all()
+    if rank <= 2 or dtype != torch.float32:
+        assert not zeros.any() and not matrix.any()
+
+
+def test_orthogonalization_epsilon_is_negligible_against_real_columns():
+    # Columns of norm about 1e-3, a small gradient: the result moves by about 1e-8 / 1e-3 relative.
+    columns = torch.randn(1, 100, 2, generator=torch.Generator().manual_seed(0)) * 1e-4
+    exact, with_epsilon = columns.clone(), columns.clone()
+    powerSGD_hook._orthogonalize(exact, 0)
+    with _orthogonalize_with_epsilon(1e-8):
+        powerSGD_hook._orthogonalize(with_epsilon, 0)
+    assert (with_epsilon - exact).norm() < 1e-4 * exact.norm()
+    assert powerSGD_hook._orthogonalize.__name__ == "_orthogonalize"  # restored on exit
+
+
+def _checkpoint_and_resume(rank: int, world: int, batched: bool, find_unused: bool, folder: str) -> dict:
+    steps, cut = 7, 4  # compressed from step 2: error feedback, warm-start Q and the RNG all matter
+
+    def make(load: dict | None = None, load_before_register: bool = True) -> tuple[PowerSGDHookState, DDP]:
+        state = PowerSGDHookState(start_powerSGD_iter=2, min_compression_rate=1.1, batched=batched)
+        model = DDP(_net(), bucket_cap_mb=0.01, find_unused_parameters=find_unused)
+        if load is not None and load_before_register:
+            state.load_state_dict(load)
+        state.register(model)
+        if load is not None and not load_before_register:
+            state.load_state_dict(load)
+        return state, model
+
+    def step(model: DDP, i: int) -> list[torch.Tensor]:
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * i + rank))
+        model.zero_grad()
+        model(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    _, model = make()
+    uninterrupted = [step(model, i) for i in range(steps)]
+    dense = DDP(_net(), bucket_cap_mb=0.01)
+    plain_ddp = [step(dense, i) for i in range(steps)]
+
+    state, model = make()
+    for i in range(cut):
+        step(model, i)
+    path = Path(folder) / f"powersgd_rank{rank}.pt"
+    torch.save(state.state_dict(), path)
+    # The default weights_only=True: tensors and plain Python values only.
+    saved = torch.load(path, weights_only=True)
+
+    resumed = {}
+    for load_before_register in (True, False):
+        state, model = make(saved, load_before_register)
+        resumed[load_before_register] = [step(model, i) for i in range(cut, steps)]
+        assert state.powersgd.iter == steps
+        assert state.powersgd.process_group is None  # the wrapper's group, not reset by loading
+    return {
+        "uninterrupted": uninterrupted[cut:],
+        "plain_ddp": plain_ddp[cut:],
+        "resumed": resumed,
+        "saved_iter": saved["powersgd"]["iter"],
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("batched", [False, True], ids=["per_tensor", "batched"])
+def test_powersgd_checkpoint_loads_with_weights_only_and_resumes_bit_identically(batched, tmp_path):
+    # find_unused_parameters=True: DDP never rebuilds its buckets, so the restarted model's buckets
+    # are those of the checkpoint from its first step on.
+    for result in run_workers(_checkpoint_and_resume, 2, batched, True, str(tmp_path)):
+        assert result["saved_iter"] == 4
+        for resumed in result["resumed"].values():
+            for expected, got in zip(result["uninterrupted"], resumed, strict=True):
+                for a, b in zip(expected, got, strict=True):
+                    assert torch.equal(a, b)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("batched", [False, True], ids=["per_tensor", "batched"])
+def test_powersgd_resumes_when_ddp_rebuilds_its_buckets_after_the_restart(batched, tmp_path):
+    # By default DDP holds every parameter in one bucket until its first iteration is done; the restored
+    # state belongs to the rebuilt buckets (bucket 0's error did not fit: RuntimeError). That first step
+    # is a plain allreduce, as at the start of training; PowerSGD, with the restored state, follows.
+    for result in run_workers(_checkpoint_and_resume, 2, batched, False, str(tmp_path)):
+        for resumed in result["resumed"].values():
+            for a, b in zip(result["plain_ddp"][0], resumed[0], strict=True):
+                torch.testing.assert_close(b, a)
+            for later, dense in zip(resumed[1:], result["plain_ddp"][1:], strict=True):
+                assert all(torch.isfinite(g).all() for g in later)
+                assert any(not torch.allclose(g, d) for g, d in zip(later, dense, strict=True))  # compressed
+
+
+def test_state_dict_restores_the_rng_and_refuses_a_checkpoint_of_another_layout():
+    state = PowerSGDHookState(start_powerSGD_iter=2)
+    state.powersgd = powerSGD_hook.PowerSGDState(process_group=None, **state.options)
+    state.powersgd.rng.randint(1_000_000_000)
+    state.powersgd.rng.randn()  # leaves a cached Gaussian in the state
+    saved = state.state_dict()
+    expected = [state.powersgd.rng.randint(1_000_000_000) for _ in range(3)] + [state.powersgd.rng.randn()]
+
+    fresh = PowerSGDHookState(start_powerSGD_iter=2, orthogonalization_epsilon=1e-6)
+    fresh.powersgd = powerSGD_hook.PowerSGDState(process_group=None, **fresh.options)
+    fresh.load_state_dict(saved)
+    assert [fresh.powersgd.rng.randint(1_000_000_000) for _ in range(3)] + [fresh.powersgd.rng.randn()] == expected
+    # Hyperparameters come from the constructor, not from the checkpoint.
+    assert fresh.powersgd.orthogonalization_epsilon == 1e-6
+
+    with pytest.raises(ValueError, match="matrix_approximation_rank=1"):
+        PowerSGDHookState(matrix_approximation_rank=2).load_state_dict(saved)
+    with pytest.raises(ValueError, match="batched"):
+        PowerSGDHookState(batched=True).load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"matrix_approximation_rank": 0}, "matrix_approximation_rank"),
+        ({"matrix_approximation_rank": True}, "matrix_approximation_rank"),
+        ({"matrix_approximation_rank": 1.5}, "matrix_approximation_rank"),
+        ({"start_powerSGD_iter": 1}, "start_powerSGD_iter"),
+        ({"start_powerSGD_iter": "10"}, "start_powerSGD_iter"),
+        ({"min_compression_rate": -1}, "min_compression_rate"),
+        ({"min_compression_rate": float("nan")}, "min_compression_rate"),
+        ({"min_compression_rate": True}, "min_compression_rate"),
+        ({"orthogonalization_epsilon": -1e-8}, "orthogonalization_epsilon"),
+        ({"orthogonalization_epsilon": float("inf")}, "orthogonalization_epsilon"),
+        ({"orthogonalization_epsilon": "1e-8"}, "orthogonalization_epsilon"),
+        ({"use_error_feedback": 1}, "use_error_feedback"),
+        ({"warm_start": "yes"}, "warm_start"),
+        ({"batched": None}, "batched"),
+        ({"random_seed": -1}, "random_seed"),
+        ({"random_seed": 2**32}, "random_seed"),
+        ({"random_seed": False}, "random_seed"),
+    ],
+)
+def test_powersgd_constructor_rejects_bad_values_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        PowerSGDHookState(**kwargs)
+
+
+@pytest.mark.parametrize("config", ["powersgd.yaml", "batched_powersgd.yaml"])
+def test_powersgd_configs_build_the_wrapper_with_an_epsilon(config):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    state = instantiate(OmegaConf.load(CONF / config))
+    assert isinstance(state, PowerSGDHookState)
+    assert state.batched == (config == "batched_powersgd.yaml")
+    assert state.options["orthogonalization_epsilon"] == 1e-8

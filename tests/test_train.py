@@ -1,6 +1,10 @@
 """Hydra-composed end-to-end runs of train(cfg) (tiny), checkpoint/resume and bad input."""
 
 import json
+import logging
+import os
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -14,7 +18,7 @@ from lgc.compressors.topk import num_selected
 from lgc.ddp.hook import CompressionHookState
 from lgc.lit import CompressedDDPStrategy, CompressionCallback, DigitsDataModule, ImageClassifier
 from lgc.models import resnet8
-from lgc.train import train
+from lgc.train import _drop_lightning_tips, _launch_environment, _remove_unused_run_folder, _result_line, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,7 +37,7 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
     steps = cfg.trainer.limit_train_batches
     assert summary["steps"] == steps and summary["world_size"] == 2
     assert 0.0 <= summary["val/acc"] <= 1.0
-    assert summary["hook_calls"] > 0
+    assert summary["hook_calls"] > 0 and summary["skipped_steps"] == 0
     assert summary["config"]["compressor"]["density"] == density
     assert summary["wall_time_s"] > summary["fit_time_s"] > 0
     assert len(summary["bytes_sent_per_worker"]) == len(summary["bytes_received_per_worker"]) == 2
@@ -41,6 +45,7 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
     numels = [p.numel() for p in resnet8(num_classes=10, in_channels=1).parameters()]
     dense = 4 * sum(numels)
     per_step = sum(8 * num_selected(n, density) if n >= min_numel else 4 * n for n in numels)
+    per_step += 1 + len(numels)  # the step guard: a byte per parameter and the non-finite flag
     # The first step is a plain allreduce while DDP rebuilds its buckets.
     for sent, dense_equivalent in zip(
         summary["bytes_sent_per_worker"], summary["dense_equivalent_bytes_per_worker"], strict=True
@@ -62,6 +67,7 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
         "comm/bytes_down",
         "comm/compression_ratio",
         "comm/residual_norm",
+        "comm/skipped_steps",
     ):
         assert key in metrics
 
@@ -178,7 +184,75 @@ def no_workers(monkeypatch):
 )
 def test_bad_input_is_reported_before_workers_start(tmp_path, no_workers, overrides, error, message):
     with pytest.raises(error, match=message):
-        train(compose_cfg(tmp_path, *overrides))
+        train(compose_cfg(tmp_path / "run", *overrides))
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_refused_run_leaves_no_folder_behind(tmp_path):
+    earlier = tmp_path / "outputs" / "2026-01-01" / "10-00-00"
+    earlier.mkdir(parents=True)
+    (earlier / "summary.json").write_text("{}")
+    result = subprocess.run(
+        [sys.executable, "-m", "lgc.train", "compressor.density=-1", "logger=none", "output_dir=pinned"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0 and "density must be in (0, 1], got -1" in result.stderr
+    # Hydra's outputs/DATE/TIME/ of the refused run is gone, an earlier run's folder is not.
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == [
+        "outputs",
+        "outputs/2026-01-01",
+        "outputs/2026-01-01/10-00-00",
+        "outputs/2026-01-01/10-00-00/summary.json",
+    ]
+
+
+def _hydra_run_folder(folder: Path, log: str = "") -> Path:
+    (folder / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (folder / ".hydra" / name).write_text("x: 1\n")
+    (folder / "train.log").write_text(log)
+    return folder
+
+
+def test_only_a_run_folder_holding_nothing_but_hydras_files_is_removed(tmp_path):
+    cwd = tmp_path / "cwd"
+    refused = _hydra_run_folder(cwd / "outputs" / "2026-01-01" / "10-00-00")
+    assert _remove_unused_run_folder(refused, "train.log", stop_at=cwd)
+    assert list(tmp_path.iterdir()) == [cwd] and list(cwd.iterdir()) == []  # empty parents up to cwd go too
+
+    kept = [
+        _hydra_run_folder(cwd / "with_a_log", log="something to read\n"),
+        _hydra_run_folder(cwd / "with_a_checkpoint"),
+        _hydra_run_folder(cwd / "with_more_hydra_files"),
+    ]
+    (kept[1] / "checkpoints").mkdir()
+    (kept[2] / ".hydra" / "notes.txt").write_text("mine")
+    for folder in kept:
+        assert not _remove_unused_run_folder(folder, "train.log", stop_at=cwd)
+        assert (folder / ".hydra" / "config.yaml").is_file()
+
+
+def test_the_final_line_names_the_overall_ratio_and_lgcs_compressed_stage():
+    summary = {
+        "val/acc": 0.5,
+        "compression_ratio": 8.2812,
+        "world_size": 2,
+        "steps": 100,
+        "wall_time_s": 61.23,
+        "lgc_stages": {"warmup": {"compression_ratio": 1.0}, "compressed": {"compression_ratio": 41.2}},
+    }
+    assert _result_line(summary, "outputs/x") == (
+        "val/acc=0.5000 overall_compression_ratio=8.28 (all 2 workers, all 100 steps) "
+        "lgc_compressed_stage_ratio=41.20 wall_time=61.2s -> outputs/x/summary.json"
+    )
+    summary = {"compression_ratio": None, "world_size": 2, "steps": 0, "wall_time_s": 3.0}
+    assert _result_line(summary, "out") == (
+        "no validation metrics overall_compression_ratio=n/a (all 2 workers, all 0 steps) wall_time=3.0s "
+        "-> out/summary.json"
+    )
 
 
 def test_unknown_compressor_is_named(tmp_path):
@@ -195,3 +269,27 @@ def test_a_process_group_left_in_the_launching_process_is_reported(tmp_path, no_
             train(compose_cfg(tmp_path))
     finally:
         dist.destroy_process_group()
+
+
+def test_known_third_party_noise_is_left_out_in_the_workers_too(monkeypatch):
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    with _launch_environment([], spawns_workers=False):
+        inherited = os.environ["PYTHONWARNINGS"]
+    assert os.environ["PYTHONWARNINGS"] == "default"
+    # A worker's interpreter parses it (a malformed entry would print "Invalid -W option ignored").
+    warn = (
+        "import warnings\n"
+        "for module in ('pytorch_lightning.utilities._pytree', 'mine'):\n"
+        "    warnings.warn_explicit('`isinstance(treespec, LeafSpec)` is deprecated, use ...', FutureWarning, "
+        "'x.py', 1, module=module)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", warn], env={**os.environ, "PYTHONWARNINGS": inherited}, capture_output=True, text=True
+    )
+    assert result.stderr.strip() == "x.py:1: FutureWarning: `isinstance(treespec, LeafSpec)` is deprecated, use ..."
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("pytorch_lightning.utilities.rank_zero", logging.INFO, "x.py", 1, message, (), None)
+
+    assert not _drop_lightning_tips(record("💡 Tip: For seamless cloud logging, try installing litlogger"))
+    assert _drop_lightning_tips(record("GPU available: False, used: False"))

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from lgc.analysis import load_recording, record_gradients
 from lgc.autoencoder import AutoencoderConfig, AutoencoderTrainer, GradientAutoencoder, chunk_scales, to_chunks
 from lgc.compressors.topk import num_selected, topk_indices
 
@@ -95,6 +94,8 @@ def benchmark_autoencoder(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Train and evaluate one autoencoder per (value order, latent channels) on a recording."""
+    from lgc.analysis import load_recording  # imports Lightning: here, not when lgc-bench starts
+
     rec = load_recording(recording)
     names = [name for name in rec.names if rec.flat(name).shape[2] >= chunk]
     steps = rec.steps.numel()
@@ -163,6 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from lgc.analysis import record_gradients
+
     if not 0 < args.density <= 1:
         raise SystemExit(f"--density must be in (0, 1], got {args.density}")
     with tempfile.TemporaryDirectory() as tmp:

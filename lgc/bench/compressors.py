@@ -103,9 +103,12 @@ def benchmark_compressors(
     }
     rows = []
     compressors = _configured_compressors(density)
+    # Weights for the compressors that read them (DGC's weight decay), as the DDP hook attaches them.
+    weights = {key: torch.randn(grad.shape, device=dev, generator=gen) for key, grad in grads.items()}
     for name, compressor in compressors.items():
         if only and name not in only:
             continue
+        compressor.attach_parameters(weights)
         payload_bytes = 0
 
         def round_trip(compressor: Compressor = compressor) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -78,6 +79,10 @@ class Compressor(abc.ABC):
 
     #: How payloads of different workers are combined.
     combine: CombineMode
+    #: Whether the compressor keeps no state between steps (no residual, momentum or random
+    #: generator): the hook then needs no step-level agreement before compressing (see
+    #: :mod:`lgc.ddp.hook`), and non-finite gradients simply pass through its sum.
+    stateless: bool = False
     #: Whether payload sizes can differ between workers for the same tensor (sizes are then
     #: exchanged before the payloads).
     variable_size: bool = False
@@ -98,6 +103,16 @@ class Compressor(abc.ABC):
     def payload_from_wire(self, wire: Tensor, numel: int) -> Payload:
         """Rebuild a payload from the ``uint8`` buffer written by :meth:`Payload.to_wire`."""
 
+    def payload_from_sum(self, summed: Tensor, own: Payload) -> Payload:
+        """Rebuild a payload from the allreduced sum of every worker's wire tensor (:attr:`CombineMode.SUM`).
+
+        ``own`` is this worker's payload of the same tensor: the sum has its single wire tensor's
+        dtype and shape, and its metadata (which every worker computes alike). The default parses
+        the sum's bytes with :meth:`payload_from_wire`; compressors whose wire dtype is not fixed by
+        their configuration (``none`` sends the gradient's own dtype) override this.
+        """
+        return self.payload_from_wire(summed.contiguous().view(torch.uint8), own.numel)
+
     def aggregate(self, payloads: list[Payload]) -> Tensor:
         """Sum of the decoded payloads of all workers (for gathered payloads).
 
@@ -117,6 +132,14 @@ class Compressor(abc.ABC):
         """
         return tensor
 
+    def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
+        """Receive the model's parameters by name (the ``key`` of :meth:`compress`); called by the hook.
+
+        A no-op by default. Compressors that own part of the optimizer and need the weights
+        themselves (DGC's weight decay, added to the gradient before momentum correction) keep the
+        mapping; they must not pickle or checkpoint it.
+        """
+
     def begin_step(self, step: int) -> None:
         """Called by the hook before the first tensor of every compressed step (``step`` counts from 0)."""
 
@@ -126,6 +149,20 @@ class Compressor(abc.ABC):
     def set_shared_seed(self, seed: int) -> None:
         """Receive the seed every worker agrees on (only called when :attr:`needs_shared_seed`)."""
         self.shared_seed = int(seed)
+
+    def set_world_size(self, world_size: int) -> None:
+        """Receive the number of workers the hook divides gradients by (the hook calls it before every exchange).
+
+        A no-op by default; compressors that add a term per worker (DGC's weight decay, its
+        clipping threshold) take their divisor from here rather than from configuration.
+        """
+
+    def set_rank(self, rank: int) -> None:
+        """Receive this worker's rank in the group (the hook calls it before every exchange).
+
+        A no-op by default; compressors whose randomness must differ between workers derive it
+        from the rank (unshared random blocks), never from state copied from the launching process.
+        """
 
     def state_dict(self) -> dict[str, Any]:
         """State that must survive a restart (empty for stateless compressors)."""

@@ -5,8 +5,10 @@ of 0.1 % (the paper: 270x-600x compression, ResNet-50's gradient from 97 MB to 0
 
 1. **Momentum correction.** Each worker keeps, per tensor, a momentum ``u`` and an accumulator
    ``v`` and selects from ``v``: ``u = m*u + g; v = v + u`` (Nesterov: ``u = m*(u + g);
-   v = v + u + g``). Without sparsity this sends exactly heavy-ball SGD's update, so the
-   optimizer must *not* apply momentum again (``optimizer.momentum=0``).
+   v = v + u + g``). DGC owns the momentum, so the optimizer must *not* apply it again
+   (``optimizer.momentum=0``). Weight decay belongs inside it too (``weight_decay``): ``g`` is
+   the gradient plus ``wd * w``, as for ``torch.optim.SGD(weight_decay=wd)``; decay left in the
+   optimizer acts outside the momentum and is effectively ``(1 - m) * wd``, 10x weaker at 0.9.
 2. **Momentum factor masking.** After sending, ``u`` and ``v`` are zeroed at the sent positions,
    so stale momentum does not keep pushing coordinates that were just updated.
 3. **Local gradient clipping** (for RNNs; off by default): each worker clips its own gradient
@@ -17,13 +19,22 @@ of 0.1 % (the paper: 270x-600x compression, ResNet-50's gradient from 97 MB to 0
 The top-k threshold is estimated from a strided sample instead of a full top-k, as the paper and
 its authors' code do (see :func:`sampled_topk` for the exact rule). The accumulator ``v`` *is*
 the error-feedback residual, so DGC is never wrapped in :class:`lgc.compressors.ErrorFeedback`.
+
+**When DGC is exactly momentum SGD.** With density 1, momentum factor masking *off* and every
+step going through the compressor (the hook's ``start_iter=0``), everything is sent and ``v`` is
+emptied every step, so the sent update is ``u``: DGC + ``SGD(momentum=0, weight_decay=0)`` equals
+``SGD(momentum=m, nesterov=..., weight_decay=wd)`` step for step (to rounding; weight decay on
+the compressor). With masking *on* (the default) this does not hold: at density 1 every position
+is sent, so ``u`` is zeroed every step and DGC is SGD *without* momentum (the decay still
+applies). Below density 1 masking is what keeps accuracy; the warm-up never lowers a density
+below ``density``, so at density 1 it changes nothing.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,7 +272,8 @@ class DGCCompressor(Compressor):
     Per tensor (``key``, the parameter name in the DDP hook) the compressor keeps the momentum
     ``u`` and the accumulator ``v`` and, per step:
 
-    1. optionally clips the incoming gradient ``g`` to norm ``clip_norm / sqrt(world_size)``;
+    1. optionally clips the incoming gradient ``g`` to norm ``clip_norm / sqrt(world_size)``, then
+       adds the weight decay ``weight_decay * w / world_size`` (summed over the workers: ``wd * w``);
     2. momentum correction: ``u = m*u + g; v = v + u`` (Nesterov: ``u = m*(u + g); v = v + u + g``);
     3. selects about ``k = ceil(density * n)`` entries of ``v`` with :func:`sampled_topk`;
     4. sends them as a :class:`~lgc.compressors.topk.SparsePayload` (fp32 value + int32 index,
@@ -272,21 +284,32 @@ class DGCCompressor(Compressor):
     (``error_feedback: false`` in the yaml). The sampled threshold makes the number of entries
     differ between workers (``variable_size``): the hook exchanges sizes before its allgather.
 
-    **The optimizer must not apply momentum again**: DGC already sends heavy-ball updates, so use
-    ``torch.optim.SGD(momentum=0, nesterov=False)`` (``optimizer.momentum=0
-    optimizer.nesterov=false`` on the ``lgc-train`` command line); :func:`check_optimizer_momentum`
-    refuses the combination. Weight decay stays in the optimizer and so acts on the averaged
-    gradient without momentum (the authors' code adds it to the gradient before momentum
-    correction; the difference is a momentum on the decay term). The paper also warms the
-    learning rate up; that belongs to the scheduler.
+    **The optimizer must apply neither momentum nor weight decay**: DGC already sends heavy-ball
+    updates, so use ``torch.optim.SGD(momentum=0, nesterov=False, weight_decay=0)`` and give the
+    decay to the compressor (``weight_decay``); :func:`check_optimizer_momentum` refuses momentum
+    in both places, and decay in both places. Decay left in the optimizer (``weight_decay=0`` here)
+    acts on the averaged update outside the momentum: at equilibrium ``u = g / (1 - m)``, so its
+    effective strength is ``(1 - m) * wd``, 10x weaker than in dense momentum SGD at ``m = 0.9``.
+    The authors' code gives the decay term a momentum of its own in its optimizer (``DGCSGD``:
+    dense, every step, never communicated); here it joins the gradient in ``u`` and ``v`` before
+    momentum correction, which is the same update at density 1 and, below it, lets the decay wait
+    in ``v`` like the gradient until its coordinates are sent. The paper also warms the learning
+    rate up; that belongs to the scheduler (``scheduler=warmup_multistep``).
+
+    Weight decay needs the weights: :meth:`attach_parameters` receives them by name (the hook calls
+    it from :meth:`~lgc.ddp.CompressionHookState.attach`; a plain script calls it itself). The
+    mapping is neither pickled nor checkpointed: every process attaches its own model.
 
     Interplay with :func:`lgc.ddp.register_compression_hook`: the hook divides the gradient by the
     world size *before* :meth:`compress`, so ``u`` and ``v`` hold this worker's share of the mean
     gradient and the aggregate (a scatter-add over workers) is the mean's sparse update. Tensors
     below the hook's ``min_numel`` are allreduced dense and never reach :meth:`compress`; the hook
     passes them through :meth:`transform_dense` (:meth:`apply_momentum`), so they get the same
-    momentum. The hook's ``start_iter`` plain-allreduce iterations bypass DGC entirely (the first
-    step's gradient then never enters ``u``; with one such step the difference is ``m**t * g_0``).
+    momentum and decay. Because the hook has divided the gradient, each worker adds only
+    ``wd * w / world_size``: ``world_size`` must be the number of workers the hook divides by
+    (the constructor's value, or what :meth:`set_world_size` was told). The hook's ``start_iter``
+    plain-allreduce iterations bypass DGC entirely, without momentum or decay (the first step's
+    gradient then never enters ``u``; with one such step the difference is ``m**t * g_0``).
 
     Args:
         density: final fraction of entries sent, in (0, 1]; the paper uses 0.001 (0.1 %). With
@@ -302,7 +325,11 @@ class DGCCompressor(Compressor):
             paper's default except for RNNs). Each worker clips the tensor it is given (already
             divided by the world size) to ``clip_norm * world_size**-0.5``. Clipping is per tensor,
             because a compressor sees one tensor at a time.
-        world_size: number of workers ``N``, only used by ``clip_norm``.
+        weight_decay: L2 weight decay ``wd >= 0`` added to the gradient before momentum correction,
+            the value you would give ``torch.optim.SGD(weight_decay=...)`` (which must then be 0);
+            needs :meth:`attach_parameters`. ``0`` (the default) adds none.
+        world_size: number of workers ``N`` the hook divides the gradient by: scales ``clip_norm``
+            and ``weight_decay``. :meth:`set_world_size` overrides it.
         warmup_densities: density per warm-up epoch, applied by :meth:`set_epoch`; from epoch
             ``len(warmup_densities)`` on, ``density`` is used (a warm-up value below ``density``
             counts as ``density``). ``None`` is the paper's
@@ -334,6 +361,7 @@ class DGCCompressor(Compressor):
         nesterov: bool = False,
         momentum_masking: bool = True,
         clip_norm: float | None = None,
+        weight_decay: float = 0.0,
         world_size: int = 1,
         warmup_densities: Sequence[float] | None = None,
         sample_fraction: float = 0.01,
@@ -346,8 +374,9 @@ class DGCCompressor(Compressor):
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if clip_norm is not None and not float(clip_norm) > 0.0:
             raise ValueError(f"clip_norm must be positive or None, got {clip_norm!r}")
-        if isinstance(world_size, bool) or int(world_size) != world_size or int(world_size) < 1:
-            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if not (0.0 <= float(weight_decay) < math.inf):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        _check_world_size(world_size)
         if warmup_densities is None:
             warmup_densities = PAPER_WARMUP_DENSITIES
         if isinstance(warmup_densities, (str, bytes)) or not isinstance(warmup_densities, Sequence):
@@ -365,6 +394,7 @@ class DGCCompressor(Compressor):
         self.nesterov = bool(nesterov)
         self.momentum_masking = bool(momentum_masking)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.weight_decay = float(weight_decay)
         self.world_size = int(world_size)
         self.warmup_densities = tuple(float(d) for d in warmup_densities)
         self.sample_fraction = float(sample_fraction)
@@ -384,6 +414,26 @@ class DGCCompressor(Compressor):
         self.last_selection: SelectionInfo | None = None
         # Python's generator, not torch's: it pickles without tensors (spawned workers get a copy).
         self._rng = random.Random(self.seed)
+        #: The model's parameters by name (:meth:`attach_parameters`), read by the weight decay.
+        #: Per process: never pickled (:meth:`__getstate__`) nor checkpointed (:meth:`state_dict`).
+        self._parameters: Mapping[str, Tensor] | None = None
+
+    # -- what the hook tells the compressor ------------------------------------------------------
+    def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
+        """Keep the model's parameters by name (the ``key`` of :meth:`compress`) for the weight decay."""
+        self._parameters = parameters
+
+    def set_world_size(self, world_size: int) -> None:
+        """Number of workers the hook divides gradients by (scales ``clip_norm`` and ``weight_decay``)."""
+        _check_world_size(world_size)
+        self.world_size = int(world_size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The parameters belong to this process's model: a spawned worker or a pickled checkpoint
+        # must not carry (or share) them; the worker's hook attaches its own.
+        state = self.__dict__.copy()
+        state["_parameters"] = None
+        return state
 
     # -- schedule --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -416,8 +466,44 @@ class DGCCompressor(Compressor):
         # The same rule as torch.nn.utils.clip_grad_norm_ (the 1e-6 guards a zero norm).
         return grad, min(1.0, limit / (norm + 1e-6))
 
-    def _accumulate(self, u: Tensor | None, v: Tensor, grad: Tensor, scale: float) -> None:
-        """Momentum correction on one span, in place: ``u = m*u + g; v += u`` (or the variants)."""
+    def _weights(self, key: str, like: Tensor) -> Tensor | None:
+        """The flat weights of ``key`` that the decay acts on, or None without weight decay."""
+        if self.weight_decay == 0.0:
+            return None
+        if self._parameters is None:
+            raise ValueError(
+                f"DGC's weight_decay={self.weight_decay} needs the model's weights, but none were attached: "
+                "the DDP hook attaches them (CompressionHookState.attach / register_compression_hook); "
+                "a script calling compress() itself must call attach_parameters(dict(model.named_parameters())) first"
+            )
+        weight = self._parameters.get(key)
+        if weight is None:
+            raise ValueError(
+                f"DGC's weight decay got a gradient for {key!r} but no parameter of that name was attached "
+                f"({len(self._parameters)} were, e.g. {next(iter(self._parameters), None)!r})"
+            )
+        if weight.numel() != like.numel():
+            raise ValueError(f"parameter {key!r} has {weight.numel()} elements but its gradient {like.numel()}")
+        return weight.detach().reshape(-1)
+
+    def _decayed(self, grad: Tensor, scale: float, weight: Tensor | None) -> tuple[Tensor, float]:
+        """``scale * grad + wd / world_size * weight`` (a new tensor) and 1.0, or ``grad, scale`` unchanged."""
+        if weight is None:
+            return grad, scale
+        if scale != 1.0:
+            grad = grad * scale
+        # This worker's share: the hook sums the workers' updates, which then hold wd * w once.
+        # grad + wd * w in one add, as torch.optim.SGD(weight_decay=wd) computes it.
+        return torch.add(grad, weight, alpha=self.weight_decay / self.world_size), 1.0
+
+    def _accumulate(
+        self, u: Tensor | None, v: Tensor, grad: Tensor, scale: float, weight: Tensor | None = None
+    ) -> None:
+        """Momentum correction on one span, in place: ``u = m*u + g; v += u`` (or the variants).
+
+        ``g`` is ``scale * grad`` plus the weight decay on ``weight`` (when given).
+        """
+        grad, scale = self._decayed(grad, scale, weight)
         if u is None:
             # No momentum: u would be g every step, so v += g is all there is (top-k with EF).
             v.add_(grad, alpha=scale)
@@ -435,11 +521,12 @@ class DGCCompressor(Compressor):
     def compress(self, tensor: Tensor, key: str) -> SparsePayload:
         grad, scale = self._clipped(tensor)
         numel = grad.numel()
+        weight = self._weights(key, grad)
         v = self._buffer(self.velocities, key, grad)
         u = None if self.momentum == 0.0 else self._buffer(self.momenta, key, grad)
         k = num_selected(numel, self.current_density)
         if k == numel or numel < self.exact_below_numel:
-            self._accumulate(u, v, grad, scale)
+            self._accumulate(u, v, grad, scale, weight)
             if k == numel:
                 positions = torch.arange(numel, device=v.device)
                 self.last_selection = SelectionInfo("all", k, numel, 0, math.nan)
@@ -451,7 +538,8 @@ class DGCCompressor(Compressor):
             scan = _ColumnScan(v)
             for span, (start, stop) in enumerate(scan.spans):
                 part = None if u is None else u[start:stop]
-                self._accumulate(part, v[start:stop], grad[start:stop], scale)
+                decay_part = None if weight is None else weight[start:stop]
+                self._accumulate(part, v[start:stop], grad[start:stop], scale, decay_part)
                 scan.scan(span)
             positions, self.last_selection = sampled_topk(
                 v, k, sample_fraction=self.sample_fraction, rng=self._rng, scan=scan
@@ -465,14 +553,17 @@ class DGCCompressor(Compressor):
         return SparsePayload(numel=numel, values=values, indices=positions.to(index_dtype_for(numel)))
 
     def apply_momentum(self, tensor: Tensor, key: str) -> Tensor:
-        """Momentum (and clipping) for a tensor that is sent dense instead of compressed.
+        """Momentum, weight decay (and clipping) for a tensor that is sent dense instead of compressed.
 
-        DGC owns the momentum, so tensors the hook allreduces dense (biases, norm layers below
-        ``min_numel``) need it here, as in the authors' code: returns heavy-ball SGD's update
-        ``u = m*u + g`` (Nesterov: ``g + m*u``) as a new fp32 tensor; ``tensor`` is not changed.
-        By linearity, averaging these over workers equals momentum applied to the average.
+        DGC owns the momentum and the decay, so tensors the hook allreduces dense (biases, norm
+        layers below ``min_numel``) need them here (the authors' code, too, gives them momentum
+        correction without sparsification): returns heavy-ball SGD's update ``u = m*u + g``
+        (Nesterov: ``g + m*u``) with ``g`` the gradient plus ``wd * w / world_size``, as a new
+        fp32 tensor; ``tensor`` is not changed. By linearity, summing these over workers equals
+        ``torch.optim.SGD(momentum=m, weight_decay=wd)``'s update for the averaged gradient.
         """
         grad, scale = self._clipped(tensor)
+        grad, scale = self._decayed(grad, scale, self._weights(key, grad))
         if self.momentum == 0.0:
             return grad * scale
         u = self._buffer(self.dense_momenta, key, grad)
@@ -529,8 +620,14 @@ class DGCCompressor(Compressor):
         return (
             f"DGCCompressor(density={self.density}, momentum={self.momentum}, nesterov={self.nesterov}, "
             f"momentum_masking={self.momentum_masking}, clip_norm={self.clip_norm}, "
+            f"weight_decay={self.weight_decay}, "
             f"warmup_densities={list(self.warmup_densities)}, sample_fraction={self.sample_fraction})"
         )
+
+
+def _check_world_size(world_size: Any) -> None:
+    if isinstance(world_size, bool) or int(world_size) != world_size or int(world_size) < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
 
 
 def _unwrap(obj: Any) -> list[Any]:
@@ -541,29 +638,41 @@ def _unwrap(obj: Any) -> list[Any]:
     return chain
 
 
-def check_optimizer_momentum(compressor: Any, optimizer_momentum: float) -> None:
-    """Refuse DGC combined with optimizer momentum, or DGC inside error feedback.
+def check_optimizer_momentum(compressor: Any, optimizer_momentum: float, *, weight_decay: float | None = None) -> None:
+    """Refuse DGC combined with optimizer momentum or optimizer weight decay, or DGC inside error feedback.
 
     DGC's momentum correction already sends heavy-ball updates; momentum in the optimizer as well
-    would apply it twice. Its accumulator is the error-feedback residual, so
-    :class:`~lgc.compressors.ErrorFeedback` around it would feed the error back twice. Anything
-    that is not (and does not wrap, via ``.compressor``) a :class:`DGCCompressor` passes.
+    would apply it twice. A DGC with ``weight_decay > 0`` adds the decay before its momentum
+    correction; decay in the optimizer as well would apply it twice. Its accumulator is the
+    error-feedback residual, so :class:`~lgc.compressors.ErrorFeedback` around it would feed the
+    error back twice. Anything that is not (and does not wrap, via ``.compressor``) a
+    :class:`DGCCompressor` passes.
 
     Args:
         compressor: a compressor, a wrapper such as ``ErrorFeedback``, or a hook state.
         optimizer_momentum: the optimizer's momentum factor.
+        weight_decay: the optimizer's weight decay; ``None`` skips that check.
 
     Raises:
-        ValueError: if a DGC compressor meets a nonzero optimizer momentum or error feedback.
+        ValueError: if a DGC compressor meets a nonzero optimizer momentum, a nonzero optimizer
+            weight decay while it applies its own, or error feedback.
     """
     chain = _unwrap(compressor)
-    if not any(isinstance(c, DGCCompressor) for c in chain):
+    dgc = next((c for c in chain if isinstance(c, DGCCompressor)), None)
+    if dgc is None:
         return
     if float(optimizer_momentum) != 0.0:
         raise ValueError(
             f"optimizer momentum is {optimizer_momentum!r} but DGC applies momentum correction itself; "
             "set optimizer.momentum=0 (and optimizer.nesterov=false) and put the momentum on the compressor "
             "(compressor.momentum)"
+        )
+    if weight_decay is not None and float(weight_decay) != 0.0 and dgc.weight_decay > 0.0:
+        raise ValueError(
+            f"optimizer weight_decay is {weight_decay!r} but DGC applies weight decay itself "
+            f"(compressor.weight_decay={dgc.weight_decay!r}), so it would be applied twice; set "
+            "optimizer.weight_decay=0 and give the decay to the compressor (compressor.weight_decay=...), "
+            "where it acts before momentum correction as in torch.optim.SGD(momentum, weight_decay)"
         )
     if any(isinstance(c, ErrorFeedback) for c in chain):
         raise ValueError("DGC keeps its own error feedback (its accumulator v); set compressor.error_feedback=false")

@@ -8,6 +8,7 @@ delayed (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019). The inv
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,8 +23,10 @@ __all__ = ["ErrorFeedback"]
 class ErrorFeedback(Compressor):
     """Wraps ``compressor`` and feeds back what it did not send.
 
-    Residuals are kept per ``key`` (the parameter name in the DDP hook). They differ between
-    workers, so checkpoints must store every rank's residuals (the DDP hook state does).
+    Residuals are kept per ``key`` (the parameter name in the DDP hook), in fp32 whatever the
+    gradient's dtype (so the rounding of half-precision payload values is fed back too). They
+    differ between workers, so checkpoints must store every rank's residuals (the DDP hook state
+    does).
 
     Args:
         compressor: the compressor whose error is fed back.
@@ -50,7 +53,9 @@ class ErrorFeedback(Compressor):
     def compress(self, tensor: Tensor, key: str) -> Payload:
         residual = self.residuals.get(key)
         if residual is None:
-            corrected = tensor.clone()
+            # fp32 whatever the gradient's dtype: a half-precision residual would round away the
+            # small entries it exists to accumulate.
+            corrected = tensor.to(torch.float32, copy=True)
         else:
             # In place: the residual buffer becomes g + r, then what is not sent stays in it.
             corrected = residual.to(tensor.device).add_(tensor)
@@ -70,11 +75,23 @@ class ErrorFeedback(Compressor):
     def aggregate(self, payloads: list[Payload]) -> Tensor:
         return self.compressor.aggregate(payloads)
 
+    def payload_from_sum(self, summed: Tensor, own: Payload) -> Payload:
+        return self.compressor.payload_from_sum(summed, own)
+
+    def set_rank(self, rank: int) -> None:
+        self.compressor.set_rank(rank)
+
+    def set_world_size(self, world_size: int) -> None:
+        self.compressor.set_world_size(world_size)
+
     def payload_from_wire(self, wire: Tensor, numel: int) -> Payload:
         return self.compressor.payload_from_wire(wire, numel)
 
     def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
         return self.compressor.transform_dense(tensor, key)
+
+    def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
+        self.compressor.attach_parameters(parameters)
 
     def begin_step(self, step: int) -> None:
         self.compressor.begin_step(step)

@@ -23,6 +23,7 @@ class FP16Compressor(Compressor):
     """
 
     combine = CombineMode.SUM
+    stateless = True
 
     def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
         if isinstance(dtype, str):

@@ -1,4 +1,4 @@
-"""The identity compressor: dense fp32, what plain DDP sends."""
+"""The identity compressor: every gradient in its own dtype, what plain DDP sends."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ class DensePayload(Payload):
 
 
 class NoneCompressor(Compressor):
-    """Sends the tensor unchanged as fp32 (4 bytes per element): the dense baseline.
+    """Sends the tensor unchanged, in its own dtype: the dense baseline, byte for byte plain DDP.
+
+    fp32 gradients cost 4 bytes per element, fp16/bf16 gradients (a model in half precision) 2.
 
     Example::
 
@@ -29,13 +31,18 @@ class NoneCompressor(Compressor):
     """
 
     combine = CombineMode.SUM
+    stateless = True
 
     def compress(self, tensor: Tensor, key: str) -> DensePayload:
-        return DensePayload(numel=tensor.numel(), values=tensor.float())
+        return DensePayload(numel=tensor.numel(), values=tensor)
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, DensePayload)
         return payload.values
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> DensePayload:
-        return DensePayload(numel=numel, values=view_bytes_as(wire, torch.float32))
+    def payload_from_sum(self, summed: Tensor, own: Payload) -> DensePayload:
+        return DensePayload(numel=own.numel, values=summed)
+
+    def payload_from_wire(self, wire: Tensor, numel: int, dtype: torch.dtype = torch.float32) -> DensePayload:
+        """The wire carries the gradient's dtype, which every worker knows from its model (``dtype``)."""
+        return DensePayload(numel=numel, values=view_bytes_as(wire, dtype))

@@ -8,8 +8,9 @@ and no pass over the tensor, and the block is contiguous memory. Two modes:
   broadcasts once (the DDP hook does this through :attr:`Compressor.needs_shared_seed`) and the
   step number, so the ``k`` values of all workers are summed by a plain **allreduce** and no
   position is ever sent: exactly ``4 k`` bytes per tensor.
-* **unshared**: every worker draws its own offset from its own generator and sends it with the
-  values (``8 + 4 k`` bytes); payloads are allgathered and each block is added at its offset.
+* **unshared**: every worker draws its own offset, independent of the other workers' (derived
+  from the same broadcast seed, its rank and the tensor's name), and sends it with the values
+  (``8 + 4 k`` bytes); payloads are allgathered and each block is added at its offset.
 
 Wrap-around: a block that starts less than ``k`` entries before the end continues at entry 0.
 Offsets are uniform over all ``n`` positions, so every entry is sent with the same probability
@@ -19,6 +20,7 @@ Offsets are uniform over all ``n`` positions, so every entry is sent with the sa
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,16 +43,23 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def block_offset(seed: int, step: int, numel: int) -> int:
-    """The shared block offset for a tensor of ``numel`` entries at ``step``, uniform in ``[0, numel)``.
+def block_offset(seed: int, step: int, numel: int, *stream: int) -> int:
+    """The block offset for a tensor of ``numel`` entries at ``step``, uniform in ``[0, numel)``.
 
     A pure function of its arguments (no Python ``hash``, no global RNG), so every worker, and a
-    resumed run, computes the same offset. The modulo bias is below ``numel / 2**64``.
+    resumed run, computes the same offset. ``stream`` words select an independent sequence (the
+    unshared mode passes the worker's rank and the tensor's name). The modulo bias is below
+    ``numel / 2**64``.
     """
     h = 0
-    for word in (seed, step, numel):
+    for word in (seed, step, numel, *stream):
         h = _splitmix64(h ^ (word & _MASK64))
     return h % numel if numel else 0
+
+
+def _name_word(key: str) -> int:
+    """A stable 32-bit word for a tensor's name (CRC-32: the same in every process, unlike ``hash``)."""
+    return zlib.crc32(key.encode())
 
 
 def _block_positions(offset: int, k: int, numel: int, device: torch.device) -> Tensor:
@@ -124,14 +133,15 @@ class RandomBlockCompressor(Compressor):
             (lr 0.1): density 0.25 converges like dense, 0.1 diverges unless lr drops to ~0.02,
             while top-k at 0.1 converges at lr 0.1.
         shared: all workers use the same offset (``combine = SUM``: one allreduce of ``4 k``
-            bytes, no positions), derived from ``(shared_seed, step, n)``. Otherwise each worker
+            bytes, no positions), derived from ``(seed, step, n)``. Otherwise each worker
             draws its own offset (``combine = GATHER``: an allgather of ``8 + 4 k`` bytes per
-            worker), which covers ``P`` blocks per step instead of one, at ``P`` times the bytes.
-            Shared is the efficient mode and the right default.
-        seed: shared mode: the seed rank 0 broadcasts (the other ranks' values are ignored), so
-            runs are reproducible. Unshared mode: seed of this worker's generator; give every
-            worker a different one (e.g. ``seed + rank``), or ``None`` for fresh OS entropy,
-            otherwise all workers draw the same offsets and pay the gather for nothing.
+            worker) from ``(seed, step, n, rank, name)``, independent of the other workers', which
+            covers ``P`` blocks per step instead of one, at ``P`` times the bytes. Shared is the
+            efficient mode and the right default.
+        seed: the run's seed. In both modes rank 0's value is broadcast once and used by every
+            worker (the other ranks' values are ignored), so a run is reproducible and the
+            workers' offsets are independent in unshared mode whatever the seed; ``None`` draws
+            rank 0's seed from OS entropy.
 
     Shared offsets depend on the tensor's length, not on its name: the hook rebuilds summed
     payloads with :meth:`payload_from_wire` (wire bytes and length only), which must find the
@@ -159,15 +169,13 @@ class RandomBlockCompressor(Compressor):
         self.shared = bool(shared)
         self.seed = seed
         self.combine = CombineMode.SUM if self.shared else CombineMode.GATHER
-        self.needs_shared_seed = self.shared
-        # Shared mode without a seed: rank 0's entropy becomes everyone's seed via the broadcast.
+        # Both modes: rank 0's seed is everyone's (unshared offsets then differ by rank, not by a
+        # generator state that spawned workers would all inherit from the launching process).
+        self.needs_shared_seed = True
+        # Without a seed, rank 0's entropy becomes everyone's seed via the broadcast.
         self.shared_seed = int(seed) if seed is not None else torch.Generator().seed() & ((1 << 63) - 1)
-        #: Unshared mode: this worker's offset generator (its state is saved).
-        self.generator = torch.Generator()
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        #: This worker's rank (set by the hook; 0 in a single process).
+        self.rank = 0
         #: Current step (from begin_step, or advanced when a key repeats outside the hook).
         self.step = 0
         self._keys_this_step: set[str] = set()
@@ -178,10 +186,13 @@ class RandomBlockCompressor(Compressor):
         self.step = int(step)
         self._keys_this_step.clear()
 
-    def _offset(self, numel: int) -> int:
+    def set_rank(self, rank: int) -> None:
+        self.rank = int(rank)
+
+    def _offset(self, numel: int, key: str) -> int:
         if self.shared:
             return block_offset(self.shared_seed, self.step, numel)
-        return int(torch.randint(numel, (1,), generator=self.generator))
+        return block_offset(self.shared_seed, self.step, numel, self.rank + 1, _name_word(key))
 
     def compress(self, tensor: Tensor, key: str) -> BlockPayload:
         if key in self._keys_this_step:  # a plain loop without begin_step(): move on
@@ -190,7 +201,7 @@ class RandomBlockCompressor(Compressor):
         tensor = tensor.reshape(-1)  # a view for the hook's flat slices
         numel = tensor.numel()
         k = num_selected(numel, self.density)
-        offset = self._offset(numel) if k < numel else 0
+        offset = self._offset(numel, key) if k < numel else 0
         end = offset + k
         # A copy in fp32: error feedback then updates ``tensor`` in place, which must not change the values.
         if end <= numel:
@@ -231,33 +242,17 @@ class RandomBlockCompressor(Compressor):
     # ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "keys_this_step": sorted(self._keys_this_step),
-            "shared_seed": self.shared_seed,
-            "generator": self.generator.get_state(),
-        }
+        return {"step": self.step, "keys_this_step": sorted(self._keys_this_step), "shared_seed": self.shared_seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # "generator": checkpoints written before unshared offsets were derived from the rank
+        # (its state no longer determines anything).
         unknown = set(state) - {"step", "keys_this_step", "shared_seed", "generator"}
         if unknown:
             raise ValueError(f"RandomBlockCompressor got unknown state keys {sorted(unknown)}")
         self.step = int(state["step"])
         self._keys_this_step = set(state["keys_this_step"])
         self.shared_seed = int(state["shared_seed"])
-        self.generator.set_state(state["generator"])
-
-    def __getstate__(self) -> dict[str, Any]:
-        # torch.Generator does not pickle: carry its state, as plain bytes rather than a tensor so
-        # that torch.multiprocessing (Lightning's spawn) does not route it through shared memory.
-        state = dict(self.__dict__)
-        state["generator"] = self.generator.get_state().numpy().tobytes()
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        generator = torch.Generator()
-        generator.set_state(torch.frombuffer(bytearray(state.pop("generator")), dtype=torch.uint8))
-        self.__dict__.update(state, generator=generator)
 
     def __repr__(self) -> str:
         return f"RandomBlockCompressor(density={self.density}, shared={self.shared}, seed={self.seed})"

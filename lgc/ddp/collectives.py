@@ -48,6 +48,9 @@ class CommStats:
 
     #: How many times DDP called the hook (once per bucket per step).
     hook_calls: int = 0
+    #: Steps whose gradient was non-finite (inf/NaN) on some rank: passed through uncompressed so
+    #: the optimizer or GradScaler skips them, with every compressor state left as it was.
+    skipped_steps: int = 0
     #: Bytes this worker contributed to collectives.
     bytes_sent: int = 0
     #: Bytes this worker received from collectives.

@@ -1,22 +1,44 @@
 """A DDP communication hook that runs any :class:`~lgc.compressors.Compressor`.
 
-This module (with :mod:`lgc.ddp.topologies` later) is the only place that calls
+This module (with the other modules of :mod:`lgc.ddp`) is the only place that calls
 :mod:`torch.distributed`. It follows PyTorch's own hooks (``ddp_comm_hooks/powerSGD_hook.py``):
 
 1. DDP hands the hook one flat bucket of gradients; the hook divides it by the world size.
-2. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense.
-3. Every other parameter's gradient is compressed on its own, keyed by the parameter's name, so
+2. The first ``start_iter`` iterations use a plain allreduce, as PyTorch's PowerSGD hook does
+   while DDP rebuilds its buckets after the first iteration; the iteration counter is saved, so a
+   resumed run does not repeat them.
+3. A stateful compressor (residuals, momenta, random generators) runs once per *step*, at the
+   step's last bucket, after one small allreduce in which the ranks agree on two facts (the
+   **step guard**, :meth:`CompressionHookState.agree`):
+
+   * **non-finite gradients**: if any rank has an inf or NaN anywhere in the step, every rank
+     allreduces its buckets dense and unchanged (what plain DDP does, so the optimizer or AMP's
+     GradScaler sees the inf/NaN on every rank and skips the step), touches no compressor state,
+     does not advance the step counter and counts the step in ``stats.skipped_steps``. Training
+     afterwards is that of a run in which the step never happened.
+   * **unused parameters**: a parameter whose gradient is exactly zero on every rank (unused with
+     ``find_unused_parameters=True``, where DDP discards the result anyway) is not compressed: its
+     residual and momentum stay as they are and nothing is sent for it.
+
+   Stateless compressors (``none``, ``fp16``) need neither: they run bucket by bucket as the
+   buckets become ready, overlapping communication with the backward pass, and an inf or NaN
+   simply passes through their sum (the step is counted as skipped all the same).
+4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
+   in the gradient's dtype.
+5. Every other parameter's gradient is compressed on its own, keyed by the parameter's name, so
    compressor state (residuals, momenta) is independent of DDP's bucketing and survives restarts.
-4. Payloads are combined as the compressor declares: one allreduce per dtype for summable
+6. Payloads are combined as the compressor declares: one allreduce per dtype for summable
    payloads, or an allgather of one packed byte buffer (sizes exchanged first when they may
    differ) for gatherable ones. Collectives are issued inside the hook, never from ``Future.then``
    callbacks, so every rank issues them in the same order; callbacks only decode.
-5. The first ``start_iter`` iterations use a plain allreduce, as PyTorch's PowerSGD hook does
-   while DDP rebuilds its buckets after the first iteration; the iteration counter is saved, so a
-   resumed run does not repeat them.
+
+Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
+for an fp32 model, 2 for a model in fp16 or bf16).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -33,6 +55,7 @@ __all__ = [
     "CommStats",
     "CompressionHookState",
     "PayloadExchange",
+    "StepVerdict",
     "average_compressed",
     "compression_hook",
     "register_compression_hook",
@@ -77,6 +100,24 @@ class _BucketLayout(NamedTuple):
     segments: tuple[_Segment, ...]
 
 
+class PendingBucket(NamedTuple):
+    """A bucket of the current step, held until the step's last bucket (see the step guard)."""
+
+    buffer: Tensor
+    segments: tuple[_Segment, ...]
+    #: What the hook returned to DDP for this bucket; completed when the step has run.
+    future: torch.futures.Future
+
+
+class StepVerdict(NamedTuple):
+    """What every rank agreed on before a compressed step (:meth:`CompressionHookState.agree`)."""
+
+    #: Some rank has an inf or NaN in the step's gradients: pass the step through, change no state.
+    skip: bool
+    #: Names of the parameters whose gradient is nonzero on some rank (the others are left alone).
+    used: frozenset[str]
+
+
 class CompressionHookState:
     """State of :func:`compression_hook` for one worker.
 
@@ -88,6 +129,9 @@ class CompressionHookState:
         start_iter: iterations of plain allreduce before compressing (at least 1 lets DDP rebuild
             its buckets first, as PyTorch's PowerSGD hook does).
         process_group: the group to communicate in (default: the world).
+
+    With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
+    does): compressors then see unscaled gradients (see :meth:`unscale`).
     """
 
     __slots__ = (
@@ -102,6 +146,11 @@ class CompressionHookState:
         "seed_shared",  # whether rank 0's shared seed has been broadcast (compressors that need one)
         "param_names",  # data_ptr -> parameter name, filled by attach(); per process, not saved
         "bucket_layouts",  # bucket index -> which parts of the flat buffer are compressed
+        "loss_scale",  # returns the loss scale of this step (a GradScaler's get_scale), or None; per process
+        "step_scale",  # the loss scale the current step's buckets were divided by
+        "pending",  # buckets of the current step, run together at its last bucket (the step guard)
+        "nonfinite_lock",  # stateless compressors: guards the skipped-step count set from callbacks
+        "nonfinite_step",  # stateless compressors: the last step counted as non-finite
         # stats
         "stats",
         "layer_stats",  # parameter name -> LayerStats (bytes per parameter, for the per-layer table)
@@ -132,6 +181,11 @@ class CompressionHookState:
         self.seed_shared = False
         self.param_names: dict[int, str] = {}
         self.bucket_layouts: dict[int, _BucketLayout] = {}
+        self.loss_scale: Callable[[], float] | None = None
+        self.step_scale = 1.0
+        self.pending: list[PendingBucket] = []
+        self.nonfinite_lock = threading.Lock()
+        self.nonfinite_step = -1
         self.stats = CommStats()
         self.layer_stats: dict[str, LayerStats] = {}
 
@@ -167,6 +221,7 @@ class CompressionHookState:
     def attach(self, model: DistributedDataParallel) -> None:
         """Learn the parameter names of ``model`` (compressor state is keyed by them)."""
         self.param_names = {p.data_ptr(): name for name, p in model.module.named_parameters()}
+        self.compressor.attach_parameters(dict(model.module.named_parameters()))
 
     # The interface lgc's strategy and callbacks use (shared with lgc.ddp.torch_hooks).
     def describe(self) -> str:
@@ -225,11 +280,113 @@ class CompressionHookState:
         slots = [slot for cls in type(self).__mro__ for slot in getattr(cls, "__slots__", ())]
         state = {slot: getattr(self, slot) for slot in slots}
         state.update(process_group=None, param_names={}, bucket_layouts={}, begun_step=-1, seed_shared=False)
+        state.update(pending=[], nonfinite_lock=None, nonfinite_step=-1, loss_scale=None, step_scale=1.0)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
+        self.nonfinite_lock = threading.Lock()
+
+    # -- the step guard ---------------------------------------------------------------------------
+    @property
+    def guards_steps(self) -> bool:
+        """Whether compressed steps run behind the step guard (every compressor with state)."""
+        return not self.compressor.stateless
+
+    def defer(self, buffer: Tensor, segments: tuple[_Segment, ...], is_last: bool) -> torch.futures.Future[Tensor]:
+        """Hold a bucket until the step's last bucket, then run the whole step (:meth:`run_step`)."""
+        future: torch.futures.Future[Tensor] = torch.futures.Future()
+        self.pending.append(PendingBucket(buffer, segments, future))
+        if is_last:
+            pending, self.pending = self.pending, []
+            try:
+                self.run_step(pending)
+            except BaseException as err:
+                for bucket in pending:
+                    if not bucket.future.done():
+                        bucket.future.set_exception(err)
+                raise
+        return future
+
+    def agree(self, pending: list[PendingBucket]) -> StepVerdict:
+        """One small allreduce (MAX of a byte per parameter, plus one) that every rank decides the step by.
+
+        Each rank looks at its own gradients once (``aminmax`` per parameter: finite? nonzero?);
+        the reduction tells every rank whether some rank saw an inf or NaN, and which parameters
+        have a nonzero gradient on some rank. Its bytes are counted like any other collective's.
+        """
+        names, extremes = [], []
+        for bucket in pending:
+            for s in bucket.segments:
+                piece = bucket.buffer[s.offset : s.offset + s.numel]
+                names.append(s.name)
+                extremes.append(torch.stack(torch.aminmax(piece)) if s.numel else piece.new_zeros(2))
+        table = torch.stack(extremes).float()
+        finite = torch.isfinite(table).all()
+        # NaN != 0 is True, so a NaN parameter also counts as used (it is skipped anyway).
+        flags = torch.cat([(~finite).reshape(1), (table != 0).any(dim=1)]).to(torch.uint8)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        self.stats.bytes_sent += nbytes(flags)
+        self.stats.bytes_received += nbytes(flags)
+        flags = flags.cpu()
+        used = frozenset(name for name, flag in zip(names, flags[1:].tolist(), strict=True) if flag)
+        return StepVerdict(skip=bool(flags[0]), used=used)
+
+    def pass_through(self, pending: list[PendingBucket]) -> None:
+        """A skipped step: every bucket allreduced dense and unchanged (plain DDP), no state touched."""
+        futures = [_allreduce(self, bucket.buffer) for bucket in pending]
+        torch.futures.wait_all(futures)
+        self.stats.skipped_steps += 1
+        for bucket in pending:
+            bucket.future.set_result(bucket.buffer)
+
+    def run_step(self, pending: list[PendingBucket]) -> None:
+        """Run one guarded step over all its buckets and complete their futures.
+
+        Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared.
+        """
+        verdict = self.agree(pending)
+        if verdict.skip:
+            self.pass_through(pending)
+        else:
+            step = self.iteration
+            self.compress_step(pending, verdict.used, step)
+            self.iteration = step + 1
+        if self.step_scale != 1.0:
+            # Back to the loss-scaled units the optimizer's GradScaler expects (DDP reads the
+            # buffers only after the backward pass, so the futures may already hold them).
+            for bucket in pending:
+                bucket.buffer.mul_(self.step_scale)
+
+    def unscale(self, buffer: Tensor, world_size: int) -> None:
+        """Divide a bucket by the world size and, with a loss scale attached, by the loss scale.
+
+        With AMP's GradScaler the gradients arrive multiplied by a scale that changes during
+        training (halved at every overflow, doubled every ``growth_interval`` steps). Compressor
+        state accumulated at one scale and added to gradients at another (residuals, DGC's momentum
+        and its weight decay) would be weighed wrongly, so compressors see unscaled gradients and
+        the result is scaled back (:meth:`run_step`). Powers of two, as GradScaler's scales are,
+        divide and multiply exactly.
+        """
+        self.step_scale = float(self.loss_scale()) if self.loss_scale is not None else 1.0
+        buffer.div_(world_size * self.step_scale if self.step_scale != 1.0 else world_size)
+
+    def compress_step(self, pending: list[PendingBucket], used: frozenset[str], step: int) -> None:
+        """Average every bucket of a finite step through the compressor (collectives in bucket order)."""
+        exchanges = [PayloadExchange(self, b.buffer, b.segments, step, used=used) for b in pending]
+        for exchange, bucket in zip(exchanges, pending, strict=True):
+            torch.futures.wait_all(exchange.futures)
+            bucket.future.set_result(exchange.finish())
+
+    def note_result(self, step: int, result: Tensor) -> Tensor:
+        """Stateless compressors: count a step whose averaged gradient is non-finite as skipped."""
+        if not bool(torch.isfinite(result).all()):
+            with self.nonfinite_lock:
+                if self.nonfinite_step != step:
+                    self.nonfinite_step = step
+                    self.stats.skipped_steps += 1
+        return result
 
     def state_dict(self) -> dict[str, Any]:
         """This worker's state: compressor state (residuals), iteration counter and statistics."""
@@ -263,19 +420,28 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     """
     world_size = dist.get_world_size(state.process_group)
     buffer = bucket.buffer()
-    buffer.div_(world_size)
     state.stats.hook_calls += 1
     state.stats.dense_equivalent_bytes += nbytes(buffer)
+    segments = state.layout(bucket).segments
     iteration = state.iteration
-    if bucket.is_last():
-        state.iteration += 1
 
     if iteration < state.start_iter:
-        for segment in state.layout(bucket).segments:
+        buffer.div_(world_size)
+        if bucket.is_last():
+            state.iteration += 1
+        for segment in segments:
             state.book_layer(segment.name, segment.numel, False, segment.numel * buffer.element_size())
         return _allreduce(state, buffer).then(lambda fut: fut.value()[0])
 
-    return average_compressed(state, buffer, state.layout(bucket).segments, iteration)
+    state.unscale(buffer, world_size)
+    if state.guards_steps:
+        return state.defer(buffer, segments, bucket.is_last())
+    if bucket.is_last():
+        state.iteration += 1
+    scale = state.step_scale
+    return average_compressed(state, buffer, segments, iteration).then(
+        lambda fut: state.note_result(iteration, fut.value() if scale == 1.0 else fut.value().mul_(scale))
+    )
 
 
 def average_compressed(
@@ -301,11 +467,21 @@ class PayloadExchange:
     segment (LGC reads the leader's top-k indices from it).
     """
 
-    def __init__(self, state: CompressionHookState, buffer: Tensor, segments: tuple[_Segment, ...], step: int):
+    def __init__(
+        self,
+        state: CompressionHookState,
+        buffer: Tensor,
+        segments: tuple[_Segment, ...],
+        step: int,
+        *,
+        used: frozenset[str] | None = None,
+    ):
         self.state = state
         self.buffer = buffer
         world_size = dist.get_world_size(state.process_group)
         compressor = state.compressor
+        compressor.set_rank(dist.get_rank(state.process_group))
+        compressor.set_world_size(world_size)
         if compressor.needs_shared_seed and not state.seed_shared:
             # Once, on every rank at the same point: everyone adopts rank 0's seed.
             seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
@@ -321,6 +497,10 @@ class PayloadExchange:
         if state.begun_step != step:
             compressor.begin_step(step)
             state.begun_step = step
+        if used is not None:
+            # Zero on every rank (unused parameters): the sum is the zero already in the buffer,
+            # and the compressor's state for them must not move.
+            segments = tuple(s for s in segments if s.name in used)
         self.dense = [s for s in segments if not s.compressed]
         self.sparse = [s for s in segments if s.compressed]
         for s in self.dense:
@@ -395,8 +575,8 @@ class PayloadExchange:
                 buffer[s.offset : s.offset + s.numel].copy_(next(pieces[buffer.dtype]))
             for s, payload in zip(self.sparse, self.own, strict=True):
                 (values,) = payload.tensors()
-                summed = next(pieces[values.dtype]).contiguous().view(torch.uint8)
-                decoded = compressor.decompress(compressor.payload_from_wire(summed, s.numel))
+                summed = next(pieces[values.dtype]).view_as(values)
+                decoded = compressor.decompress(compressor.payload_from_sum(summed, payload))
                 buffer[s.offset : s.offset + s.numel].copy_(decoded)
             return buffer
         if self.dense_flat is not None:
@@ -407,11 +587,29 @@ class PayloadExchange:
                 iter(g.split(row.tolist() + [g.numel() - int(row.sum())]))
                 for g, row in zip(self.gathered, self.sizes, strict=True)
             ]
-            for s in self.sparse:
+            rank = dist.get_rank(self.state.process_group)
+            for s, own in zip(self.sparse, self.own, strict=True):
                 received = [compressor.payload_from_wire(next(wires_of_rank), s.numel) for wires_of_rank in per_rank]
+                _check_round_trip(compressor, own, received[rank])
                 self.received[s.name] = received
                 buffer[s.offset : s.offset + s.numel].copy_(compressor.aggregate(received))
         return buffer
+
+
+def _check_round_trip(compressor: Compressor, own: Payload, parsed: Payload) -> None:
+    """Refuse a compressor whose wire format does not give back the dtypes it wrote.
+
+    Every rank parses every payload with :meth:`Compressor.payload_from_wire`; a payload written
+    in one dtype and parsed as another decodes to garbage without any error. Comparing this
+    rank's own payload with its parsed copy costs nothing (metadata only) and catches it.
+    """
+    written = [(t.dtype, t.numel()) for t in own.tensors()]
+    read = [(t.dtype, t.numel()) for t in parsed.tensors()]
+    if written != read:
+        raise RuntimeError(
+            f"{compressor!r} wrote a payload as {written} (dtype, numel) but parses it back as {read}: "
+            "its payload_from_wire does not match what compress() puts on the wire"
+        )
 
 
 def register_compression_hook(

@@ -68,7 +68,7 @@ from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.topk import SparsePayload, TopKCompressor, num_selected, topk_indices
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats, nbytes
-from lgc.ddp.hook import CompressionHookState, PayloadExchange, _Segment, average_compressed
+from lgc.ddp.hook import CompressionHookState, PayloadExchange, PendingBucket, _Segment
 
 __all__ = ["LGCHookState", "LGCStage", "lgc_hook"]
 
@@ -204,7 +204,6 @@ class LGCHookState(CompressionHookState):
         "step_error",  # [sum of error * K, sum of K] of the current compressed step
         "last_metrics",  # the latest lgc/* values, for logging
         "param_order",  # parameter name -> position in the model (per process, from attach())
-        "pending",  # buckets of the current compressed step, completed at its last bucket
         "samples",  # stage-2 samples of the current step's buckets, joined at its last bucket
         # stats
         "stage_stats",  # stage name -> CommStats of the steps spent in it
@@ -309,7 +308,6 @@ class LGCHookState(CompressionHookState):
         self.step_error = [0.0, 0.0]
         self.last_metrics: dict[str, float] = {}
         self.param_order: dict[str, int] = {}
-        self.pending: list[tuple[Tensor, tuple[_Segment, ...], torch.futures.Future[Tensor]]] = []
         self.samples: list[_Sample] = []
         self.stage_stats: dict[str, CommStats] = {}
         self.stats_mark = CommStats()
@@ -438,11 +436,12 @@ class LGCHookState(CompressionHookState):
         """Called at the first bucket of every step, on every rank alike."""
         if step == self.current_step:
             return
-        self._book_stage_bytes()
         previous = self.stage
         self.stage = self._next_stage(step)
         self.step_error = [0.0, 0.0]
         self.current_step = step
+        # The step guard's bytes (spent before the stage was known) belong to this step's stage.
+        self._book_stage_bytes()
         self.leader = step % self.world_size if self.rotate_leader else self.leader_rank  # type: ignore[operator]
         assert self.trainer is not None
         if next(self.trainer.autoencoder.parameters()).device != device:
@@ -475,49 +474,63 @@ class LGCHookState(CompressionHookState):
         phase = min(phases - 1, step * phases // self.warmup_steps)
         return max(self.warmup_densities[phase], self.density)
 
-    # -- per bucket -------------------------------------------------------------------------------
+    # -- per step -------------------------------------------------------------------------------
     def process_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """Hold the bucket; the whole step runs at its last bucket, behind the step guard.
+
+        Every stage needs the whole step: the guard (:meth:`CompressionHookState.agree`) decides
+        before any state moves, and the compressed stage encodes all parameters as one vector.
+        DDP waits for the buckets' futures only at the end of the backward pass.
+        """
         world_size = dist.get_world_size(self.process_group)
         buffer = bucket.buffer()
-        buffer.div_(world_size)
-        step = self.iteration
-        self._begin_step(step, buffer.device)
-        if bucket.is_last():
-            self.iteration += 1
+        self.unscale(buffer, world_size)
         self.stats.hook_calls += 1
         self.stats.dense_equivalent_bytes += nbytes(buffer)
-        segments = self.layout(bucket).segments
-        if self.stage is LGCStage.WARMUP:
-            if step == 0 or self.warmup == "dense" or not any(s.compressed for s in segments):
-                for s in segments:
-                    self.book_layer(s.name, s.numel, False, s.numel * buffer.element_size())
-                return counted.all_reduce(self.stats, buffer, self.process_group).then(lambda fut: fut.value()[0])
-            self.topk.density = self._warmup_density(step)
-            return average_compressed(self, buffer, segments, step)
-        if self.stage is LGCStage.AUTOENCODER_TRAINING:
-            # Top-k per parameter, bucket by bucket; the samples are joined at the last bucket.
-            self.topk.density = self.density
-            self._exchange_and_sample(buffer, segments, step)
-            if bucket.is_last():
-                self._collect_samples()
-                self._train_autoencoder()
-            return _done(buffer)
-        # Compressed: the whole model's values form one vector, so the step runs at the last
-        # bucket and completes every bucket's future then (DDP waits for them only at the end).
-        future: torch.futures.Future[Tensor] = torch.futures.Future()
-        self.pending.append((buffer, segments, future))
-        if bucket.is_last():
-            pending, self.pending = self.pending, []
-            self._compressed_step(self._step_plan(pending))
-            for done_buffer, _, done in pending:
-                done.set_result(done_buffer)
-        return future
+        return self.defer(buffer, self.layout(bucket).segments, bucket.is_last())
 
-    def _step_plan(self, pending: list[tuple[Tensor, tuple[_Segment, ...], Any]]) -> StepPlan:
+    def run_step(self, pending: list[PendingBucket]) -> None:
+        skipped = self.stats.skipped_steps
+        super().run_step(pending)
+        # Every step's bytes go to its stage; a skipped step's (guard and dense pass-through) to "skipped".
+        self._book_stage_bytes("skipped" if self.stats.skipped_steps > skipped else None)
+
+    def compress_step(self, pending: list[PendingBucket], used: frozenset[str], step: int) -> None:
+        self._begin_step(step, pending[0].buffer.device)
+        if self.stage is LGCStage.WARMUP:
+            dense = step == 0 or self.warmup == "dense" or not any(s.compressed for b in pending for s in b.segments)
+            if dense:
+                for bucket in pending:
+                    for s in bucket.segments:
+                        self.book_layer(s.name, s.numel, False, s.numel * bucket.buffer.element_size())
+                futures = [counted.all_reduce(self.stats, b.buffer, self.process_group) for b in pending]
+                torch.futures.wait_all(futures)
+                for bucket in pending:
+                    bucket.future.set_result(bucket.buffer)
+                return
+            self.topk.density = self._warmup_density(step)
+            super().compress_step(pending, used, step)
+            return
+        if self.stage is LGCStage.AUTOENCODER_TRAINING:
+            # Top-k per parameter, bucket by bucket; the samples are joined once all are exchanged.
+            self.topk.density = self.density
+            for bucket in pending:
+                self._exchange_and_sample(bucket.buffer, bucket.segments, step, used)
+            self._collect_samples()
+            self._train_autoencoder()
+        else:
+            # Compressed: the whole model's values form one vector.
+            self._compressed_step(self._step_plan(pending, used))
+        for bucket in pending:
+            bucket.future.set_result(bucket.buffer)
+
+    def _step_plan(self, pending: list[PendingBucket], used: frozenset[str]) -> StepPlan:
+        # Parameters with a zero gradient on every rank (unused) take no part: their residuals stay.
         parts = [
             (self.param_order[s.name], s.compressed, Part(s.name, buffer[s.offset : s.offset + s.numel]))
             for buffer, segments, _ in pending
             for s in segments
+            if s.name in used
         ]
         compressed = tuple(part for _, _, part in sorted((p for p in parts if p[1]), key=lambda p: p[0]))
         dense = tuple(part for _, is_compressed, part in parts if not is_compressed)
@@ -529,16 +542,18 @@ class LGCHookState(CompressionHookState):
         return StepPlan(compressed, dense, tuple(offsets), tuple(ks), total, sum(ks))
 
     # -- stage 2 ----------------------------------------------------------------------------------
-    def _exchange_and_sample(self, buffer: Tensor, segments: tuple[_Segment, ...], step: int) -> None:
+    def _exchange_and_sample(
+        self, buffer: Tensor, segments: tuple[_Segment, ...], step: int, used: frozenset[str]
+    ) -> None:
         """Top-k as usual; keep this worker's values at the leader's positions of every parameter."""
-        exchange = PayloadExchange(self, buffer, segments, step)
+        exchange = PayloadExchange(self, buffer, segments, step, used=used)
         torch.futures.wait_all(exchange.futures)
         exchange.finish()
         for segment, own in zip(exchange.sparse, exchange.own, strict=True):
             assert isinstance(own, SparsePayload)
             leader = exchange.received[segment.name][self.leader]
             # The corrected gradient before sending: what is left plus what this worker sent.
-            v = self.ef.residuals[segment.name].clone().index_add_(0, own.indices.long(), own.values.to(buffer.dtype))
+            v = self.ef.residuals[segment.name].clone().index_add_(0, own.indices.long(), own.values.float())
             positions = leader.indices.long()
             self.samples.append(
                 _Sample(
@@ -591,7 +606,11 @@ class LGCHookState(CompressionHookState):
         parts = []
         for part in plan.compressed:
             residual = self.ef.residuals.get(part.name)
-            parts.append(part.grad.clone() if residual is None else residual.to(part.grad.device).add_(part.grad))
+            # fp32 whatever the gradients' dtype, like lgc.compressors.ErrorFeedback's residuals.
+            if residual is None:
+                parts.append(part.grad.to(torch.float32, copy=True))
+            else:
+                parts.append(residual.to(part.grad.device).add_(part.grad))
         return torch.cat(parts)
 
     def _count_payload(self, sent: int, plan: StepPlan) -> None:
@@ -707,7 +726,7 @@ class LGCHookState(CompressionHookState):
 
     def __getstate__(self) -> dict[str, Any]:
         # Per-process and per-step state stays behind (spawned workers attach anew).
-        return {**super().__getstate__(), "param_order": {}, "pending": [], "samples": []}
+        return {**super().__getstate__(), "param_order": {}, "samples": []}
 
     # -- logging, summaries, checkpoints ----------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -759,12 +778,6 @@ class LGCHookState(CompressionHookState):
 def _order_bits(count: int) -> int:
     """Bits of one entry of a permutation of ``count`` items."""
     return max(1, math.ceil(math.log2(count))) if count > 1 else 1
-
-
-def _done(buffer: Tensor) -> torch.futures.Future[Tensor]:
-    future: torch.futures.Future[Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
 
 
 def lgc_hook(state: LGCHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

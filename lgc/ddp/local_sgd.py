@@ -10,9 +10,15 @@ for plain SGD equals averaging the gradients. This works with any lgc compressor
 Steps:
 1. The DDP hook :func:`local_step_hook` returns each worker's own gradient untouched (no bytes).
 2. After every optimizer step, :meth:`CommunicationDelayState.after_optimizer_step` counts local
-   steps; on every ``delay``-th it averages the weight updates with
-   :func:`lgc.ddp.hook.average_compressed` (the same collectives and byte accounting as the
-   gradient hook) and moves every worker to the new synchronized weights.
+   steps; on every ``delay``-th it averages the weight updates through the gradient hook's step
+   guard and exchange (:meth:`lgc.ddp.CompressionHookState.agree` and ``compress_step``: the same
+   collectives and byte accounting) and moves every worker to the new synchronized weights.
+
+Non-finite values: a local step whose gradient overflows is the optimizer's (or GradScaler's)
+to skip, as without lgc. If a rank's weight update is nevertheless inf/NaN at an exchange, every
+rank skips that exchange (counted in ``stats.skipped_steps``), returns to the last synchronized
+weights and keeps its residuals as they were. Parameters whose update is zero on every rank are
+not sent.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
@@ -24,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors.base import Compressor
-from lgc.ddp.hook import CommStats, CompressionHookState, average_compressed
+from lgc.ddp.hook import CommStats, CompressionHookState, PendingBucket
 
 __all__ = ["CommunicationDelayState", "local_step_hook", "register_communication_delay"]
 
@@ -133,7 +139,19 @@ class CommunicationDelayState:
         update = torch.cat([(p - self.synced[name]).reshape(-1) for name, p in named]).div_(world_size)
         segments = self.exchange_state.segments([(name, p.numel()) for name, p in named])
         exchange = self.local_steps // self.delay - 1
-        average_compressed(self.exchange_state, update, segments, exchange).wait()
+        # The hook's step guard, applied to the weight update: every rank agrees whether some
+        # rank's weights went non-finite (a local step without a GradScaler to skip it) and which
+        # parameters did not move anywhere.
+        pending = [PendingBucket(update, segments, torch.futures.Future())]
+        verdict = self.exchange_state.agree(pending)
+        if verdict.skip:
+            # A rank's update is inf/NaN: no average can use it. Every rank returns to the last
+            # synchronized weights, and the residuals stay as they were.
+            for name, param in named:
+                param.copy_(self.synced[name])
+            self.stats.skipped_steps += 1
+            return True
+        self.exchange_state.compress_step(pending, verdict.used, exchange)
         for (name, param), segment in zip(named, segments, strict=True):
             synced = self.synced[name]
             synced += update[segment.offset : segment.offset + segment.numel].view_as(synced)

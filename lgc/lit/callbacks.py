@@ -107,6 +107,10 @@ class CompressionCallback(pl.Callback):
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # With fp16 AMP, compressors must see unscaled gradients (lgc.ddp.hook: CompressionHookState.unscale).
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and isinstance(self._state, CompressionHookState):
+            self._state.loss_scale = scaler.get_scale
         # After Lightning restored rank 0's optimizer state on every rank: put back this rank's own.
         if self._pending_optimizer_states is not None:
             for optimizer, state in zip(trainer.optimizers, self._pending_optimizer_states, strict=True):
@@ -126,6 +130,8 @@ class CompressionCallback(pl.Callback):
             "comm/bytes_up": float(stats.bytes_sent - self._last.bytes_sent),
             "comm/bytes_down": float(stats.bytes_received - self._last.bytes_received),
             "comm/compression_ratio": stats.compression_ratio if stats.bytes_sent else math.nan,
+            # Steps passed through uncompressed because some rank's gradient was inf/NaN (lgc.ddp.hook).
+            "comm/skipped_steps": float(stats.skipped_steps),
         }
         residual_norm = self._state.residual_norm()
         if residual_norm is not None:
@@ -196,6 +202,8 @@ class RunSummary(pl.Callback):
             "bytes_received_per_worker": [w["bytes_received"] for w in workers],
             "dense_equivalent_bytes_per_worker": [w["dense_equivalent_bytes"] for w in workers],
             "hook_calls": sum(w["hook_calls"] for w in workers),
+            # Every rank skips the same steps (they agree on it); the count is rank 0's.
+            "skipped_steps": workers[0].get("skipped_steps", 0),
             "compression_ratio": _ratio(dense, sent),
             # Without what rank 0 sent as LGC-PS's parameter server (the downstream broadcasts).
             "upstream_compression_ratio": _ratio(dense, sent - sum(w["server_bytes_sent"] for w in workers)),

@@ -11,7 +11,102 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-__all__ = ["ImageClassifier"]
+__all__ = ["ImageClassifier", "LinearWarmup"]
+
+#: Schedulers whose step multiplies the current learning rate by a factor of their own, so that
+#: they compose with the warm-up's factor (others recompute the rate from ``base_lrs`` and would
+#: erase it, or need a monitored metric).
+_CHAINABLE = (
+    torch.optim.lr_scheduler.MultiStepLR,
+    torch.optim.lr_scheduler.StepLR,
+    torch.optim.lr_scheduler.ExponentialLR,
+    torch.optim.lr_scheduler.MultiplicativeLR,
+    torch.optim.lr_scheduler.CosineAnnealingLR,
+)
+
+
+def _check_chainable(scheduler: type, eta_min: float) -> None:
+    if not issubclass(scheduler, _CHAINABLE) or eta_min != 0.0:
+        raise ValueError(
+            f"scheduler.decay {scheduler.__name__} does not compose with the warm-up (its steps must multiply the "
+            "current learning rate): use MultiStepLR, StepLR, ExponentialLR, MultiplicativeLR or CosineAnnealingLR "
+            "with eta_min=0"
+        )
+
+
+class LinearWarmup:
+    """A per-step linear learning-rate warm-up in front of a per-epoch schedule.
+
+    DGC (Lin et al. 2018) warms the learning rate up together with the density, as Goyal et al.
+    (2017) do for large batches. The learning rate is ``start_factor * lr`` at the first optimizer
+    step and rises linearly to ``lr`` at step ``warmup_steps`` (torch's
+    :class:`~torch.optim.lr_scheduler.LinearLR`, stepped after every optimizer step), while
+    ``decay`` (e.g. ``MultiStepLR``) is stepped once per epoch as without warm-up. Both multiply
+    the current rate, so at optimizer step ``s`` of epoch ``e`` the rate is
+    ``lr * warmup(s) * decay(e)``: the decay's epochs count from the start of training, warm-up
+    included.
+
+    Used as the ``scheduler`` of a task module (``scheduler=warmup_multistep`` or
+    ``warmup_cosine``); calling it returns Lightning's scheduler configs, which
+    :func:`optimizer_with_epoch_scheduler` hands over as they are.
+
+    Args:
+        warmup_steps: optimizer steps of the warm-up (batches divided by
+            ``accumulate_grad_batches``), an integer >= 0; 0 disables it. E.g. DGC's 4 warm-up
+            epochs are ``4 * steps_per_epoch``.
+        start_factor: fraction of the learning rate at the first step, in (0, 1]. Goyal et al. start
+            from the learning rate of one worker's batch: ``1 / world_size`` when ``lr`` was scaled
+            with the number of workers.
+        decay: ``optimizer -> LRScheduler`` stepped per epoch (a Hydra ``_partial_``), or None for a
+            constant rate after the warm-up. It must be one whose steps multiply the current rate
+            (MultiStepLR, StepLR, ExponentialLR, MultiplicativeLR, CosineAnnealingLR with
+            ``eta_min=0``); others are refused.
+
+    Example::
+
+        >>> warmup = LinearWarmup(500, start_factor=0.1, decay=partial(MultiStepLR, milestones=[82, 123]))
+        >>> configs = warmup(optimizer)  # [{"scheduler": LinearLR, "interval": "step"}, {... "epoch"}]
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int,
+        start_factor: float = 0.1,
+        decay: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(
+                f"scheduler.warmup_steps must be a non-negative integer number of optimizer steps, got {warmup_steps!r}"
+            )
+        if isinstance(start_factor, bool) or not 0.0 < float(start_factor) <= 1.0:
+            raise ValueError(f"scheduler.start_factor must be in (0, 1], got {start_factor!r}")
+        if decay is not None and not callable(decay):
+            raise ValueError(f"scheduler.decay must build a scheduler from an optimizer (a _partial_), got {decay!r}")
+        # A Hydra _partial_ names its class: refuse a decay that cannot compose before any worker starts.
+        func = getattr(decay, "func", None)
+        if isinstance(func, type) and issubclass(func, torch.optim.lr_scheduler.LRScheduler):
+            _check_chainable(func, getattr(decay, "keywords", {}).get("eta_min", 0.0))
+        self.warmup_steps = warmup_steps
+        self.start_factor = float(start_factor)
+        self.decay = decay
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """Lightning's scheduler configs for ``optimizer``: the warm-up per step, the decay per epoch."""
+        configs = []
+        # The decay first: it records the full rate as its base before the warm-up lowers it.
+        if self.decay is not None:
+            decay = self.decay(optimizer)
+            _check_chainable(type(decay), getattr(decay, "eta_min", 0.0))
+            configs.append({"scheduler": decay, "interval": "epoch"})
+        if self.warmup_steps > 0:
+            warmup = torch.optim.lr_scheduler.LinearLR(
+                optimizer, start_factor=self.start_factor, end_factor=1.0, total_iters=self.warmup_steps
+            )
+            configs.insert(0, {"scheduler": warmup, "interval": "step"})
+        return configs
+
+    def __repr__(self) -> str:
+        return f"LinearWarmup(warmup_steps={self.warmup_steps}, start_factor={self.start_factor}, decay={self.decay!r})"
 
 
 def optimizer_with_epoch_scheduler(
@@ -19,11 +114,18 @@ def optimizer_with_epoch_scheduler(
     optimizer_factory: Callable[..., torch.optim.Optimizer],
     scheduler_factory: Callable[..., Any] | None,
 ) -> Any:
-    """``configure_optimizers``' answer for the task modules: the optimizer, stepping its scheduler once per epoch."""
+    """``configure_optimizers``' answer for the task modules: the optimizer and its learning-rate schedule.
+
+    ``scheduler_factory(optimizer)`` returns either a scheduler, stepped once per epoch, or (a
+    :class:`LinearWarmup`) a list of Lightning scheduler configs that say their own ``interval``.
+    """
     optimizer = optimizer_factory(parameters)
     if scheduler_factory is None:
         return optimizer
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler_factory(optimizer), "interval": "epoch"}}
+    scheduler = scheduler_factory(optimizer)
+    if isinstance(scheduler, list):
+        return [optimizer], scheduler
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
 
 
 class ImageClassifier(pl.LightningModule):
@@ -33,7 +135,8 @@ class ImageClassifier(pl.LightningModule):
         model: any ``nn.Module`` mapping images to logits.
         num_classes: number of classes (for the accuracy metric).
         optimizer: ``params -> Optimizer`` (a Hydra ``_partial_`` of e.g. ``torch.optim.SGD``).
-        scheduler: ``optimizer -> LRScheduler`` stepped once per epoch, or None.
+        scheduler: ``optimizer -> LRScheduler`` stepped once per epoch, a :class:`LinearWarmup`
+            (per-step warm-up, then a per-epoch schedule), or None.
     """
 
     def __init__(
