@@ -1,15 +1,60 @@
-"""lgc: communication-efficient data-parallel training (Learned Gradient Compression and baselines)."""
+"""lgc: communication-efficient data-parallel training (Learned Gradient Compression and baselines).
 
-from lgc.compressors import ErrorFeedback, FP16Compressor, NoneCompressor, TopKCompressor
+The way in for a plain DDP script is :func:`compress`::
+
+    state = lgc.compress(model, "topk", optimizer=opt, density=0.01)
+
+``sorted(lgc.METHODS)`` lists the methods by name; the classes below are what they build.
+"""
+
+from lgc.api import METHODS, HookState, compress
+from lgc.compressors import (
+    Compressor,
+    DGCCompressor,
+    ErrorFeedback,
+    FP16Compressor,
+    NoneCompressor,
+    QSGDCompressor,
+    RandomBlockCompressor,
+    RedSyncCompressor,
+    SBCCompressor,
+    SignSGDCompressor,
+    TernGradCompressor,
+    TopKCompressor,
+)
 from lgc.ddp import CompressionHookState, register_compression_hook
+from lgc.ddp.lgc_ps import LGCParameterServerState
+from lgc.ddp.lgc_rar import LGCRingAllreduceState
+from lgc.ddp.local_sgd import CommunicationDelayState
+from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompressionHookState",
+    # the entry point and its registry of methods
+    "METHODS",
+    "HookState",
+    "compress",
+    # compressors (a flat tensor -> a payload on the wire -> a flat tensor)
+    "Compressor",
+    "DGCCompressor",
     "ErrorFeedback",
     "FP16Compressor",
     "NoneCompressor",
+    "QSGDCompressor",
+    "RandomBlockCompressor",
+    "RedSyncCompressor",
+    "SBCCompressor",
+    "SignSGDCompressor",
+    "TernGradCompressor",
     "TopKCompressor",
+    # hook states (what compress returns, or takes ready-made)
+    "CommunicationDelayState",
+    "CompressionHookState",
+    "LGCParameterServerState",
+    "LGCRingAllreduceState",
+    "PowerSGDHookState",
+    "TorchHookState",
+    # the lower-level registration compress() builds on
     "register_compression_hook",
 ]

@@ -22,17 +22,52 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert second.strip() in ci
 
 
+def _plain_ddp_examples() -> dict[str, str]:
+    """The plain-DDP script, and the script with each alternative ``state = lgc.compress(...)`` line in its place."""
+    text = README.read_text()
+    start = text.index("## Use a compressor in any DDP script")
+    section = text[start : text.index("\n## ", start)]
+    script, alternatives = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    (line,) = [line for line in script.splitlines() if line.startswith("state = lgc.compress(")]
+    examples = {"topk": script}
+    for alternative in alternatives.splitlines():
+        if alternative.startswith("state = lgc.compress("):
+            method = re.match(r'state = lgc.compress\(model, "(\w+)"', alternative).group(1)
+            examples[method] = script.replace(line, alternative)
+    return examples
+
+
+def test_the_plain_ddp_section_shows_a_sparsifier_lgc_and_communication_delay():
+    examples = _plain_ddp_examples()
+    assert sorted(examples) == ["lgc_rar", "sbc", "topk"]
+    assert "delay=" in examples["sbc"] and "error feedback included" in examples["topk"]
+
+
+RATIO = re.compile(r"rank \d: ([\d.]+)x fewer bytes than dense")
+# A worker that has finished, destroyed its process group and printed its result is sometimes (about
+# once in 16 runs on 2 busy cores, the README's example as it was before lgc.compress included) killed
+# at interpreter teardown: "terminate called without an active exception", a C++ thread destroyed
+# while running (tests/distributed.py's workers skip teardown for the same reason). It is not the
+# example's doing, so that exact case, and only it, is run once more.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(script: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    for _ in range(2):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        finished = len(RATIO.findall(result.stdout)) == 2
+        if result.returncode == 0 or not (finished and TEARDOWN_ABORT in result.stderr):
+            break
+    return result
+
+
 @pytest.mark.multiprocess
-def test_plain_ddp_example_runs_under_torchrun(tmp_path):
-    (example,) = [block for block in _code_blocks("python") if "register_compression_hook" in block]
+@pytest.mark.parametrize(("method", "min_ratio"), [("topk", 10), ("lgc_rar", 1), ("sbc", 10)])
+def test_plain_ddp_example_runs_under_torchrun(tmp_path, method, min_ratio):
     script = tmp_path / "example.py"
-    script.write_text(example)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    script.write_text(_plain_ddp_examples()[method])
+    result = _torchrun(script)
     assert result.returncode == 0, result.stderr[-3000:]
-    ratios = [float(x) for x in re.findall(r"rank \d: ([\d.]+)x fewer bytes than dense", result.stdout)]
-    assert len(ratios) == 2 and all(ratio > 10 for ratio in ratios), result.stdout
+    ratios = [float(x) for x in RATIO.findall(result.stdout)]
+    assert len(ratios) == 2 and all(ratio > min_ratio for ratio in ratios), result.stdout

@@ -214,6 +214,10 @@ def register_communication_delay(
 ) -> CommunicationDelayState:
     """Make ``model`` train with local steps and a compressed weight-update exchange every ``delay`` steps.
 
+    Prefer ``lgc.compress(model, "sbc", optimizer=optimizer, delay=4)``: it calls
+    :meth:`CommunicationDelayState.after_optimizer_step` after every ``optimizer.step()`` and
+    raises on a missed or doubled call, where this function leaves both to the caller.
+
     Example::
 
         >>> state = register_communication_delay(model, ErrorFeedback(SBCCompressor(0.01)), delay=4)
