@@ -261,7 +261,6 @@ def compress(
             )
         state.loss_scale = grad_scaler.get_scale
     if isinstance(state, CommunicationDelayState):
-        _check_delay_weight_decay(state)
         _register_delay(model, state, optimizer)
     else:
         if process_group is not None and isinstance(state, TorchHookState):
@@ -501,16 +500,6 @@ def _check_dgc(
         )
     # The rules' home (lgc.compressors.dgc); anything it adds applies here too.
     check_optimizer_momentum(state, momentum, weight_decay=decay)
-
-
-def _check_delay_weight_decay(state: CommunicationDelayState) -> None:
-    for inner in _chain(state):
-        if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
-            raise ValueError(
-                f"delay={state.delay} exchanges weight updates, which the local optimizer's weight decay already "
-                f"shaped; {type(inner).__name__}'s weight_decay={inner.weight_decay!r} would decay them again: "
-                "pass weight_decay=0 and keep the decay in the optimizer"
-            )
 
 
 class _LocalStepCheck:

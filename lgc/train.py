@@ -90,23 +90,9 @@ def build_hook_state(
             raise ValueError(f"comm.delay={delay!r} needs an lgc compressor, not {compressor.describe()}")
         return compressor
     if delay is not None:
-        for inner in _unwrapped(compressor):
-            if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
-                raise ValueError(
-                    f"comm.delay={delay!r} exchanges weight updates, which the local optimizer's weight decay "
-                    f"already shaped; {type(inner).__name__}'s weight_decay={inner.weight_decay!r} would decay them "
-                    "again: set compressor.weight_decay=0 and keep the decay in the optimizer"
-                )
+        # It refuses a compressor that applies weight decay itself (DGC): the updates carry it already.
         return CommunicationDelayState(compressor, delay=delay, min_numel=comm_node.min_numel)
     return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
-
-
-def _unwrapped(compressor: Compressor) -> list[Compressor]:
-    """``compressor`` and what it wraps (error feedback around a compressor)."""
-    chain = [compressor]
-    while isinstance(inner := getattr(chain[-1], "compressor", None), Compressor):
-        chain.append(inner)
-    return chain
 
 
 def launched_externally() -> bool:

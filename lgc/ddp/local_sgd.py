@@ -72,6 +72,15 @@ class CommunicationDelayState:
     ) -> None:
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
             raise ValueError(f"delay must be a positive number of local steps, got {delay!r}")
+        inner: Any = compressor
+        while inner is not None:
+            if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
+                raise ValueError(
+                    f"delay={delay} exchanges weight updates, which the local optimizer's weight decay already "
+                    f"shaped; {type(inner).__name__}'s weight_decay={inner.weight_decay!r} would decay them again: "
+                    "set the compressor's weight_decay=0 and keep the decay in the optimizer"
+                )
+            inner = getattr(inner, "compressor", None)
         self.delay = delay
         self.exchange_state = CompressionHookState(
             compressor, min_numel=min_numel, start_iter=0, process_group=process_group
