@@ -45,6 +45,7 @@ from lgc.compressors import (
     TernGradCompressor,
     TopKCompressor,
 )
+from lgc.compressors.base import compressor_chain
 from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, check_optimizer_momentum
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.lgc_ps import LGCParameterServerState
@@ -403,16 +404,8 @@ def _refuse_compressor_settings(what: str, error_feedback: bool | None, delay: A
         )
 
 
-def _chain(obj: Any) -> list[Any]:
-    """``obj`` and everything it wraps through ``.compressor`` (hook states, ErrorFeedback)."""
-    chain = [obj]
-    while (inner := getattr(chain[-1], "compressor", None)) is not None and len(chain) < 16:
-        chain.append(inner)
-    return chain
-
-
 def _check_own_error_feedback(compressor: Any) -> None:
-    chain = _chain(compressor)
+    chain = compressor_chain(compressor)
     if any(isinstance(c, DGCCompressor) for c in chain):
         raise ValueError(
             "DGC keeps its own error feedback (its accumulator holds what was not sent); ErrorFeedback around it "
@@ -421,7 +414,7 @@ def _check_own_error_feedback(compressor: Any) -> None:
 
 
 def _check_error_feedback(state: Any, method: Any, error_feedback: bool | None) -> None:
-    chain = _chain(state)
+    chain = compressor_chain(state)
     if any(isinstance(c, ErrorFeedback) for c in chain):
         _check_own_error_feedback(state)
         return
@@ -469,7 +462,7 @@ def _check_dgc(
     optimizer_weight_decay: float | None,
 ) -> None:
     """DGC owns the momentum (and, with its weight_decay, the decay): the optimizer must not apply them again."""
-    dgc = next((c for c in _chain(state) if isinstance(c, DGCCompressor)), None)
+    dgc = next((c for c in compressor_chain(state) if isinstance(c, DGCCompressor)), None)
     if dgc is None:
         return
     if optimizer is not None:

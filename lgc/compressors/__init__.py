@@ -3,7 +3,7 @@
 One algorithm per module; each yaml in ``conf/compressor/`` instantiates one of these.
 """
 
-from lgc.compressors.base import CombineMode, Compressor, Payload
+from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
 from lgc.compressors.dgc import DGCCompressor
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.fp16 import FP16Compressor
@@ -33,4 +33,5 @@ __all__ = [
     "SparsePayload",
     "TernGradCompressor",
     "TopKCompressor",
+    "compressor_chain",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CombineMode", "Compressor", "Payload", "view_bytes_as"]
+__all__ = ["CombineMode", "Compressor", "Payload", "compressor_chain", "view_bytes_as"]
 
 
 class CombineMode(enum.Enum):
@@ -39,6 +39,18 @@ def view_bytes_as(buffer: Tensor, dtype: torch.dtype) -> Tensor:
     if buffer.storage_offset() % itemsize:
         buffer = buffer.clone()
     return buffer.view(dtype)
+
+
+def compressor_chain(obj: Any) -> list[Any]:
+    """``obj`` and everything it wraps through ``.compressor`` (ErrorFeedback, hook states), outermost first.
+
+    The checks that must see through wrappers (DGC inside error feedback, a compressor's own
+    weight decay under communication delay) walk this list instead of guessing the nesting.
+    """
+    chain = [obj]
+    while (inner := getattr(chain[-1], "compressor", None)) is not None and len(chain) < 16:
+        chain.append(inner)
+    return chain
 
 
 @dataclass

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import CombineMode, Compressor, Payload
+from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.topk import SparsePayload, index_dtype_for, num_selected, scatter_add_sparse
 
@@ -630,14 +630,6 @@ def _check_world_size(world_size: Any) -> None:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
 
 
-def _unwrap(obj: Any) -> list[Any]:
-    """``obj`` and everything it wraps through ``.compressor`` (ErrorFeedback, hook states)."""
-    chain = [obj]
-    while (inner := getattr(chain[-1], "compressor", None)) is not None and len(chain) < 16:
-        chain.append(inner)
-    return chain
-
-
 def check_optimizer_momentum(compressor: Any, optimizer_momentum: float, *, weight_decay: float | None = None) -> None:
     """Refuse DGC combined with optimizer momentum or optimizer weight decay, or DGC inside error feedback.
 
@@ -657,7 +649,7 @@ def check_optimizer_momentum(compressor: Any, optimizer_momentum: float, *, weig
         ValueError: if a DGC compressor meets a nonzero optimizer momentum, a nonzero optimizer
             weight decay while it applies its own, or error feedback.
     """
-    chain = _unwrap(compressor)
+    chain = compressor_chain(compressor)
     dgc = next((c for c in chain if isinstance(c, DGCCompressor)), None)
     if dgc is None:
         return

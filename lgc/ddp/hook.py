@@ -53,6 +53,9 @@ from lgc.ddp.collectives import CommStats, nbytes
 
 __all__ = [
     "CommStats",
+    "agree_flags",
+    "allreduce_as_they_are",
+    "run_holding",
     "CompressionHookState",
     "PayloadExchange",
     "StepVerdict",
@@ -300,13 +303,7 @@ class CompressionHookState:
         self.pending.append(PendingBucket(buffer, segments, future))
         if is_last:
             pending, self.pending = self.pending, []
-            try:
-                self.run_step(pending)
-            except BaseException as err:
-                for bucket in pending:
-                    if not bucket.future.done():
-                        bucket.future.set_exception(err)
-                raise
+            run_holding([bucket.future for bucket in pending], lambda: self.run_step(pending))
         return future
 
     def agree(self, pending: list[PendingBucket]) -> StepVerdict:
@@ -326,20 +323,20 @@ class CompressionHookState:
         finite = torch.isfinite(table).all()
         # NaN != 0 is True, so a NaN parameter also counts as used (it is skipped anyway).
         flags = torch.cat([(~finite).reshape(1), (table != 0).any(dim=1)]).to(torch.uint8)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        self.stats.bytes_sent += nbytes(flags)
-        self.stats.bytes_received += nbytes(flags)
-        flags = flags.cpu()
+        flags = agree_flags(self.stats, flags, self.process_group)
         used = frozenset(name for name, flag in zip(names, flags[1:].tolist(), strict=True) if flag)
         return StepVerdict(skip=bool(flags[0]), used=used)
 
-    def pass_through(self, pending: list[PendingBucket]) -> None:
-        """A skipped step: every bucket allreduced dense and unchanged (plain DDP), no state touched."""
-        futures = [_allreduce(self, bucket.buffer) for bucket in pending]
-        torch.futures.wait_all(futures)
-        self.stats.skipped_steps += 1
+    def allreduce_dense(self, pending: list[PendingBucket]) -> None:
+        """Every bucket allreduced dense and unchanged (what plain DDP does); their futures completed."""
+        allreduce_as_they_are(self.stats, [bucket.buffer for bucket in pending], self.process_group)
         for bucket in pending:
             bucket.future.set_result(bucket.buffer)
+
+    def pass_through(self, pending: list[PendingBucket]) -> None:
+        """A skipped step: :meth:`allreduce_dense`, counted in ``skipped_steps``; no state touched."""
+        self.allreduce_dense(pending)
+        self.stats.skipped_steps += 1
 
     def run_step(self, pending: list[PendingBucket]) -> None:
         """Run one guarded step over all its buckets and complete their futures.
@@ -402,6 +399,38 @@ class CompressionHookState:
         self.iteration = int(state["iteration"])
         self.stats = CommStats(**state["stats"])
         self.layer_stats = {name: LayerStats(**layer) for name, layer in state["layers"].items()}
+
+
+def agree_flags(stats: CommStats, flags: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """The step guard's collective: the MAX of every rank's ``uint8`` flags, counted, on the CPU.
+
+    Shared by :meth:`CompressionHookState.agree` and the guard of PyTorch's stateful hooks
+    (:mod:`lgc.ddp.torch_hooks`), so both decide a step by the same reduction.
+    """
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    stats.bytes_sent += nbytes(flags)
+    stats.bytes_received += nbytes(flags)
+    return flags.cpu()
+
+
+def allreduce_as_they_are(stats: CommStats, buffers: list[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Sum every buffer dense and unchanged across the group (plain DDP's exchange), counted; blocking."""
+    torch.futures.wait_all([counted.all_reduce(stats, buffer, group) for buffer in buffers])
+
+
+def run_holding(futures: list[torch.futures.Future], run: Callable[[], None]) -> None:
+    """Run a step that completes ``futures``; if it raises, fail the ones it left, then re-raise.
+
+    DDP waits for every bucket's future at the end of the backward pass: one left pending would
+    hang it instead of reporting the error.
+    """
+    try:
+        run()
+    except BaseException as err:
+        for future in futures:
+            if not future.done():
+                future.set_exception(err)
+        raise
 
 
 def _allreduce(state: CompressionHookState, tensor: Tensor) -> torch.futures.Future:

@@ -503,10 +503,7 @@ class LGCHookState(CompressionHookState):
                 for bucket in pending:
                     for s in bucket.segments:
                         self.book_layer(s.name, s.numel, False, s.numel * bucket.buffer.element_size())
-                futures = [counted.all_reduce(self.stats, b.buffer, self.process_group) for b in pending]
-                torch.futures.wait_all(futures)
-                for bucket in pending:
-                    bucket.future.set_result(bucket.buffer)
+                self.allreduce_dense(pending)
                 return
             self.topk.density = self._warmup_density(step)
             super().compress_step(pending, used, step)

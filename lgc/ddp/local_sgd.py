@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors.base import Compressor
+from lgc.compressors.base import Compressor, compressor_chain
 from lgc.ddp.hook import CommStats, CompressionHookState, PendingBucket
 
 __all__ = ["CommunicationDelayState", "local_step_hook", "register_communication_delay"]
@@ -72,15 +72,13 @@ class CommunicationDelayState:
     ) -> None:
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
             raise ValueError(f"delay must be a positive number of local steps, got {delay!r}")
-        inner: Any = compressor
-        while inner is not None:
+        for inner in compressor_chain(compressor):
             if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
                 raise ValueError(
                     f"delay={delay} exchanges weight updates, which the local optimizer's weight decay already "
                     f"shaped; {type(inner).__name__}'s weight_decay={inner.weight_decay!r} would decay them again: "
                     "set the compressor's weight_decay=0 and keep the decay in the optimizer"
                 )
-            inner = getattr(inner, "compressor", None)
         self.delay = delay
         self.exchange_state = CompressionHookState(
             compressor, min_numel=min_numel, start_iter=0, process_group=process_group

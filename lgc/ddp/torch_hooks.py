@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.ddp.hook import CommStats
+from lgc.ddp.hook import CommStats, agree_flags, allreduce_as_they_are, run_holding
 
 __all__ = ["PowerSGDHookState", "TorchHookState"]
 
@@ -463,17 +463,11 @@ def _guarded_step(state: TorchHookState) -> None:
     pending, state._pending = state._pending, []
     buffers = [bucket.buffer() for bucket, _ in pending]
     local = torch.stack([torch.isfinite(buffer).all() for buffer in buffers]).all()
-    flag = (~local).to(torch.uint8).reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group)
-    state.stats.bytes_sent += flag.numel()
-    state.stats.bytes_received += flag.numel()
-    if bool(flag.item()):
+    flag = agree_flags(state.stats, (~local).to(torch.uint8).reshape(1), state.process_group)
+    if bool(flag[0]):
         # Some rank has an inf/NaN: plain DDP's average, unchanged; PyTorch's hook never sees the step.
         world_size = dist.get_world_size(state.process_group)
-        with _counting_collectives(state.stats):
-            works = [dist.all_reduce(b.div_(world_size), group=state.process_group, async_op=True) for b in buffers]
-            for work in works:
-                work.wait()
+        allreduce_as_they_are(state.stats, [buffer.div_(world_size) for buffer in buffers], state.process_group)
         state.stats.skipped_steps += 1
         for (_, future), buffer in zip(pending, buffers, strict=True):
             future.set_result(buffer)
@@ -491,15 +485,7 @@ def _wrapped_torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch
         # Held until the step's last bucket (DDP waits for the futures only at the end of backward).
         state._pending.append((bucket, done))
         if bucket.is_last():
-            pending = list(state._pending)
-            try:
-                _guarded_step(state)
-            except BaseException as err:
-                for _, future in pending:
-                    if not future.done():
-                        future.set_exception(err)
-                state._pending = []
-                raise
+            run_holding([future for _, future in state._pending], lambda: _guarded_step(state))
         return done
     result = _run_inner(state, bucket)
     # Stateless: an inf/NaN passes through the sum; count the step once.
