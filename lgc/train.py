@@ -15,6 +15,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,12 +25,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+import lgc.conf  # noqa: F401  (registers the resolvers the configs use, e.g. the run folder's lgc_run_id)
 from lgc.compressors import Compressor, ErrorFeedback
 from lgc.compressors.dgc import check_optimizer_momentum
+from lgc.config_types import check_node_types
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.lgc_base import LGCHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
+from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
+from lgc.lit.strategy import heartbeats, stalled_workers
 
 __all__ = [
     "build_compressor",
@@ -167,6 +172,14 @@ def _check_model_fits_task(model: torch.nn.Module, datamodule: Any, task: str) -
         )
 
 
+def _check_optimizer(module: Any) -> None:
+    """Build the optimizer and its schedule once on the model, so bad values fail here, not in a worker."""
+    try:
+        module.configure_optimizers()
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"optimizer/scheduler: {err}") from err
+
+
 def _task_module(cfg: DictConfig, model: torch.nn.Module, datamodule: Any) -> Any:
     from lgc.lit import ImageClassifier, SemanticSegmenter
 
@@ -174,8 +187,8 @@ def _task_module(cfg: DictConfig, model: torch.nn.Module, datamodule: Any) -> An
     if task not in ("classification", "segmentation"):
         raise ValueError(f"data module {type(datamodule).__name__} has an unknown task {task!r}")
     _check_model_fits_task(model, datamodule, task)
-    optimizer = hydra.utils.instantiate(cfg.optimizer)
-    scheduler = hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    optimizer = _instantiate(cfg.optimizer, "optimizer")
+    scheduler = _instantiate(cfg.scheduler, "scheduler") if cfg.get("scheduler") else None
     if task == "segmentation":
         return SemanticSegmenter(
             model,
@@ -188,16 +201,27 @@ def _task_module(cfg: DictConfig, model: torch.nn.Module, datamodule: Any) -> An
     return ImageClassifier(model, num_classes=datamodule.num_classes, optimizer=optimizer, scheduler=scheduler)
 
 
-# Third-party messages that say nothing about the run and that the user cannot act on.
-#: torch deprecates ``LeafSpec`` (a FutureWarning), which Lightning's ``CombinedLoader`` still builds,
-#: once per worker; to be fixed on Lightning's side, not ours.
-_LEAFSPEC_WARNING = {
-    "message": r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-    "category": FutureWarning,
-    "module": r"pytorch_lightning\.utilities\._pytree",
-}
-#: The same filter for spawned workers, as ``PYTHONWARNINGS`` (a literal message prefix, no commas).
-_LEAFSPEC_PYTHONWARNINGS = "ignore:`isinstance(treespec:FutureWarning:pytorch_lightning.utilities._pytree"
+# Third-party messages that say nothing about the run and that the user cannot act on, printed once
+# per worker; to be fixed upstream, not here:
+#: * torch deprecates ``LeafSpec`` (a FutureWarning), which Lightning's ``CombinedLoader`` still builds;
+#: * torchdata's ``StatefulDataLoader`` calls the deprecated ``torch.set_vital`` on construction.
+_NOISE_WARNINGS = (
+    {
+        "message": r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        "category": FutureWarning,
+        "module": r"pytorch_lightning\.utilities\._pytree",
+    },
+    {
+        "message": r"'set_vital' is deprecated",
+        "category": UserWarning,
+        "module": r"torchdata\.stateful_dataloader\.stateful_dataloader",
+    },
+)
+#: The same filters for spawned workers, as ``PYTHONWARNINGS`` (literal message prefixes, no commas).
+_NOISE_PYTHONWARNINGS = (
+    "ignore:`isinstance(treespec:FutureWarning:pytorch_lightning.utilities._pytree,"
+    "ignore:'set_vital' is deprecated:UserWarning:torchdata.stateful_dataloader.stateful_dataloader"
+)
 
 
 def _drop_lightning_tips(record: logging.LogRecord) -> bool:
@@ -235,7 +259,8 @@ def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[No
       finished when training ends, which flushes the offline transaction log before ``train``
       returns.
     * Third-party noise on every run is left out, here and in the workers: torch's ``LeafSpec``
-      deprecation warning raised by Lightning's code (``PYTHONWARNINGS`` for spawned workers), and
+      deprecation warning raised by Lightning's code and torchdata's ``set_vital`` call (``PYTHONWARNINGS``
+      for spawned workers), and
       wandb's warnings about settings Lightning passes (``anonymous=None``, ``require("service")``).
     """
     from pytorch_lightning.loggers import WandbLogger
@@ -250,7 +275,7 @@ def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[No
     saved = {name: os.environ.get(name) for name in ("MASTER_PORT", "WANDB_DIR", "PYTHONWARNINGS")}
     if wandb_loggers and wandb_loggers[0].save_dir:
         os.environ["WANDB_DIR"] = str(Path(wandb_loggers[0].save_dir).resolve())
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (saved["PYTHONWARNINGS"], _LEAFSPEC_PYTHONWARNINGS)))
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (saved["PYTHONWARNINGS"], _NOISE_PYTHONWARNINGS)))
     for logger in wandb_loggers:
         # Lightning passes anonymous=None, which current wandb warns about as a setting with no effect.
         init_kwargs = getattr(logger, "_wandb_init", {})
@@ -264,7 +289,8 @@ def _launch_environment(loggers: list[Any], spawns_workers: bool) -> Iterator[No
         wandb.require = _without_require_service(require)
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", **_LEAFSPEC_WARNING)
+            for noise in _NOISE_WARNINGS:
+                warnings.filterwarnings("ignore", **noise)
             if spawns_workers:
                 for logger in wandb_loggers:
                     _ = logger.experiment
@@ -291,6 +317,31 @@ class _PreparedRun(NamedTuple):
     loggers: list[Any]
     output_dir: Path
     ckpt_path: str | None
+    heartbeat_dir: Path
+    timeout_s: float
+
+
+def _check_types(cfg: DictConfig) -> None:
+    """Every instantiated node's values against its ``_target_``'s annotations (errors name the field)."""
+    groups = {name: cfg.get(name) for name in ("compressor", "model", "data", "optimizer", "scheduler", "trainer")}
+    groups |= {f"logger.{name}": node for name, node in (cfg.get("logger") or {}).items()}
+    groups |= {f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()}
+    for what, node in groups.items():
+        if node:
+            check_node_types(node, what, ignore=("error_feedback",) if what == "compressor" else ())
+    for key in ("min_numel", "start_iter"):
+        value = cfg.comm.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"comm.{key}={value!r} must be an int")
+    delay = cfg.comm.get("delay")
+    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int)):
+        raise TypeError(f"comm.delay={delay!r} must be an int or null")
+
+
+def _check_timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"ddp.timeout must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def _prepare(cfg: DictConfig) -> _PreparedRun:
@@ -299,15 +350,16 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
 
     from lgc.lit import CompressedDDPStrategy, CompressionCallback, RunSummary
 
+    _check_types(cfg)
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
     check_optimizer_momentum(
         hook_state, cfg.optimizer.get("momentum", 0.0), weight_decay=cfg.optimizer.get("weight_decay", 0.0)
     )
     devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
     world_size = devices * int(cfg.trainer.get("num_nodes") or 1)
-    if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
-        raise FileNotFoundError(f"ckpt_path={cfg.ckpt_path!r} is not a file")
+    timeout_s = _check_timeout(cfg.ddp.get("timeout", 300))
     output_dir = Path(cfg.output_dir)
+    ckpt_path = resolve_checkpoint_path(cfg.ckpt_path, output_dir)
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _instantiate(cfg.data, "data")
@@ -318,18 +370,33 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
             hook_state.check_total_steps(total_steps)
     model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
     module = _task_module(cfg, model, datamodule)
+    _check_optimizer(module)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if ckpt_path is not None:
+        check_checkpoint(
+            ckpt_path,
+            compressor=resolved["compressor"],
+            comm=resolved["comm"],
+            world_size=world_size,
+            model_state=module.state_dict(),
+            total_steps=expected_optimizer_steps(cfg.trainer, datamodule, world_size),
+        )
+    heartbeat_dir = output_dir / ".workers"
     strategy = CompressedDDPStrategy(
         hook_state,
+        heartbeat_dir=heartbeat_dir,
         start_method="popen" if launched_externally() else cfg.ddp.start_method,
         process_group_backend=cfg.ddp.process_group_backend,
         bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+        timeout=timedelta(seconds=timeout_s),
     )
-    resolved = OmegaConf.to_container(cfg, resolve=True)
     loggers = [hydra.utils.instantiate(node) for node in (cfg.get("logger") or {}).values() if node is not None]
+    checkpoint_node = cfg.get("checkpoint") or {}
     callbacks = [
         CompressionCallback(),
         RunSummary(str(output_dir), resolved),
-        pl.callbacks.ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True, save_top_k=0),
+        ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=checkpoint_node.get("every_n_train_steps")),
+        CheckpointRecord(resolved["compressor"], resolved["comm"]),
     ]
     # Extra callbacks by name (null drops one), e.g. lgc.analysis.GradientRecorder.
     callbacks += [
@@ -339,16 +406,53 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
     trainer = hydra.utils.instantiate(
         cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks, default_root_dir=str(output_dir)
     )
-    return _PreparedRun(trainer, module, datamodule, loggers, output_dir, cfg.ckpt_path)
+    return _PreparedRun(
+        trainer,
+        module,
+        datamodule,
+        loggers,
+        output_dir,
+        None if ckpt_path is None else str(ckpt_path),
+        heartbeat_dir,
+        timeout_s,
+    )
+
+
+def _name_stalled_worker(run: _PreparedRun, error: BaseException) -> None:
+    """After a failed fit: if a worker went silent long before the others, raise an error naming it."""
+    stalled = stalled_workers(run.heartbeat_dir)
+    if not stalled:
+        return
+    first = stalled[0]
+    waiting = max((record["step"] or 0) for record in heartbeats(run.heartbeat_dir))
+    raise RuntimeError(
+        f"worker rank {first['rank']} (pid {first['pid']} on {first['host']}) stopped answering: its last "
+        f"heartbeat (at step {first['step']}) came {first['silent_s']:.0f} s before the last worker gave up, the "
+        f"others waited at step {waiting} for ddp.timeout={run.timeout_s:g} s. It was frozen, stuck outside Python "
+        f"or killed; the run was stopped. Resume it with ckpt_path={run.output_dir}"
+    ) from error
 
 
 def _fit(run: _PreparedRun, start: float) -> dict[str, Any]:
     """Train a prepared run; its summary gets the wall time since ``start`` (a ``time.perf_counter()``)."""
     run.output_dir.mkdir(parents=True, exist_ok=True)
-    with _launch_environment(run.loggers, spawns_workers=not launched_externally()):
-        run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    if not launched_externally():  # under torchrun every worker runs this: leave the others' heartbeats
+        shutil.rmtree(run.heartbeat_dir, ignore_errors=True)
+    try:
+        with _launch_environment(run.loggers, spawns_workers=not launched_externally()):
+            run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    except Exception as error:
+        _name_stalled_worker(run, error)
+        raise
+    if not launched_externally():
+        shutil.rmtree(run.heartbeat_dir, ignore_errors=True)
 
     summary_path = run.output_dir / "summary.json"
+    if not summary_path.is_file():
+        raise RuntimeError(
+            f"training ended without writing {summary_path}: no training step ran (trainer.max_steps or "
+            "trainer.max_epochs had been reached already?)"
+        )
     summary = json.loads(summary_path.read_text())
     summary["wall_time_s"] = time.perf_counter() - start
     summary_path.write_text(json.dumps(summary, indent=2, default=str))

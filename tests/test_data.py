@@ -25,6 +25,7 @@ from fixtures import (
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
+import lgc.lit.data
 from lgc.data import (
     CAMVID_IGNORE_INDEX,
     CamVidDataset,
@@ -94,6 +95,45 @@ def test_cifar10_augmentation_pads_4_pixels_and_crops_32(cifar10_root):
         padded_rows.append(int(is_pad.all(dim=1).sum()))
         assert int(is_pad.all(dim=0).sum()) <= 4 and int(is_pad.all(dim=1).sum()) <= 4
     assert max(padded_rows) > 0  # some crops reach into the padding
+
+
+def _batches(loader, count=None):
+    batches = []
+    for images, labels in loader:
+        batches.append((images, labels))
+        if count is not None and len(batches) == count:
+            break
+    return batches
+
+
+def test_augmented_batches_do_not_depend_on_the_loading_process_and_resume_mid_epoch(cifar10_root):
+    """Issue 11: the training loader's augmentation is seeded by each sample's place in training."""
+    module = CIFAR10DataModule(str(cifar10_root), batch_size=4, augment=True, num_workers=0)
+    module.setup("fit")
+
+    def loader(num_workers: int, epoch: int = 1):
+        sampler = module.train_sampler(num_replicas=2, rank=1)
+        made = lgc.lit.data._resumable_loader(module.train_set, sampler, 4, num_workers)
+        sampler.set_epoch(epoch)
+        return made
+
+    torch.manual_seed(0)
+    straight = _batches(loader(0))
+    torch.manual_seed(1)  # another state of the training process's generator: same batches
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(straight, _batches(loader(0)), strict=True))
+    in_workers = _batches(loader(2))  # DataLoader workers, reseeded by their own rules: same batches
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(straight, in_workers, strict=True))
+    assert not torch.equal(_batches(loader(0, epoch=2))[0][0], straight[0][0])  # a new epoch, new crops
+
+    # Stopped after 2 batches and restored in a loader built afresh: the remaining batches are identical.
+    first = loader(0)
+    _batches(first, count=2)
+    state = first.state_dict()
+    resumed = loader(0, epoch=0)
+    resumed.load_state_dict(state)
+    rest = _batches(resumed)
+    assert len(rest) == len(straight) - 2
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(straight[2:], rest, strict=True))
 
 
 def test_cifar10_missing_files_are_named(tmp_path, cifar10_root):

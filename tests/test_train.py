@@ -73,7 +73,7 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
 
 
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def test_resume_continues_exactly_where_it_stopped(tmp_path):
@@ -180,6 +180,16 @@ def no_workers(monkeypatch):
         (["ckpt_path=/no/such.ckpt"], FileNotFoundError, "ckpt_path='/no/such.ckpt'"),
         (["compressor=dgc", "optimizer.momentum=0.9"], ValueError, "optimizer momentum is 0.9 but DGC applies"),
         (["compressor=dgc", "compressor.error_feedback=true"], ValueError, "DGC keeps its own error feedback"),
+        # Wrong types name the field (issue 11).
+        (["compressor.density=abc"], TypeError, "compressor.density='abc' must be a float"),
+        (["compressor.density=[0.1]"], TypeError, r"compressor.density=\[0.1\] must be a float"),
+        (["trainer.max_steps=abc"], TypeError, "trainer.max_steps='abc' must be an int"),
+        (["data.batch_size=abc"], TypeError, "data.batch_size='abc' must be an int"),
+        (["comm.min_numel=abc"], TypeError, "comm.min_numel='abc' must be an int"),
+        (["optimizer.lr=-1"], ValueError, "optimizer/scheduler: Invalid learning rate: -1"),
+        (["ddp.timeout=0"], ValueError, "ddp.timeout must be a positive number of seconds, got 0"),
+        (["ddp.timeout=abc"], ValueError, "ddp.timeout must be a positive number of seconds, got 'abc'"),
+        (["checkpoint.every_n_train_steps=0"], ValueError, "checkpoint.every_n_train_steps must be a positive"),
     ],
 )
 def test_bad_input_is_reported_before_workers_start(tmp_path, no_workers, overrides, error, message):
@@ -282,11 +292,17 @@ def test_known_third_party_noise_is_left_out_in_the_workers_too(monkeypatch):
         "for module in ('pytorch_lightning.utilities._pytree', 'mine'):\n"
         "    warnings.warn_explicit('`isinstance(treespec, LeafSpec)` is deprecated, use ...', FutureWarning, "
         "'x.py', 1, module=module)\n"
+        "for module in ('torchdata.stateful_dataloader.stateful_dataloader', 'mine'):\n"
+        "    warnings.warn_explicit(\"'set_vital' is deprecated, please do not call\", UserWarning, 'y.py', 2, "
+        "module=module)\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", warn], env={**os.environ, "PYTHONWARNINGS": inherited}, capture_output=True, text=True
     )
-    assert result.stderr.strip() == "x.py:1: FutureWarning: `isinstance(treespec, LeafSpec)` is deprecated, use ..."
+    assert result.stderr.strip().splitlines() == [
+        "x.py:1: FutureWarning: `isinstance(treespec, LeafSpec)` is deprecated, use ...",
+        "y.py:2: UserWarning: 'set_vital' is deprecated, please do not call",
+    ]
 
     def record(message: str) -> logging.LogRecord:
         return logging.LogRecord("pytorch_lightning.utilities.rank_zero", logging.INFO, "x.py", 1, message, (), None)

@@ -15,12 +15,14 @@ from lgc.data.partition import (
     resample_to_length,
 )
 from lgc.data.sampler import PartitionSampler
+from lgc.data.seeded import EpochSeededDataset
 
 __all__ = [
     "CAMVID_CLASSES",
     "CAMVID_IGNORE_INDEX",
     "PARTITIONS",
     "CamVidDataset",
+    "EpochSeededDataset",
     "PartitionSampler",
     "camvid_pairs",
     "check_cifar10_folder",

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from lgc.data.partition import check_partition, dirichlet_partition, iid_partition, resample_to_length
+from lgc.data.seeded import sample_key
 
 __all__ = ["PartitionSampler"]
 
@@ -51,11 +52,17 @@ class PartitionSampler(DistributedSampler):
         rank: this rank; by default ``torch.distributed``'s, or 0.
         min_shard_size: the fewest samples a Dirichlet shard may hold (re-drawn otherwise; 10 as
             NIID-Bench's ``min_require_size``, so that no worker trains on a handful of samples).
+        keyed: hand out :func:`lgc.data.seeded.sample_key` keys (which sample, and which draw of
+            this rank it is) instead of plain indices, for :class:`lgc.data.EpochSeededDataset`,
+            whose random augmentation then does not depend on which process loads the sample.
 
     Example::
 
         >>> sampler = PartitionSampler(train_set, dataset_labels(train_set), partition="dirichlet", alpha=0.1)
-        >>> loader = DataLoader(train_set, batch_size=32, sampler=sampler, drop_last=True)
+        >>> loader = StatefulDataLoader(train_set, batch_size=32, sampler=sampler, drop_last=True)
+
+    It is stateful (:meth:`state_dict`: epoch and position), so torchdata's ``StatefulDataLoader``
+    resumes it mid-epoch exactly; a plain ``DataLoader`` works too but restarts epochs.
     """
 
     def __init__(
@@ -69,6 +76,7 @@ class PartitionSampler(DistributedSampler):
         num_replicas: int | None = None,
         rank: int | None = None,
         min_shard_size: int = 10,
+        keyed: bool = False,
     ) -> None:
         check_partition(partition, alpha)
         distributed = dist.is_available() and dist.is_initialized()
@@ -81,6 +89,10 @@ class PartitionSampler(DistributedSampler):
         self.partition = partition
         self.alpha = alpha
         self.partition_seed = partition_seed
+        self.keyed = keyed
+        # Indices of the current epoch handed out so far, and where a restored iterator starts.
+        self.yielded = 0
+        self._resume_at = 0
         # The fixed Dirichlet shard of this rank (None under IID, whose shards change every epoch).
         self.shard: np.ndarray | None = None
         # Every rank's shard size, for reporting how uneven the partition is.
@@ -107,7 +119,38 @@ class PartitionSampler(DistributedSampler):
         return resample_to_length(shard, self.num_samples, rng)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices(self.epoch).tolist())
+        # A generator: the epoch is read at the first index, after Lightning's ``set_epoch`` (a
+        # restored data loader creates its iterator before that call).
+        skip, self._resume_at = self._resume_at, 0
+        self.yielded = skip
+        size = len(self.dataset)
+        for index in self.indices(self.epoch)[skip:].tolist():
+            draw = self.epoch * self.num_samples + self.yielded
+            self.yielded += 1
+            yield sample_key(draw, index, size) if self.keyed else index
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this rank is: the epoch and how many indices of it were handed out.
+
+        With torchdata's ``StatefulDataLoader`` (which Lightning checkpoints and restores) a run
+        resumed from a mid-epoch checkpoint goes on with the next sample, not with the epoch's first.
+        """
+        return {"epoch": int(self.epoch), "yielded": int(self.yielded), "replicas": self.num_replicas}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Go on from ``state`` (from :meth:`state_dict` of any rank of the same partition).
+
+        Lightning writes rank 0's loader state and loads it on every rank; that is exact here because
+        the state is the same on every rank (every rank yields as many indices per epoch).
+        """
+        if state.get("replicas") != self.num_replicas:
+            raise ValueError(
+                f"sampler state of a {state.get('replicas')}-worker run cannot resume a {self.num_replicas}-worker run"
+            )
+        if not 0 <= state["yielded"] <= self.num_samples:
+            raise ValueError(f"sampler state yielded={state['yielded']} is outside 0..{self.num_samples}")
+        self.set_epoch(int(state["epoch"]))
+        self._resume_at = int(state["yielded"])
 
     def __len__(self) -> int:
         return self.num_samples

@@ -1,6 +1,7 @@
 """Lightning glue: the compression strategy, callbacks, task modules and data modules."""
 
 from lgc.lit.callbacks import CompressionCallback, RunSummary
+from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint
 from lgc.lit.classification import ImageClassifier
 from lgc.lit.data import CamVidDataModule, CIFAR10DataModule, DigitsDataModule, ImageNetDataModule
 from lgc.lit.segmentation import SemanticSegmenter
@@ -9,11 +10,14 @@ from lgc.lit.strategy import CompressedDDPStrategy
 __all__ = [
     "CIFAR10DataModule",
     "CamVidDataModule",
+    "CheckpointRecord",
     "CompressedDDPStrategy",
     "CompressionCallback",
     "DigitsDataModule",
     "ImageNetDataModule",
     "ImageClassifier",
+    "ResumableCheckpoint",
     "RunSummary",
     "SemanticSegmenter",
+    "check_checkpoint",
 ]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lgc.ddp.hook import CommStats, CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
+from lgc.lit.checkpoint import rng_state, set_rng_state
 
 HookState = CompressionHookState | TorchHookState | CommunicationDelayState
 
@@ -87,7 +88,8 @@ class CompressionCallback(pl.Callback):
     Per training step it logs this worker's ``comm/bytes_up`` and ``comm/bytes_down`` (bytes of
     the step), the cumulative ``comm/compression_ratio`` and, with error feedback,
     ``comm/residual_norm``. Checkpoints hold a list with one hook state per rank (residuals differ
-    between ranks); resuming needs the same world size.
+    between ranks) and each rank's random generators (:func:`lgc.lit.checkpoint.rng_state`);
+    resuming needs the same world size.
     """
 
     def __init__(self) -> None:
@@ -96,6 +98,8 @@ class CompressionCallback(pl.Callback):
         self._trainer: pl.Trainer | None = None
         # With communication delay, each rank's optimizer state, restored once training starts.
         self._pending_optimizer_states: list[dict[str, Any]] | None = None
+        # This rank's random generators from a checkpoint, restored once training starts.
+        self._pending_rng: dict[str, Any] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._state = _hook_state(trainer)
@@ -116,6 +120,9 @@ class CompressionCallback(pl.Callback):
             for optimizer, state in zip(trainer.optimizers, self._pending_optimizer_states, strict=True):
                 optimizer.load_state_dict(state)
             self._pending_optimizer_states = None
+        if self._pending_rng is not None:
+            set_rng_state(self._pending_rng)
+            self._pending_rng = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._state is not None
@@ -143,7 +150,8 @@ class CompressionCallback(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank while a checkpoint is built; rank 0 writes the gathered list.
         assert self._state is not None
-        state = self._state.state_dict()
+        # The random generators too: augmentations and dropout draw from them on every rank.
+        state = {**self._state.state_dict(), "rng": rng_state()}
         if isinstance(self._state, CommunicationDelayState) and self._trainer is not None:
             # Between exchanges the ranks' optimizer states (momenta) differ too.
             state = {**state, "optimizers": [opt.state_dict() for opt in self._trainer.optimizers]}
@@ -158,6 +166,7 @@ class CompressionCallback(pl.Callback):
             raise ValueError(f"the checkpoint holds compressor state of {len(per_rank)} workers, this run has {world}")
         self._state.load_state_dict(per_rank[rank])
         self._pending_optimizer_states = per_rank[rank].get("optimizers")
+        self._pending_rng = per_rank[rank].get("rng")
         self._last = copy.copy(self._state.stats)
 
 

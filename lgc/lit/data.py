@@ -10,6 +10,10 @@ Training data of the classification modules is split among the data-parallel wor
 per rank every epoch, like Lightning's ``DistributedSampler``) or ``partition="dirichlet"``
 (non-IID label skew with concentration ``alpha``). Validation and test data keep Lightning's
 default: the whole set, sharded across ranks by its ``DistributedSampler``.
+
+Training loaders are torchdata's ``StatefulDataLoader`` over a stateful
+:class:`~lgc.data.PartitionSampler`: Lightning saves their position in every checkpoint, so a run
+resumed from a mid-epoch checkpoint reads the same batches as one that never stopped.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
+import torch
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lgc.data.camvid import (
     CAMVID_CLASSES,
@@ -37,6 +43,7 @@ from lgc.data.folders import require_folder
 from lgc.data.imagenet import imagenet_classes, imagenet_eval_transform, imagenet_train_transform
 from lgc.data.partition import check_partition, dataset_labels
 from lgc.data.sampler import PartitionSampler
+from lgc.data.seeded import EpochSeededDataset
 
 __all__ = [
     "CIFAR10DataModule",
@@ -52,6 +59,30 @@ def _check_loader_knobs(batch_size: int, num_workers: int) -> None:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers!r}")
+
+
+def _resumable_loader(
+    dataset: Dataset, sampler: PartitionSampler, batch_size: int, num_workers: int
+) -> StatefulDataLoader:
+    """A training loader whose every checkpoint resumes bit-identically, also in mid-epoch.
+
+    * Lightning saves and restores a ``StatefulDataLoader``'s position (the sampler's epoch and
+      count, :meth:`lgc.data.PartitionSampler.state_dict`).
+    * With ``sampler.keyed`` the samples' random augmentation is seeded by their place in training
+      (:class:`lgc.data.EpochSeededDataset`), not by the generator of the process that loads them.
+    * The loader's own generator draws the workers' base seed, so creating an iterator never
+      consumes the training process's global generator (which checkpoints restore).
+    """
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    return StatefulDataLoader(
+        EpochSeededDataset(dataset, seed) if sampler.keyed else dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 class _ClassificationDataModule(pl.LightningDataModule):
@@ -92,6 +123,9 @@ class _ClassificationDataModule(pl.LightningDataModule):
             raise RuntimeError("call setup() before train_labels()")
         return dataset_labels(self.train_set)
 
+    #: Whether training samples are randomly augmented (then loaded through EpochSeededDataset).
+    augments = False
+
     def train_sampler(self, num_replicas: int | None = None, rank: int | None = None) -> PartitionSampler:
         """This rank's :class:`PartitionSampler`; rank and world size from ``torch.distributed`` by default."""
         if self.train_set is None:
@@ -106,18 +140,13 @@ class _ClassificationDataModule(pl.LightningDataModule):
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             num_replicas=num_replicas,
             rank=rank,
+            keyed=self.augments,
         )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         # Built by Lightning after the process group exists, so the sampler sees the real rank.
-        return DataLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            sampler=self.train_sampler(),
-            drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        assert self.train_set is not None
+        return _resumable_loader(self.train_set, self.train_sampler(), self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(
@@ -198,6 +227,7 @@ class CIFAR10DataModule(_ClassificationDataModule):
         self.root = str(Path(root).expanduser()) if download else str(check_cifar10_folder(root))
         self.download = download
         self.augment = augment
+        self.augments = augment
 
     def prepare_data(self) -> None:
         if self.download:
@@ -255,6 +285,7 @@ class ImageNetDataModule(_ClassificationDataModule):
         self.classes = imagenet_classes(self.root, num_classes)
         # Built here so that bad sizes are reported at construction too.
         self.train_transform = imagenet_train_transform(train_crop_size, augment)
+        self.augments = augment
         self.val_transform = imagenet_eval_transform(val_resize_size, val_crop_size)
 
     @property
@@ -275,8 +306,8 @@ class CamVidDataModule(pl.LightningDataModule):
     Pixels labelled ``ignore_index`` (11, void) must be ignored by the loss and the metrics
     (``F.cross_entropy(..., ignore_index=datamodule.ignore_index)``). Training batches are random
     crops of randomly scaled and flipped frames (:func:`lgc.data.camvid_train_transform`);
-    validation and test use whole frames. Workers get IID shards through Lightning's
-    ``DistributedSampler``: a Dirichlet split over labels is not defined for dense labels.
+    validation and test use whole frames. Workers get IID shards (a fresh random split every epoch,
+    :class:`lgc.data.PartitionSampler`): a Dirichlet split over labels is not defined for dense labels.
 
     Args:
         root: the folder holding ``train/``, ``trainannot/``, ``val/``, ``valannot/``, ``test/``,
@@ -316,6 +347,7 @@ class CamVidDataModule(pl.LightningDataModule):
             camvid_pairs(self.root, split)
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.augment = augment
         self.train_transform = (
             camvid_train_transform((int(crop_size[0]), int(crop_size[1])), (scale_range[0], scale_range[1]), base_size)
             if augment
@@ -332,21 +364,22 @@ class CamVidDataModule(pl.LightningDataModule):
             self.val_set = CamVidDataset(self.root, "val", self.eval_transform)
             self.test_set = CamVidDataset(self.root, "test", self.eval_transform)
 
-    def _loader(self, dataset: Dataset[Any] | None, train: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset[Any] | None) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=train,
-            drop_last=train,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
+    def train_dataloader(self) -> StatefulDataLoader:
+        # Built after the process group exists, so that the sampler sees the real rank.
+        assert self.train_set is not None
+        sampler = PartitionSampler(self.train_set, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), keyed=self.augment)
+        return _resumable_loader(self.train_set, sampler, self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, train=False)
+        return self._loader(self.val_set)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, train=False)
+        return self._loader(self.test_set)

@@ -1,0 +1,157 @@
+"""Exact resume (issue 11): a run stopped at any step and resumed takes the steps of one never stopped.
+
+Every comparison is bit for bit: parameters, optimizer and LR-scheduler state, and every rank's
+compressor state (residuals, momenta, LGC's autoencoder and buffers, step counters, byte counts,
+random generators). Stop points: mid-epoch through ``trainer.max_steps`` (the stop users hit) and
+through step checkpoints kept by a second ``ModelCheckpoint``, at epoch ends, and in each of LGC's
+stages. The whole matrix is ``-m slow``; the default suite runs one mid-epoch stop of top-k and one
+in LGC-RAR's compressed stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from lgc.train import train
+
+pytestmark = pytest.mark.multiprocess
+
+#: 2 workers, 8 batches per epoch, 3 epochs: 24 steps.
+STEPS_PER_EPOCH, EPOCHS = 8, 3
+COMMON = (
+    "experiment=smoke",
+    "logger=csv",
+    f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
+    "trainer.limit_val_batches=1",
+    f"trainer.max_epochs={EPOCHS}",
+    f"scheduler.T_max={EPOCHS}",
+)
+#: LGC's stages over the 24 steps: dense warm-up 0-1, autoencoder training 2-5, compressed 6-23.
+LGC_STAGES = ("compressor.warmup_steps=2", "compressor.ae_steps=4", "compressor.ae_batch_size=16")
+
+METHODS: dict[str, tuple[str, ...]] = {
+    "topk": ("compressor=topk", "compressor.density=0.05"),
+    "dgc": ("compressor=dgc", "compressor.density=0.05"),
+    "sbc_delay": ("compressor=sbc", "compressor.density=0.05", "comm.delay=3"),
+    "lgc_rar": ("compressor=lgc_rar", *LGC_STAGES),
+    "lgc_ps": ("compressor=lgc_ps", *LGC_STAGES),
+}
+#: Where each method is stopped: (how, step). "max_steps" stops a run there (mid-epoch),
+#: "max_epochs" at an epoch's end (step 8 or 16), "kept" resumes from a mid-epoch step checkpoint
+#: kept by the uninterrupted run (LGC refuses a max_steps run that ends before its compressed stage).
+STOPS: dict[str, tuple[tuple[str, int], ...]] = {
+    "topk": (("max_steps", 12), ("max_epochs", 8), ("kept", 19)),
+    "dgc": (("max_steps", 12), ("kept", 3), ("max_epochs", 16)),
+    "sbc_delay": (("max_steps", 10), ("max_epochs", 8), ("kept", 13)),
+    "lgc_rar": (("kept", 1), ("kept", 4), ("max_epochs", 8), ("max_steps", 13), ("max_epochs", 16)),
+    "lgc_ps": (("kept", 1), ("kept", 4), ("max_epochs", 8), ("max_steps", 13), ("max_epochs", 16)),
+}
+
+
+def compose_cfg(output_dir: Path, *overrides: str):
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        return compose("train", overrides=[*COMMON, f"output_dir={output_dir}", *overrides])
+
+
+def load(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_identical(expected: Any, actual: Any, where: str) -> None:
+    """Bit-for-bit equality of nested checkpoint state; the message names the first differing entry."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(expected) == set(actual), f"{where}: keys {set(expected) ^ set(actual)}"
+        for key in expected:
+            assert_identical(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(expected) == len(actual), f"{where}: lengths differ"
+        for index, (e, a) in enumerate(zip(expected, actual, strict=True)):
+            assert_identical(e, a, f"{where}[{index}]")
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and expected.dtype == actual.dtype, f"{where}: {actual!r}"
+        difference = (expected.double() - actual.double()).abs().max() if expected.numel() else 0
+        assert torch.equal(expected, actual), f"{where}: max difference {difference}"
+    else:
+        assert expected == actual, f"{where}: {expected!r} != {actual!r}"
+
+
+def assert_same_training(straight: dict[str, Any], resumed: dict[str, Any]) -> None:
+    assert straight["global_step"] == resumed["global_step"] == STEPS_PER_EPOCH * EPOCHS
+    assert_identical(straight["state_dict"], resumed["state_dict"], "parameters")
+    assert_identical(straight["optimizer_states"], resumed["optimizer_states"], "optimizer")
+    assert_identical(straight["lr_schedulers"], resumed["lr_schedulers"], "lr_scheduler")
+    # Every rank's compressor state (and its random generators).
+    straight_ranks = straight["callbacks"]["CompressionCallback"]["per_rank"]
+    resumed_ranks = resumed["callbacks"]["CompressionCallback"]["per_rank"]
+    assert len(straight_ranks) == len(resumed_ranks) == 2
+    for rank, (expected, actual) in enumerate(zip(straight_ranks, resumed_ranks, strict=True)):
+        assert_identical(expected, actual, f"rank{rank}")
+
+
+def keep_every_step(folder: Path) -> tuple[str, ...]:
+    """Overrides adding a second ModelCheckpoint that keeps a checkpoint of every step."""
+    return (
+        "+callbacks.every_step._target_=pytorch_lightning.callbacks.ModelCheckpoint",
+        f"+callbacks.every_step.dirpath={folder}",
+        "+callbacks.every_step.every_n_train_steps=1",
+        "+callbacks.every_step.save_top_k=-1",
+        "+callbacks.every_step.filename='s{step}'",
+        "+callbacks.every_step.auto_insert_metric_name=false",
+    )
+
+
+def check_resume_matrix(tmp_path: Path, method: str, stops: tuple[tuple[str, int], ...]) -> dict[tuple[str, int], bool]:
+    overrides = METHODS[method]
+    kept = tmp_path / "kept"
+    train(compose_cfg(tmp_path / "straight", *overrides, *keep_every_step(kept)))
+    straight = load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    results = {}
+    for how, step in stops:
+        run = tmp_path / f"{how}{step}"
+        if how in ("max_steps", "max_epochs"):
+            stop = (
+                f"trainer.max_steps={step}" if how == "max_steps" else f"trainer.max_epochs={step // STEPS_PER_EPOCH}"
+            )
+            train(compose_cfg(run / "first", *overrides, stop))
+            stopped = run / "first" / "checkpoints" / "last.ckpt"
+        else:
+            stopped = kept / f"s{step}.ckpt"
+        assert load(stopped)["global_step"] == step
+        train(compose_cfg(run / "resumed", *overrides, f"ckpt_path={stopped}"))
+        assert_same_training(straight, load(run / "resumed" / "checkpoints" / "last.ckpt"))
+        results[(how, step)] = True
+    return results
+
+
+@pytest.mark.parametrize(
+    ("method", "stops"),
+    [("topk", (("max_steps", 12),)), ("lgc_rar", (("max_steps", 13),))],
+    ids=["topk-mid-epoch", "lgc_rar-compressed-stage-mid-epoch"],
+)
+def test_a_run_stopped_mid_epoch_resumes_bit_identically(tmp_path, method, stops):
+    check_resume_matrix(tmp_path, method, stops)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_resume_matrix_every_method_and_stage(tmp_path, method):
+    check_resume_matrix(tmp_path, method, STOPS[method])
+
+
+def test_max_steps_stop_in_mid_epoch_is_saved_at_that_step(tmp_path):
+    """The checkpoint of a max_steps stop records the epoch as unfinished, with the loader's position."""
+    train(compose_cfg(tmp_path, "compressor=topk", "trainer.max_steps=12"))
+    checkpoint = load(tmp_path / "checkpoints" / "last.ckpt")
+    assert checkpoint["global_step"] == 12
+    epoch_progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]
+    assert epoch_progress["started"] == 2 and epoch_progress["processed"] == 1  # epoch 1 is under way
+    (loader_state,) = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    # Four batches of 32 into epoch 1 (the stateful sampler's own record).
+    assert loader_state["_sampler_iter_state"]["sampler_state"] == {"epoch": 1, "yielded": 4 * 32, "replicas": 2}
+    assert checkpoint["lgc"]["world_size"] == 2
+    assert checkpoint["lgc"]["compressor"]["_target_"].endswith("TopKCompressor")
