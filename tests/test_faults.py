@@ -221,13 +221,13 @@ def test_resuming_from_a_run_folder_finishes_the_run(tmp_path, stopped_run):
 
 def test_runs_started_in_the_same_second_get_separate_folders(tmp_path):
     command = [sys.executable, "-m", "lgc.train", "--cfg", "hydra", "--resolve"]
-    runs = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    runs = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     folders = []
     for run in runs:
         output, _ = run.communicate(timeout=120)
         assert run.returncode == 0
         folders.append(re.search(r"^\s+dir: (outputs/\S+)$", output, re.MULTILINE).group(1))
-    assert len(set(folders)) == 3, folders
+    assert len(set(folders)) == 2, folders
     assert all(re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-[0-9a-f]{6}", f) for f in folders), folders
 
 
