@@ -363,9 +363,14 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _instantiate(cfg.data, "data")
+    # The run's length, for the checks that need it (LGC's stages, a checkpoint with steps left).
+    total_steps = (
+        expected_optimizer_steps(cfg.trainer, datamodule, world_size)
+        if isinstance(hook_state, LGCHookState) or ckpt_path is not None
+        else None
+    )
     if isinstance(hook_state, LGCHookState):
         hook_state.set_world_size(world_size)
-        total_steps = expected_optimizer_steps(cfg.trainer, datamodule, world_size)
         if total_steps is not None:
             hook_state.check_total_steps(total_steps)
     model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
@@ -379,7 +384,7 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
             comm=resolved["comm"],
             world_size=world_size,
             model_state=module.state_dict(),
-            total_steps=expected_optimizer_steps(cfg.trainer, datamodule, world_size),
+            total_steps=total_steps,
         )
     heartbeat_dir = output_dir / ".workers"
     strategy = CompressedDDPStrategy(

@@ -548,17 +548,6 @@ def test_every_data_config_builds_its_module(tmp_path, cifar10_root, imagenet_ro
     assert (skewed.partition, skewed.alpha) == ("dirichlet", 0.3)
 
 
-@pytest.fixture
-def no_workers(monkeypatch):
-    """Fail the test if a worker process is started."""
-    import torch.multiprocessing
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker process was started before the bad value was reported")
-
-    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
-
-
 @pytest.mark.parametrize(
     "overrides,error,message",
     [

@@ -33,17 +33,6 @@ def compose_cfg(output_dir: Path, *overrides: str):
         return compose("train", overrides=["experiment=smoke", "logger=csv", f"output_dir={output_dir}", *overrides])
 
 
-@pytest.fixture
-def no_workers(monkeypatch):
-    """Fail the test if a worker process is started."""
-    import torch.multiprocessing
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker process was started before the bad value was reported")
-
-    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
-
-
 # --- hung and killed workers ------------------------------------------------------------------
 
 

@@ -157,17 +157,6 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
     assert not torch.distributed.is_initialized()
 
 
-@pytest.fixture
-def no_workers(monkeypatch):
-    """Fail the test if a worker process is started."""
-    import torch.multiprocessing
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker process was started before the bad value was reported")
-
-    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
-
-
 @pytest.mark.parametrize(
     "overrides,error,message",
     [
