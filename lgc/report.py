@@ -39,6 +39,7 @@ __all__ = [
     "DENSE_TARGETS",
     "LGC_COMPRESSED_RATIO",
     "SUMMARY_NAME",
+    "WIRE_MB_PER_WORKER",
     "RunRecord",
     "load_runs",
     "main",
@@ -51,6 +52,8 @@ SUMMARY_NAME = "summary.json"
 DENSE_TARGETS = ("lgc.compressors.NoneCompressor", "lgc.compressors.none.NoneCompressor")
 # The compressed-stage ratio of an LGC run (lgc.lit.callbacks._stage_totals).
 LGC_COMPRESSED_RATIO = "lgc_stages.compressed.compression_ratio"
+# Wire bytes sent per worker over the whole run, in MB (RunRecord.wire_mb_per_worker).
+WIRE_MB_PER_WORKER = "wire_mb_per_worker"
 
 _CONF = Path(__file__).resolve().parent / "conf"
 # Config keys that do not change what is trained (paths, logging, how workers start): never in a label.
@@ -128,13 +131,38 @@ class RunRecord:
         value = self.summary.get(self.metric_key, self.metrics.get(self.metric_key))
         return None if value is None else float(value)
 
+    @property
+    def counts_wire_bytes(self) -> bool:
+        """Whether the summary has wire bytes (``wire_*``); older ones hold logical ratios only."""
+        return "wire_bytes_sent" in self.summary
+
+    @property
+    def wire_mb_per_worker(self) -> float | None:
+        """Wire bytes sent per worker over the whole run, in MB (None for an older summary)."""
+        if not self.counts_wire_bytes:
+            return None
+        per_worker = self.summary.get("wire_bytes_sent_per_worker") or [self.summary["wire_bytes_sent"]]
+        return sum(per_worker) / len(per_worker) / 1e6
+
     def value(self, key: str) -> Any:
         """A summary field by dotted key (``"compression_ratio"``, ``"lgc_stages.compressed.bytes_sent"``).
 
-        Returns None both for a null field and for one the summary does not have.
+        Returns None both for a null field and for one the summary does not have. A summary written
+        before wire bytes were counted has no wire ratios: its ``compression_ratio`` (and LGC's
+        stage ratios) were logical, so they answer ``logical_compression_ratio`` and the wire keys None.
         """
-        value = _lookup(self.summary, key)
+        value = self._value(key)
         return None if value is _MISSING else value
+
+    def _value(self, key: str) -> Any:
+        if key == WIRE_MB_PER_WORKER:
+            return _MISSING if not self.counts_wire_bytes else self.wire_mb_per_worker
+        if not self.counts_wire_bytes:
+            if key == "logical_compression_ratio":
+                return _lookup(self.summary, "compression_ratio")
+            if key.split(".")[-1] == "compression_ratio":
+                return _MISSING
+        return _lookup(self.summary, key)
 
 
 # -- finding and reading summaries ----------------------------------------------------------------
@@ -466,7 +494,9 @@ def _columns(records: Sequence[RunRecord]) -> list[_Column]:
         _Column("steps", "steps", "d"),
     ]
     columns += [_Column(key, key, ".4f") for key in dict.fromkeys(record.metric_key for record in records)]
-    columns.append(_Column("compression_ratio", "compression ratio", ".2f"))
+    columns.append(_Column(WIRE_MB_PER_WORKER, "wire MB/worker", ".3g"))
+    columns.append(_Column("compression_ratio", "compression ratio (wire)", ".2f"))
+    columns.append(_Column("logical_compression_ratio", "logical ratio", ".2f"))
     if any("upstream_compression_ratio" in record.summary for record in records):
         columns.append(_Column("upstream_compression_ratio", "upstream ratio", ".2f"))
     columns.append(_Column("payload_compression_ratio", "payload ratio", ".2f"))
@@ -481,7 +511,7 @@ def _cell_value(record: RunRecord, key: str) -> Any:
         return record.label
     if key == "compressor":
         return record.compressor
-    return _lookup(record.summary, key)
+    return record._value(key)
 
 
 def table_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
@@ -512,7 +542,9 @@ def report_table(records: Sequence[RunRecord]) -> str:
     """A markdown table with one row per run (columns padded so it reads in a terminal too).
 
     Columns: the run's label, its compressor group, world size, steps, ``val/acc`` (``val/mIoU``
-    for segmentation runs; both columns when the runs mix the two), ``compression_ratio``,
+    for segmentation runs; both columns when the runs mix the two), wire MB sent per worker,
+    ``compression_ratio`` (a dense ring allreduce's wire bytes over the run's; ``-`` for a summary
+    written before wire bytes were counted), ``logical_compression_ratio``,
     ``upstream_compression_ratio`` (when the summaries have it: without what LGC-PS's parameter
     server sends), ``payload_compression_ratio`` (the compressor's own ratio on the tensors it
     compresses), LGC's compressed-stage ratio (when a run has ``lgc_stages``) and wall time.

@@ -538,8 +538,11 @@ def _result_line(summary: dict[str, Any], output_dir: str) -> str:
         metrics or "no validation metrics",
         # Not wandb's comm/compression_ratio (rank 0's running value): every worker, every step.
         f"overall_compression_ratio={ratio(summary['compression_ratio'])} "
-        f"(all {summary['world_size']} workers, all {summary['steps']} steps)",
+        f"(wire bytes against a dense ring allreduce, all {summary['world_size']} workers, "
+        f"all {summary['steps']} steps)",
     ]
+    if "wire_bytes_sent" in summary:
+        parts.append(f"wire_sent={summary['wire_bytes_sent'] / summary['world_size'] / 1e6:.3g}MB/worker")
     compressed = summary.get("lgc_stages", {}).get("compressed")
     if compressed is not None:
         parts.append(f"lgc_compressed_stage_ratio={ratio(compressed['compression_ratio'])}")

@@ -15,20 +15,71 @@ def test_resnet50_has_the_documented_number_of_elements():
 
 
 def test_compressor_benchmark_reports_every_configured_compressor(tmp_path, capsys):
+    from lgc.bench.compressors import _configured_compressors
+
     out = tmp_path / "bench.json"
     main(["compressors", "--numel", "5000", "70000", "--repeats", "1", "--density", "0.01", "--json", str(out)])
     result = json.loads(out.read_text())
-    names = {row["compressor"] for row in result["rows"]}
-    assert {"none", "fp16", "topk"} <= names
-    assert result["numel"] == 75_000
     rows = {row["compressor"]: row for row in result["rows"]}
+    assert set(rows) == set(_configured_compressors(0.01)) >= {"none", "fp16", "topk", "dgc"}
+    assert result["numel"] == 75_000
     assert rows["none"]["bits_per_element"] == 32
     assert rows["fp16"]["bits_per_element"] == 16
     # top-k sends ceil(0.01 n) (fp32 value, int32 index) pairs per tensor: 50 + 700 pairs of 64 bits.
     assert rows["topk"]["bits_per_element"] == 64 * (50 + 700) / 75_000
     # DGC is timed after its warm-up, at the density asked for (same k per tensor as top-k).
     assert rows["dgc"]["bits_per_element"] == rows["topk"]["bits_per_element"]
-    assert "| topk |" in capsys.readouterr().out
+
+    # The x fp16 reference is the per-tensor fp16 round trip into reused buffers: 1.0 by construction.
+    references = {row["name"]: row for row in result["references"]}
+    assert result["reference"] == "fp16_per_layer"
+    assert set(references) == {"fp16_per_layer", "torch_topk_flat", "fp16_flat_alloc"}
+    assert "reused buffers" in references["fp16_per_layer"]["description"]
+    fp16 = references["fp16_per_layer"]
+    assert fp16["x_fp16_wall"] == 1.0
+    assert fp16["x_fp16_cpu"] == (1.0 if fp16["cpu_ms"] > 0 else None)
+    assert references["torch_topk_flat"]["x_torch_topk_wall"] == 1.0
+    assert references["fp16_per_layer"]["bits_per_element"] == 16
+    assert references["torch_topk_flat"]["bits_per_element"] is None
+
+    # Wall and CPU time for every candidate, one run per round, ratios over the reference's medians.
+    for row in result["references"] + result["rows"]:
+        assert len(row["wall_ms_runs"]) == len(row["cpu_ms_runs"]) == result["repeats"] == 1
+        assert row["wall_ms"] > 0 and row["cpu_ms"] >= 0  # CPU time ticks coarsely on some kernels
+        assert row["x_fp16_wall"] == pytest.approx(row["wall_ms"] / fp16["wall_ms"])
+        if fp16["cpu_ms"] > 0:  # None when the reference took less than the CPU clock's tick
+            assert row["x_fp16_cpu"] == pytest.approx(row["cpu_ms"] / fp16["cpu_ms"])
+    assert result["schedule"] == [row["name"] for row in result["references"] + result["rows"]]
+    assert result["schedule"][0] == "fp16_per_layer"
+
+    # Noise indicators: load average before and after, torch's threads.
+    assert len(result["load_average_start"]) == len(result["load_average_end"]) == 3
+    assert result["threads"] >= 1 and result["cpu_time"] == "process"
+    printed = capsys.readouterr().out
+    assert "| topk |" in printed and "| ref: fp16_per_layer |" in printed and "load average" in printed
+    assert "x fp16 wall" in printed and "x fp16 CPU" in printed
+
+
+def test_min_numel_leaves_small_tensors_out_of_compressors_and_references(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["compressors", "--numel", "100", "5000", "--min-numel", "1024", "--repeats", "1", "--only", "topk"]
+    main([*argv, "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert (result["numel"], result["tensors"], result["min_numel"]) == (5000, 1, 1024)
+    assert [row["compressor"] for row in result["rows"]] == ["topk"]
+    assert result["rows"][0]["bits_per_element"] == 64 * 5 / 5000  # density 0.001 by default: k = 5
+
+
+def test_schedule_interleaves_every_candidate_once_per_round():
+    from lgc.bench.compressors import interleaved_schedule
+
+    names = ["fp16_per_layer", "torch_topk_flat", "topk", "dgc"]
+    rounds = interleaved_schedule(names, repeats=3)
+    assert rounds == [names, names, names]  # reference first, then A, B, ... ; again, not A A A B B B
+    with pytest.raises(ValueError, match="repeats"):
+        interleaved_schedule(names, repeats=0)
+    with pytest.raises(ValueError, match="unique"):
+        interleaved_schedule(["topk", "topk"], repeats=1)
 
 
 def test_golomb_section_measures_the_code_against_its_formula_and_the_entropy_bound():
@@ -47,7 +98,7 @@ def test_help_is_plain_text_and_loads_no_training_stack():
     code = """
 import sys
 from lgc.bench.cli import main
-for argv in (["--help"], ["compressors", "--help"], ["autoencoder", "--help"]):
+for argv in (["--help"], ["compressors", "--help"], ["autoencoder", "--help"], ["network", "--help"]):
     try:
         main(argv)
     except SystemExit:

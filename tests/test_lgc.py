@@ -249,9 +249,14 @@ def test_stages_switch_at_the_configured_steps_and_bytes_match_the_payloads(vari
             weights = sum(p.numel() for p in GradientAutoencoder(small).parameters())
         else:
             innovation = 8 * sum(num_selected(n, 0.01) for n in compressed)
-            upstream = 4 * dense + guard + (0 if rank == 0 else innovation)  # the leader is the server here
+            # Upstream: every worker's innovation, and the leader's scales, latent and raw positions.
+            # Rank 0 hosts the server: its own messages to it count logically but not on the wire.
+            leader = 4 * rows + 4 * rows * 16 + 4 * k
+            upstream = 4 * dense + guard + innovation + (leader if rank == 0 else 0)
             compressed_stats = stages["compressed"]
             assert compressed_stats["bytes_sent"] - compressed_stats["server_bytes_sent"] == 6 * upstream
+            wire_upstream = compressed_stats["wire_bytes_sent"] - compressed_stats["wire_server_bytes_sent"]
+            assert wire_upstream == 6 * (4 * dense + guard + (0 if rank == 0 else innovation))
             server_sent = compressed_stats["server_bytes_sent"]
             assert server_sent > 0 if rank == 0 else server_sent == 0
             weights = 0  # the leader is the server: no encoder weights travel

@@ -54,7 +54,13 @@ def _worker(
         "server_bytes_sent": server,
         "payload_bytes": payload,
         "payload_dense_equivalent_bytes": payload_dense,
+        # Two workers: a ring allreduce or allgather sends what it is handed, wire = logical bytes.
+        "wire_bytes_sent": sent,
+        "wire_bytes_received": sent,
+        "wire_server_bytes_sent": server,
+        "wire_dense_equivalent_bytes": dense,
         "compression_ratio": _ratio(dense, sent),
+        "logical_compression_ratio": _ratio(dense, sent),
         "upstream_compression_ratio": _ratio(dense, sent - server),
         "payload_compression_ratio": _ratio(payload_dense, payload),
     }
@@ -85,8 +91,16 @@ def _write_run(
         "bytes_sent_per_worker": [w["bytes_sent"] for w in workers],
         "bytes_received_per_worker": [w["bytes_received"] for w in workers],
         "dense_equivalent_bytes_per_worker": [w["dense_equivalent_bytes"] for w in workers],
+        "wire_bytes_sent_per_worker": [w["wire_bytes_sent"] for w in workers],
+        "wire_bytes_received_per_worker": [w["wire_bytes_received"] for w in workers],
+        "wire_dense_equivalent_bytes_per_worker": [w["wire_dense_equivalent_bytes"] for w in workers],
+        "wire_bytes_sent": sum(w["wire_bytes_sent"] for w in workers),
+        "wire_dense_equivalent_bytes": sum(w["wire_dense_equivalent_bytes"] for w in workers),
         "hook_calls": sum(w["hook_calls"] for w in workers),
-        "compression_ratio": _ratio(dense, sent),
+        "compression_ratio": _ratio(
+            sum(w["wire_dense_equivalent_bytes"] for w in workers), sum(w["wire_bytes_sent"] for w in workers)
+        ),
+        "logical_compression_ratio": _ratio(dense, sent),
         "upstream_compression_ratio": _ratio(dense, sent - sum(w["server_bytes_sent"] for w in workers)),
         "payload_compression_ratio": _ratio(
             sum(w["payload_dense_equivalent_bytes"] for w in workers), sum(w["payload_bytes"] for w in workers)
@@ -102,7 +116,8 @@ def _write_run(
                 for key, value in stage.items():
                     total[key] = total.get(key, 0) + value
         for total in totals.values():
-            total["compression_ratio"] = _ratio(total["dense_equivalent_bytes"], total["bytes_sent"])
+            total["compression_ratio"] = _ratio(total["wire_dense_equivalent_bytes"], total["wire_bytes_sent"])
+            total["logical_compression_ratio"] = _ratio(total["dense_equivalent_bytes"], total["bytes_sent"])
             total["upstream_compression_ratio"] = _ratio(
                 total["dense_equivalent_bytes"], total["bytes_sent"] - total["server_bytes_sent"]
             )
@@ -124,6 +139,10 @@ def _stage(sent: int, dense: int, *, server: int = 0, payload: int = 0, payload_
         "server_bytes_sent": server,
         "payload_bytes": payload,
         "payload_dense_equivalent_bytes": payload_dense,
+        "wire_bytes_sent": sent,
+        "wire_bytes_received": sent,
+        "wire_server_bytes_sent": server,
+        "wire_dense_equivalent_bytes": dense,
     }
 
 
@@ -313,22 +332,30 @@ def test_a_folder_without_any_summary_is_an_error_that_names_it(tmp_path, capsys
 def test_table_rows_with_null_ratios_and_lgc_stages(tmp_path):
     records = load_runs(_classification_sweep(tmp_path))
     assert report_table(records).splitlines() == [
-        "| run                              | compressor | world size | steps | val/acc | compression ratio "
-        "| upstream ratio | payload ratio | LGC compressed-stage ratio | wall time (s) |",
-        "|----------------------------------|------------|-----------:|------:|--------:|------------------:"
-        "|---------------:|--------------:|---------------------------:|--------------:|",
-        "| none                             | none       |          2 |     4 |  0.5156 |              1.00 "
-        "|           1.00 |          1.00 |                          - |          22.8 |",
-        "| topk density=0.01                | topk       |          2 |     4 |  0.4297 |              3.61 "
-        "|           3.61 |         50.00 |                          - |          21.5 |",
-        "| topk density=0.001               | topk       |          2 |     4 |  0.4062 |              3.79 "
-        "|           3.79 |        500.00 |                          - |          21.5 |",
-        "| dgc                              | dgc        |          2 |     4 |  0.3125 |              1.58 "
-        "|           1.58 |          2.00 |                          - |          21.5 |",
-        "| torch_fp16                       | torch_fp16 |          2 |     4 |  0.5078 |              2.00 "
-        "|           2.00 |           n/a |                          - |          19.4 |",
-        "| lgc_ps warmup_steps=2 ae_steps=1 | lgc_ps     |          2 |     4 |  0.7500 |              1.90 "
-        "|           1.92 |         95.24 |                      30.00 |          20.2 |",
+        "| run                              | compressor | world size | steps | val/acc "
+        "| wire MB/worker | compression ratio (wire) | logical ratio | upstream ratio "
+        "| payload ratio | LGC compressed-stage ratio | wall time (s) |",
+        "|----------------------------------|------------|-----------:|------:|--------:"
+        "|---------------:|-------------------------:|--------------:|---------------:"
+        "|--------------:|---------------------------:|--------------:|",
+        "| none                             | none       |          2 |     4 |  0.5156 "
+        "|            1.2 |                     1.00 |          1.00 |           1.00 "
+        "|          1.00 |                          - |          22.8 |",
+        "| topk density=0.01                | topk       |          2 |     4 |  0.4297 "
+        "|          0.333 |                     3.61 |          3.61 |           3.61 "
+        "|         50.00 |                          - |          21.5 |",
+        "| topk density=0.001               | topk       |          2 |     4 |  0.4062 "
+        "|          0.317 |                     3.79 |          3.79 |           3.79 "
+        "|        500.00 |                          - |          21.5 |",
+        "| dgc                              | dgc        |          2 |     4 |  0.3125 "
+        "|          0.757 |                     1.58 |          1.58 |           1.58 "
+        "|          2.00 |                          - |          21.5 |",
+        "| torch_fp16                       | torch_fp16 |          2 |     4 |  0.5078 "
+        "|            0.6 |                     2.00 |          2.00 |           2.00 "
+        "|           n/a |                          - |          19.4 |",
+        "| lgc_ps warmup_steps=2 ae_steps=1 | lgc_ps     |          2 |     4 |  0.7500 "
+        "|           0.63 |                     1.90 |          1.90 |           1.92 "
+        "|         95.24 |                      30.00 |          20.2 |",
     ]
     # The numbers above, from the bytes (per worker: a dense first step, then the small tensors
     # dense and the large ones compressed).
@@ -348,7 +375,9 @@ def test_table_rows_with_null_ratios_and_lgc_stages(tmp_path):
         "world_size",
         "steps",
         "val/acc",
+        "wire_mb_per_worker",
         "compression_ratio",
+        "logical_compression_ratio",
         "upstream_compression_ratio",
         "payload_compression_ratio",
         LGC_COMPRESSED_RATIO,
@@ -369,7 +398,16 @@ def test_a_run_that_sent_nothing_reads_na_and_is_left_off_the_plot(tmp_path):
         tmp_path / "1",
         ("compressor=topk", "ckpt_path=outputs/x/checkpoints/last.ckpt"),
         "ErrorFeedback(TopKCompressor(density=0.01))",
-        [_worker(0, 0) | {"hook_calls": 0, "dense_equivalent_bytes": 0, "payload_dense_equivalent_bytes": 0}] * 2,
+        [
+            _worker(0, 0)
+            | {
+                "hook_calls": 0,
+                "dense_equivalent_bytes": 0,
+                "wire_dense_equivalent_bytes": 0,
+                "payload_dense_equivalent_bytes": 0,
+            }
+        ]
+        * 2,
         {"val/acc": 0.75},
         wall_time_s=30.0,
     )
@@ -377,8 +415,8 @@ def test_a_run_that_sent_nothing_reads_na_and_is_left_off_the_plot(tmp_path):
     summary = records[1].summary
     assert summary["compression_ratio"] is None and summary["payload_compression_ratio"] is None
     assert report_table(records).splitlines()[3] == (
-        "| topk | topk       |          2 |     4 |  0.7500 |               n/a |            n/a |           n/a "
-        "|          30.0 |"
+        "| topk | topk       |          2 |     4 |  0.7500 |              0 |                      n/a "
+        "|           n/a |            n/a |           n/a |          30.0 |"
     )
     assert table_rows(records)[1]["compression_ratio"] is None
     (axis,) = plot_tradeoff(records).axes
@@ -427,3 +465,21 @@ def test_command_prints_the_table_and_writes_report_plot_and_json(tmp_path, caps
     width, height = _png_size(out / "accuracy_vs_ratio.png")
     assert width > 400 and height > 300
     assert json.loads((out / "rows.json").read_text()) == table_rows(records)
+
+
+def test_a_summary_written_before_wire_bytes_shows_its_ratio_as_logical_only(tmp_path):
+    summary = _write_run(
+        tmp_path / "0", ("compressor=none",), "NoneCompressor()", [_worker(4 * STEP, 3 * LARGE)] * 2, {"val/acc": 0.5}
+    )
+    old = {key: value for key, value in summary.items() if not key.startswith("wire_")}
+    old.pop("logical_compression_ratio")
+    old["compression_ratio"] = 3.5  # what older versions called the logical ratio
+    (tmp_path / "0" / "summary.json").write_text(json.dumps(old))
+    (record,) = load_runs([tmp_path])
+    assert not record.counts_wire_bytes and record.wire_mb_per_worker is None
+    assert record.value("compression_ratio") is None
+    assert record.value("logical_compression_ratio") == 3.5
+    (row,) = table_rows([record])
+    assert row["compression_ratio"] is None and row["logical_compression_ratio"] == 3.5
+    assert row["wire_mb_per_worker"] is None
+    assert "|                        - |          3.50 |" in report_table([record])

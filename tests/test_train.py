@@ -53,6 +53,12 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
         assert dense_equivalent == steps * dense
         assert sent == dense + (steps - 1) * per_step
     assert summary["compression_ratio"] == pytest.approx(steps * dense / (dense + (steps - 1) * per_step))
+    # With 2 workers a ring allreduce and a ring allgather of L bytes both send L per worker:
+    # wire and logical bytes agree (tests/test_wire.py covers 3 and 4 workers).
+    assert summary["wire_bytes_sent_per_worker"] == summary["bytes_sent_per_worker"]
+    assert summary["wire_dense_equivalent_bytes_per_worker"] == summary["dense_equivalent_bytes_per_worker"]
+    assert summary["wire_bytes_sent"] == sum(summary["bytes_sent_per_worker"])
+    assert summary["logical_compression_ratio"] == summary["compression_ratio"]
     large = [n for n in numels if n >= min_numel]
     assert summary["payload_compression_ratio"] == pytest.approx(1 / (2 * density), rel=0.02)
     assert summary["payload_compression_ratio"] == pytest.approx(
@@ -65,7 +71,10 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
         "val/acc",
         "comm/bytes_up",
         "comm/bytes_down",
+        "comm/wire_bytes_up",
+        "comm/wire_bytes_down",
         "comm/compression_ratio",
+        "comm/logical_compression_ratio",
         "comm/residual_norm",
         "comm/skipped_steps",
     ):
@@ -238,19 +247,21 @@ def test_the_final_line_names_the_overall_ratio_and_lgcs_compressed_stage():
     summary = {
         "val/acc": 0.5,
         "compression_ratio": 8.2812,
+        "wire_bytes_sent": 24_680_000,
         "world_size": 2,
         "steps": 100,
         "wall_time_s": 61.23,
         "lgc_stages": {"warmup": {"compression_ratio": 1.0}, "compressed": {"compression_ratio": 41.2}},
     }
     assert _result_line(summary, "outputs/x") == (
-        "val/acc=0.5000 overall_compression_ratio=8.28 (all 2 workers, all 100 steps) "
-        "lgc_compressed_stage_ratio=41.20 wall_time=61.2s -> outputs/x/summary.json"
+        "val/acc=0.5000 overall_compression_ratio=8.28 (wire bytes against a dense ring allreduce, all 2 workers, "
+        "all 100 steps) wire_sent=12.3MB/worker lgc_compressed_stage_ratio=41.20 wall_time=61.2s "
+        "-> outputs/x/summary.json"
     )
     summary = {"compression_ratio": None, "world_size": 2, "steps": 0, "wall_time_s": 3.0}
     assert _result_line(summary, "out") == (
-        "no validation metrics overall_compression_ratio=n/a (all 2 workers, all 0 steps) wall_time=3.0s "
-        "-> out/summary.json"
+        "no validation metrics overall_compression_ratio=n/a (wire bytes against a dense ring allreduce, "
+        "all 2 workers, all 0 steps) wall_time=3.0s -> out/summary.json"
     )
 
 

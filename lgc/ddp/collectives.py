@@ -1,7 +1,10 @@
 """Collectives that count their bytes: the only calls into :mod:`torch.distributed` lgc makes.
 
-Every helper takes the worker's :class:`CommStats` and adds the logical bytes of the tensors it
-passes to and gets from the collective, independent of how the backend routes them:
+Every helper takes the worker's :class:`CommStats` and adds two figures. The *wire* bytes
+(``wire_*``) are what the collective's algorithm makes this worker send and receive
+(:mod:`lgc.ddp.wire`: a ring allreduce of ``L`` bytes sends ``2 (P - 1) / P * L``, a ring
+allgather ``(P - 1) * L``). The *logical* bytes are the tensors it passes to and gets from the
+collective, independent of how the backend routes them:
 
 * allreduce of ``L`` bytes: ``L`` sent, ``L`` received;
 * allgather of ``L`` bytes per rank: ``L`` sent, ``(world - 1) * L`` received;
@@ -10,7 +13,9 @@ passes to and gets from the collective, independent of how the backend routes th
   ``(world - 1) * L`` (its own contribution never leaves it);
 * send / recv of ``L`` bytes: ``L`` sent by one, received by the other.
 
-Ranks are ranks *in the group*; they are translated to global ranks for torch.distributed.
+Ranks are ranks *in the group*; they are translated to global ranks for torch.distributed. The
+``book_*`` functions add a collective's bytes without running it, for collectives issued by code
+lgc does not own (PyTorch's hooks) and for the dense exchange a step is compared with.
 """
 
 from __future__ import annotations
@@ -23,10 +28,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lgc.ddp import wire
+
 __all__ = [
     "CommStats",
     "all_gather",
     "all_reduce",
+    "book_all_gather",
+    "book_all_reduce",
+    "book_broadcast",
+    "book_dense_equivalent",
+    "book_gather",
+    "book_local_upstream",
+    "book_point_to_point",
     "broadcast",
     "broadcast_bytes",
     "gather",
@@ -38,12 +52,14 @@ __all__ = [
 
 @dataclass
 class CommStats:
-    """Cumulative communication of one worker.
+    """Cumulative communication of one worker: wire bytes (``wire_*``) and logical bytes.
 
-    Bytes are the sizes of the tensors this worker passes to and gets from the collectives
-    (logical bytes, independent of how the backend routes them): an allreduce of ``L`` bytes
-    counts ``L`` sent and ``L`` received; an allgather of ``L`` bytes per rank counts ``L`` sent
-    and ``(world - 1) * L`` received.
+    Wire bytes are what the collectives' algorithms send over the network (:mod:`lgc.ddp.wire`);
+    the headline :attr:`compression_ratio` compares them with a dense ring allreduce of the same
+    buckets. Logical bytes are the sizes of the tensors this worker passes to and gets from the
+    collectives: an allreduce of ``L`` bytes counts ``L`` sent and received, an allgather of ``L``
+    bytes per rank ``L`` sent and ``(world - 1) * L`` received. ``payload_*`` describe the
+    compressor alone.
     """
 
     #: How many times DDP called the hook (once per bucket per step).
@@ -51,11 +67,11 @@ class CommStats:
     #: Steps whose gradient was non-finite (inf/NaN) on some rank: passed through uncompressed so
     #: the optimizer or GradScaler skips them, with every compressor state left as it was.
     skipped_steps: int = 0
-    #: Bytes this worker contributed to collectives.
+    #: Logical bytes this worker contributed to collectives.
     bytes_sent: int = 0
-    #: Bytes this worker received from collectives.
+    #: Logical bytes this worker received from collectives.
     bytes_received: int = 0
-    #: Bytes a dense allreduce of the same buckets would have sent (DDP without a hook).
+    #: Logical bytes of the buckets DDP handed to the hook (a dense allreduce's tensors).
     dense_equivalent_bytes: int = 0
     #: Of ``bytes_sent``, the bytes sent while acting as a parameter server (downstream traffic of
     #: rank 0 in LGC-PS); the rest is this worker's upstream traffic.
@@ -64,15 +80,28 @@ class CommStats:
     payload_bytes: int = 0
     #: Dense bytes of those same compressed parameters.
     payload_dense_equivalent_bytes: int = 0
+    #: Bytes this worker put on the network, by each collective's algorithm.
+    wire_bytes_sent: int = 0
+    #: Bytes this worker took off the network.
+    wire_bytes_received: int = 0
+    #: Of ``wire_bytes_sent``, the bytes sent as a parameter server.
+    wire_server_bytes_sent: int = 0
+    #: What a dense ring allreduce of the same buckets would have sent from this worker (plain DDP).
+    wire_dense_equivalent_bytes: int = 0
 
     @property
     def compression_ratio(self) -> float:
-        """Dense-equivalent bytes over bytes sent (higher is better; 1.0 for dense fp32)."""
+        """Dense ring allreduce's wire bytes over the wire bytes sent (higher is better; 1.0 for dense fp32)."""
+        return self.wire_dense_equivalent_bytes / self.wire_bytes_sent if self.wire_bytes_sent else math.nan
+
+    @property
+    def logical_compression_ratio(self) -> float:
+        """Dense over sent logical bytes: blind to the algorithms (an allgather looks ``P / 2`` cheaper)."""
         return self.dense_equivalent_bytes / self.bytes_sent if self.bytes_sent else math.nan
 
     @property
     def upstream_compression_ratio(self) -> float:
-        """Dense-equivalent bytes over the bytes sent as a worker (server broadcasts left out)."""
+        """Dense over the logical bytes sent as a worker (server broadcasts left out)."""
         upstream = self.bytes_sent - self.server_bytes_sent
         return self.dense_equivalent_bytes / upstream if upstream else math.nan
 
@@ -85,6 +114,7 @@ class CommStats:
         return {
             **asdict(self),
             "compression_ratio": self.compression_ratio,
+            "logical_compression_ratio": self.logical_compression_ratio,
             "upstream_compression_ratio": self.upstream_compression_ratio,
             "payload_compression_ratio": self.payload_compression_ratio,
         }
@@ -98,10 +128,90 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return dist.get_global_rank(group or dist.group.WORLD, rank)
 
 
-def all_reduce(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
-    """Sum ``tensor`` in place across the group (asynchronous); the future holds ``[tensor]``."""
+def _add_wire(stats: CommStats, bytes_: wire.WireBytes, *, as_server: bool = False) -> None:
+    stats.wire_bytes_sent += bytes_.sent
+    stats.wire_bytes_received += bytes_.received
+    if as_server:
+        stats.wire_server_bytes_sent += bytes_.sent
+
+
+# -- booking: a collective's bytes, without running it ------------------------------------------
+def book_all_reduce(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+    """An allreduce of ``tensor``: ``L`` logical bytes each way, a ring's share on the wire."""
     stats.bytes_sent += nbytes(tensor)
     stats.bytes_received += nbytes(tensor)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _add_wire(stats, wire.ring_allreduce(tensor.numel(), tensor.element_size(), world, rank))
+
+
+def book_dense_equivalent(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+    """What plain DDP would send for ``tensor`` (one bucket): a dense ring allreduce of it."""
+    stats.dense_equivalent_bytes += nbytes(tensor)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    stats.wire_dense_equivalent_bytes += wire.ring_allreduce(tensor.numel(), tensor.element_size(), world, rank).sent
+
+
+def book_all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+    """An allgather of ``tensor`` from every rank (same size everywhere)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    stats.bytes_sent += nbytes(tensor)
+    stats.bytes_received += (world - 1) * nbytes(tensor)
+    _add_wire(stats, wire.ring_allgather(nbytes(tensor), world, rank))
+
+
+def book_broadcast(
+    stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | None, *, as_server: bool = False
+) -> None:
+    """A broadcast of ``tensor`` from group rank ``src``: a binomial tree on gloo, a ring on NCCL."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank == src:
+        stats.bytes_sent += nbytes(tensor)
+        if as_server:
+            stats.server_bytes_sent += nbytes(tensor)
+    else:
+        stats.bytes_received += nbytes(tensor)
+    algorithm = wire.pipeline_broadcast if tensor.is_cuda and _on_nccl(group) else wire.tree_broadcast
+    _add_wire(stats, algorithm(nbytes(tensor), world, rank, src), as_server=as_server)
+
+
+def book_gather(stats: CommStats, tensor: Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
+    """A gather of ``tensor`` (same size everywhere) at group rank ``dst``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank == dst:
+        stats.bytes_received += (world - 1) * nbytes(tensor)
+    else:
+        stats.bytes_sent += nbytes(tensor)
+    _add_wire(stats, wire.flat_gather(nbytes(tensor), world, rank, dst))
+
+
+def book_point_to_point(stats: CommStats, tensor: Tensor, *, sender: bool, as_server: bool = False) -> None:
+    """One send of ``tensor``: this worker's side (the sender's or the receiver's)."""
+    if sender:
+        stats.bytes_sent += nbytes(tensor)
+        if as_server:
+            stats.server_bytes_sent += nbytes(tensor)
+    else:
+        stats.bytes_received += nbytes(tensor)
+    _add_wire(stats, wire.point_to_point(nbytes(tensor), sender), as_server=as_server)
+
+
+def book_local_upstream(stats: CommStats, tensor: Tensor) -> None:
+    """A worker's message to the server that the same process hosts (LGC-PS's rank 0).
+
+    Counted in the logical ``bytes_sent`` (the upstream figure then does not depend on where the
+    server runs) but not on the wire, which it never touches.
+    """
+    stats.bytes_sent += nbytes(tensor)
+
+
+def _on_nccl(group: dist.ProcessGroup | None) -> bool:
+    return "nccl" in str(dist.get_backend(group))
+
+
+# -- the collectives ------------------------------------------------------------------------------
+def all_reduce(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
+    """Sum ``tensor`` in place across the group (asynchronous); the future holds ``[tensor]``."""
+    book_all_reduce(stats, tensor, group)
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 
@@ -110,8 +220,7 @@ def all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None
     world_size = dist.get_world_size(group)
     outputs = [torch.empty_like(tensor) for _ in range(world_size)]
     work = dist.all_gather(outputs, tensor, group=group, async_op=True)
-    stats.bytes_sent += nbytes(tensor)
-    stats.bytes_received += (world_size - 1) * nbytes(tensor)
+    book_all_gather(stats, tensor, group)
     return outputs, work
 
 
@@ -123,40 +232,36 @@ def broadcast(
     ``as_server`` books the source's bytes as server traffic (:attr:`CommStats.server_bytes_sent`).
     """
     dist.broadcast(tensor, src=_global(group, src), group=group)
-    if dist.get_rank(group) == src:
-        stats.bytes_sent += nbytes(tensor)
-        if as_server:
-            stats.server_bytes_sent += nbytes(tensor)
-    else:
-        stats.bytes_received += nbytes(tensor)
+    book_broadcast(stats, tensor, src, group, as_server=as_server)
     return tensor
 
 
 def broadcast_bytes(
-    stats: CommStats, wire: Tensor | None, src: int, group: dist.ProcessGroup | None, *, as_server: bool = False
+    stats: CommStats, message: Tensor | None, src: int, group: dist.ProcessGroup | None, *, as_server: bool = False
 ) -> Tensor:
     """Broadcast a ``uint8`` buffer whose length only ``src`` knows: the length (int64) first, then the bytes.
 
-    ``wire`` is read on ``src`` and ignored elsewhere; every rank returns the buffer.
+    ``message`` is read on ``src`` and ignored elsewhere; every rank returns the buffer.
     """
     is_src = dist.get_rank(group) == src
-    device = _device_of(group, wire)
-    size = torch.tensor([wire.numel() if is_src and wire is not None else 0], dtype=torch.int64, device=device)
+    device = _device_of(group, message)
+    size = torch.tensor([message.numel() if is_src and message is not None else 0], dtype=torch.int64, device=device)
     broadcast(stats, size, src, group, as_server=as_server)
-    buffer = wire if is_src and wire is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    buffer = (
+        message if is_src and message is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     return broadcast(stats, buffer, src, group, as_server=as_server)
 
 
 def gather(stats: CommStats, tensor: Tensor, dst: int, group: dist.ProcessGroup | None) -> list[Tensor] | None:
     """Every rank's ``tensor`` (same size everywhere) at group rank ``dst`` (blocking); None elsewhere."""
     world_size = dist.get_world_size(group)
+    book_gather(stats, tensor, dst, group)
     if dist.get_rank(group) == dst:
         outputs = [torch.empty_like(tensor) for _ in range(world_size)]
         dist.gather(tensor, gather_list=outputs, dst=_global(group, dst), group=group)
-        stats.bytes_received += (world_size - 1) * nbytes(tensor)
         return outputs
     dist.gather(tensor, gather_list=None, dst=_global(group, dst), group=group)
-    stats.bytes_sent += nbytes(tensor)
     return None
 
 
@@ -165,15 +270,13 @@ def send(
 ) -> None:
     """Send ``tensor`` to group rank ``dst`` (blocking)."""
     dist.send(tensor, dst=_global(group, dst), group=group)
-    stats.bytes_sent += nbytes(tensor)
-    if as_server:
-        stats.server_bytes_sent += nbytes(tensor)
+    book_point_to_point(stats, tensor, sender=True, as_server=as_server)
 
 
 def recv(stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | None) -> Tensor:
     """Receive into ``tensor`` from group rank ``src`` (blocking)."""
     dist.recv(tensor, src=_global(group, src), group=group)
-    stats.bytes_received += nbytes(tensor)
+    book_point_to_point(stats, tensor, sender=False)
     return tensor
 
 

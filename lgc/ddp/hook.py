@@ -38,6 +38,7 @@ for an fp32 model, 2 for a model in fp16 or bf16).
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -49,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors.base import CombineMode, Compressor, Payload
 from lgc.ddp import collectives as counted
-from lgc.ddp.collectives import CommStats, nbytes
+from lgc.ddp.collectives import CommStats
 
 __all__ = [
     "CommStats",
@@ -157,6 +158,7 @@ class CompressionHookState:
         # stats
         "stats",
         "layer_stats",  # parameter name -> LayerStats (bytes per parameter, for the per-layer table)
+        "codec_seconds",  # "encode" / "decode" -> wall seconds spent compressing / decoding; per process
     )
 
     def __init__(
@@ -191,9 +193,12 @@ class CompressionHookState:
         self.nonfinite_step = -1
         self.stats = CommStats()
         self.layer_stats: dict[str, LayerStats] = {}
+        #: Wall seconds this process spent compressing (``encode``) and decoding (``decode``)
+        #: payloads, for benchmarks (``lgc-bench network``); not saved in checkpoints.
+        self.codec_seconds = {"encode": 0.0, "decode": 0.0}
 
     def book_layer(self, name: str, numel: int, compressed: bool, nbytes: int) -> None:
-        """Count ``nbytes`` put on the wire for one parameter in one step."""
+        """Count ``nbytes`` of payload (logical bytes) for one parameter in one step."""
         layer = self.layer_stats.get(name)
         if layer is None:
             layer = self.layer_stats[name] = LayerStats(numel, compressed)
@@ -284,6 +289,7 @@ class CompressionHookState:
         state = {slot: getattr(self, slot) for slot in slots}
         state.update(process_group=None, param_names={}, bucket_layouts={}, begun_step=-1, seed_shared=False)
         state.update(pending=[], nonfinite_lock=None, nonfinite_step=-1, loss_scale=None, step_scale=1.0)
+        state.update(codec_seconds={"encode": 0.0, "decode": 0.0})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -408,8 +414,7 @@ def agree_flags(stats: CommStats, flags: Tensor, group: dist.ProcessGroup | None
     (:mod:`lgc.ddp.torch_hooks`), so both decide a step by the same reduction.
     """
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    stats.bytes_sent += nbytes(flags)
-    stats.bytes_received += nbytes(flags)
+    counted.book_all_reduce(stats, flags, group)
     return flags.cpu()
 
 
@@ -450,7 +455,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     world_size = dist.get_world_size(state.process_group)
     buffer = bucket.buffer()
     state.stats.hook_calls += 1
-    state.stats.dense_equivalent_bytes += nbytes(buffer)
+    counted.book_dense_equivalent(state.stats, buffer, state.process_group)
     segments = state.layout(bucket).segments
     iteration = state.iteration
 
@@ -514,13 +519,7 @@ class PayloadExchange:
         if compressor.needs_shared_seed and not state.seed_shared:
             # Once, on every rank at the same point: everyone adopts rank 0's seed.
             seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
-            dist.broadcast(
-                seed, src=dist.get_global_rank(state.process_group or dist.group.WORLD, 0), group=state.process_group
-            )
-            if dist.get_rank(state.process_group) == 0:
-                state.stats.bytes_sent += nbytes(seed)
-            else:
-                state.stats.bytes_received += nbytes(seed)
+            counted.broadcast(state.stats, seed, 0, state.process_group)
             compressor.set_shared_seed(int(seed.item()))
             state.seed_shared = True
         if state.begun_step != step:
@@ -532,6 +531,7 @@ class PayloadExchange:
             segments = tuple(s for s in segments if s.name in used)
         self.dense = [s for s in segments if not s.compressed]
         self.sparse = [s for s in segments if s.compressed]
+        started = time.perf_counter()
         for s in self.dense:
             piece = buffer[s.offset : s.offset + s.numel]
             sent = compressor.transform_dense(piece, s.name)
@@ -539,6 +539,7 @@ class PayloadExchange:
                 piece.copy_(sent)
         #: This worker's payload of every compressed segment, in segment order.
         self.own = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
+        state.codec_seconds["encode"] += time.perf_counter() - started
         #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
         self.received: dict[str, list[Payload]] = {}
         for s, payload in zip(self.sparse, self.own, strict=True):
@@ -580,8 +581,7 @@ class PayloadExchange:
                 size_lists = [torch.empty_like(local_sizes) for _ in range(world_size)]
                 # Blocking on purpose: the payload allgather below needs the sizes.
                 dist.all_gather(size_lists, local_sizes, group=state.process_group)
-                state.stats.bytes_sent += nbytes(local_sizes)
-                state.stats.bytes_received += (world_size - 1) * nbytes(local_sizes)
+                counted.book_all_gather(state.stats, local_sizes, state.process_group)
                 self.sizes = torch.stack(size_lists).cpu()
             else:
                 self.sizes = local_sizes.cpu().expand(world_size, -1)
@@ -595,6 +595,13 @@ class PayloadExchange:
 
     def finish(self) -> Tensor:
         """Decode the finished collectives into ``buffer`` and return it."""
+        started = time.perf_counter()
+        try:
+            return self._decode()
+        finally:
+            self.state.codec_seconds["decode"] += time.perf_counter() - started
+
+    def _decode(self) -> Tensor:
         compressor, buffer = self.state.compressor, self.buffer
         if compressor.combine is CombineMode.SUM:
             pieces = {

@@ -67,7 +67,7 @@ from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.topk import SparsePayload, TopKCompressor, num_selected, topk_indices
 from lgc.ddp import collectives as counted
-from lgc.ddp.collectives import CommStats, nbytes
+from lgc.ddp.collectives import CommStats
 from lgc.ddp.hook import CompressionHookState, PayloadExchange, PendingBucket, _Segment
 
 __all__ = ["LGCHookState", "LGCStage", "lgc_hook"]
@@ -172,6 +172,9 @@ class LGCHookState(CompressionHookState):
         min_numel: parameters with fewer elements are allreduced dense.
         process_group: the group to communicate in (default: the world).
     """
+
+    #: Whether rank 0 is a parameter server (its broadcasts and sends count as server traffic).
+    has_server = False
 
     __slots__ = (
         # hyperparameters
@@ -486,7 +489,7 @@ class LGCHookState(CompressionHookState):
         buffer = bucket.buffer()
         self.unscale(buffer, world_size)
         self.stats.hook_calls += 1
-        self.stats.dense_equivalent_bytes += nbytes(buffer)
+        counted.book_dense_equivalent(self.stats, buffer, self.process_group)
         return self.defer(buffer, self.layout(bucket).segments, bucket.is_last())
 
     def run_step(self, pending: list[PendingBucket]) -> None:
@@ -709,12 +712,13 @@ class LGCHookState(CompressionHookState):
         return math.prod(self._latent_shape(rows)) * torch.empty((), dtype=self.latent_torch_dtype).itemsize
 
     def _send_flat_parameters(self, params: list[torch.nn.Parameter], dst: int | None) -> None:
-        """Rank 0's ``params`` to rank ``dst`` (``None``: every rank), counted as server traffic."""
+        """Rank 0's ``params`` to rank ``dst`` (``None``: every rank); server traffic where rank 0 is a server."""
         flat = torch.nn.utils.parameters_to_vector(params).detach()
+        server = self.has_server
         if dst is None:
-            counted.broadcast(self.stats, flat, 0, self.process_group, as_server=True)
+            counted.broadcast(self.stats, flat, 0, self.process_group, as_server=server)
         elif self.rank == 0:
-            counted.send(self.stats, flat, dst, self.process_group, as_server=True)
+            counted.send(self.stats, flat, dst, self.process_group, as_server=server)
         elif self.rank == dst:
             counted.recv(self.stats, flat, 0, self.process_group)
         if dst is None or self.rank == dst:

@@ -28,7 +28,10 @@ per value) are gathered; the loss is reconstruction + the similarity of the work
 random worker's latent standing in for the leader's in every sample. Then the encoder's weights
 go to the leader (counted; nothing is sent when the leader is the server itself; with
 ``rotate_leader``, to every worker). Upstream (worker -> server) and downstream (server's
-broadcasts, :attr:`~lgc.ddp.collectives.CommStats.server_bytes_sent`) bytes are counted apart.
+broadcasts and weights, :attr:`~lgc.ddp.collectives.CommStats.server_bytes_sent`) bytes are
+counted apart. The server runs in rank 0's process: the logical upstream bytes count rank 0's own
+messages to it too (its innovation, and the leader's message when rank 0 leads), as a server of
+its own would receive them, while the wire bytes (``wire_*``) count only what crosses the network.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
@@ -63,6 +66,8 @@ class LGCParameterServerState(LGCHookState):
         >>> state = LGCParameterServerState(density=0.01, innovation_density=0.001, warmup_steps=20, ae_steps=50)
         >>> state.register(ddp_model)
     """
+
+    has_server = True
 
     __slots__ = ("innovation_density",)
 
@@ -128,6 +133,8 @@ class LGCParameterServerState(LGCHookState):
         """The leader's message, at the server (None elsewhere)."""
         wire = self._leader_wire(plan, v) if self.rank == self.leader else None
         if self.leader == _SERVER:
+            if wire is not None:
+                counted.book_local_upstream(self.stats, wire)
             return wire
         group = self.process_group
         if self.index_coding == "golomb":
@@ -215,6 +222,8 @@ class LGCParameterServerState(LGCHookState):
         sent_before = self.stats.bytes_sent
         leader_wire = self._leader_to_server(plan, v)
         innovations = counted.gather(self.stats, innovation_wire, _SERVER, group)
+        if self.rank == _SERVER:
+            counted.book_local_upstream(self.stats, innovation_wire)
         self._count_payload(self.stats.bytes_sent - sent_before, plan)
         downstream = None
         if self.rank == _SERVER:

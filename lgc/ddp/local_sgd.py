@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors.base import Compressor, compressor_chain
+from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CommStats, CompressionHookState, PendingBucket
 
 __all__ = ["CommunicationDelayState", "local_step_hook", "register_communication_delay"]
@@ -210,7 +211,7 @@ def local_step_hook(state: CommunicationDelayState, bucket: dist.GradBucket) -> 
     """Leave each worker's gradient local (the delay's local steps); count what dense DDP would send."""
     buffer = bucket.buffer()
     state.stats.hook_calls += 1
-    state.stats.dense_equivalent_bytes += buffer.numel() * buffer.element_size()
+    counted.book_dense_equivalent(state.stats, buffer, state.process_group)
     future: torch.futures.Future[Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future

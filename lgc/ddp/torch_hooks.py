@@ -28,6 +28,7 @@ not called, and its state, step counter included, stays as it was.
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
 import contextlib
 import copy
+import inspect
 import math
 import numbers
 import warnings
@@ -41,6 +42,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CommStats, agree_flags, allreduce_as_they_are, run_holding
 
 __all__ = ["PowerSGDHookState", "TorchHookState"]
@@ -54,19 +56,15 @@ _HOOKS: dict[str, Callable[..., Any]] = {
 
 @contextlib.contextmanager
 def _counting_collectives(stats: CommStats) -> Iterator[None]:
-    """Count the bytes of every tensor passed to ``dist.all_reduce`` / ``dist.all_gather`` meanwhile."""
+    """Book every ``dist.all_reduce`` / ``dist.all_gather`` meanwhile (logical and wire bytes)."""
     all_reduce, all_gather = dist.all_reduce, dist.all_gather
 
     def counting_all_reduce(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-        nbytes = tensor.numel() * tensor.element_size()
-        stats.bytes_sent += nbytes
-        stats.bytes_received += nbytes
+        counted.book_all_reduce(stats, tensor, _group_argument(all_reduce, (tensor, *args), kwargs))
         return all_reduce(tensor, *args, **kwargs)
 
     def counting_all_gather(outputs: list[Tensor], tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-        nbytes = tensor.numel() * tensor.element_size()
-        stats.bytes_sent += nbytes
-        stats.bytes_received += (len(outputs) - 1) * nbytes
+        counted.book_all_gather(stats, tensor, _group_argument(all_gather, (outputs, tensor, *args), kwargs))
         return all_gather(outputs, tensor, *args, **kwargs)
 
     dist.all_reduce, dist.all_gather = counting_all_reduce, counting_all_gather
@@ -74,6 +72,11 @@ def _counting_collectives(stats: CommStats) -> Iterator[None]:
         yield
     finally:
         dist.all_reduce, dist.all_gather = all_reduce, all_gather
+
+
+def _group_argument(collective: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``group=`` a hook passed to ``collective``, however it passed it (None: the world)."""
+    return inspect.signature(collective).bind(*args, **kwargs).arguments.get("group")
 
 
 def _smallest_positive(dtype: torch.dtype) -> float:
@@ -479,7 +482,7 @@ def _guarded_step(state: TorchHookState) -> None:
 def _wrapped_torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.stats.hook_calls += 1
     buffer = bucket.buffer()
-    state.stats.dense_equivalent_bytes += buffer.numel() * buffer.element_size()
+    counted.book_dense_equivalent(state.stats, buffer, state.process_group)
     done: torch.futures.Future[Tensor] = torch.futures.Future()
     if state.guards_steps:
         # Held until the step's last bucket (DDP waits for the futures only at the end of backward).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -74,7 +73,10 @@ def _stage_totals(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict
             for key, value in stage.items():
                 total[key] = total.get(key, 0) + value
     for total in totals.values():
-        total["compression_ratio"] = _ratio(total["dense_equivalent_bytes"], total["bytes_sent"])
+        total["compression_ratio"] = _ratio(
+            total.get("wire_dense_equivalent_bytes", 0), total.get("wire_bytes_sent", 0)
+        )
+        total["logical_compression_ratio"] = _ratio(total["dense_equivalent_bytes"], total["bytes_sent"])
         total["upstream_compression_ratio"] = _ratio(
             total["dense_equivalent_bytes"], total["bytes_sent"] - total["server_bytes_sent"]
         )
@@ -85,8 +87,9 @@ def _stage_totals(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict
 class CompressionCallback(pl.Callback):
     """Logs ``comm/*`` metrics and checkpoints the compressor state of every rank.
 
-    Per training step it logs this worker's ``comm/bytes_up`` and ``comm/bytes_down`` (bytes of
-    the step), the cumulative ``comm/compression_ratio`` and, with error feedback,
+    Per training step it logs this worker's ``comm/wire_bytes_up`` and ``comm/wire_bytes_down``
+    (wire bytes of the step), ``comm/bytes_up`` and ``comm/bytes_down`` (logical bytes), the
+    cumulative ``comm/compression_ratio`` (wire) and ``comm/logical_compression_ratio`` and, with error feedback,
     ``comm/residual_norm``. Checkpoints hold a list with one hook state per rank (residuals differ
     between ranks) and each rank's random generators (:func:`lgc.lit.checkpoint.rng_state`);
     resuming needs the same world size.
@@ -136,7 +139,10 @@ class CompressionCallback(pl.Callback):
         metrics = {
             "comm/bytes_up": float(stats.bytes_sent - self._last.bytes_sent),
             "comm/bytes_down": float(stats.bytes_received - self._last.bytes_received),
-            "comm/compression_ratio": stats.compression_ratio if stats.bytes_sent else math.nan,
+            "comm/wire_bytes_up": float(stats.wire_bytes_sent - self._last.wire_bytes_sent),
+            "comm/wire_bytes_down": float(stats.wire_bytes_received - self._last.wire_bytes_received),
+            "comm/compression_ratio": stats.compression_ratio,
+            "comm/logical_compression_ratio": stats.logical_compression_ratio,
             # Steps passed through uncompressed because some rank's gradient was inf/NaN (lgc.ddp.hook).
             "comm/skipped_steps": float(stats.skipped_steps),
         }
@@ -173,9 +179,12 @@ class CompressionCallback(pl.Callback):
 class RunSummary(pl.Callback):
     """Writes ``summary.json`` (rank 0) at the end of training.
 
-    Fields: final metrics (``val/acc``, ...), ``steps``, per-worker bytes sent/received,
-    dense-equivalent bytes, ``compression_ratio``, ``hook_calls``, ``fit_time_s`` and the resolved
-    config. ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
+    Fields: final metrics (``val/acc``, ...), ``steps``, per-worker wire bytes (``wire_*``: what
+    the collectives' algorithms put on the network, :mod:`lgc.ddp.wire`) and logical bytes (the
+    tensors handed to them) sent/received, their dense equivalents, ``compression_ratio`` (wire
+    bytes of a dense ring allreduce over wire bytes sent), ``logical_compression_ratio``,
+    ``payload_compression_ratio``, ``hook_calls``, ``fit_time_s`` and the resolved config.
+    ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
     """
 
     def __init__(self, output_dir: str, config: dict[str, Any] | None = None) -> None:
@@ -198,6 +207,8 @@ class RunSummary(pl.Callback):
         layers = [w.pop("layers", []) for w in workers][0]
         sent = sum(w["bytes_sent"] for w in workers)
         dense = sum(w["dense_equivalent_bytes"] for w in workers)
+        wire_sent = sum(w["wire_bytes_sent"] for w in workers)
+        wire_dense = sum(w["wire_dense_equivalent_bytes"] for w in workers)
         summary = {
             "metrics": {
                 k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, (torch.Tensor, float))
@@ -210,10 +221,19 @@ class RunSummary(pl.Callback):
             "bytes_sent_per_worker": [w["bytes_sent"] for w in workers],
             "bytes_received_per_worker": [w["bytes_received"] for w in workers],
             "dense_equivalent_bytes_per_worker": [w["dense_equivalent_bytes"] for w in workers],
+            # Bytes on the network by each collective's algorithm (lgc.ddp.wire), and plain DDP's.
+            "wire_bytes_sent_per_worker": [w["wire_bytes_sent"] for w in workers],
+            "wire_bytes_received_per_worker": [w["wire_bytes_received"] for w in workers],
+            "wire_dense_equivalent_bytes_per_worker": [w["wire_dense_equivalent_bytes"] for w in workers],
+            "wire_bytes_sent": wire_sent,
+            "wire_dense_equivalent_bytes": wire_dense,
             "hook_calls": sum(w["hook_calls"] for w in workers),
             # Every rank skips the same steps (they agree on it); the count is rank 0's.
             "skipped_steps": workers[0].get("skipped_steps", 0),
-            "compression_ratio": _ratio(dense, sent),
+            # The headline: a dense ring allreduce's wire bytes over the wire bytes sent, all workers.
+            "compression_ratio": _ratio(wire_dense, wire_sent),
+            # The same from the tensors handed to the collectives (blind to allgather's (P - 1) copies).
+            "logical_compression_ratio": _ratio(dense, sent),
             # Without what rank 0 sent as LGC-PS's parameter server (the downstream broadcasts).
             "upstream_compression_ratio": _ratio(dense, sent - sum(w["server_bytes_sent"] for w in workers)),
             # The compressor's own ratio on the tensors it compresses (small tensors go dense).

@@ -1,0 +1,346 @@
+"""``lgc-bench network``: methods side by side over a real shaped network, per step and to a target accuracy.
+
+Starts ``--workers`` processes (default 4), each in its own Linux network namespace, joined by
+veth pairs to a bridge with every link shaped by ``tc`` (:class:`lgc.bench.netns.ShapedNetwork`:
+``--bandwidth`` per link and direction, optional ``--delay`` per link), and gloo over TCP between
+them. For every bandwidth and every method (methods in a rotated order on each ``--repeats``
+round, so slow drifts hit all alike) the workers train ``--steps`` steps of ``--task``
+(:mod:`lgc.bench.network_worker`) and the benchmark reports, per method:
+
+* per step (median over the steps after the first ``--skip``): wall time, compute (forward,
+  backward and optimizer without communication), encode and decode (lgc's compressors; ``-`` where
+  the coding is interleaved with the collectives: LGC, PyTorch's hooks), communication (the rest:
+  wall - compute - encode - decode), CPU time, and the wire bytes a worker sends
+  (:mod:`lgc.ddp.wire`);
+* step time as a multiple of dense fp32's (``none``) and of PyTorch's fp16 hook (``torch_fp16``),
+  measured in the same run;
+* training seconds until the validation accuracy first reaches ``--target`` (evaluated every
+  ``--eval-every`` steps; evaluation is off the clock) and the final accuracy;
+* the cross-check: bytes the workers' interfaces sent during the training loops
+  (``/sys/class/net``'s counters read by each worker, headers and retransmissions included) over
+  the wire bytes lgc counted. The rest is TCP/IP/Ethernet framing (66 bytes per frame of at most
+  1448 payload bytes: about 4.6 %), ACKs, gloo's own message headers, and the barriers around
+  evaluations, which lgc does not count.
+
+Output: a markdown table (stdout and ``--out``/``network.md``), ``network.json`` (every step of
+every rank) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, one line
+per method, a panel per bandwidth). Needs root and iproute2; without them it says what is missing
+and exits with status 2 before creating anything. Every namespace and interface it creates is
+removed at the end, on Ctrl-C and when a worker crashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_METHODS", "add_arguments", "run", "summarize"]
+
+#: The methods of the issue's comparison: dense, the 16-bit baseline, PowerSGD, lgc's baselines, LGC.
+DEFAULT_METHODS = (
+    "none",
+    "torch_fp16",
+    "powersgd",
+    "topk",
+    "dgc",
+    "sbc",
+    "redsync",
+    "random_block",
+    "qsgd",
+    "lgc_rar",
+    "lgc_ps",
+)
+#: Knobs that make each method fit a run of a few hundred steps (the yamls' are for full trainings).
+SHORT_RUN_KNOBS: dict[str, dict[str, Any]] = {
+    "topk": {"density": 0.01},
+    "dgc": {"density": 0.01},
+    "redsync": {"density": 0.01},
+    "random_block": {"density": 0.01},
+    "lgc_rar": {"density": 0.01, "warmup_steps": 20, "ae_steps": 40},
+    "lgc_ps": {"density": 0.01, "innovation_density": 0.001, "warmup_steps": 20, "ae_steps": 40},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=4, help="worker processes, one namespace each (default 4)")
+    parser.add_argument(
+        "--bandwidth", default="100mbit,1gbit", help="comma-separated link rates in tc syntax (default 100mbit,1gbit)"
+    )
+    parser.add_argument("--delay", default=None, help="one-way delay per link, e.g. 1ms (default none)")
+    parser.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help="comma-separated lgc.compress method names"
+    )
+    parser.add_argument("--task", default="digits", help="digits (ResNet-8), resnet18 or resnet50 on 8x8 digits")
+    parser.add_argument("--steps", type=int, default=150, help="training steps per method (default 150)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
+    parser.add_argument("--target", type=float, default=0.9, help="target validation accuracy (default 0.9)")
+    parser.add_argument("--skip", type=int, default=5, help="steps left out of the per-step medians (default 5)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all methods (default 1)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one measurement may take")
+    parser.add_argument("--out", type=Path, default=None, help="write network.md, network.json and the plot here")
+
+
+def _parse_list(text: str, what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"--{what} names nothing: {text!r}")
+    return items
+
+
+def _check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Every bad value, before any namespace or process exists."""
+    from lgc.api import METHODS
+    from lgc.bench.netns import parse_delay, parse_rate
+    from lgc.bench.network_worker import TASKS
+
+    methods = _parse_list(args.methods, "methods")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; known: {sorted(METHODS)}")
+    bandwidths = _parse_list(args.bandwidth, "bandwidth")
+    for bandwidth in bandwidths:
+        parse_rate(bandwidth)
+    if args.delay is not None:
+        parse_delay(args.delay)
+    if args.task not in TASKS:
+        raise ValueError(f"--task must be one of {TASKS}, got {args.task!r}")
+    for name in ("workers", "steps", "batch_size", "eval_every", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
+    if not 0 <= args.skip < args.steps:
+        raise ValueError(f"--skip must be in [0, --steps={args.steps}), got {args.skip!r}")
+    return methods, bandwidths
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _measure(net: Any, spec: dict[str, Any], timeout: float, folder: Path) -> dict[str, Any]:
+    """Run every worker of one method over ``net``; their records and the interfaces' byte counts."""
+    from lgc.bench.netns import counter_delta
+
+    port = _free_port()
+    outputs = [folder / f"rank{rank}.json" for rank in range(net.workers)]
+    logs = [folder / f"rank{rank}.log" for rank in range(net.workers)]
+    before = net.counters()
+    processes = []
+    try:
+        for rank in range(net.workers):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": net.address(0),
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(net.workers),
+                "GLOO_SOCKET_IFNAME": net.interface(rank),
+                "OMP_NUM_THREADS": "1",
+            }
+            argv = [sys.executable, "-m", "lgc.bench.network_worker", json.dumps(spec), str(outputs[rank])]
+            with logs[rank].open("w") as log:
+                processes.append(
+                    subprocess.Popen(net.command(rank, argv), env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in processes):
+            failed = [rank for rank, p in enumerate(processes) if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                what = f"worker rank {failed[0]} failed" if failed else f"the workers took over {timeout:.0f} s"
+                tail = logs[failed[0] if failed else 0].read_text()[-3000:]
+                raise RuntimeError(f"{spec['method']}: {what}; its log ends:\n{tail}")
+            time.sleep(0.2)
+        failed = [rank for rank, p in enumerate(processes) if p.returncode != 0]
+        if failed:
+            tail = logs[failed[0]].read_text()[-3000:]
+            raise RuntimeError(f"{spec['method']}: worker rank {failed[0]} failed; its log ends:\n{tail}")
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    interfaces = counter_delta(before, net.counters())
+    return {"ranks": [json.loads(out.read_text()) for out in outputs], "interfaces": interfaces}
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str, Any]:
+    """One method's row: per-step medians over ranks and steps, time to ``target``, the cross-check."""
+    ranks = measurement["ranks"]
+    steps = [step for rank in ranks for step in rank["steps"][skip:]]
+    wall = statistics.median(s["wall_s"] for s in steps)
+    compute = statistics.median(rank["compute_s"] for rank in ranks)
+    encode = _median([s["encode_s"] for s in steps])
+    decode = _median([s["decode_s"] for s in steps])
+    evaluations = ranks[0]["evaluations"]
+    reached = next((e for e in evaluations if e["accuracy"] is not None and e["accuracy"] >= target), None)
+    wire_sent = sum(rank["stats"]["wire_bytes_sent"] for rank in ranks)
+    if all(rank.get("interface_tx_bytes") is not None for rank in ranks):
+        # Counted by the workers around their training loops: no rendezvous, no initial broadcast.
+        interface_sent = sum(rank["interface_tx_bytes"] for rank in ranks)
+    else:
+        interface_sent = sum(counts["tx_bytes"] for counts in measurement["interfaces"].values())
+    total_steps = len(ranks[0]["steps"])
+    return {
+        "method": ranks[0]["spec"]["method"],
+        "step_s": wall,
+        "compute_s": compute,
+        "encode_s": encode,
+        "decode_s": decode,
+        "comm_s": wall - compute - (encode or 0.0) - (decode or 0.0),
+        "cpu_s": statistics.median(s["cpu_s"] for s in steps),
+        "wire_bytes_per_step": statistics.mean(s["wire_bytes_sent"] for s in steps),
+        "wire_bytes_per_worker": wire_sent / len(ranks),
+        "interface_bytes_per_worker": interface_sent / len(ranks),
+        "interface_over_wire": interface_sent / wire_sent if wire_sent else None,
+        "time_to_target_s": None if reached is None else reached["training_s"],
+        "steps_to_target": None if reached is None else reached["step"],
+        "final_accuracy": evaluations[-1]["accuracy"],
+        "training_s": evaluations[-1]["training_s"],
+        "steps": total_steps,
+        "curve": [(e["training_s"], e["accuracy"]) for e in evaluations],
+    }
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    return value / reference if value is not None and reference else None
+
+
+def _table(rows: list[dict[str, Any]], target: float) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{1000 * value:.1f}"
+
+    def times(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    dense = next((r for r in rows if r["method"] == "none"), None)
+    fp16 = next((r for r in rows if r["method"] == "torch_fp16"), None)
+    header = (
+        f"| method | step (ms) | x dense | x fp16 | compute | encode | decode | comm | CPU (ms) | wire KB/step "
+        f"| interface/wire | time to {target:g} (s) | x dense | steps | final acc |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in rows:
+        to_target = r["time_to_target_s"]
+        lines.append(
+            f"| {r['method']} | {ms(r['step_s'])} | {times(_ratio(r['step_s'], dense and dense['step_s']))} "
+            f"| {times(_ratio(r['step_s'], fp16 and fp16['step_s']))} | {ms(r['compute_s'])} | {ms(r['encode_s'])} "
+            f"| {ms(r['decode_s'])} | {ms(r['comm_s'])} | {ms(r['cpu_s'])} | {r['wire_bytes_per_step'] / 1e3:.1f} "
+            f"| {times(r['interface_over_wire'])} | {'-' if to_target is None else f'{to_target:.1f}'} "
+            f"| {times(_ratio(to_target, dense and dense['time_to_target_s']))} "
+            f"| {r['steps_to_target'] or '-'} | {r['final_accuracy']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for axis, (bandwidth, rows) in zip(axes[0], results.items(), strict=True):
+        for row in rows:
+            seconds, accuracy = zip(*row["curve"], strict=True)
+            axis.plot(seconds, accuracy, marker=".", label=row["method"])
+        axis.axhline(target, color="grey", linestyle=":", linewidth=1)
+        axis.set_title(f"{bandwidth} per link")
+        axis.set_xlabel("training wall time (s)")
+        axis.set_ylabel("validation accuracy")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run(args: argparse.Namespace) -> None:
+    from lgc.bench.netns import NetworkUnavailable, ShapedNetwork, check_available
+
+    try:
+        methods, bandwidths = _check_arguments(args)
+    except ValueError as error:
+        sys.exit(f"lgc-bench network: {error}")
+    try:
+        check_available(with_delay=args.delay is not None)
+    except NetworkUnavailable as error:
+        print(f"lgc-bench network: cannot build the shaped network: {error}", file=sys.stderr)
+        sys.exit(2)
+    load = os.getloadavg()
+    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs")
+    measurements: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="lgc-bench-network-") as scratch:
+        for bandwidth in bandwidths:
+            with ShapedNetwork(args.workers, bandwidth, args.delay) as net:
+                for repeat in range(args.repeats):
+                    order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
+                    for method in order:
+                        spec = {
+                            "method": method,
+                            "task": args.task,
+                            "steps": args.steps,
+                            "batch_size": args.batch_size,
+                            "lr": args.lr,
+                            "eval_every": args.eval_every,
+                            "knobs": SHORT_RUN_KNOBS.get(method, {}),
+                        }
+                        folder = Path(scratch) / f"{bandwidth}-{repeat}-{method}"
+                        folder.mkdir()
+                        started = time.perf_counter()
+                        measurement = _measure(net, spec, args.timeout, folder)
+                        measurements.setdefault(bandwidth, {}).setdefault(method, []).append(measurement)
+                        print(
+                            f"{bandwidth} {method} round {repeat + 1}: {time.perf_counter() - started:.0f} s",
+                            flush=True,
+                        )
+    results = {
+        bandwidth: [
+            summarize(runs[0] if len(runs) == 1 else _merged(runs), args.target, args.skip) for runs in per.values()
+        ]
+        for bandwidth, per in measurements.items()
+    }
+    load = os.getloadavg()
+    text = [f"# lgc-bench network: {args.workers} workers, task {args.task}, {args.steps} steps, delay {args.delay}\n"]
+    for bandwidth, rows in results.items():
+        text.append(f"## {bandwidth} per link\n\n{_table(rows, args.target)}\n")
+    text.append(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    report = "\n".join(text)
+    print(report)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "network.md").write_text(report + "\n")
+        (args.out / "network.json").write_text(
+            json.dumps(
+                {"arguments": {k: str(v) for k, v in vars(args).items()}, "results": results, "raw": measurements}
+            )
+        )
+        _plot(results, args.target, args.out / "accuracy_vs_time.png")
+        print(f"wrote {args.out / 'network.md'}, network.json and accuracy_vs_time.png")
+
+
+def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one method as one measurement: every repeat's steps, the first repeat's curve."""
+    first = runs[0]
+    ranks = []
+    for rank, record in enumerate(first["ranks"]):
+        merged = dict(record)
+        merged["steps"] = [step for run in runs for step in run["ranks"][rank]["steps"]]
+        merged["compute_s"] = statistics.median(run["ranks"][rank]["compute_s"] for run in runs)
+        ranks.append(merged)
+    return {"ranks": ranks, "interfaces": first["interfaces"]}

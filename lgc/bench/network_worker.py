@@ -1,0 +1,212 @@
+"""One worker of ``lgc-bench network``: trains with one method over the shaped link and times its steps.
+
+Started by :mod:`lgc.bench.network` inside the worker's network namespace, with the rendezvous in
+the environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``GLOO_SOCKET_IFNAME``)
+and the run's settings as one JSON argument (:class:`WorkerSpec`). It trains a plain
+``DistributedDataParallel`` loop (no Lightning: nothing but the step is timed) with the method
+registered by :func:`lgc.compress`, and writes one JSON record per rank:
+
+* ``compute_s``: forward + backward + optimizer step without any communication (``no_sync`` steps
+  measured before training, the median): what the step would cost on an infinitely fast network;
+* per step: wall and process CPU seconds, the hook's encode and decode seconds (lgc's compressors;
+  null for LGC and PyTorch's hooks, whose coding is interleaved with their collectives), and the
+  wire and logical bytes this worker sent (:class:`lgc.ddp.CommStats`);
+* ``interface_tx_bytes``: what this worker's network interface sent during the training loop
+  (headers included), to check the wire bytes against;
+* epochs of ``len(train) // (batch_size * world)`` steps, announced with ``state.set_epoch``
+  (DGC's density warm-up counts them);
+* evaluations every ``eval_every`` steps (rank 0 evaluates the validation split; the time spent
+  evaluating is left out of the training clock): training seconds so far and accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["TASKS", "WorkerSpec", "build_model", "main", "run_worker"]
+
+#: Training tasks: the embedded default's model, and torchvision ResNets (larger gradients) on the
+#: same 8x8 digits with the CIFAR stem, where compute stays cheap.
+TASKS = ("digits", "resnet18", "resnet50")
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker of one measurement runs (the same on every rank)."""
+
+    method: str
+    task: str = "digits"
+    steps: int = 120
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    eval_every: int = 10
+    compute_steps: int = 5
+    seed: int = 0
+    timeout_s: float = 300.0
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+
+def build_model(task: str) -> nn.Module:
+    """The model of ``task`` for 1-channel 8x8 digits and 10 classes."""
+    if task == "digits":
+        from lgc.models.cifar_resnet import resnet8
+
+        return resnet8(num_classes=10, in_channels=1)
+    if task in ("resnet18", "resnet50"):
+        from lgc.models.torchvision_resnet import torchvision_resnet
+
+        return torchvision_resnet(int(task.removeprefix("resnet")), num_classes=10, in_channels=1, stem="cifar")
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+
+
+def _optimizer_for(method: str, model: nn.Module, spec: WorkerSpec) -> torch.optim.Optimizer:
+    # DGC applies momentum itself (lgc.compress refuses an optimizer that applies it again).
+    momentum = 0.0 if method == "dgc" else spec.momentum
+    return torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=momentum)
+
+
+def _evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        correct = sum(
+            int((model(x).argmax(dim=1) == y).sum()) for x, y in zip(images.split(256), labels.split(256), strict=True)
+        )
+    model.train()
+    return correct / len(labels)
+
+
+def _interface_counters() -> Any:
+    """A reader of the bytes this worker's interface sent (``GLOO_SOCKET_IFNAME``), or of None.
+
+    Inside the worker's namespace ``/sys/class/net`` shows that namespace's interfaces, so the
+    count taken around the training loop leaves the rendezvous and DDP's initial broadcast out.
+    """
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    path = Path("/sys/class/net", name or "-", "statistics", "tx_bytes")
+    if not name or not path.exists():
+        return lambda: None
+    return lambda: int(path.read_text())
+
+
+def run_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """Train ``spec.steps`` steps in an initialized process group; returns this rank's record."""
+    import lgc
+    from lgc.data.digits import load_digits_split
+    from lgc.ddp.lgc_base import LGCHookState
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_set, val_set = load_digits_split(0.2, spec.seed)
+    images, labels = train_set.tensors
+    val_images, val_labels = val_set.tensors
+    torch.manual_seed(spec.seed)
+    model = DistributedDataParallel(build_model(spec.task))
+    optimizer = _optimizer_for(spec.method, model, spec)
+    loss_fn = nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(spec.seed * 1000 + rank)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.randint(len(labels), (spec.batch_size,), generator=generator)
+        return images[index], labels[index]
+
+    # Compute alone: forward + backward without DDP's communication, and the optimizer's work.
+    compute = []
+    for _ in range(spec.compute_steps + 1):
+        x, y = batch()
+        start = time.perf_counter()
+        with model.no_sync():
+            loss_fn(model(x), y).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        compute.append(time.perf_counter() - start)
+    optimizer.zero_grad(set_to_none=True)
+    compute_s = statistics.median(compute[1:])
+
+    state = lgc.compress(model, spec.method, optimizer=optimizer, **spec.knobs)
+    # LGC codes inside its own step, between its collectives: no separate encode/decode figures.
+    codec = None if isinstance(state, LGCHookState) else getattr(state, "codec_seconds", None)
+    # Epochs drive DGC's density warm-up (and any compressor's set_epoch): one pass over the data.
+    steps_per_epoch = max(1, len(labels) // (spec.batch_size * world))
+    interface = _interface_counters()
+    records, evaluations = [], []
+    training_s = 0.0
+    dist.barrier()
+    sent_at_start = interface()
+    for step in range(spec.steps):
+        if step % steps_per_epoch == 0:
+            state.set_epoch(step // steps_per_epoch)
+        x, y = batch()
+        before = state.stats.as_dict()
+        encode_before = dict(codec) if codec is not None else None
+        wall, cpu = time.perf_counter(), time.process_time()
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        training_s += wall
+        after = state.stats.as_dict()
+        record = {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "loss": float(loss),
+            "wire_bytes_sent": after["wire_bytes_sent"] - before["wire_bytes_sent"],
+            "wire_bytes_received": after["wire_bytes_received"] - before["wire_bytes_received"],
+            "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
+            "encode_s": None,
+            "decode_s": None,
+        }
+        if codec is not None and encode_before is not None:
+            record["encode_s"] = codec["encode"] - encode_before["encode"]
+            record["decode_s"] = codec["decode"] - encode_before["decode"]
+        records.append(record)
+        if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
+            accuracy = _evaluate(model.module, val_images, val_labels) if rank == 0 else None
+            evaluations.append({"step": step + 1, "training_s": training_s, "accuracy": accuracy})
+            dist.barrier()  # the others wait while rank 0 evaluates: off the training clock
+    sent_at_end = interface()
+    return {
+        "interface_tx_bytes": None if sent_at_start is None else sent_at_end - sent_at_start,
+        "rank": rank,
+        "world_size": world,
+        "spec": asdict(spec),
+        "compute_s": compute_s,
+        "steps": records,
+        "evaluations": evaluations,
+        "stats": state.stats.as_dict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spec", help="the WorkerSpec as JSON")
+    parser.add_argument("out", type=Path, help="write this rank's record here (JSON)")
+    args = parser.parse_args(argv)
+    spec = WorkerSpec(**json.loads(args.spec))
+    torch.set_num_threads(int(os.environ.get("LGC_BENCH_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec.timeout_s))
+    try:
+        record = run_worker(spec)
+        args.out.write_text(json.dumps(record))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

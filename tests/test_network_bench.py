@@ -1,0 +1,122 @@
+"""``lgc-bench network``: bad input refused before anything is built, the per-method summary, a real run (slow)."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from lgc.bench import netns, network
+from lgc.bench.cli import main
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Fail the test if a shaped network is built or a network check runs."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the network was touched before the bad value was reported")
+
+    monkeypatch.setattr(netns.ShapedNetwork, "__enter__", refuse)
+    monkeypatch.setattr(netns, "check_available", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--methods", "none,nosuch"], r"unknown method\(s\) \['nosuch'\]"),
+        (["--bandwidth", "fast"], "fast"),
+        (["--task", "vgg"], "--task must be one of"),
+        (["--steps", "5", "--skip", "5"], r"--skip must be in \[0, --steps=5\)"),
+        (["--workers", "0"], "--workers must be >= 1"),
+    ],
+)
+def test_bad_values_are_named_before_any_namespace_exists(nothing_built, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["network", *argv])
+    assert re.search(message, str(exit_info.value.code))
+
+
+def test_without_root_it_says_what_is_missing_and_exits_with_status_2(monkeypatch, capsys):
+    def unavailable(**kwargs):
+        raise netns.NetworkUnavailable(
+            "a shaped network needs root (network namespaces, veth, tc); running as uid 1000"
+        )
+
+    monkeypatch.setattr(netns, "check_available", unavailable)
+    monkeypatch.setattr(netns.ShapedNetwork, "__enter__", lambda self: pytest.fail("built a network without root"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["network", "--methods", "none"])
+    assert exit_info.value.code == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def _rank(method, steps, compute, accuracies, wire_per_step, encode=None):
+    return {
+        "spec": {"method": method},
+        "compute_s": compute,
+        "steps": [
+            {
+                "wall_s": wall,
+                "cpu_s": wall / 2,
+                "wire_bytes_sent": wire_per_step,
+                "encode_s": encode,
+                "decode_s": encode,
+            }
+            for wall in steps
+        ],
+        "evaluations": [
+            {"step": 10 * (i + 1), "training_s": 1.0 * (i + 1), "accuracy": accuracy}
+            for i, accuracy in enumerate(accuracies)
+        ],
+        "stats": {"wire_bytes_sent": wire_per_step * len(steps)},
+    }
+
+
+def test_summary_takes_medians_after_the_skipped_steps_and_the_first_evaluation_at_the_target():
+    ranks = [
+        _rank("topk", [9.0, 0.10, 0.30, 0.20], 0.05, [0.5, 0.91, 0.95], 1000, encode=0.01),
+        _rank("topk", [9.0, 0.20, 0.40, 0.30], 0.07, [None, None, None], 1000, encode=0.01),
+    ]
+    measurement = {"ranks": ranks, "interfaces": {0: {"tx_bytes": 4400}, 1: {"tx_bytes": 4200}}}
+    row = network.summarize(measurement, target=0.9, skip=1)
+    assert row["step_s"] == pytest.approx(0.25)  # median of 0.1, 0.3, 0.2, 0.2, 0.4, 0.3
+    assert row["compute_s"] == pytest.approx(0.06)
+    assert row["encode_s"] == row["decode_s"] == pytest.approx(0.01)
+    assert row["comm_s"] == pytest.approx(0.25 - 0.06 - 0.02)
+    assert row["time_to_target_s"] == 2.0 and row["steps_to_target"] == 20
+    assert row["final_accuracy"] == 0.95
+    assert row["interface_over_wire"] == pytest.approx(8600 / 8000)
+    table = network._table([row], 0.9)
+    assert table.splitlines()[0].count("|") == table.splitlines()[2].count("|")
+    assert "| topk | 250.0 |" in table
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2")
+def test_two_workers_over_a_shaped_link_report_every_method_and_leave_nothing_behind(tmp_path):
+    try:
+        netns.check_available()
+    except netns.NetworkUnavailable as error:
+        pytest.skip(str(error))
+    main(
+        [
+            "network", "--workers", "2", "--bandwidth", "1gbit", "--methods", "none,topk",
+            "--steps", "12", "--eval-every", "6", "--skip", "2", "--target", "0.3", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "network.json").read_text())
+    rows = {row["method"]: row for row in saved["results"]["1gbit"]}
+    assert set(rows) == {"none", "topk"}
+    # Dense fp32 with 2 workers: the ring sends the whole model once per step.
+    assert rows["none"]["wire_bytes_per_step"] == pytest.approx(
+        4 * saved["raw"]["1gbit"]["none"][0]["ranks"][0]["parameters"], rel=0.01
+    )
+    assert rows["topk"]["wire_bytes_per_step"] < rows["none"]["wire_bytes_per_step"] / 10
+    # The interfaces carried what lgc counted, plus framing, rendezvous and barriers.
+    for row in rows.values():
+        assert 1.0 < row["interface_over_wire"] < 2.0
+    assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
+    assert "| none |" in (tmp_path / "network.md").read_text()
+    assert "lgc-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
