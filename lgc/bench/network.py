@@ -155,17 +155,20 @@ def _measure(net: Any, spec: dict[str, Any], timeout: float, folder: Path) -> di
                     subprocess.Popen(net.command(rank, argv), env=env, stdout=log, stderr=subprocess.STDOUT)
                 )
         deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in processes):
-            failed = [rank for rank, p in enumerate(processes) if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                what = f"worker rank {failed[0]} failed" if failed else f"the workers took over {timeout:.0f} s"
-                tail = logs[failed[0] if failed else 0].read_text()[-3000:]
-                raise RuntimeError(f"{spec['method']}: {what}; its log ends:\n{tail}")
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                tail = logs[failed[0]].read_text()[-3000:]
+                raise RuntimeError(f"{spec['method']}: worker rank {failed[0]} failed; its log ends:\n{tail}")
+            if None not in codes:
+                break
+            if time.monotonic() > deadline:
+                tail = logs[0].read_text()[-3000:]
+                raise RuntimeError(
+                    f"{spec['method']}: the workers took over {timeout:.0f} s; rank 0's log ends:\n{tail}"
+                )
             time.sleep(0.2)
-        failed = [rank for rank, p in enumerate(processes) if p.returncode != 0]
-        if failed:
-            tail = logs[failed[0]].read_text()[-3000:]
-            raise RuntimeError(f"{spec['method']}: worker rank {failed[0]} failed; its log ends:\n{tail}")
     finally:
         for p in processes:
             if p.poll() is None:

@@ -151,7 +151,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             state.set_epoch(step // steps_per_epoch)
         x, y = batch()
         before = state.stats.as_dict()
-        encode_before = dict(codec) if codec is not None else None
+        codec_before = dict(codec) if codec is not None else None
         wall, cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
@@ -170,9 +170,9 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             "encode_s": None,
             "decode_s": None,
         }
-        if codec is not None and encode_before is not None:
-            record["encode_s"] = codec["encode"] - encode_before["encode"]
-            record["decode_s"] = codec["decode"] - encode_before["decode"]
+        if codec is not None and codec_before is not None:
+            record["encode_s"] = codec["encode"] - codec_before["encode"]
+            record["decode_s"] = codec["decode"] - codec_before["decode"]
         records.append(record)
         if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
             accuracy = _evaluate(model.module, val_images, val_labels) if rank == 0 else None

@@ -128,20 +128,23 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return dist.get_global_rank(group or dist.group.WORLD, rank)
 
 
-def _add_wire(stats: CommStats, bytes_: wire.WireBytes, *, as_server: bool = False) -> None:
-    stats.wire_bytes_sent += bytes_.sent
-    stats.wire_bytes_received += bytes_.received
+def _book(stats: CommStats, logical: wire.WireBytes, on_wire: wire.WireBytes, *, as_server: bool = False) -> None:
+    """Add one collective's logical and wire bytes; ``as_server`` also books what was sent as server traffic."""
+    stats.bytes_sent += logical.sent
+    stats.bytes_received += logical.received
+    stats.wire_bytes_sent += on_wire.sent
+    stats.wire_bytes_received += on_wire.received
     if as_server:
-        stats.wire_server_bytes_sent += bytes_.sent
+        stats.server_bytes_sent += logical.sent
+        stats.wire_server_bytes_sent += on_wire.sent
 
 
 # -- booking: a collective's bytes, without running it ------------------------------------------
 def book_all_reduce(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
     """An allreduce of ``tensor``: ``L`` logical bytes each way, a ring's share on the wire."""
-    stats.bytes_sent += nbytes(tensor)
-    stats.bytes_received += nbytes(tensor)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    _add_wire(stats, wire.ring_allreduce(tensor.numel(), tensor.element_size(), world, rank))
+    logical = wire.WireBytes(nbytes(tensor), nbytes(tensor))
+    _book(stats, logical, wire.ring_allreduce(tensor.numel(), tensor.element_size(), world, rank))
 
 
 def book_dense_equivalent(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
@@ -154,9 +157,8 @@ def book_dense_equivalent(stats: CommStats, tensor: Tensor, group: dist.ProcessG
 def book_all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
     """An allgather of ``tensor`` from every rank (same size everywhere)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    stats.bytes_sent += nbytes(tensor)
-    stats.bytes_received += (world - 1) * nbytes(tensor)
-    _add_wire(stats, wire.ring_allgather(nbytes(tensor), world, rank))
+    logical = wire.WireBytes(nbytes(tensor), (world - 1) * nbytes(tensor))
+    _book(stats, logical, wire.ring_allgather(nbytes(tensor), world, rank))
 
 
 def book_broadcast(
@@ -164,35 +166,23 @@ def book_broadcast(
 ) -> None:
     """A broadcast of ``tensor`` from group rank ``src``: a binomial tree on gloo, a ring on NCCL."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank == src:
-        stats.bytes_sent += nbytes(tensor)
-        if as_server:
-            stats.server_bytes_sent += nbytes(tensor)
-    else:
-        stats.bytes_received += nbytes(tensor)
+    logical = wire.point_to_point(nbytes(tensor), sender=rank == src)
     algorithm = wire.pipeline_broadcast if tensor.is_cuda and _on_nccl(group) else wire.tree_broadcast
-    _add_wire(stats, algorithm(nbytes(tensor), world, rank, src), as_server=as_server)
+    _book(stats, logical, algorithm(nbytes(tensor), world, rank, src), as_server=as_server)
 
 
 def book_gather(stats: CommStats, tensor: Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
     """A gather of ``tensor`` (same size everywhere) at group rank ``dst``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank == dst:
-        stats.bytes_received += (world - 1) * nbytes(tensor)
-    else:
-        stats.bytes_sent += nbytes(tensor)
-    _add_wire(stats, wire.flat_gather(nbytes(tensor), world, rank, dst))
+    # Logically as on the wire: the root's own piece never leaves it.
+    on_wire = wire.flat_gather(nbytes(tensor), world, rank, dst)
+    _book(stats, on_wire, on_wire)
 
 
 def book_point_to_point(stats: CommStats, tensor: Tensor, *, sender: bool, as_server: bool = False) -> None:
     """One send of ``tensor``: this worker's side (the sender's or the receiver's)."""
-    if sender:
-        stats.bytes_sent += nbytes(tensor)
-        if as_server:
-            stats.server_bytes_sent += nbytes(tensor)
-    else:
-        stats.bytes_received += nbytes(tensor)
-    _add_wire(stats, wire.point_to_point(nbytes(tensor), sender), as_server=as_server)
+    bytes_ = wire.point_to_point(nbytes(tensor), sender)
+    _book(stats, bytes_, bytes_, as_server=as_server)
 
 
 def book_local_upstream(stats: CommStats, tensor: Tensor) -> None:

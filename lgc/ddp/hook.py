@@ -578,10 +578,9 @@ class PayloadExchange:
             wires = [p.to_wire() for p in self.own]
             local_sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64, device=buffer.device)
             if state.compressor.variable_size:
-                size_lists = [torch.empty_like(local_sizes) for _ in range(world_size)]
+                size_lists, work = counted.all_gather(state.stats, local_sizes, state.process_group)
                 # Blocking on purpose: the payload allgather below needs the sizes.
-                dist.all_gather(size_lists, local_sizes, group=state.process_group)
-                counted.book_all_gather(state.stats, local_sizes, state.process_group)
+                work.wait()
                 self.sizes = torch.stack(size_lists).cpu()
             else:
                 self.sizes = local_sizes.cpu().expand(world_size, -1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,9 @@ from lgc.lit.checkpoint import rng_state, set_rng_state
 HookState = CompressionHookState | TorchHookState | CommunicationDelayState
 
 __all__ = ["LAYER_COLUMNS", "CompressionCallback", "RunSummary", "gather_worker_stats"]
+
+# The counters of CommStats, summed over workers in summaries.
+_COUNTS = tuple(field.name for field in fields(CommStats))
 
 
 def _hook_state(trainer: pl.Trainer) -> HookState:
@@ -64,23 +68,34 @@ def _log_layer_table(trainer: pl.Trainer, layers: list[dict[str, Any]]) -> None:
             )
 
 
+def _summed(per_worker: list[dict[str, Any]]) -> dict[str, int]:
+    """Every :class:`~lgc.ddp.CommStats` count summed over workers (0 for a field a worker lacks)."""
+    return {key: sum(worker.get(key, 0) for worker in per_worker) for key in _COUNTS}
+
+
+def _ratios(total: dict[str, int]) -> dict[str, float | None]:
+    """The compression ratios of summed :class:`~lgc.ddp.CommStats` counts (None where nothing was sent)."""
+    return {
+        # The headline: a dense ring allreduce's wire bytes over the wire bytes sent.
+        "compression_ratio": _ratio(total["wire_dense_equivalent_bytes"], total["wire_bytes_sent"]),
+        # The same from the tensors handed to the collectives (blind to allgather's (P - 1) copies).
+        "logical_compression_ratio": _ratio(total["dense_equivalent_bytes"], total["bytes_sent"]),
+        # Without what rank 0 sent as LGC-PS's parameter server (the downstream broadcasts).
+        "upstream_compression_ratio": _ratio(
+            total["dense_equivalent_bytes"], total["bytes_sent"] - total["server_bytes_sent"]
+        ),
+        # The compressor's own ratio on the tensors it compresses (small tensors go dense).
+        "payload_compression_ratio": _ratio(total["payload_dense_equivalent_bytes"], total["payload_bytes"]),
+    }
+
+
 def _stage_totals(per_worker: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """LGC's per-stage bytes summed over workers, with each stage's compression ratios."""
+    names = dict.fromkeys(name for stages in per_worker for name in stages)
     totals: dict[str, dict[str, Any]] = {}
-    for stages in per_worker:
-        for name, stage in stages.items():
-            total = totals.setdefault(name, {})
-            for key, value in stage.items():
-                total[key] = total.get(key, 0) + value
-    for total in totals.values():
-        total["compression_ratio"] = _ratio(
-            total.get("wire_dense_equivalent_bytes", 0), total.get("wire_bytes_sent", 0)
-        )
-        total["logical_compression_ratio"] = _ratio(total["dense_equivalent_bytes"], total["bytes_sent"])
-        total["upstream_compression_ratio"] = _ratio(
-            total["dense_equivalent_bytes"], total["bytes_sent"] - total["server_bytes_sent"]
-        )
-        total["payload_compression_ratio"] = _ratio(total["payload_dense_equivalent_bytes"], total["payload_bytes"])
+    for name in names:
+        total: dict[str, Any] = _summed([stages[name] for stages in per_worker if name in stages])
+        totals[name] = {**total, **_ratios(total)}
     return totals
 
 
@@ -205,10 +220,7 @@ class RunSummary(pl.Callback):
             return
         # One per-layer table (rank 0's; every worker sends the same layers) rather than one per worker.
         layers = [w.pop("layers", []) for w in workers][0]
-        sent = sum(w["bytes_sent"] for w in workers)
-        dense = sum(w["dense_equivalent_bytes"] for w in workers)
-        wire_sent = sum(w["wire_bytes_sent"] for w in workers)
-        wire_dense = sum(w["wire_dense_equivalent_bytes"] for w in workers)
+        total = _summed(workers)
         summary = {
             "metrics": {
                 k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, (torch.Tensor, float))
@@ -225,21 +237,12 @@ class RunSummary(pl.Callback):
             "wire_bytes_sent_per_worker": [w["wire_bytes_sent"] for w in workers],
             "wire_bytes_received_per_worker": [w["wire_bytes_received"] for w in workers],
             "wire_dense_equivalent_bytes_per_worker": [w["wire_dense_equivalent_bytes"] for w in workers],
-            "wire_bytes_sent": wire_sent,
-            "wire_dense_equivalent_bytes": wire_dense,
-            "hook_calls": sum(w["hook_calls"] for w in workers),
+            "wire_bytes_sent": total["wire_bytes_sent"],
+            "wire_dense_equivalent_bytes": total["wire_dense_equivalent_bytes"],
+            "hook_calls": total["hook_calls"],
             # Every rank skips the same steps (they agree on it); the count is rank 0's.
             "skipped_steps": workers[0].get("skipped_steps", 0),
-            # The headline: a dense ring allreduce's wire bytes over the wire bytes sent, all workers.
-            "compression_ratio": _ratio(wire_dense, wire_sent),
-            # The same from the tensors handed to the collectives (blind to allgather's (P - 1) copies).
-            "logical_compression_ratio": _ratio(dense, sent),
-            # Without what rank 0 sent as LGC-PS's parameter server (the downstream broadcasts).
-            "upstream_compression_ratio": _ratio(dense, sent - sum(w["server_bytes_sent"] for w in workers)),
-            # The compressor's own ratio on the tensors it compresses (small tensors go dense).
-            "payload_compression_ratio": _ratio(
-                sum(w["payload_dense_equivalent_bytes"] for w in workers), sum(w["payload_bytes"] for w in workers)
-            ),
+            **_ratios(total),
             "fit_time_s": time.perf_counter() - self._start,
             "config": self.config,
         }
