@@ -1,4 +1,4 @@
-"""Shared test setup: import path for worker functions, offline wandb, the no_workers fixture."""
+"""Shared test setup: import path for worker functions, offline wandb, the no_workers and group fixtures."""
 
 import os
 import sys
@@ -21,3 +21,14 @@ def no_workers(monkeypatch):
         raise AssertionError("a worker process was started before the bad value was reported")
 
     monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A one-process gloo group in this process (registration checks, profiles in a group of one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

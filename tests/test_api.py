@@ -57,15 +57,6 @@ def _weights(model: nn.Module) -> torch.Tensor:
 
 
 @pytest.fixture
-def group(tmp_path):
-    """A one-process gloo group in this process (enough for every check made at registration)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def model(group) -> DDP:
     return DDP(_net())
 

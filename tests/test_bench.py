@@ -98,7 +98,8 @@ def test_help_is_plain_text_and_loads_no_training_stack():
     code = """
 import sys
 from lgc.bench.cli import main
-for argv in (["--help"], ["compressors", "--help"], ["autoencoder", "--help"], ["network", "--help"]):
+commands = ([], ["compressors"], ["autoencoder"], ["network"], ["model"])
+for argv in ([*command, "--help"] for command in commands):
     try:
         main(argv)
     except SystemExit:

@@ -174,3 +174,24 @@ def test_block_maximum_topk_selection_with_ties_and_a_ragged_tail():
     chosen = topk_indices(g, 50)
     assert chosen.numel() == 50 and chosen.unique().numel() == 50
     assert {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 100_001, 100_002} <= set(chosen.tolist())
+
+
+def test_block_maximum_topk_selection_finds_a_contiguous_run_of_large_entries():
+    # Strided blocks spread a contiguous run over many blocks; the selection must still be exact.
+    from lgc.compressors.topk import topk_indices
+
+    g = _randn(200_000, seed=7) * 1e-3
+    g[50_000:50_200] = torch.linspace(1.0, 2.0, 200)
+    chosen = topk_indices(g, 200)
+    assert set(chosen.tolist()) == set(range(50_000, 50_200))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inner", [TopKCompressor(0.05), TopKCompressor(0.05, "float16"), FP16Compressor()], ids=repr)
+def test_aggregate_into_writes_what_aggregate_returns_over_whatever_the_bucket_held(inner, out_dtype):
+    compressor = ErrorFeedback(inner)
+    payloads = [compressor.compress(_randn(3000, seed=s), f"w{s}") for s in range(3)]
+    out = torch.full((3000,), float("nan"), dtype=out_dtype)  # stale bucket content must not leak in
+    compressor.aggregate_into(payloads, out)
+    expected = compressor.aggregate(payloads).to(out_dtype)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

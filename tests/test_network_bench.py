@@ -29,7 +29,8 @@ def nothing_built(monkeypatch):
         (["--bandwidth", "fast"], "fast"),
         (["--task", "vgg"], "--task must be one of"),
         (["--steps", "5", "--skip", "5"], r"--skip must be in \[0, --steps=5\)"),
-        (["--workers", "0"], "--workers must be >= 1"),
+        (["--workers", "0"], r"--workers must be >= 2"),
+        (["--workers", "4,x"], "--workers must be comma-separated integers, got '4,x'"),
     ],
 )
 def test_bad_values_are_named_before_any_namespace_exists(nothing_built, argv, message):
@@ -107,16 +108,22 @@ def test_two_workers_over_a_shaped_link_report_every_method_and_leave_nothing_be
         ]
     )  # fmt: skip
     saved = json.loads((tmp_path / "network.json").read_text())
-    rows = {row["method"]: row for row in saved["results"]["1gbit"]}
+    rows = {row["method"]: row for row in saved["results"]["2 workers, 1gbit"]}
     assert set(rows) == {"none", "topk"}
     # Dense fp32 with 2 workers: the ring sends the whole model once per step.
     assert rows["none"]["wire_bytes_per_step"] == pytest.approx(
-        4 * saved["raw"]["1gbit"]["none"][0]["ranks"][0]["parameters"], rel=0.01
+        4 * saved["raw"]["2 workers, 1gbit"]["none"][0]["ranks"][0]["parameters"], rel=0.01
     )
     assert rows["topk"]["wire_bytes_per_step"] < rows["none"]["wire_bytes_per_step"] / 10
     # The interfaces carried what lgc counted, plus framing, rendezvous and barriers.
     for row in rows.values():
         assert 1.0 < row["interface_over_wire"] < 2.0
+    # The cost model: a link fitted on plain collectives, a prediction for every method's step.
+    fitted = saved["calibrations"]["2 workers, 1gbit"]
+    assert 0 < fitted["bytes_per_s"] * 8 < 1.2e9 and fitted["latency_s"] >= 0
+    for row in rows.values():
+        assert row["predicted_step_s"] > row["profile_compute_s"] > 0
+    assert rows["none"]["predicted_comm_s"] > rows["topk"]["predicted_comm_s"]
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
     assert "| none |" in (tmp_path / "network.md").read_text()
     assert "lgc-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

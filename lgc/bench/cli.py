@@ -10,7 +10,7 @@ import argparse
 import re
 from types import ModuleType
 
-from lgc.bench import autoencoder, compressors, network
+from lgc.bench import autoencoder, compressors, cost_model, network
 
 __all__ = ["main"]
 
@@ -32,7 +32,12 @@ def _summary(module: ModuleType, name: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lgc-bench", description=_DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
-    benchmarks = {"compressors": compressors, "autoencoder": autoencoder, "network": network}
+    benchmarks = {
+        "compressors": compressors,
+        "autoencoder": autoencoder,
+        "network": network,
+        "model": cost_model,
+    }
     for name, module in benchmarks.items():
         module.add_arguments(
             commands.add_parser(

@@ -170,6 +170,7 @@ def _compressor_candidate(
     # Weights for the compressors that read them (DGC's weight decay), as the DDP hook attaches them.
     compressor.attach_parameters(weights)
     total = sum(grad.numel() for grad in grads.values())
+    outs = {key: torch.empty_like(grad) for key, grad in grads.items()}  # the bucket, reused every step
     candidate = _Candidate(name, repr(compressor), run=lambda: None, compressor=name)
     step = 0
 
@@ -180,7 +181,8 @@ def _compressor_candidate(
         payload_bytes = 0
         for key, grad in grads.items():
             payload = compressor.compress(grad, key)
-            compressor.decompress(payload)
+            # Decoded as the DDP hook decodes: straight into the tensor's slice of the bucket.
+            compressor.aggregate_into([payload], outs[key])
             payload_bytes += payload.nbytes
         candidate.bits_per_element = 8 * payload_bytes / total
 

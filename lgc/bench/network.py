@@ -7,11 +7,15 @@ them. For every bandwidth and every method (methods in a rotated order on each `
 round, so slow drifts hit all alike) the workers train ``--steps`` steps of ``--task``
 (:mod:`lgc.bench.network_worker`) and the benchmark reports, per method:
 
-* per step (median over the steps after the first ``--skip``): wall time, compute (forward,
+* per step (median over the steady steps: past the first ``--skip`` and past the method's own
+  stages, LGC's warm-up and autoencoder training, PowerSGD's dense steps, DGC's density warm-up;
+  the first steady step is in the JSON as ``steady_from``): wall time, compute (forward,
   backward and optimizer without communication), encode and decode (lgc's compressors; ``-`` where
   the coding is interleaved with the collectives: LGC, PyTorch's hooks), communication (the rest:
   wall - compute - encode - decode), CPU time, and the wire bytes a worker sends
-  (:mod:`lgc.ddp.wire`);
+  (:mod:`lgc.ddp.wire`); "own work alone" is the method's whole overhead (encoding, decoding, the
+  hook's bookkeeping) measured with every worker running it alone in a group of its own before
+  training, the one figure that covers LGC and PyTorch's hooks too;
 * step time as a multiple of dense fp32's (``none``) and of PyTorch's fp16 hook (``torch_fp16``),
   measured in the same run;
 * training seconds until the validation accuracy first reaches ``--target`` (evaluated every
@@ -43,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_METHODS", "add_arguments", "run", "summarize"]
+__all__ = ["DEFAULT_METHODS", "add_arguments", "run", "short_run_knobs", "summarize", "validate"]
 
 #: The methods of the issue's comparison: dense, the 16-bit baseline, PowerSGD, lgc's baselines, LGC.
 DEFAULT_METHODS = (
@@ -59,19 +63,31 @@ DEFAULT_METHODS = (
     "lgc_rar",
     "lgc_ps",
 )
-#: Knobs that make each method fit a run of a few hundred steps (the yamls' are for full trainings).
-SHORT_RUN_KNOBS: dict[str, dict[str, Any]] = {
-    "topk": {"density": 0.01},
-    "dgc": {"density": 0.01},
-    "redsync": {"density": 0.01},
-    "random_block": {"density": 0.01},
-    "lgc_rar": {"density": 0.01, "warmup_steps": 20, "ae_steps": 40},
-    "lgc_ps": {"density": 0.01, "innovation_density": 0.001, "warmup_steps": 20, "ae_steps": 40},
-}
+
+
+def short_run_knobs(density: float, warmup_steps: int, ae_steps: int) -> dict[str, dict[str, Any]]:
+    """Knobs that fit each sparsifier and LGC to a short run (the yamls' are for full trainings).
+
+    Top-k, DGC, RedSync, random-block and LGC at ``density`` (LGC-PS's innovation 10x sparser),
+    LGC's stages shortened to ``warmup_steps`` and ``ae_steps``.
+    """
+    sparse = {"density": density}
+    stages = {"warmup_steps": warmup_steps, "ae_steps": ae_steps}
+    return {
+        **{method: dict(sparse) for method in ("topk", "dgc", "redsync", "random_block")},
+        "lgc_rar": {**sparse, **stages},
+        "lgc_ps": {**sparse, "innovation_density": density / 10, **stages},
+    }
+
+
+#: Knobs that make each method fit a run of a few hundred steps.
+SHORT_RUN_KNOBS = short_run_knobs(0.01, warmup_steps=20, ae_steps=40)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=4, help="worker processes, one namespace each (default 4)")
+    parser.add_argument(
+        "--workers", default="4", help="comma-separated worker counts, one namespace per worker (default 4)"
+    )
     parser.add_argument(
         "--bandwidth", default="100mbit,1gbit", help="comma-separated link rates in tc syntax (default 100mbit,1gbit)"
     )
@@ -89,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds over all methods (default 1)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one measurement may take")
     parser.add_argument("--out", type=Path, default=None, help="write network.md, network.json and the plot here")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="measure nothing: report a saved network.json again (--target, --skip and --out apply)",
+    )
 
 
 def _parse_list(text: str, what: str) -> list[str]:
@@ -98,12 +120,18 @@ def _parse_list(text: str, what: str) -> list[str]:
     return items
 
 
-def _check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[str], list[str]]:
     """Every bad value, before any namespace or process exists."""
     from lgc.api import METHODS
     from lgc.bench.netns import parse_delay, parse_rate
     from lgc.bench.network_worker import TASKS
 
+    try:
+        workers = [int(w) for w in _parse_list(args.workers, "workers")]
+    except ValueError as error:
+        raise ValueError(f"--workers must be comma-separated integers, got {args.workers!r}") from error
+    if min(workers) < 2:
+        raise ValueError(f"--workers must be >= 2 (a network needs two ends), got {args.workers!r}")
     methods = _parse_list(args.methods, "methods")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -115,12 +143,12 @@ def _check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         parse_delay(args.delay)
     if args.task not in TASKS:
         raise ValueError(f"--task must be one of {TASKS}, got {args.task!r}")
-    for name in ("workers", "steps", "batch_size", "eval_every", "repeats"):
+    for name in ("steps", "batch_size", "eval_every", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
     if not 0 <= args.skip < args.steps:
         raise ValueError(f"--skip must be in [0, --steps={args.steps}), got {args.skip!r}")
-    return methods, bandwidths
+    return workers, methods, bandwidths
 
 
 def _free_port() -> int:
@@ -186,7 +214,15 @@ def _median(values: list[float | None]) -> float | None:
 def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str, Any]:
     """One method's row: per-step medians over ranks and steps, time to ``target``, the cross-check."""
     ranks = measurement["ranks"]
-    steps = [step for rank in ranks for step in rank["steps"][skip:]]
+    # Per-step figures describe the steady state: past --skip and past the method's own stages
+    # (LGC's warm-up and autoencoder training, PowerSGD's dense steps, DGC's density warm-up).
+    first = max(skip, *(rank.get("steady_from", 0) for rank in ranks))
+    if first >= len(ranks[0]["steps"]):
+        raise ValueError(
+            f"{ranks[0]['spec']['method']}: its steady state starts at step {first}, after the run's "
+            f"{len(ranks[0]['steps'])} steps; raise --steps"
+        )
+    steps = [step for rank in ranks for step in rank["steps"][first:]]
     wall = statistics.median(s["wall_s"] for s in steps)
     compute = statistics.median(rank["compute_s"] for rank in ranks)
     encode = _median([s["encode_s"] for s in steps])
@@ -217,6 +253,7 @@ def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str
         "final_accuracy": evaluations[-1]["accuracy"],
         "training_s": evaluations[-1]["training_s"],
         "steps": total_steps,
+        "steady_from": first,
         "curve": [(e["training_s"], e["accuracy"]) for e in evaluations],
     }
 
@@ -235,7 +272,8 @@ def _table(rows: list[dict[str, Any]], target: float) -> str:
     dense = next((r for r in rows if r["method"] == "none"), None)
     fp16 = next((r for r in rows if r["method"] == "torch_fp16"), None)
     header = (
-        f"| method | step (ms) | x dense | x fp16 | compute | encode | decode | comm | CPU (ms) | wire KB/step "
+        f"| method | step (ms) | x dense | x fp16 | compute | encode | decode | own work alone | comm | CPU (ms) "
+        f"| wire KB/step "
         f"| interface/wire | time to {target:g} (s) | x dense | steps | final acc |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -244,7 +282,8 @@ def _table(rows: list[dict[str, Any]], target: float) -> str:
         lines.append(
             f"| {r['method']} | {ms(r['step_s'])} | {times(_ratio(r['step_s'], dense and dense['step_s']))} "
             f"| {times(_ratio(r['step_s'], fp16 and fp16['step_s']))} | {ms(r['compute_s'])} | {ms(r['encode_s'])} "
-            f"| {ms(r['decode_s'])} | {ms(r['comm_s'])} | {ms(r['cpu_s'])} | {r['wire_bytes_per_step'] / 1e3:.1f} "
+            f"| {ms(r['decode_s'])} | {ms(r.get('profile_overhead_s'))} | {ms(r['comm_s'])} | {ms(r['cpu_s'])} "
+            f"| {r['wire_bytes_per_step'] / 1e3:.1f} "
             f"| {times(r['interface_over_wire'])} | {'-' if to_target is None else f'{to_target:.1f}'} "
             f"| {times(_ratio(to_target, dense and dense['time_to_target_s']))} "
             f"| {r['steps_to_target'] or '-'} | {r['final_accuracy']:.4f} |"
@@ -273,11 +312,75 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
     plt.close(figure)
 
 
-def run(args: argparse.Namespace) -> None:
-    from lgc.bench.netns import NetworkUnavailable, ShapedNetwork, check_available
+def _calibrate(net: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Time allreduces and allgathers over ``net`` (the samples the cost model's link is fitted on)."""
+    spec = {"method": "none", "mode": "collectives", "task": args.task}
+    folder.mkdir()
+    measurement = _measure(net, spec, args.timeout, folder)
+    # Per repeat the slowest rank's clock (a collective ends when its last participant has its
+    # result), then the mean over repeats: small messages here take either about 0.3 ms or a
+    # scheduler tick (about 4 ms) on an oversubscribed machine, and a step pays the mean.
+    samples = []
+    for index, first in enumerate(measurement["ranks"][0]["collectives"]):
+        repeats = zip(*(rank["collectives"][index]["times"] for rank in measurement["ranks"]), strict=True)
+        slowest = [max(times) for times in repeats]
+        samples.append({"kind": first["kind"], "nbytes": first["nbytes"], "seconds": statistics.fmean(slowest)})
+    return {"samples": samples}
 
+
+def validate(
+    rows: list[dict[str, Any]], measurements: dict[str, list[dict[str, Any]]], link: Any, workers: int
+) -> None:
+    """Add the cost model's predicted step (``predicted_step_s``) to every row, from its workers' profiles.
+
+    The prediction uses only what was measured without the network (each worker's profile in a
+    group of its own: compute and the method's overhead), the collectives each worker issued in
+    its last step, and the link fitted on plain collectives (:func:`_calibrate`).
+    """
+    from lgc.bench.cost_model import MethodProfile, comm_seconds, predict_step
+
+    for row in rows:
+        runs = measurements[row["method"]]
+        profiles = [MethodProfile.from_json(rank["profile"]) for run in runs for rank in run["ranks"]]
+        slowest = max(profiles, key=lambda p: comm_seconds(p.trace, workers, link))
+        typical = MethodProfile(
+            method=row["method"],
+            compute_s=statistics.median(p.compute_s for p in profiles),
+            overhead_s=statistics.median(p.overhead_s for p in profiles),
+            decode_per_peer_s=statistics.median(p.decode_per_peer_s for p in profiles),
+            overlaps_backward=slowest.overlaps_backward,
+            trace=slowest.trace,
+            compute_samples_s=[t for p in profiles for t in p.compute_samples_s],
+        )
+        row["predicted_step_s"] = predict_step(typical, workers, link)
+        row["predicted_comm_s"] = comm_seconds(typical.trace, workers, link)
+        row["profile_compute_s"] = typical.compute_s
+        row["profile_overhead_s"] = typical.overhead_s
+
+
+def _validation_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| method | measured step (ms) | predicted (ms) | error | compute | overhead | comm (model) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        error = r["predicted_step_s"] / r["step_s"] - 1
+        lines.append(
+            f"| {r['method']} | {1000 * r['step_s']:.1f} | {1000 * r['predicted_step_s']:.1f} | {100 * error:+.0f} % "
+            f"| {1000 * r['profile_compute_s']:.1f} | {1000 * r['profile_overhead_s']:.1f} "
+            f"| {1000 * r['predicted_comm_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> None:
+    from lgc.bench.netns import NetworkUnavailable, ShapedNetwork, check_available, parse_rate
+
+    if args.from_json is not None:
+        _from_json(args)
+        return
     try:
-        methods, bandwidths = _check_arguments(args)
+        worker_counts, methods, bandwidths = _check_arguments(args)
     except ValueError as error:
         sys.exit(f"lgc-bench network: {error}")
     try:
@@ -288,40 +391,77 @@ def run(args: argparse.Namespace) -> None:
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs")
     measurements: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    calibrations: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="lgc-bench-network-") as scratch:
-        for bandwidth in bandwidths:
-            with ShapedNetwork(args.workers, bandwidth, args.delay) as net:
-                for repeat in range(args.repeats):
-                    order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
-                    for method in order:
-                        spec = {
-                            "method": method,
-                            "task": args.task,
-                            "steps": args.steps,
-                            "batch_size": args.batch_size,
-                            "lr": args.lr,
-                            "eval_every": args.eval_every,
-                            "knobs": SHORT_RUN_KNOBS.get(method, {}),
-                        }
-                        folder = Path(scratch) / f"{bandwidth}-{repeat}-{method}"
-                        folder.mkdir()
-                        started = time.perf_counter()
-                        measurement = _measure(net, spec, args.timeout, folder)
-                        measurements.setdefault(bandwidth, {}).setdefault(method, []).append(measurement)
-                        print(
-                            f"{bandwidth} {method} round {repeat + 1}: {time.perf_counter() - started:.0f} s",
-                            flush=True,
-                        )
-    results = {
-        bandwidth: [
+        for workers in worker_counts:
+            for bandwidth in bandwidths:
+                setting = f"{workers} workers, {bandwidth}"
+                with ShapedNetwork(workers, bandwidth, args.delay) as net:
+                    calibrations[setting] = _calibrate(net, args, Path(scratch) / f"{workers}-{bandwidth}-link")
+                    fitted = _fitted_link(calibrations[setting], workers)
+                    print(
+                        f"{setting}: link fitted alpha {1e6 * fitted.latency_s:.0f} us, "
+                        f"{8 * fitted.bytes_per_s / 1e6:.1f} Mbit/s (tc rate {parse_rate(bandwidth) / 1e6:g} Mbit/s)",
+                        flush=True,
+                    )
+                    for repeat in range(args.repeats):
+                        order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
+                        for method in order:
+                            spec = {
+                                "method": method,
+                                "task": args.task,
+                                "steps": args.steps,
+                                "batch_size": args.batch_size,
+                                "lr": args.lr,
+                                "eval_every": args.eval_every,
+                                "knobs": SHORT_RUN_KNOBS.get(method, {}),
+                            }
+                            folder = Path(scratch) / f"{workers}-{bandwidth}-{repeat}-{method}"
+                            folder.mkdir()
+                            started = time.perf_counter()
+                            measurement = _measure(net, spec, args.timeout, folder)
+                            measurements.setdefault(setting, {}).setdefault(method, []).append(measurement)
+                            print(
+                                f"{setting} {method} round {repeat + 1}: {time.perf_counter() - started:.0f} s",
+                                flush=True,
+                            )
+    _report(args, measurements, calibrations)
+
+
+def _fitted_link(calibration: dict[str, Any], workers: int) -> Any:
+    """The cost model's link, fitted from a calibration's samples (again, so a saved run is re-analysed alike)."""
+    from lgc.bench.cost_model import fit_link
+    from lgc.ddp.collectives import CollectiveCall
+
+    samples = calibration["samples"]
+    return fit_link([(CollectiveCall(s["kind"], s["nbytes"], workers), workers, s["seconds"]) for s in samples])
+
+
+def _report(
+    args: argparse.Namespace,
+    measurements: dict[str, dict[str, list[dict[str, Any]]]],
+    calibrations: dict[str, dict[str, Any]],
+) -> None:
+    """Tables, validation, JSON and plot from the measurements (fresh, or read back with ``--from-json``)."""
+    results = {}
+    for setting, per in measurements.items():
+        rows = [
             summarize(runs[0] if len(runs) == 1 else _merged(runs), args.target, args.skip) for runs in per.values()
         ]
-        for bandwidth, per in measurements.items()
-    }
+        workers = int(setting.split()[0])
+        link = _fitted_link(calibrations[setting], workers)
+        calibrations[setting].update(latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
+        validate(rows, per, link, workers)
+        results[setting] = rows
     load = os.getloadavg()
-    text = [f"# lgc-bench network: {args.workers} workers, task {args.task}, {args.steps} steps, delay {args.delay}\n"]
-    for bandwidth, rows in results.items():
-        text.append(f"## {bandwidth} per link\n\n{_table(rows, args.target)}\n")
+    text = [f"# lgc-bench network: task {args.task}, {args.steps} steps, delay {args.delay}\n"]
+    for setting, rows in results.items():
+        fitted = calibrations[setting]
+        text.append(f"## {setting} per link\n\n{_table(rows, args.target)}\n")
+        text.append(
+            f"Cost model, link fitted on plain allreduces and allgathers: alpha {1e6 * fitted['latency_s']:.0f} us, "
+            f"{8 * fitted['bytes_per_s'] / 1e6:.1f} Mbit/s.\n\n{_validation_table(rows)}\n"
+        )
     text.append(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     report = "\n".join(text)
     print(report)
@@ -330,11 +470,25 @@ def run(args: argparse.Namespace) -> None:
         (args.out / "network.md").write_text(report + "\n")
         (args.out / "network.json").write_text(
             json.dumps(
-                {"arguments": {k: str(v) for k, v in vars(args).items()}, "results": results, "raw": measurements}
+                {
+                    "arguments": {k: str(v) for k, v in vars(args).items()},
+                    "results": results,
+                    "calibrations": calibrations,
+                    "raw": measurements,
+                }
             )
         )
         _plot(results, args.target, args.out / "accuracy_vs_time.png")
         print(f"wrote {args.out / 'network.md'}, network.json and accuracy_vs_time.png")
+
+
+def _from_json(args: argparse.Namespace) -> None:
+    """``--from-json``: the report of a saved ``network.json``, with this version's summary and cost model."""
+    saved = json.loads(args.from_json.read_text())
+    arguments = saved["arguments"]
+    for name in ("task", "steps", "delay"):
+        setattr(args, name, arguments[name])
+    _report(args, saved["raw"], saved["calibrations"])
 
 
 def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -16,7 +16,15 @@ registered by :func:`lgc.compress`, and writes one JSON record per rank:
 * epochs of ``len(train) // (batch_size * world)`` steps, announced with ``state.set_epoch``
   (DGC's density warm-up counts them);
 * evaluations every ``eval_every`` steps (rank 0 evaluates the validation split; the time spent
-  evaluating is left out of the training clock): training seconds so far and accuracy.
+  evaluating is left out of the training clock): training seconds so far and accuracy;
+* ``profile``: the method measured in a group of this worker alone (:func:`lgc.bench.cost_model.profile_method`,
+  run by all workers at once before training, so the CPU is shared as in training), with the
+  collectives of the last training step (``trace``), for the cost model's validation.
+
+With ``mode="collectives"`` it trains nothing and times allreduces and allgathers of
+``collective_sizes`` bytes instead (``collectives``: kind, bytes, the seconds of each of
+``collective_repeats`` repeats, each started after a barrier), which
+:func:`lgc.bench.cost_model.fit_link` calibrates the link from.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["TASKS", "WorkerSpec", "build_model", "main", "run_worker"]
+__all__ = ["TASKS", "WorkerSpec", "build_model", "main", "run_worker", "time_collectives"]
 
 #: Training tasks: the embedded default's model, and torchvision ResNets (larger gradients) on the
 #: same 8x8 digits with the CIFAR stem, where compute stays cheap.
@@ -58,6 +66,10 @@ class WorkerSpec:
     seed: int = 0
     timeout_s: float = 300.0
     knobs: dict[str, Any] = field(default_factory=dict)
+    #: ``train``, or ``collectives`` (time collectives to calibrate the cost model's link).
+    mode: str = "train"
+    collective_sizes: list[int] = field(default_factory=lambda: [256, 1024, 4096, 16384, 65536, 524288, 4194304])
+    collective_repeats: int = 12
 
 
 def build_model(task: str) -> nn.Module:
@@ -102,10 +114,32 @@ def _interface_counters() -> Any:
     return lambda: int(path.read_text())
 
 
+def time_collectives(spec: WorkerSpec) -> dict[str, Any]:
+    """Seconds of every repeat of allreduces and allgathers of ``spec.collective_sizes`` bytes, this rank's clock."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for kind in ("all_reduce", "all_gather"):
+        for size in spec.collective_sizes:
+            tensor = torch.ones(max(1, size // 4))
+            outputs = [torch.empty_like(tensor) for _ in range(world)]
+            times = []
+            for _ in range(spec.collective_repeats + 1):
+                dist.barrier()
+                started = time.perf_counter()
+                if kind == "all_reduce":
+                    dist.all_reduce(tensor)
+                else:
+                    dist.all_gather(outputs, tensor)
+                times.append(time.perf_counter() - started)
+            results.append({"kind": kind, "nbytes": tensor.numel() * 4, "times": times[1:]})
+    return {"rank": rank, "world_size": world, "spec": asdict(spec), "collectives": results}
+
+
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train ``spec.steps`` steps in an initialized process group; returns this rank's record."""
     import lgc
     from lgc.data.digits import load_digits_split
+    from lgc.ddp.collectives import record_collectives
     from lgc.ddp.lgc_base import LGCHookState
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -136,6 +170,19 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     optimizer.zero_grad(set_to_none=True)
     compute_s = statistics.median(compute[1:])
 
+    # The method alone in a group of this worker (every collective a no-op), all workers at once.
+    from lgc.bench.cost_model import profile_method, steady_from
+
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    profile_generator = torch.Generator().manual_seed(spec.seed * 1000 + rank + 500)
+
+    def profile_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.randint(len(labels), (spec.batch_size,), generator=profile_generator)
+        return images[index], labels[index]
+
+    profile = profile_method(model.module, spec.method, profile_batch, knobs=spec.knobs, steps=15, group=solo)
+    dist.barrier()
+
     state = lgc.compress(model, spec.method, optimizer=optimizer, **spec.knobs)
     # LGC codes inside its own step, between its collectives: no separate encode/decode figures.
     codec = None if isinstance(state, LGCHookState) else getattr(state, "codec_seconds", None)
@@ -152,12 +199,13 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         x, y = batch()
         before = state.stats.as_dict()
         codec_before = dict(codec) if codec is not None else None
-        wall, cpu = time.perf_counter(), time.process_time()
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        with record_collectives() as trace:
+            wall, cpu = time.perf_counter(), time.process_time()
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         training_s += wall
         after = state.stats.as_dict()
         record = {
@@ -179,7 +227,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             evaluations.append({"step": step + 1, "training_s": training_s, "accuracy": accuracy})
             dist.barrier()  # the others wait while rank 0 evaluates: off the training clock
     sent_at_end = interface()
+    profile.trace = list(trace)  # the last step's collectives, over the real group
     return {
+        "profile": profile.to_json(),
+        "steady_from": steady_from(state, steps_per_epoch),
         "interface_tx_bytes": None if sent_at_start is None else sent_at_end - sent_at_start,
         "rank": rank,
         "world_size": world,
@@ -201,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("LGC_BENCH_THREADS", "1")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.timeout_s))
     try:
-        record = run_worker(spec)
+        record = run_worker(spec) if spec.mode == "train" else time_collectives(spec)
         args.out.write_text(json.dumps(record))
         dist.barrier()
     finally:

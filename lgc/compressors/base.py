@@ -135,6 +135,14 @@ class Compressor(abc.ABC):
             total += self.decompress(payload)
         return total
 
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        """Write the sum of the decoded payloads into ``out`` (the tensor's slice of the DDP bucket).
+
+        The hook decodes gathered payloads with this, so a compressor can scatter straight into
+        the bucket instead of building a dense sum and copying it. The default copies :meth:`aggregate`.
+        """
+        out.copy_(self.aggregate(payloads))
+
     def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
         """What to send for a tensor the hook sends dense (smaller than ``min_numel``).
 

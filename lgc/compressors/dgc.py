@@ -43,7 +43,13 @@ from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
 from lgc.compressors.error_feedback import ErrorFeedback
-from lgc.compressors.topk import SparsePayload, index_dtype_for, num_selected, scatter_add_sparse
+from lgc.compressors.topk import (
+    SparsePayload,
+    index_dtype_for,
+    num_selected,
+    scatter_add_sparse,
+    scatter_add_sparse_into,
+)
 
 __all__ = ["PAPER_WARMUP_DENSITIES", "DGCCompressor", "SelectionInfo", "check_optimizer_momentum", "sampled_topk"]
 
@@ -585,6 +591,9 @@ class DGCCompressor(Compressor):
 
     def aggregate(self, payloads: list[Payload]) -> Tensor:
         return scatter_add_sparse(payloads)  # type: ignore[arg-type]
+
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
         return SparsePayload.from_wire(wire, numel)

@@ -75,6 +75,9 @@ class ErrorFeedback(Compressor):
     def aggregate(self, payloads: list[Payload]) -> Tensor:
         return self.compressor.aggregate(payloads)
 
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        self.compressor.aggregate_into(payloads, out)
+
     def payload_from_sum(self, summed: Tensor, own: Payload) -> Payload:
         return self.compressor.payload_from_sum(summed, own)
 

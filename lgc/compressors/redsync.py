@@ -59,7 +59,13 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
-from lgc.compressors.topk import SparsePayload, index_dtype_for, num_selected, scatter_add_sparse
+from lgc.compressors.topk import (
+    SparsePayload,
+    index_dtype_for,
+    num_selected,
+    scatter_add_sparse,
+    scatter_add_sparse_into,
+)
 
 __all__ = ["RedSyncCompressor", "SignMeanPayload"]
 
@@ -373,6 +379,9 @@ class RedSyncCompressor(Compressor):
 
     def aggregate(self, payloads: list[Payload]) -> Tensor:
         return scatter_add_sparse(payloads)  # type: ignore[arg-type]
+
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
         if self.quantize:

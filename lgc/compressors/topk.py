@@ -22,6 +22,7 @@ __all__ = [
     "index_dtype_for",
     "num_selected",
     "scatter_add_sparse",
+    "scatter_add_sparse_into",
     "topk_indices",
     "wire_float_dtype",
 ]
@@ -76,7 +77,7 @@ class SparsePayload(Payload):
 
     def to_dense(self) -> Tensor:
         dense = self.values.new_zeros(self.numel, dtype=torch.float32)
-        return dense.index_put_((self.indices.long(),), self.values.float(), accumulate=True)
+        return dense.index_add_(0, self.indices.long(), self.values.float())
 
 
 def scatter_add_sparse(payloads: list[SparsePayload]) -> Tensor:
@@ -85,6 +86,20 @@ def scatter_add_sparse(payloads: list[SparsePayload]) -> Tensor:
     values = torch.cat([p.values.float() for p in payloads])
     indices = torch.cat([p.indices.long() for p in payloads])
     return values.new_zeros(numel).index_add_(0, indices, values)
+
+
+def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:
+    """:func:`scatter_add_sparse` written into ``out``: zeroed, then one scatter-add, no dense temporary.
+
+    An fp32 ``out`` takes the sum directly; another dtype (a half-precision bucket) gets the fp32
+    sum cast once, so the workers' values are not added in half precision.
+    """
+    if out.dtype != torch.float32:
+        out.copy_(scatter_add_sparse(payloads))
+        return
+    values = torch.cat([p.values.float() for p in payloads])
+    indices = torch.cat([p.indices.long() for p in payloads])
+    out.zero_().index_add_(0, indices, values)
 
 
 #: Tensors at least this large use the block-maximum selection; smaller ones call torch.topk directly.
@@ -96,26 +111,34 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
 
     ``torch.topk`` over a large 1-D tensor runs on one CPU thread and is many times slower than a
     pass over memory. For large tensors this uses block maxima instead: split the tensor into
-    blocks of ``b`` entries and take every block's largest magnitude (one ``aminmax`` pass). The k
-    largest entries all lie in the k blocks with the largest maxima: those k maxima are k distinct
-    entries, so the k-th largest entry is at least the k-th largest block maximum, and a block
-    holding a top-k entry has a maximum at least that large. An exact top-k over those ``k * b``
-    candidates (plus the tail that does not fill a block) is therefore the exact answer. ``b`` is
-    about ``sqrt(n / k)``, which balances the two small top-k calls.
+    blocks of ``b`` entries and take every block's largest magnitude. The k largest entries all lie
+    in the k blocks with the largest maxima: those k maxima are k distinct entries, so the k-th
+    largest entry is at least the k-th largest block maximum, and a block holding a top-k entry
+    has a maximum at least that large. An exact top-k over those ``k * b`` candidates (plus the
+    tail that does not fill a block) is therefore the exact answer. ``b`` is about
+    ``sqrt(n / k)``, which balances the two small top-k calls; the second only sees the candidates
+    at least as large as the k-th largest block maximum, a lower bound of the k-th largest entry.
+    The block maxima are ``amax`` and
+    ``amin`` over the rows of an ``(n / b, b)`` view: on the CPU the pair is several times faster
+    than one ``aminmax(dim=1)``, which does not vectorize.
     """
     numel = values.numel()
     block = 1 << max(2, round(math.log2(math.sqrt(numel / k)))) if k else 1
     if numel < _BLOCK_SELECTION_MIN_NUMEL or 4 * k * block >= numel:
         return torch.topk(values.abs(), k, sorted=False).indices
     num_blocks = numel // block
-    low, high = torch.aminmax(values[: num_blocks * block].view(num_blocks, block), dim=1)
-    block_max = torch.maximum(high, low.neg_())
-    blocks = torch.topk(block_max, k, sorted=False).indices
-    candidates = (blocks.unsqueeze(1) * block + torch.arange(block, device=values.device)).reshape(-1)
+    rows = values[: num_blocks * block].view(num_blocks, block)
+    block_max = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
+    top_blocks = torch.topk(block_max, k, sorted=False)
+    candidates = (top_blocks.indices.unsqueeze(1) * block + torch.arange(block, device=values.device)).reshape(-1)
     if num_blocks * block < numel:
         candidates = torch.cat([candidates, torch.arange(num_blocks * block, numel, device=values.device)])
-    chosen = torch.topk(values[candidates].abs(), k, sorted=False).indices
-    return candidates[chosen]
+    # The k-th largest block maximum bounds the k-th largest entry from below (those k maxima are
+    # k entries), so only candidates at least that large can be chosen: usually little over k.
+    magnitudes = values[candidates].abs()
+    kept = (magnitudes >= top_blocks.values.min()).nonzero().squeeze(1)
+    chosen = torch.topk(magnitudes[kept], k, sorted=False).indices
+    return candidates[kept[chosen]]
 
 
 class TopKCompressor(Compressor):
@@ -164,6 +187,9 @@ class TopKCompressor(Compressor):
 
     def aggregate(self, payloads: list[Payload]) -> Tensor:
         return scatter_add_sparse(payloads)  # type: ignore[arg-type]
+
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
         return SparsePayload.from_wire(wire, numel, self.value_dtype)

@@ -21,8 +21,10 @@ lgc does not own (PyTorch's hooks) and for the dense exchange a step is compared
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from torch import Tensor
 from lgc.ddp import wire
 
 __all__ = [
+    "CollectiveCall",
     "CommStats",
     "all_gather",
     "all_reduce",
@@ -45,6 +48,7 @@ __all__ = [
     "broadcast_bytes",
     "gather",
     "nbytes",
+    "record_collectives",
     "recv",
     "send",
 ]
@@ -120,6 +124,50 @@ class CommStats:
         }
 
 
+class CollectiveCall(NamedTuple):
+    """One collective as this worker issued it: what a cost model needs to time it at any size of group.
+
+    ``kind`` is ``all_reduce``, ``all_gather``, ``broadcast``, ``gather``, ``send`` or ``recv``;
+    ``nbytes`` the logical bytes of this worker's tensor (per rank for an allgather or a gather);
+    ``root`` the source or destination in the group (broadcast, gather, send, recv), else None.
+    """
+
+    kind: str
+    nbytes: int
+    world: int
+    root: int | None = None
+
+
+_recorders: list[list[CollectiveCall]] = []
+
+
+@contextmanager
+def record_collectives() -> Iterator[list[CollectiveCall]]:
+    """Collect every collective booked inside the ``with`` block, in order (for :mod:`lgc.bench.cost_model`).
+
+    Recording costs one list append per collective and nothing when no block is open.
+
+    Example::
+
+        >>> with record_collectives() as trace:
+        ...     loss.backward()  # a DDP model with an lgc hook
+        >>> [(call.kind, call.nbytes) for call in trace]
+    """
+    trace: list[CollectiveCall] = []
+    _recorders.append(trace)
+    try:
+        yield trace
+    finally:
+        _recorders.remove(trace)
+
+
+def _record(kind: str, tensor: Tensor, group: dist.ProcessGroup | None, root: int | None = None) -> None:
+    if _recorders:
+        call = CollectiveCall(kind, nbytes(tensor), dist.get_world_size(group), root)
+        for trace in _recorders:
+            trace.append(call)
+
+
 def nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -143,6 +191,7 @@ def _book(stats: CommStats, logical: wire.WireBytes, on_wire: wire.WireBytes, *,
 def book_all_reduce(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
     """An allreduce of ``tensor``: ``L`` logical bytes each way, a ring's share on the wire."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _record("all_reduce", tensor, group)
     logical = wire.WireBytes(nbytes(tensor), nbytes(tensor))
     _book(stats, logical, wire.ring_allreduce(tensor.numel(), tensor.element_size(), world, rank))
 
@@ -157,6 +206,7 @@ def book_dense_equivalent(stats: CommStats, tensor: Tensor, group: dist.ProcessG
 def book_all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
     """An allgather of ``tensor`` from every rank (same size everywhere)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _record("all_gather", tensor, group)
     logical = wire.WireBytes(nbytes(tensor), (world - 1) * nbytes(tensor))
     _book(stats, logical, wire.ring_allgather(nbytes(tensor), world, rank))
 
@@ -166,6 +216,7 @@ def book_broadcast(
 ) -> None:
     """A broadcast of ``tensor`` from group rank ``src``: a binomial tree on gloo, a ring on NCCL."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _record("broadcast", tensor, group, src)
     logical = wire.point_to_point(nbytes(tensor), sender=rank == src)
     algorithm = wire.pipeline_broadcast if tensor.is_cuda and _on_nccl(group) else wire.tree_broadcast
     _book(stats, logical, algorithm(nbytes(tensor), world, rank, src), as_server=as_server)
@@ -174,6 +225,7 @@ def book_broadcast(
 def book_gather(stats: CommStats, tensor: Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
     """A gather of ``tensor`` (same size everywhere) at group rank ``dst``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _record("gather", tensor, group, dst)
     # Logically as on the wire: the root's own piece never leaves it.
     on_wire = wire.flat_gather(nbytes(tensor), world, rank, dst)
     _book(stats, on_wire, on_wire)
@@ -260,12 +312,14 @@ def send(
 ) -> None:
     """Send ``tensor`` to group rank ``dst`` (blocking)."""
     dist.send(tensor, dst=_global(group, dst), group=group)
+    _record("send", tensor, group, dst)
     book_point_to_point(stats, tensor, sender=True, as_server=as_server)
 
 
 def recv(stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | None) -> Tensor:
     """Receive into ``tensor`` from group rank ``src`` (blocking)."""
     dist.recv(tensor, src=_global(group, src), group=group)
+    _record("recv", tensor, group, src)
     book_point_to_point(stats, tensor, sender=False)
     return tensor
 

@@ -43,7 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.ddp import collectives as counted
-from lgc.ddp.hook import CommStats, agree_flags, allreduce_as_they_are, run_holding
+from lgc.ddp.hook import CommStats, agree_flags, all_finite, allreduce_as_they_are, finite_flag, run_holding
 
 __all__ = ["PowerSGDHookState", "TorchHookState"]
 
@@ -465,7 +465,7 @@ def _guarded_step(state: TorchHookState) -> None:
     """The step guard for a stateful PyTorch hook: agree on non-finite gradients, then run or pass through."""
     pending, state._pending = state._pending, []
     buffers = [bucket.buffer() for bucket, _ in pending]
-    local = torch.stack([torch.isfinite(buffer).all() for buffer in buffers]).all()
+    local = torch.stack([finite_flag(buffer) for buffer in buffers]).all()
     flag = agree_flags(state.stats, (~local).to(torch.uint8).reshape(1), state.process_group)
     if bool(flag[0]):
         # Some rank has an inf/NaN: plain DDP's average, unchanged; PyTorch's hook never sees the step.
@@ -492,7 +492,7 @@ def _wrapped_torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch
         return done
     result = _run_inner(state, bucket)
     # Stateless: an inf/NaN passes through the sum; count the step once.
-    if not state._step_counted and not bool(torch.isfinite(result).all()):
+    if not state._step_counted and not all_finite(result):
         state._step_counted = True
         state.stats.skipped_steps += 1
     if bucket.is_last():
