@@ -577,7 +577,7 @@ def _plot(
         compute = (args.compute_ms if args.compute_ms is not None else DEFAULT_COMPUTE_MS[name]) / 1000
         for column, world in enumerate(workers):
             axis = axes[row][column]
-            for method in methods:
+            for index, method in enumerate(methods):
                 times = [
                     predict_step(
                         profiles[name][method],
@@ -590,7 +590,9 @@ def _plot(
                     for b in grid
                 ]
                 style = "--" if method in ("none", "torch_fp16") else "-"
-                axis.plot([8 * b / 1e9 for b in grid], [1000 * t for t in times], style, label=method)
+                # tab20's dark shades first, then its light ones: no two of 11+ methods share a color.
+                color = plt.get_cmap("tab20").colors[(2 * index) % 20 + (2 * index) // 20 % 2]
+                axis.plot([8 * b / 1e9 for b in grid], [1000 * t for t in times], style, color=color, label=method)
             axis.set_xscale("log")
             axis.set_yscale("log")
             axis.set_title(f"{name}, {world} workers")

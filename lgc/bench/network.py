@@ -299,9 +299,11 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
 
     figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
     for axis, (bandwidth, rows) in zip(axes[0], results.items(), strict=True):
-        for row in rows:
+        for index, row in enumerate(rows):
             seconds, accuracy = zip(*row["curve"], strict=True)
-            axis.plot(seconds, accuracy, marker=".", label=row["method"])
+            # 11 methods: tab20's dark shades first, then its light ones, so no two lines share a color.
+            color = plt.get_cmap("tab20").colors[(2 * index) % 20 + (2 * index) // 20 % 2]
+            axis.plot(seconds, accuracy, marker=".", color=color, label=row["method"])
         axis.axhline(target, color="grey", linestyle=":", linewidth=1)
         axis.set_title(f"{bandwidth} per link")
         axis.set_xlabel("training wall time (s)")
