@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -149,7 +150,7 @@ class _Arbitrary:
 def test_corrupt_and_unsafe_files_are_refused_before_workers_start(tmp_path, stopped_run, no_workers):
     last = (stopped_run / "checkpoints" / "last.ckpt").read_bytes()
     random_bytes = tmp_path / "random.ckpt"
-    random_bytes.write_bytes(os.urandom(4096))
+    random_bytes.write_bytes(random.Random(0).randbytes(4096))
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(last[: len(last) // 2])
     unsafe = tmp_path / "unsafe.ckpt"
@@ -248,3 +249,15 @@ def test_the_first_worker_to_go_silent_is_named(tmp_path):
     assert [(r["rank"], r["silent_s"]) for r in stalled] == [(3, 350.0), (1, 300.0)]
     assert stalled_workers(tmp_path, min_gap_s=400) == []
     assert stalled_workers(tmp_path / "none") == []
+
+
+def test_any_random_bytes_are_refused_as_not_a_checkpoint(tmp_path):
+    # The weights-only unpickler fails on random input in many ways (IndexError, UnpicklingError,
+    # RuntimeError, ...); each must come out as the same clear error naming the file.
+    from lgc.lit.checkpoint import load_checkpoint
+
+    for seed in range(40):
+        path = tmp_path / f"random{seed}.ckpt"
+        path.write_bytes(random.Random(seed).randbytes(64 + 97 * seed))
+        with pytest.raises(ValueError, match=rf"ckpt_path='{re.escape(str(path))}' (cannot be read|holds objects)"):
+            load_checkpoint(path)

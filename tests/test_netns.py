@@ -152,7 +152,15 @@ def test_a_build_that_fails_halfway_deletes_what_it_made(monkeypatch):
     assert _leftovers(net.run_name, net.interface_tag) == []
 
 
-def test_a_signal_during_the_build_waits_for_the_build_then_cleans_up(monkeypatch):
+@pytest.fixture
+def python_sigint():
+    """Python's SIGINT handler for the test (a background job starts with SIGINT ignored), then the one before."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_signal_during_the_build_waits_for_the_build_then_cleans_up(monkeypatch, python_sigint):
     import lgc.bench.netns as netns
 
     real_run = netns._run
@@ -180,7 +188,10 @@ def test_a_signal_during_the_build_waits_for_the_build_then_cleans_up(monkeypatc
 
 
 HOLD_A_NETWORK = LOAD_NETNS + textwrap.dedent("""
-    import json, time
+    import json, signal, time
+    # Python's own SIGINT handler even when the test runs in a background job, which starts with
+    # SIGINT ignored (and the holder inherits that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     net = netns.ShapedNetwork(workers=2, bandwidth="20mbit", prefix=sys.argv[1])
     net.__enter__()  # no `with`: only the signal handlers and atexit can clean up
     print(json.dumps([net.run_name, net.interface_tag]), flush=True)
