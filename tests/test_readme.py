@@ -1,5 +1,6 @@
 """The README's commands and its plain-DDP example stay true."""
 
+import os
 import re
 import subprocess
 import sys
@@ -54,8 +55,11 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 def _torchrun(script: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    # Unbuffered: a worker aborted at teardown has already written its result line, so the check
+    # below sees that it finished (a buffered line would die with the process).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for _ in range(2):
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
         finished = len(RATIO.findall(result.stdout)) == 2
         if result.returncode == 0 or not (finished and TEARDOWN_ABORT in result.stderr):
             break
