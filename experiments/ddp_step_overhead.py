@@ -33,17 +33,10 @@ METHODS = "none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
 NO_COMM = "no_sync"
 
 
-def _knobs(method: str, density: float) -> dict[str, Any]:
-    if method in ("topk", "dgc", "redsync", "sbc", "random_block"):
-        return {"density": density}
-    if method == "powersgd":
-        return {"start_powerSGD_iter": 2}
-    return {}
-
-
 def _worker(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
     import lgc
-    from lgc.bench.cost_model import steady_from
+    from lgc.bench.cost_model import profile_knobs, steady_from
+    from lgc.bench.network_worker import sgd_for
     from lgc.models.torchvision_resnet import torchvision_resnet
 
     torch.set_num_threads(args.threads)
@@ -61,11 +54,11 @@ def _worker(rank: int, args: argparse.Namespace, store: str, results: Any) -> No
     methods = args.methods.split(",")
     for method in [NO_COMM, *methods]:
         model = DistributedDataParallel(copy.deepcopy(base))
-        momentum = 0.0 if method == "dgc" else 0.9
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum)
+        optimizer = sgd_for(method, model, lr=1e-3)
         warm = 2
         if method != NO_COMM:
-            state = lgc.compress(model, method, optimizer=optimizer, **_knobs(method, args.density))
+            knobs = profile_knobs(args.density).get(method, {})
+            state = lgc.compress(model, method, optimizer=optimizer, **knobs)
             state.set_epoch(1000)  # DGC past its density warm-up
             warm = steady_from(state) + 2
         runs[method] = (model, optimizer, warm)

@@ -78,6 +78,7 @@ __all__ = [
     "expected_maximum",
     "fit_link",
     "predict_step",
+    "profile_knobs",
     "profile_method",
     "run",
     "steady_from",
@@ -308,6 +309,7 @@ def profile_method(
     from torch.nn.parallel import DistributedDataParallel
 
     import lgc
+    from lgc.bench.network_worker import sgd_for
     from lgc.compressors.base import CombineMode
     from lgc.ddp.collectives import record_collectives
 
@@ -315,13 +317,12 @@ def profile_method(
         raise ValueError(f"profile_method needs a group of one worker, got {dist.get_world_size(group)}")
     knobs = dict(knobs or {})
     model = DistributedDataParallel(copy.deepcopy(module), process_group=group)
-    momentum = 0.0 if method == "dgc" else 0.9
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum)
+    optimizer = sgd_for(method, model, lr=1e-3)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     # Plain DDP on the same group: forward, backward, DDP's bucket copies and the optimizer.
     plain = DistributedDataParallel(copy.deepcopy(module), process_group=group)
-    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=1e-3, momentum=momentum)
+    plain_optimizer = sgd_for(method, plain, lr=1e-3)
 
     def step(ddp: Any, opt: Any) -> float:
         x, y = batches()
@@ -372,12 +373,12 @@ def profile_method(
 DEFAULT_COMPUTE_MS = {"resnet18": 100 * 1.81 / 4.09, "resnet50": 100.0, "resnet101": 100 * 7.80 / 4.09}
 
 
-def _profile_knobs() -> dict[str, dict[str, Any]]:
-    """Knobs that reach each method's steady state within a profile's few steps, at density 0.001."""
+def profile_knobs(density: float = 0.001) -> dict[str, dict[str, Any]]:
+    """Knobs that reach each method's steady state within a profile's few steps, sparsifiers at ``density``."""
     from lgc.bench.network import short_run_knobs
 
-    knobs = short_run_knobs(0.001, warmup_steps=1, ae_steps=2)
-    return {**knobs, "sbc": {"density": 0.001}, "powersgd": {"start_powerSGD_iter": 2}}
+    knobs = short_run_knobs(density, warmup_steps=1, ae_steps=2)
+    return {**knobs, "sbc": {"density": density}, "powersgd": {"start_powerSGD_iter": 2}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -436,7 +437,7 @@ def _profiles(models: list[str], methods: list[str], cache: Path | None) -> dict
 
                 started = time.perf_counter()
                 profiles[name][method] = profile_method(
-                    module, method, batches, knobs=_profile_knobs().get(method, {}), steps=5
+                    module, method, batches, knobs=profile_knobs().get(method, {}), steps=5
                 )
                 print(f"profiled {name} {method}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         finally:
@@ -467,21 +468,21 @@ def _format_crossing(crossing: tuple[str, float | None] | None) -> str:
 def run(args: argparse.Namespace) -> None:
     from lgc.api import METHODS
     from lgc.bench.netns import parse_delay, parse_rate
+    from lgc.bench.network import parse_list
 
     try:
-        models = [m.strip() for m in args.model.split(",") if m.strip()]
-        bad = [m for m in models if m not in DEFAULT_COMPUTE_MS]
-        if bad or not models:
+        models = parse_list(args.model, "model")
+        if any(m not in DEFAULT_COMPUTE_MS for m in models):
             raise ValueError(f"--model must name some of {sorted(DEFAULT_COMPUTE_MS)}, got {args.model!r}")
-        workers = [int(w) for w in args.workers.split(",")]
-        if not workers or min(workers) < 1:
+        workers = [int(w) for w in parse_list(args.workers, "workers")]
+        if min(workers) < 1:
             raise ValueError(f"--workers must be positive integers, got {args.workers!r}")
-        rates = [(text.strip(), parse_rate(text.strip()) / 8) for text in args.bandwidth.split(",") if text.strip()]
+        rates = [(text, parse_rate(text) / 8) for text in parse_list(args.bandwidth, "bandwidth")]
         latency = parse_delay(args.latency) / 1e6
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        methods = parse_list(args.methods, "methods")
         unknown = [m for m in methods if m not in METHODS]
-        if unknown or not methods:
-            raise ValueError(f"unknown method(s) {unknown or args.methods!r}; known: {sorted(METHODS)}")
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; known: {sorted(METHODS)}")
         if args.compute_ms is not None and not args.compute_ms > 0:
             raise ValueError(f"--compute-ms must be > 0, got {args.compute_ms!r}")
     except ValueError as error:
@@ -568,6 +569,8 @@ def _plot(
 ) -> None:
     import matplotlib
 
+    from lgc.bench.network import method_color
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -590,8 +593,7 @@ def _plot(
                     for b in grid
                 ]
                 style = "--" if method in ("none", "torch_fp16") else "-"
-                # tab20's dark shades first, then its light ones: no two of 11+ methods share a color.
-                color = plt.get_cmap("tab20").colors[(2 * index) % 20 + (2 * index) // 20 % 2]
+                color = method_color(index)
                 axis.plot([8 * b / 1e9 for b in grid], [1000 * t for t in times], style, color=color, label=method)
             axis.set_xscale("log")
             axis.set_yscale("log")

@@ -56,7 +56,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_METHODS", "add_arguments", "run", "short_run_knobs", "summarize", "validate"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "add_arguments",
+    "method_color",
+    "parse_list",
+    "run",
+    "short_run_knobs",
+    "summarize",
+    "validate",
+]
 
 #: The methods of the issue's comparison: dense, the 16-bit baseline, PowerSGD, lgc's baselines, LGC.
 DEFAULT_METHODS = (
@@ -122,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _parse_list(text: str, what: str) -> list[str]:
+def parse_list(text: str, what: str) -> list[str]:
+    """The comma-separated items of the option ``--what``; refuses a list that names nothing."""
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise ValueError(f"--{what} names nothing: {text!r}")
@@ -136,16 +146,16 @@ def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[str], li
     from lgc.bench.network_worker import TASKS
 
     try:
-        workers = [int(w) for w in _parse_list(args.workers, "workers")]
+        workers = [int(w) for w in parse_list(args.workers, "workers")]
     except ValueError as error:
         raise ValueError(f"--workers must be comma-separated integers, got {args.workers!r}") from error
     if min(workers) < 2:
         raise ValueError(f"--workers must be >= 2 (a network needs two ends), got {args.workers!r}")
-    methods = _parse_list(args.methods, "methods")
+    methods = parse_list(args.methods, "methods")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {sorted(METHODS)}")
-    bandwidths = _parse_list(args.bandwidth, "bandwidth")
+    bandwidths = parse_list(args.bandwidth, "bandwidth")
     for bandwidth in bandwidths:
         parse_rate(bandwidth)
     if args.delay is not None:
@@ -300,6 +310,14 @@ def _table(rows: list[dict[str, Any]], target: float) -> str:
     return "\n".join(lines)
 
 
+def method_color(index: int) -> tuple[float, float, float]:
+    """The ``index``-th method's line colour: tab20's dark shades first, then its light ones (20 distinct)."""
+    import matplotlib
+
+    colors = matplotlib.colormaps["tab20"].colors
+    return colors[(2 * index) % 20 + (2 * index) // 20 % 2]
+
+
 def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -> None:
     import matplotlib
 
@@ -310,9 +328,7 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
     for axis, (bandwidth, rows) in zip(axes[0], results.items(), strict=True):
         for index, row in enumerate(rows):
             seconds, accuracy = zip(*row["curve"], strict=True)
-            # 11 methods: tab20's dark shades first, then its light ones, so no two lines share a color.
-            color = plt.get_cmap("tab20").colors[(2 * index) % 20 + (2 * index) // 20 % 2]
-            axis.plot(seconds, accuracy, marker=".", color=color, label=row["method"])
+            axis.plot(seconds, accuracy, marker=".", color=method_color(index), label=row["method"])
         axis.axhline(target, color="grey", linestyle=":", linewidth=1)
         axis.set_title(f"{bandwidth} per link")
         axis.set_xlabel("training wall time (s)")

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["TASKS", "WorkerSpec", "build_model", "main", "run_worker", "time_collectives"]
+__all__ = ["TASKS", "WorkerSpec", "build_model", "main", "run_worker", "sgd_for", "time_collectives"]
 
 #: Training tasks: the embedded default's model, and torchvision ResNets (larger gradients) on the
 #: same 8x8 digits with the CIFAR stem, where compute stays cheap.
@@ -85,10 +85,10 @@ def build_model(task: str) -> nn.Module:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
-def _optimizer_for(method: str, model: nn.Module, spec: WorkerSpec) -> torch.optim.Optimizer:
-    # DGC applies momentum itself (lgc.compress refuses an optimizer that applies it again).
-    momentum = 0.0 if method == "dgc" else spec.momentum
-    return torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=momentum)
+def sgd_for(method: str, model: nn.Module, lr: float, momentum: float = 0.9) -> torch.optim.Optimizer:
+    """SGD for ``model`` trained with ``method``: without momentum for DGC, which applies it itself
+    (:func:`lgc.compress` refuses an optimizer that would apply it again)."""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if method == "dgc" else momentum)
 
 
 def _evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -148,7 +148,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     val_images, val_labels = val_set.tensors
     torch.manual_seed(spec.seed)
     model = DistributedDataParallel(build_model(spec.task))
-    optimizer = _optimizer_for(spec.method, model, spec)
+    optimizer = sgd_for(spec.method, model, spec.lr, spec.momentum)
     loss_fn = nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(spec.seed * 1000 + rank)
 

@@ -44,11 +44,10 @@ from torch import Tensor
 from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.topk import (
+    ScatterAddAggregation,
     SparsePayload,
     index_dtype_for,
     num_selected,
-    scatter_add_sparse,
-    scatter_add_sparse_into,
 )
 
 __all__ = ["PAPER_WARMUP_DENSITIES", "DGCCompressor", "SelectionInfo", "check_optimizer_momentum", "sampled_topk"]
@@ -272,7 +271,7 @@ def sampled_topk(
         rounds += 1
 
 
-class DGCCompressor(Compressor):
+class DGCCompressor(ScatterAddAggregation, Compressor):
     """Deep Gradient Compression: momentum-corrected, masked, warmed-up top-k (Lin et al. 2018).
 
     Per tensor (``key``, the parameter name in the DDP hook) the compressor keeps the momentum
@@ -588,12 +587,6 @@ class DGCCompressor(Compressor):
         # One payload's positions are distinct: a plain index_copy_ (no accumulation) suffices.
         dense = torch.zeros(payload.numel, dtype=torch.float32, device=payload.values.device)
         return dense.index_copy_(0, payload.indices.long(), payload.values.float())
-
-    def aggregate(self, payloads: list[Payload]) -> Tensor:
-        return scatter_add_sparse(payloads)  # type: ignore[arg-type]
-
-    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
-        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
         return SparsePayload.from_wire(wire, numel)

@@ -60,11 +60,10 @@ from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.topk import (
+    ScatterAddAggregation,
     SparsePayload,
     index_dtype_for,
     num_selected,
-    scatter_add_sparse,
-    scatter_add_sparse_into,
 )
 
 __all__ = ["RedSyncCompressor", "SignMeanPayload"]
@@ -114,7 +113,7 @@ class SignMeanPayload(SparsePayload):
         return cls(numel=numel, values=values, indices=indices, means=means, num_positive=num_positive)
 
 
-class RedSyncCompressor(Compressor):
+class RedSyncCompressor(ScatterAddAggregation, Compressor):
     """Residual gradient compression with RedSync's threshold-based selection.
 
     Wire cost per tensor: ``k'`` fp32 values plus ``k'`` int32 indices (``8 k'`` bytes), where
@@ -376,12 +375,6 @@ class RedSyncCompressor(Compressor):
         dense = payload.values.new_zeros(payload.numel, dtype=torch.float32)
         # Positions within one payload are distinct: a plain scatter, no accumulation needed.
         return dense.index_put_((payload.indices.long(),), payload.values.float())
-
-    def aggregate(self, payloads: list[Payload]) -> Tensor:
-        return scatter_add_sparse(payloads)  # type: ignore[arg-type]
-
-    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
-        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
         if self.quantize:

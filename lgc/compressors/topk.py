@@ -17,6 +17,7 @@ from torch import Tensor
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 
 __all__ = [
+    "ScatterAddAggregation",
     "SparsePayload",
     "TopKCompressor",
     "index_dtype_for",
@@ -102,6 +103,19 @@ def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:
     out.zero_().index_add_(0, indices, values)
 
 
+class ScatterAddAggregation:
+    """Mixin for compressors whose payloads are :class:`SparsePayload`: the workers' payloads sum by scatter-add.
+
+    Top-k, DGC and RedSync put it before :class:`~lgc.compressors.base.Compressor` in their bases.
+    """
+
+    def aggregate(self, payloads: list[Payload]) -> Tensor:
+        return scatter_add_sparse(payloads)  # type: ignore[arg-type]
+
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
+
+
 #: Tensors at least this large use the block-maximum selection; smaller ones call torch.topk directly.
 _BLOCK_SELECTION_MIN_NUMEL = 1 << 15
 
@@ -141,7 +155,7 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
     return candidates[kept[chosen]]
 
 
-class TopKCompressor(Compressor):
+class TopKCompressor(ScatterAddAggregation, Compressor):
     """Keeps the ``k = ceil(density * n)`` largest-magnitude entries, exactly (``torch.topk``).
 
     Wire cost: ``k`` values (fp32 by default) plus ``k`` int32 indices, i.e. 8 bytes per kept
@@ -184,12 +198,6 @@ class TopKCompressor(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, SparsePayload)
         return payload.to_dense()
-
-    def aggregate(self, payloads: list[Payload]) -> Tensor:
-        return scatter_add_sparse(payloads)  # type: ignore[arg-type]
-
-    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
-        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
         return SparsePayload.from_wire(wire, numel, self.value_dtype)
