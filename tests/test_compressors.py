@@ -11,6 +11,7 @@ from lgc.compressors import (
     ErrorFeedback,
     FP16Compressor,
     NoneCompressor,
+    RandomBlockCompressor,
     SparsePayload,
     TopKCompressor,
 )
@@ -153,7 +154,8 @@ def test_double_error_feedback_is_refused():
 
 
 @pytest.mark.parametrize(
-    "numel,k", [(70_000, 1), (100_000, 100), (1_000_000, 1000), (300_000, 30_000), (200_000, 24_999)]
+    "numel,k",
+    [(70_000, 1), (100_000, 100), (1_000_000, 1000), (1_000_000, 10_000), (300_000, 30_000), (200_000, 24_999)],
 )
 def test_block_maximum_topk_selection_is_exact(numel, k):
     from lgc.compressors.topk import topk_indices
@@ -186,11 +188,22 @@ def test_block_maximum_topk_selection_finds_a_contiguous_run_of_large_entries():
     assert set(chosen.tolist()) == set(range(50_000, 50_200))
 
 
+@pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("inner", [TopKCompressor(0.05), TopKCompressor(0.05, "float16"), FP16Compressor()], ids=repr)
-def test_aggregate_into_writes_what_aggregate_returns_over_whatever_the_bucket_held(inner, out_dtype):
+@pytest.mark.parametrize(
+    "inner",
+    [
+        TopKCompressor(0.05),
+        TopKCompressor(0.05, "float16"),
+        FP16Compressor(),
+        RandomBlockCompressor(0.05),
+        RandomBlockCompressor(0.05, shared=False),
+    ],
+    ids=repr,
+)
+def test_aggregate_into_writes_what_aggregate_returns_over_whatever_the_bucket_held(inner, out_dtype, workers):
     compressor = ErrorFeedback(inner)
-    payloads = [compressor.compress(_randn(3000, seed=s), f"w{s}") for s in range(3)]
+    payloads = [compressor.compress(_randn(3000, seed=s), f"w{s}") for s in range(workers)]
     out = torch.full((3000,), float("nan"), dtype=out_dtype)  # stale bucket content must not leak in
     compressor.aggregate_into(payloads, out)
     expected = compressor.aggregate(payloads).to(out_dtype)

@@ -506,13 +506,17 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
     ) -> None:
         """Momentum correction on one span, in place: ``u = m*u + g; v += u`` (or the variants).
 
-        ``g`` is ``scale * grad`` plus the weight decay on ``weight`` (when given).
+        ``g`` is ``scale * grad`` plus the weight decay on ``weight`` (when given). Without Nesterov
+        the decay is added into ``u`` (or ``v``) in place, so no gradient-sized temporary is allocated.
         """
-        grad, scale = self._decayed(grad, scale, weight)
+        decay = 0.0 if weight is None else self.weight_decay / self.world_size
         if u is None:
             # No momentum: u would be g every step, so v += g is all there is (top-k with EF).
             v.add_(grad, alpha=scale)
+            if decay:
+                v.add_(weight, alpha=decay)
         elif self.nesterov:
+            grad, scale = self._decayed(grad, scale, weight)
             u.add_(grad, alpha=scale).mul_(self.momentum)
             v.add_(u).add_(grad, alpha=scale)
         else:
@@ -521,6 +525,9 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
                 torch.add(grad, u, alpha=self.momentum, out=u)
             else:
                 u.mul_(self.momentum).add_(grad, alpha=scale)
+            if decay:
+                # (g + m*u) + wd*w: the same sum as SGD's m*u + (g + wd*w), rounded in another order.
+                u.add_(weight, alpha=decay)
             v.add_(u)
 
     def compress(self, tensor: Tensor, key: str) -> SparsePayload:

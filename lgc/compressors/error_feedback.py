@@ -62,7 +62,7 @@ class ErrorFeedback(Compressor):
         payload = self.compressor.compress(corrected, key)
         if isinstance(payload, SparsePayload):
             # Cheaper than a dense decode: subtract what was sent at the sent positions only.
-            corrected.index_add_(0, payload.indices.long(), payload.values.to(corrected.dtype), alpha=-1)
+            payload.subtract_from(corrected)
             self.residuals[key] = corrected
         else:
             # Out of place: a dense payload may alias ``corrected``.

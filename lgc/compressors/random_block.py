@@ -100,6 +100,12 @@ class BlockPayload(SparsePayload):
             dense[destination] += self.values[source]
         return dense
 
+    def subtract_from(self, dense: Tensor) -> Tensor:
+        """``dense -= decode(self)`` in place, by contiguous slices."""
+        for destination, source in self._pieces():
+            dense[destination] -= self.values[source]
+        return dense
+
     def to_dense(self) -> Tensor:
         dense = self.values.new_zeros(self.numel, dtype=torch.float32)
         for destination, source in self._pieces():
@@ -224,6 +230,16 @@ class RandomBlockCompressor(Compressor):
             assert isinstance(payload, BlockPayload)
             payload.add_to(total)
         return total
+
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        """Zero ``out`` (the tensor's slice of the bucket) and add each block at its offset: no dense temporary."""
+        if out.dtype != torch.float32 and len(payloads) > 1:
+            out.copy_(self.aggregate(payloads))  # sum the workers' blocks in fp32, round once
+            return
+        out.zero_()
+        for payload in payloads:
+            assert isinstance(payload, BlockPayload)
+            payload.add_to(out)
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> BlockPayload:
         if self.shared:

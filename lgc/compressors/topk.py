@@ -80,6 +80,10 @@ class SparsePayload(Payload):
         dense = self.values.new_zeros(self.numel, dtype=torch.float32)
         return dense.index_add_(0, self.indices.long(), self.values.float())
 
+    def subtract_from(self, dense: Tensor) -> Tensor:
+        """``dense -= decode(self)`` in place, touching only the sent positions (error feedback's update)."""
+        return dense.index_add_(0, self.indices, self.values.to(dense.dtype), alpha=-1)
+
 
 def scatter_add_sparse(payloads: list[SparsePayload]) -> Tensor:
     """Sum of several sparse payloads of the same length, in one scatter-add."""
@@ -93,14 +97,14 @@ def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:
     """:func:`scatter_add_sparse` written into ``out``: zeroed, then one scatter-add, no dense temporary.
 
     An fp32 ``out`` takes the sum directly; another dtype (a half-precision bucket) gets the fp32
-    sum cast once, so the workers' values are not added in half precision.
+    sum of several payloads cast once, so the workers' values are not added in half precision.
     """
-    if out.dtype != torch.float32:
+    if out.dtype != torch.float32 and len(payloads) > 1:
         out.copy_(scatter_add_sparse(payloads))
         return
-    values = torch.cat([p.values.float() for p in payloads])
-    indices = torch.cat([p.indices.long() for p in payloads])
-    out.zero_().index_add_(0, indices, values)
+    out.zero_()
+    for payload in payloads:  # one index_add_ per payload: no concatenated copy of all of them
+        out.index_add_(0, payload.indices, payload.values.to(out.dtype))
 
 
 class ScatterAddAggregation:
@@ -118,6 +122,20 @@ class ScatterAddAggregation:
 
 #: Tensors at least this large use the block-maximum selection; smaller ones call torch.topk directly.
 _BLOCK_SELECTION_MIN_NUMEL = 1 << 15
+#: Largest block of the block-maximum selection (measured best for density 0.001 on ResNet-50's shapes).
+_MAX_BLOCK = 128
+
+
+def _block_size(numel: int, k: int) -> int:
+    """Block length for :func:`topk_indices`: a power of two near ``numel / (8 k)``, in ``[4, 128]``.
+
+    Longer blocks make the block-maximum pass cheaper and the ``k`` candidate blocks (``k * b``
+    entries, filtered with one comparison) dearer; ``k * b <= numel / 8`` keeps the candidates an
+    eighth of the tensor at most. Measured on a 2-core CPU for 65k to 2.4M entries, this is within
+    10 % of the best power of two at densities 0.001 and 0.01, and 1.2 to 2x faster than the
+    ``sqrt(numel / k)`` blocks that balance the two top-k calls.
+    """
+    return 1 << min(max(2, (numel // (8 * k)).bit_length() - 1), _MAX_BLOCK.bit_length() - 1)
 
 
 def topk_indices(values: Tensor, k: int) -> Tensor:
@@ -127,32 +145,36 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
     pass over memory. For large tensors this uses block maxima instead: split the tensor into
     blocks of ``b`` entries and take every block's largest magnitude. The k largest entries all lie
     in the k blocks with the largest maxima: those k maxima are k distinct entries, so the k-th
-    largest entry is at least the k-th largest block maximum, and a block holding a top-k entry
-    has a maximum at least that large. An exact top-k over those ``k * b`` candidates (plus the
-    tail that does not fill a block) is therefore the exact answer. ``b`` is about
-    ``sqrt(n / k)``, which balances the two small top-k calls; the second only sees the candidates
-    at least as large as the k-th largest block maximum, a lower bound of the k-th largest entry.
-    The block maxima are ``amax`` and
-    ``amin`` over the rows of an ``(n / b, b)`` view: on the CPU the pair is several times faster
-    than one ``aminmax(dim=1)``, which does not vectorize.
+    largest entry is at least the k-th largest block maximum ``t``, and a block holding a top-k
+    entry has a maximum at least that large. So only entries of those k blocks (and of the tail
+    that does not fill a block) with magnitude at least ``t`` can be chosen, usually little over
+    ``k`` of them, and an exact top-k over those is the exact answer.
+
+    The block maxima are ``amax`` and ``amin`` over the rows of an ``(n / b, b)`` view: on the CPU
+    the pair is several times faster than one ``aminmax(dim=1)`` or an infinity norm, which do not
+    vectorize. The k candidate blocks are gathered as whole rows (``index_select``), which is
+    several times faster than gathering their ``k * b`` entries one by one.
     """
     numel = values.numel()
-    block = 1 << max(2, round(math.log2(math.sqrt(numel / k)))) if k else 1
-    if numel < _BLOCK_SELECTION_MIN_NUMEL or 4 * k * block >= numel:
+    block = _block_size(numel, k) if k else 1
+    if numel < _BLOCK_SELECTION_MIN_NUMEL or 8 * k * block > numel:
         return torch.topk(values.abs(), k, sorted=False).indices
     num_blocks = numel // block
     rows = values[: num_blocks * block].view(num_blocks, block)
     block_max = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
     top_blocks = torch.topk(block_max, k, sorted=False)
-    candidates = (top_blocks.indices.unsqueeze(1) * block + torch.arange(block, device=values.device)).reshape(-1)
+    threshold = top_blocks.values.min()
+    magnitudes = rows.index_select(0, top_blocks.indices).abs_()
+    kept = (magnitudes >= threshold).nonzero()
+    row, column = kept[:, 0], kept[:, 1]
+    positions = top_blocks.indices[row] * block + column
+    magnitudes = magnitudes[row, column]
     if num_blocks * block < numel:
-        candidates = torch.cat([candidates, torch.arange(num_blocks * block, numel, device=values.device)])
-    # The k-th largest block maximum bounds the k-th largest entry from below (those k maxima are
-    # k entries), so only candidates at least that large can be chosen: usually little over k.
-    magnitudes = values[candidates].abs()
-    kept = (magnitudes >= top_blocks.values.min()).nonzero().squeeze(1)
-    chosen = torch.topk(magnitudes[kept], k, sorted=False).indices
-    return candidates[kept[chosen]]
+        tail = values[num_blocks * block :].abs()
+        tail_kept = (tail >= threshold).nonzero().squeeze(1)
+        magnitudes = torch.cat([magnitudes, tail[tail_kept]])
+        positions = torch.cat([positions, tail_kept + num_blocks * block])
+    return positions[torch.topk(magnitudes, k, sorted=False).indices]
 
 
 class TopKCompressor(ScatterAddAggregation, Compressor):
