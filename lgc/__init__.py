@@ -26,6 +26,7 @@ from lgc.ddp import CompressionHookState, register_compression_hook
 from lgc.ddp.lgc_ps import LGCParameterServerState
 from lgc.ddp.lgc_rar import LGCRingAllreduceState
 from lgc.ddp.local_sgd import CommunicationDelayState
+from lgc.ddp.shared_index import SharedIndexState
 from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "LGCParameterServerState",
     "LGCRingAllreduceState",
     "PowerSGDHookState",
+    "SharedIndexState",
     "TorchHookState",
     # the lower-level registration compress() builds on
     "register_compression_hook",

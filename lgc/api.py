@@ -51,6 +51,7 @@ from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.lgc_ps import LGCParameterServerState
 from lgc.ddp.lgc_rar import LGCRingAllreduceState
 from lgc.ddp.local_sgd import CommunicationDelayState, local_step_hook
+from lgc.ddp.shared_index import SharedIndexState
 from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState
 
 __all__ = ["METHODS", "HookState", "Method", "compress"]
@@ -104,8 +105,26 @@ _LGC = dict(
     index_coding="raw",
     value_order="value",
     latent_dtype="float32",
+    measure_error=False,
 )
 _LGC_RAR = dict(_LGC, loss_weights=dict(reconstruction=0.5, similarity=0.5, mean=1.0), residual="own_reconstruction")
+# shared_topk.yaml: LGC's stages and leader without the autoencoder.
+_SHARED = dict(
+    density=0.01,
+    warmup_steps=30,
+    warmup="dense",
+    warmup_densities=list(PAPER_WARMUP_DENSITIES),
+    ae_steps=0,
+    values="float32",
+    leader_only=False,
+    chunk=64,
+    seed=0,
+    leader_rank=0,
+    rotate_leader=False,
+    index_coding="raw",
+    value_order="position",
+    measure_error=False,
+)
 _LGC_PS = dict(_LGC, innovation_density=0.001, loss_weights=dict(reconstruction=0.5, similarity=0.5))
 # lgc_*_paper.yaml: the LGC paper's scale (CIFAR-10 ResNets on 8 GPUs).
 _LGC_PAPER = dict(density=0.001, warmup_steps=975, ae_steps=300, ae_updates_per_step=1)
@@ -154,6 +173,9 @@ METHODS: Mapping[str, Method] = MappingProxyType(
         "lgc_rar": Method(LGCRingAllreduceState, _LGC_RAR),
         "lgc_ps": Method(LGCParameterServerState, _LGC_PS),
         "lgc_rar_paper": Method(LGCRingAllreduceState, _paper(_LGC_RAR)),
+        "lgc_rar_linear": Method(LGCRingAllreduceState, dict(_LGC_RAR, codec="linear", linear_latent=None)),
+        "shared_topk": Method(SharedIndexState, _SHARED),
+        "leader_scaled": Method(SharedIndexState, dict(_SHARED, leader_only=True)),
         "lgc_ps_paper": Method(LGCParameterServerState, _paper(_LGC_PS, innovation_density=1e-5)),
     }
 )

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DENSE_TARGETS",
+    "FEWER_BYTES_THAN_DGC",
     "LGC_COMPRESSED_RATIO",
     "SUMMARY_NAME",
     "WIRE_MB_PER_WORKER",
@@ -54,6 +55,8 @@ DENSE_TARGETS = ("lgc.compressors.NoneCompressor", "lgc.compressors.none.NoneCom
 LGC_COMPRESSED_RATIO = "lgc_stages.compressed.compression_ratio"
 # Wire bytes sent per worker over the whole run, in MB (RunRecord.wire_mb_per_worker).
 WIRE_MB_PER_WORKER = "wire_mb_per_worker"
+# Whole-run wire bytes of the DGC run with the same world size and density over the run's.
+FEWER_BYTES_THAN_DGC = "fewer_bytes_than_dgc"
 
 _CONF = Path(__file__).resolve().parent / "conf"
 # Config keys that do not change what is trained (paths, logging, how workers start): never in a label.
@@ -502,15 +505,41 @@ def _columns(records: Sequence[RunRecord]) -> list[_Column]:
     columns.append(_Column("payload_compression_ratio", "payload ratio", ".2f"))
     if any("lgc_stages" in record.summary for record in records):
         columns.append(_Column(LGC_COMPRESSED_RATIO, "LGC compressed-stage ratio", ".2f"))
+    if any(_dgc_reference(record, records) is not None for record in records):
+        columns.append(_Column(FEWER_BYTES_THAN_DGC, "x fewer bytes than DGC", ".2f"))
+    if any("lgc_true_error" in record.summary for record in records):
+        columns.append(_Column("lgc_true_error", "error at leader positions", ".3g"))
     columns.append(_Column("wall_time_s", "wall time (s)", ".1f"))
     return columns
 
 
-def _cell_value(record: RunRecord, key: str) -> Any:
+def _density(record: RunRecord) -> Any:
+    return _lookup(record.config, "compressor.density")
+
+
+def _dgc_reference(record: RunRecord, records: Sequence[RunRecord]) -> RunRecord | None:
+    """The DGC run with the same world size and density as ``record`` (issue 13's yardstick), if loaded."""
+    for other in records:
+        if (
+            other.compressor == "dgc"
+            and other.summary.get("world_size") == record.summary.get("world_size")
+            and _density(other) is not _MISSING
+            and _density(other) == _density(record)
+            and other.counts_wire_bytes
+        ):
+            return other
+    return None
+
+
+def _cell_value(record: RunRecord, key: str, records: Sequence[RunRecord] = ()) -> Any:
     if key == "label":
         return record.label
     if key == "compressor":
         return record.compressor
+    if key == FEWER_BYTES_THAN_DGC:
+        reference = _dgc_reference(record, records)
+        own, theirs = record.wire_mb_per_worker, None if reference is None else reference.wire_mb_per_worker
+        return _MISSING if own is None or theirs is None or own == 0 else theirs / own
     return record._value(key)
 
 
@@ -519,7 +548,7 @@ def table_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     columns = _columns(records)
     rows = []
     for record in records:
-        row = {column.key: _cell_value(record, column.key) for column in columns}
+        row = {column.key: _cell_value(record, column.key, records) for column in columns}
         rows.append(
             {key: None if value is _MISSING else value for key, value in row.items()} | {"path": str(record.path)}
         )
@@ -547,11 +576,16 @@ def report_table(records: Sequence[RunRecord]) -> str:
     written before wire bytes were counted), ``logical_compression_ratio``,
     ``upstream_compression_ratio`` (when the summaries have it: without what LGC-PS's parameter
     server sends), ``payload_compression_ratio`` (the compressor's own ratio on the tensors it
-    compresses), LGC's compressed-stage ratio (when a run has ``lgc_stages``) and wall time.
+    compresses), LGC's compressed-stage ratio (when a run has ``lgc_stages``), how many times fewer
+    whole-run wire bytes than the DGC run of the same world size and density (when one is loaded),
+    the relative error of the sums delivered at the leader's positions (runs with
+    ``measure_error``) and wall time.
     A null ratio reads ``n/a``, a value the run does not have ``-``.
     """
     columns = _columns(records)
-    cells = [[_format_cell(_cell_value(record, column.key), column) for column in columns] for record in records]
+    cells = [
+        [_format_cell(_cell_value(record, column.key, records), column) for column in columns] for record in records
+    ]
     widths = [max([len(column.header), 3, *(len(row[c]) for row in cells)]) for c, column in enumerate(columns)]
 
     def line(values: list[str]) -> str:

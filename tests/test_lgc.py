@@ -308,30 +308,16 @@ def test_lgc_trains_a_small_network_close_to_dense(variant):
 # -- the compressed stage's plumbing, exactly: an identity "autoencoder" ------------------------------
 
 
-class _IdentityCodeRAR(LGCRingAllreduceState):
-    """LGC-RAR whose latent is the (scaled) chunk itself: decoding then gives the values back."""
-
-    __slots__ = ()
-
-    def _latent_shape(self, rows):
-        return rows, 1, self.ae_config.chunk
-
-
-class _IdentityCodePS(LGCParameterServerState):
-    __slots__ = ()
-
-    def _latent_shape(self, rows):
-        return rows, 1, self.ae_config.chunk
-
-
 def _identity_autoencoder(state) -> None:
+    """Make the latent the (scaled) chunk itself: decoding then gives the values back."""
     ae = state.autoencoder
     ae.encode = lambda chunks: chunks.unsqueeze(1)
     ae.decode = lambda latent, innovation=None, decoder=0: latent.squeeze(1)
+    ae.latent_shape = lambda rows: (rows, 1, state.ae_config.chunk)
 
 
 def _one_compressed_step(rank: int, world: int, variant: str, index_coding: str) -> dict:
-    cls = _IdentityCodeRAR if variant == "rar" else _IdentityCodePS
+    cls = LGCRingAllreduceState if variant == "rar" else LGCParameterServerState
     kwargs = dict(density=0.05, warmup_steps=1, ae_steps=1, ae_updates_per_step=0, min_numel=MIN_NUMEL)
     kwargs.update(index_coding=index_coding, value_order="value")
     kwargs.update(autoencoder=dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2))

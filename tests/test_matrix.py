@@ -59,6 +59,7 @@ _LGC = [
     "compressor.autoencoder.latent_channels=2",
 ]
 _PS = ["compressor.innovation_density=0.01"]
+_SHARED = ("compressor.density=0.05", "compressor.warmup_steps=2", "compressor.chunk=16")
 
 
 class Method(NamedTuple):
@@ -113,6 +114,12 @@ METHODS = (
     Method("lgc_rar_dgc_warmup", "lgc_rar", (*_LGC, "compressor.warmup=dgc"), inject_step=1),
     Method("lgc_ps_ae", "lgc_ps", (*_LGC, *_PS), inject_step=3),
     Method("lgc_ps", "lgc_ps", (*_LGC, *_PS), inject_step=5),
+    Method("lgc_rar_linear", "lgc_rar_linear", (*_LGC,), inject_step=5),
+    Method("shared_topk", "shared_topk", _SHARED, inject_step=4),
+    Method("shared_topk_fp16", "shared_topk", (*_SHARED, "compressor.values=float16"), inject_step=4),
+    Method("shared_topk_int8", "shared_topk", (*_SHARED, "compressor.values=int8"), inject_step=4),
+    Method("shared_topk_int4", "shared_topk", (*_SHARED, "compressor.values=int4", "compressor.index_coding=golomb")),
+    Method("leader_scaled", "leader_scaled", _SHARED, inject_step=4),
     Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm.delay=2"), inject_step=3, delay=2),
     Method("delay_none", "none", ("comm.delay=2",), inject_step=2, delay=2),
 )

@@ -13,7 +13,15 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from lgc.report import LGC_COMPRESSED_RATIO, load_runs, main, plot_tradeoff, report_table, table_rows
+from lgc.report import (
+    FEWER_BYTES_THAN_DGC,
+    LGC_COMPRESSED_RATIO,
+    load_runs,
+    main,
+    plot_tradeoff,
+    report_table,
+    table_rows,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Fake runs: the real composed config, and the summary lgc.lit.RunSummary + lgc.train.train write.
@@ -333,29 +341,29 @@ def test_table_rows_with_null_ratios_and_lgc_stages(tmp_path):
     records = load_runs(_classification_sweep(tmp_path))
     assert report_table(records).splitlines() == [
         "| run                              | compressor | world size | steps | val/acc "
-        "| wire MB/worker | compression ratio (wire) | logical ratio | upstream ratio "
-        "| payload ratio | LGC compressed-stage ratio | wall time (s) |",
+        "| wire MB/worker | compression ratio (wire) | logical ratio | upstream ratio | payload ratio "
+        "| LGC compressed-stage ratio | x fewer bytes than DGC | wall time (s) |",
         "|----------------------------------|------------|-----------:|------:|--------:"
-        "|---------------:|-------------------------:|--------------:|---------------:"
-        "|--------------:|---------------------------:|--------------:|",
+        "|---------------:|-------------------------:|--------------:|---------------:|--------------:"
+        "|---------------------------:|-----------------------:|--------------:|",
         "| none                             | none       |          2 |     4 |  0.5156 "
-        "|            1.2 |                     1.00 |          1.00 |           1.00 "
-        "|          1.00 |                          - |          22.8 |",
+        "|            1.2 |                     1.00 |          1.00 |           1.00 |          1.00 "
+        "|                          - |                      - |          22.8 |",
         "| topk density=0.01                | topk       |          2 |     4 |  0.4297 "
-        "|          0.333 |                     3.61 |          3.61 |           3.61 "
-        "|         50.00 |                          - |          21.5 |",
+        "|          0.333 |                     3.61 |          3.61 |           3.61 |         50.00 "
+        "|                          - |                      - |          21.5 |",
         "| topk density=0.001               | topk       |          2 |     4 |  0.4062 "
-        "|          0.317 |                     3.79 |          3.79 |           3.79 "
-        "|        500.00 |                          - |          21.5 |",
+        "|          0.317 |                     3.79 |          3.79 |           3.79 |        500.00 "
+        "|                          - |                   2.39 |          21.5 |",
         "| dgc                              | dgc        |          2 |     4 |  0.3125 "
-        "|          0.757 |                     1.58 |          1.58 |           1.58 "
-        "|          2.00 |                          - |          21.5 |",
+        "|          0.757 |                     1.58 |          1.58 |           1.58 |          2.00 "
+        "|                          - |                   1.00 |          21.5 |",
         "| torch_fp16                       | torch_fp16 |          2 |     4 |  0.5078 "
-        "|            0.6 |                     2.00 |          2.00 |           2.00 "
-        "|           n/a |                          - |          19.4 |",
+        "|            0.6 |                     2.00 |          2.00 |           2.00 |           n/a "
+        "|                          - |                      - |          19.4 |",
         "| lgc_ps warmup_steps=2 ae_steps=1 | lgc_ps     |          2 |     4 |  0.7500 "
-        "|           0.63 |                     1.90 |          1.90 |           1.92 "
-        "|         95.24 |                      30.00 |          20.2 |",
+        "|           0.63 |                     1.90 |          1.90 |           1.92 |         95.24 "
+        "|                      30.00 |                      - |          20.2 |",
     ]
     # The numbers above, from the bytes (per worker: a dense first step, then the small tensors
     # dense and the large ones compressed).
@@ -381,10 +389,13 @@ def test_table_rows_with_null_ratios_and_lgc_stages(tmp_path):
         "upstream_compression_ratio",
         "payload_compression_ratio",
         LGC_COMPRESSED_RATIO,
+        FEWER_BYTES_THAN_DGC,
         "wall_time_s",
         "path",
     ]
     assert rows[4]["payload_compression_ratio"] is None and rows[4][LGC_COMPRESSED_RATIO] is None
+    # The DGC run of the same world size and density (0.001) sends 0.757 / 0.317 times top-k's bytes.
+    assert [row[FEWER_BYTES_THAN_DGC] for row in rows] == [None, None, pytest.approx(2.3913, abs=1e-4), 1.0, None, None]
     assert rows[5][LGC_COMPRESSED_RATIO] == pytest.approx(30.0)
     assert rows[5]["path"] == str(records[5].path) and rows[0]["wall_time_s"] == 22.84
 

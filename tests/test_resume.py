@@ -40,6 +40,9 @@ METHODS: dict[str, tuple[str, ...]] = {
     "sbc_delay": ("compressor=sbc", "compressor.density=0.05", "comm.delay=3"),
     "lgc_rar": ("compressor=lgc_rar", *LGC_STAGES),
     "lgc_ps": ("compressor=lgc_ps", *LGC_STAGES),
+    "lgc_rar_linear": ("compressor=lgc_rar_linear", *LGC_STAGES),
+    # Stochastic rounding (seeded by step and rank) and the shared-index stages (no codec training).
+    "shared_topk_int8": ("compressor=shared_topk", "compressor.values=int8", "compressor.warmup_steps=2"),
 }
 #: Where each method is stopped: (how, step). "max_steps" stops a run there (mid-epoch),
 #: "max_epochs" at an epoch's end (step 8 or 16), "kept" resumes from a mid-epoch step checkpoint
@@ -50,6 +53,8 @@ STOPS: dict[str, tuple[tuple[str, int], ...]] = {
     "sbc_delay": (("max_steps", 10), ("max_epochs", 8), ("kept", 13)),
     "lgc_rar": (("kept", 1), ("kept", 4), ("max_epochs", 8), ("max_steps", 13), ("max_epochs", 16)),
     "lgc_ps": (("kept", 1), ("kept", 4), ("max_epochs", 8), ("max_steps", 13), ("max_epochs", 16)),
+    "lgc_rar_linear": (("kept", 4), ("max_steps", 13)),
+    "shared_topk_int8": (("kept", 1), ("max_steps", 10), ("max_epochs", 16)),
 }
 
 
@@ -141,6 +146,10 @@ def test_lgc_rar_stopped_by_max_steps_in_its_compressed_stage_resumes_bit_identi
     assert loader_state["_sampler_iter_state"]["sampler_state"] == {"epoch": 1, "yielded": 5 * 32, "replicas": 2}
     assert checkpoint["lgc"]["world_size"] == 2
     assert checkpoint["lgc"]["compressor"]["_target_"].endswith("LGCRingAllreduceState")
+
+
+def test_shared_index_int8_stopped_in_its_compressed_stage_resumes_bit_identically(tmp_path):
+    check_resume_matrix(tmp_path, "shared_topk_int8", (("max_steps", 10),))
 
 
 @pytest.mark.slow

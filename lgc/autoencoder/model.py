@@ -167,6 +167,10 @@ class GradientAutoencoder(nn.Module):
             )
         return self.decoders[decoder](latent, innovation)
 
+    def latent_shape(self, rows: int) -> tuple[int, ...]:
+        """Shape of the latent code of ``rows`` chunks: ``(rows, latent_channels, latent_length)``."""
+        return rows, self.config.latent_channels, self.config.latent_length
+
     def encoder_numel(self) -> int:
         return sum(p.numel() for p in self.encoder.parameters())
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.autoencoder import AutoencoderConfig, chunk_scales, num_chunks, to_chunks
+from lgc.autoencoder import AutoencoderConfig, chunk_scales, num_chunks
 from lgc.coding import unpack_bits
 from lgc.compressors.topk import num_selected, topk_indices
 from lgc.ddp import collectives as counted
@@ -97,13 +97,7 @@ class LGCParameterServerState(LGCHookState):
 
     def _innovation_positions(self, plan: StepPlan, v: Tensor) -> Tensor:
         """This worker's innovation: its top-k at ``innovation_density`` per parameter, ascending."""
-        positions = torch.cat(
-            [
-                topk_indices(v[offset : offset + part.grad.numel()], self._innovation_k(part.grad.numel())) + offset
-                for part, offset in zip(plan.compressed, plan.cat_offsets, strict=True)
-            ]
-        )
-        return torch.sort(positions).values
+        return torch.sort(plan.top_positions(v, self.innovation_density)).values
 
     def _innovation_k(self, numel: int) -> int:
         return num_selected(numel, self.innovation_density)
@@ -115,7 +109,7 @@ class LGCParameterServerState(LGCHookState):
     def _add_samples(self, chunks: Tensor, innovation_masks: list[Tensor] | None, k: int) -> None:
         assert self.trainer is not None and innovation_masks is not None
         masks = torch.stack(
-            [to_chunks(unpack_bits(m.cpu(), k).float(), self.ae_config.chunk) for m in innovation_masks], dim=1
+            [self.leader_code.chunks(unpack_bits(m.cpu(), k).float()) for m in innovation_masks], dim=1
         ).to(chunks.device)
         innovations = chunks * masks
         self._record_held_out(self.trainer.evaluate(chunks, innovations) if self.trainer.num_samples else None)
@@ -123,10 +117,10 @@ class LGCParameterServerState(LGCHookState):
 
     # -- stage 3 ----------------------------------------------------------------------------------
     def _leader_wire(self, plan: StepPlan, v: Tensor) -> Tensor:
-        positions = self._leader_positions(plan, v)
-        scales = chunk_scales(to_chunks(v[positions], self.ae_config.chunk))
-        latent = self._wire_latent(self.autoencoder.encode(self._scaled_chunks(v[positions], scales)))
-        code = self._encode_positions(positions, plan.numel)
+        positions = self.leader_code.in_wire_order(plan.top_positions(v), v)
+        scales = chunk_scales(self.leader_code.chunks(v[positions]))
+        latent = self._wire_latent(self.autoencoder.encode(self.leader_code.scaled_chunks(v[positions], scales)))
+        code = self.leader_code.encode_positions(positions, plan.numel)
         return torch.cat([scales.view(torch.uint8), latent.view(torch.uint8), code])
 
     def _leader_to_server(self, plan: StepPlan, v: Tensor) -> Tensor | None:
@@ -160,8 +154,8 @@ class LGCParameterServerState(LGCHookState):
         latent_size = self._latent_bytes(rows)
         scales = leader_wire[: 4 * rows].clone().view(torch.float32)
         latent = leader_wire[4 * rows : 4 * rows + latent_size].clone().view(self.latent_torch_dtype)
-        positions = self._decode_positions(leader_wire[4 * rows + latent_size :], plan.k)
-        latent = latent.float().view(self._latent_shape(rows))
+        positions = self.leader_code.decode_positions(leader_wire[4 * rows + latent_size :], plan.k)
+        latent = latent.float().view(self.autoencoder.latent_shape(rows))
         device = scales.device
         slot = torch.full((plan.numel,), -1, dtype=torch.long, device=device)
         slot[positions] = torch.arange(plan.k, device=device)
@@ -176,8 +170,10 @@ class LGCParameterServerState(LGCHookState):
             inside = slots >= 0
             innovation = torch.zeros(plan.k, device=device)
             innovation[slots[inside]] = values[inside]
-            decoded = self.autoencoder.decode(latent, self._scaled_chunks(innovation, scales), decoder=worker)
-            estimate = self._unscaled(decoded, scales, plan.k)
+            decoded = self.autoencoder.decode(
+                latent, self.leader_code.scaled_chunks(innovation, scales), decoder=worker
+            )
+            estimate = self.leader_code.unscaled(decoded, scales, plan.k)
             known = slots[inside]
             error += float((estimate[known] - values[inside]).square().sum())
             norm += float(values[inside].square().sum())
@@ -188,8 +184,8 @@ class LGCParameterServerState(LGCHookState):
             outside_hit[where[~inside]] = True
         extras = torch.nonzero(outside_hit).view(-1)
         relative = error / norm if norm > 0 else float("nan")
-        position_code = self._encode_positions(positions, plan.numel)
-        extra_code = self._encode_positions(extras, plan.numel, ordered=False)
+        position_code = self.leader_code.encode_positions(positions, plan.numel)
+        extra_code = self.leader_code.encode_positions(extras, plan.numel, ordered=False)
         header = torch.tensor([extras.numel(), position_code.numel(), extra_code.numel()], dtype=torch.int64)
         payload = torch.cat([at_leader, outside[extras], torch.tensor([relative], device=device)])
         return torch.cat([header.to(device).view(torch.uint8), position_code, extra_code, payload.view(torch.uint8)])
@@ -198,9 +194,9 @@ class LGCParameterServerState(LGCHookState):
         header = wire[: 8 * _HEADER].clone().view(torch.int64).tolist()
         extra_count, position_bytes, extra_bytes = (int(h) for h in header)
         start = 8 * _HEADER
-        positions = self._decode_positions(wire[start : start + position_bytes], k)
+        positions = self.leader_code.decode_positions(wire[start : start + position_bytes], k)
         start += position_bytes
-        extras = self._decode_positions(wire[start : start + extra_bytes], extra_count, ordered=False)
+        extras = self.leader_code.decode_positions(wire[start : start + extra_bytes], extra_count, ordered=False)
         start += extra_bytes
         payload = wire[start:].clone().view(torch.float32)
         if payload.numel() != k + extra_count + 1:
@@ -213,7 +209,7 @@ class LGCParameterServerState(LGCHookState):
         if not plan.compressed:
             self._allreduce_dense(plan, [])
             return
-        v = self._corrected(plan)
+        v = plan.corrected(self.ef.residuals)
         own_innovation = self._innovation_positions(plan, v)
         k_innovation = own_innovation.numel()
         innovation_wire = torch.cat(
@@ -232,12 +228,13 @@ class LGCParameterServerState(LGCHookState):
         downstream = counted.broadcast_bytes(self.stats, downstream, _SERVER, group, as_server=True)
         positions, extras, values, relative = self._parse_downstream(downstream, plan.k)
 
+        self._measure_error(v[positions], values[: plan.k])
         update = torch.zeros(plan.numel, dtype=v.dtype, device=v.device)
         update[torch.cat([positions, extras])] = values.to(v.dtype)
         plan.scatter(update)
         v[positions] = 0.0
         v[own_innovation] = 0.0
-        self._keep_residuals(plan, v)
+        plan.keep_residuals(self.ef.residuals, v)
         if relative == relative:  # not NaN: some innovation fell on the leader's positions
             self.last_metrics["lgc/recon_error"] = relative
             self.step_error[0] += relative * plan.k

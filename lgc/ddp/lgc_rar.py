@@ -32,15 +32,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
-from lgc.autoencoder import AutoencoderConfig, chunk_scales, num_chunks, to_chunks
+from lgc.autoencoder import AutoencoderConfig
+from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
 from lgc.ddp import collectives as counted
 from lgc.ddp.lgc_base import LGCHookState, StepPlan
 
 __all__ = ["LGCRingAllreduceState"]
 
 _RESIDUALS = ("own_reconstruction", "zero")
+_CODECS = ("autoencoder", "linear")
 
 
 class LGCRingAllreduceState(LGCHookState):
@@ -49,6 +50,11 @@ class LGCRingAllreduceState(LGCHookState):
     Args:
         residual: ``"own_reconstruction"`` keeps what this worker's own latent does not carry;
             ``"zero"`` clears the residual at the leader's positions.
+        codec: ``"autoencoder"`` (the paper's) or ``"linear"``: the top principal directions of the
+            same samples (:class:`~lgc.autoencoder.linear.LinearChunkCodec`, issue 13's learned but
+            linear ablation; exact for the sum, since decoding is linear).
+        linear_latent: the linear codec's floats per chunk (default: the autoencoder's
+            ``latent_numel``, so both send the same bytes).
         **kwargs: the stages and common knobs of :class:`~lgc.ddp.lgc_base.LGCHookState`.
 
     Example::
@@ -57,13 +63,34 @@ class LGCRingAllreduceState(LGCHookState):
         >>> state.register(ddp_model)  # then train as usual; state.metrics()["lgc/stage"] tells the stage
     """
 
-    __slots__ = ("residual",)
+    __slots__ = ("residual", "codec", "linear_latent")
 
-    def __init__(self, *, residual: str = "own_reconstruction", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        residual: str = "own_reconstruction",
+        codec: str = "autoencoder",
+        linear_latent: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         if residual not in _RESIDUALS:
             raise ValueError(f"residual must be one of {_RESIDUALS}, got {residual!r}")
-        super().__init__(**kwargs)
+        if codec not in _CODECS:
+            raise ValueError(f"codec must be one of {_CODECS}, got {codec!r}")
+        if linear_latent is not None and codec != "linear":
+            raise ValueError(f"linear_latent={linear_latent!r} is the linear codec's knob, but codec={codec!r}")
         self.residual = residual
+        self.codec = codec
+        self.linear_latent = linear_latent
+        super().__init__(**kwargs)
+
+    def _make_trainer(self) -> Any:
+        if self.codec == "autoencoder":
+            return super()._make_trainer()
+        # As many latent floats per chunk as the autoencoder's by default: the same bytes on the wire.
+        latent = self.linear_latent if self.linear_latent is not None else self.ae_config.latent_numel
+        codec = LinearChunkCodec(self.ae_config.chunk, latent)
+        return LinearCodecTrainer(codec, buffer_size=self.trainer_options["buffer_size"])
 
     def _autoencoder_config(self, config: AutoencoderConfig, world_size: int | None) -> AutoencoderConfig:
         return AutoencoderConfig(**{**vars(config), "num_decoders": 1, "innovation": False})
@@ -73,24 +100,6 @@ class LGCRingAllreduceState(LGCHookState):
         self._send_flat_parameters(list(self.autoencoder.parameters()), None)
         self.autoencoder.eval()
 
-    def _leader_message(self, plan: StepPlan, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Broadcast the leader's positions and chunk scales; returns them on every rank."""
-        rows = num_chunks(plan.k, self.ae_config.chunk)
-        scale_bytes = 4 * rows
-        wire = None
-        if self.rank == self.leader:
-            positions = self._leader_positions(plan, v)
-            scales = chunk_scales(to_chunks(v[positions], self.ae_config.chunk))
-            wire = torch.cat([scales.view(torch.uint8), self._encode_positions(positions, plan.numel)])
-        if self.index_coding == "golomb":
-            wire = counted.broadcast_bytes(self.stats, wire, self.leader, self.process_group)
-        else:
-            if wire is None:
-                wire = torch.empty(scale_bytes + 4 * plan.k, dtype=torch.uint8, device=v.device)
-            counted.broadcast(self.stats, wire, self.leader, self.process_group)
-        scales = wire[:scale_bytes].clone().view(torch.float32)
-        return self._decode_positions(wire[scale_bytes:], plan.k), scales
-
     @torch.no_grad()
     def _compressed_step(self, plan: StepPlan) -> None:
         world_size = dist.get_world_size(self.process_group)
@@ -99,19 +108,22 @@ class LGCRingAllreduceState(LGCHookState):
             self._allreduce_dense(plan, [])
             return
         ae = self.autoencoder
-        v = self._corrected(plan)
+        v = plan.corrected(self.ef.residuals)
         sent_before = self.stats.bytes_sent
-        positions, scales = self._leader_message(plan, v)
+        positions, scales, _ = self._leader_message(plan, v)
+        assert scales is not None
         values = v[positions]
-        latent = self._wire_latent(ae.encode(self._scaled_chunks(values, scales)))
+        latent = self._wire_latent(ae.encode(self.leader_code.scaled_chunks(values, scales)))
         self._count_payload(self.stats.bytes_sent - sent_before + counted.nbytes(latent), plan)
         rows = scales.numel()
-        own = self._unscaled(ae.decode(latent.float().view(self._latent_shape(rows))), scales, plan.k)
+        own = self.leader_code.unscaled(
+            ae.decode(latent.float().view(self.autoencoder.latent_shape(rows))), scales, plan.k
+        )
         error, norm = float((values - own).square().sum()), float(values.square().sum())
         relative = error / norm if norm > 0 else 0.0
         self.last_metrics["lgc/recon_error"] = relative
         v[positions] = values - own if self.residual == "own_reconstruction" else 0.0
-        self._keep_residuals(plan, v)
+        plan.keep_residuals(self.ef.residuals, v)
 
         # The latent rides with the dense parameters in one allreduce when it is fp32, else its own.
         error_part = [v.new_tensor([relative])] if refresh else []
@@ -128,8 +140,9 @@ class LGCRingAllreduceState(LGCHookState):
             # Mean relative error over the workers, weighted by the step's values.
             self.step_error[0] += float(summed_error[0]) / world_size * plan.k
             self.step_error[1] += plan.k
-        mean_latent = (latent_sum / world_size).view(self._latent_shape(rows))
-        mean_values = self._unscaled(ae.decode(mean_latent), scales, plan.k)
+        mean_latent = (latent_sum / world_size).view(self.autoencoder.latent_shape(rows))
+        mean_values = self.leader_code.unscaled(ae.decode(mean_latent), scales, plan.k)
+        self._measure_error(values, mean_values * world_size)
         update = torch.zeros(plan.numel, dtype=v.dtype, device=v.device)
         # Each worker's share is already divided by the world size: the sum is the mean gradient.
         update[positions] = (mean_values * world_size).to(v.dtype)

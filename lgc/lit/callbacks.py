@@ -248,6 +248,9 @@ class RunSummary(pl.Callback):
         }
         if all("lgc" in w for w in workers):
             summary["lgc_stages"] = _stage_totals([w["lgc"]["stages"] for w in workers])
+            if "true_error" in workers[0]["lgc"]:
+                # measure_error: delivered against exact sums at the leader's positions, the same on every rank.
+                summary["lgc_true_error"] = workers[0]["lgc"]["true_error"]
         top_level = ("val/acc", "val/loss", "val/mIoU", "val/pixel_acc")
         summary.update({k: summary["metrics"][k] for k in top_level if k in summary["metrics"]})
         summary["layers"] = layers

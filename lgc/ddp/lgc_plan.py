@@ -1,0 +1,98 @@
+"""The compressed stage's step plan: every compressed parameter of the model as one vector.
+
+LGC and its shared-index ablations select and encode the whole model's values at once, so a step
+is planned in "cat space": the concatenation of the compressed parameters' gradients, in the
+model's parameter order (not DDP's bucket order, which differs between a run's first step and the
+rest, and between a run and its resumption, while every result must not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from lgc.compressors.topk import num_selected, topk_indices
+from lgc.ddp.hook import PendingBucket
+
+__all__ = ["Part", "StepPlan", "plan_step"]
+
+
+class Part(NamedTuple):
+    """One parameter's gradient: a view into its DDP bucket's flat buffer."""
+
+    name: str
+    grad: Tensor
+
+
+class StepPlan(NamedTuple):
+    """Every compressed parameter of the model as one vector (their concatenation, "cat space")."""
+
+    #: The compressed parameters, in the model's order.
+    compressed: tuple[Part, ...]
+    #: The parameters sent dense (fewer than ``min_numel`` elements).
+    dense: tuple[Part, ...]
+    #: Start of every compressed parameter in cat space.
+    cat_offsets: tuple[int, ...]
+    #: Top-k size of every compressed parameter.
+    ks: tuple[int, ...]
+    #: Length of the cat-space vector.
+    numel: int
+    #: Values the leader selects: ``sum(ks)``.
+    k: int
+
+    def scatter(self, values: Tensor) -> None:
+        """Write a cat-space vector into the parameters' gradients."""
+        for part, offset in zip(self.compressed, self.cat_offsets, strict=True):
+            part.grad.copy_(values[offset : offset + part.grad.numel()])
+
+    def corrected(self, residuals: Mapping[str, Tensor]) -> Tensor:
+        """Error feedback's ``v = residual + g`` of every compressed parameter, in cat space (fp32)."""
+        parts = []
+        for part in self.compressed:
+            residual = residuals.get(part.name)
+            # fp32 whatever the gradients' dtype, like lgc.compressors.ErrorFeedback's residuals.
+            if residual is None:
+                parts.append(part.grad.to(torch.float32, copy=True))
+            else:
+                parts.append(residual.to(part.grad.device).add_(part.grad))
+        return torch.cat(parts)
+
+    def keep_residuals(self, residuals: MutableMapping[str, Tensor], v: Tensor) -> None:
+        """Store the cat-space residual ``v`` back per parameter (views of ``v``)."""
+        for part, offset in zip(self.compressed, self.cat_offsets, strict=True):
+            residuals[part.name] = v[offset : offset + part.grad.numel()]
+
+    def top_positions(self, v: Tensor, density: float | None = None) -> Tensor:
+        """Every compressed parameter's top-k positions of ``v`` (cat space), parameter by parameter.
+
+        ``density`` None: the plan's ``ks``; otherwise ``ceil(density * n)`` per parameter.
+        """
+        pieces = []
+        for part, offset, k in zip(self.compressed, self.cat_offsets, self.ks, strict=True):
+            n = part.grad.numel()
+            pieces.append(topk_indices(v[offset : offset + n], k if density is None else num_selected(n, density)))
+            pieces[-1] += offset
+        return torch.cat(pieces)
+
+
+def plan_step(
+    pending: Iterable[PendingBucket], used: frozenset[str], param_order: Mapping[str, int], density: float
+) -> StepPlan:
+    """The plan of a step's buckets: parameters with a zero gradient on every rank (unused) take no part."""
+    parts = [
+        (param_order[s.name], s.compressed, Part(s.name, buffer[s.offset : s.offset + s.numel]))
+        for buffer, segments, _ in pending
+        for s in segments
+        if s.name in used
+    ]
+    compressed = tuple(part for _, _, part in sorted((p for p in parts if p[1]), key=lambda p: p[0]))
+    dense = tuple(part for _, is_compressed, part in parts if not is_compressed)
+    offsets, ks, total = [], [], 0
+    for part in compressed:
+        offsets.append(total)
+        ks.append(num_selected(part.grad.numel(), density))
+        total += part.grad.numel()
+    return StepPlan(compressed, dense, tuple(offsets), tuple(ks), total, sum(ks))

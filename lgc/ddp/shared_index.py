@@ -1,0 +1,228 @@
+"""LGC's ablations: the leader's shared top-k positions without the autoencoder (issue 13).
+
+LGC's compressed stage does two things: every worker sends values at the *same* positions (the
+leader's top-k, so values line up and can be summed by an allreduce, and no worker sends its own
+indices), and an autoencoder compresses those values. These codecs keep the first and replace the
+second with something simpler, so a run shows what the learning adds:
+
+* **shared-index top-k** (``compressor=shared_topk``): every worker's values at the leader's
+  positions, summed by one allreduce, in ``values="float32"`` (exact), ``"float16"`` or
+  ``"bfloat16"`` (each chunk divided by the leader's chunk scale first, so small gradients do not
+  underflow), or ``"int8"`` / ``"int4"``: unbiased stochastic rounding to ``2m + 1`` levels of a
+  per-chunk scale shared by every worker (the largest magnitude of the chunk over the workers, one
+  allreduce-max of 4 bytes per chunk). The codes are summed in ``bits``-wide unsigned lanes (two
+  4-bit lanes per byte), so ``m = floor((2^bits - 1) / (2 P))`` leaves room for the sum of ``P``
+  workers without overflow: 8 bits give 31 levels per worker at ``P = 8``; 4 bits need ``P <= 7``
+  (3 levels) and are refused beyond.
+* **leader-scaled** (``compressor=leader_scaled``, ``leader_only=True``): only the leader sends
+  values (with its positions, one broadcast), and every worker applies ``P`` times them, the
+  trivial estimate of the sum. No allreduce of values at all.
+
+Error feedback at the leader's positions keeps what this worker's own contribution failed to
+carry: its rounding error (quantized formats), zero (exact formats), or ``v_i - v_leader``
+(leader-scaled: the estimate credited every worker with the leader's value, so the residuals
+over all workers keep exactly the estimate's error). Everything outside the positions stays in
+the residual, as in LGC.
+
+The stages are LGC's (:mod:`lgc.ddp.lgc_schedule`) with no codec training: warm-up (dense or
+DGC-style), then the compressed stage (``ae_steps`` must be 0).
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lgc.autoencoder import AutoencoderConfig
+from lgc.ddp import collectives as counted
+from lgc.ddp.lgc_base import LGCHookState, StepPlan
+
+__all__ = ["VALUE_FORMATS", "SharedIndexState", "quantization_levels"]
+
+#: Wire formats of the values: name -> (dtype on the wire, bits per value).
+VALUE_FORMATS = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4}
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def quantization_levels(bits: int, world_size: int) -> int:
+    """``m``: each worker's codes lie in ``[-m, m]``, so ``P`` workers' offset codes sum below ``2^bits``."""
+    return (2**bits - 1) // (2 * world_size)
+
+
+class _NoTraining:
+    """Stands in for a codec trainer: these codecs learn nothing."""
+
+    def __init__(self) -> None:
+        self.autoencoder = nn.Module()
+        self.num_samples = 0
+
+    def to(self, device: torch.device) -> "_NoTraining":
+        return self
+
+    def clear_buffer(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class SharedIndexState(LGCHookState):
+    """The leader's top-k positions, every worker's values there summed, no autoencoder.
+
+    Args:
+        values: wire format of the values: ``"float32"``, ``"float16"``, ``"bfloat16"``,
+            ``"int8"`` or ``"int4"`` (see the module docstring).
+        leader_only: send only the leader's values and apply ``P`` times them (leader-scaled);
+            float formats only.
+        seed: seed of the stochastic rounding (quantized formats); every worker's draws differ
+            (seeded by ``seed``, the step and its rank) and a resumed run repeats them.
+        chunk: values per chunk of the per-chunk scales (float16/bfloat16: the leader's RMS;
+            int8/int4: the largest magnitude over the workers): 4 bytes per ``chunk`` values.
+        **kwargs: the stages and common knobs of :class:`~lgc.ddp.lgc_base.LGCHookState`
+            (``ae_steps`` must be 0; ``value_order`` defaults to ``"position"``, the cheapest with
+            Golomb-coded positions, since nothing here depends on the order).
+
+    Example::
+
+        >>> state = SharedIndexState(density=0.01, warmup_steps=20, values="int8")
+        >>> state.register(ddp_model)
+    """
+
+    min_ae_steps = 0
+
+    __slots__ = ("values", "leader_only", "seed")
+
+    def __init__(
+        self, *, values: str = "float32", leader_only: bool = False, seed: int = 0, chunk: int = 64, **kwargs: Any
+    ) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2 or chunk % 2:
+            raise ValueError(f"chunk must be an even integer >= 2, got {chunk!r}")
+        if "autoencoder" in kwargs:
+            raise ValueError("shared-index codecs have no autoencoder: set chunk instead of autoencoder")
+        # Only the chunk length matters here (the smallest valid autoencoder shape carries it).
+        kwargs["autoencoder"] = AutoencoderConfig(
+            chunk=chunk, encoder_channels=(1,), decoder_channels=(1,), latent_channels=1
+        )
+        if values not in VALUE_FORMATS:
+            raise ValueError(f"values must be one of {sorted(VALUE_FORMATS)}, got {values!r}")
+        if leader_only and values not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"leader_only sends the leader's values as they are: values must be a float format, got {values!r}"
+            )
+        if kwargs.setdefault("ae_steps", 0) != 0:
+            raise ValueError(f"shared-index codecs learn nothing: ae_steps must be 0, got {kwargs['ae_steps']!r}")
+        kwargs.setdefault("value_order", "position")
+        self.values = values
+        self.leader_only = bool(leader_only)
+        self.seed = int(seed)
+        super().__init__(**kwargs)
+
+    def _make_trainer(self) -> Any:
+        return _NoTraining()
+
+    def _check_world(self, world_size: int, leader_rank: int) -> None:
+        super()._check_world(world_size, leader_rank)
+        bits = VALUE_FORMATS[self.values]
+        if bits < 16 and quantization_levels(bits, world_size) < 1:
+            raise ValueError(
+                f"values={self.values!r} cannot hold the sum of {world_size} workers' codes in {bits}-bit lanes "
+                f"(at most {(2**bits - 1) // 2} workers); use values='int8' or a float format"
+            )
+
+    def _distribute_weights(self) -> None:
+        pass  # nothing was trained
+
+    def describe(self) -> str:
+        kind = "leader-scaled" if self.leader_only else "shared-index top-k"
+        return (
+            f"{type(self).__name__}({kind}, density={self.density}, values={self.values}, "
+            f"warmup_steps={self.warmup_steps} ({self.warmup}), indices={self.index_coding})"
+        )
+
+    # -- the compressed stage -----------------------------------------------------------------------
+    @torch.no_grad()
+    def _compressed_step(self, plan: StepPlan) -> None:
+        if not plan.compressed:
+            self._allreduce_dense(plan, [])
+            return
+        world_size = dist.get_world_size(self.process_group)
+        v = plan.corrected(self.ef.residuals)
+        sent_before = self.stats.bytes_sent
+        if self.leader_only:
+            positions, _, leader_values = self._leader_message(plan, v, scales=False, values=_FLOAT_DTYPES[self.values])
+            assert leader_values is not None
+            self._count_payload(self.stats.bytes_sent - sent_before, plan)
+            own = v[positions]
+            total = leader_values.to(v.dtype) * world_size
+            v[positions] = own - leader_values.to(v.dtype)
+            self._allreduce_dense(plan, [])
+        else:
+            scaled = self.values in ("float16", "bfloat16")
+            positions, scales, _ = self._leader_message(plan, v, scales=scaled)
+            own = v[positions]
+            if self.values in _FLOAT_DTYPES:
+                total, carried = self._sum_floats(plan, own, scales, sent_before)
+            else:
+                total, carried = self._sum_quantized(plan, own, world_size, sent_before)
+            v[positions] = own - carried
+        self._measure_error(own, total)
+        plan.keep_residuals(self.ef.residuals, v)
+        update = torch.zeros(plan.numel, dtype=v.dtype, device=v.device)
+        # Each worker's share is already divided by the world size: the sum is the mean gradient.
+        update[positions] = total.to(v.dtype)
+        plan.scatter(update)
+
+    def _sum_floats(
+        self, plan: StepPlan, own: Tensor, scales: Tensor | None, sent_before: int
+    ) -> tuple[Tensor, Tensor]:
+        """Allreduce the values in a float format; returns (the sum, what this worker's values carried)."""
+        dtype = _FLOAT_DTYPES[self.values]
+        if scales is None:
+            wire = own.to(dtype)
+            carried = wire.float()
+        else:
+            wire = self.leader_code.scaled_chunks(own, scales).to(dtype)
+            carried = self.leader_code.unscaled(wire.float(), scales, plan.k)
+        self._count_payload(self.stats.bytes_sent - sent_before + counted.nbytes(wire), plan)
+        if dtype == torch.float32:
+            summed = self._allreduce_dense(plan, [wire.reshape(-1)])
+            assert summed is not None
+        else:
+            self._allreduce_dense(plan, [])
+            counted.all_reduce(self.stats, wire, self.process_group).wait()
+            summed = wire
+        if scales is None:
+            return summed.float(), carried
+        return self.leader_code.unscaled(summed.float().view(-1, self.leader_code.chunk), scales, plan.k), carried
+
+    def _sum_quantized(self, plan: StepPlan, own: Tensor, world_size: int, sent_before: int) -> tuple[Tensor, Tensor]:
+        """Stochastic rounding to shared per-chunk scales, summed in ``bits``-wide lanes."""
+        bits = VALUE_FORMATS[self.values]
+        levels = quantization_levels(bits, world_size)
+        chunks = self.leader_code.chunks(own)
+        scales = chunks.abs().amax(dim=1)
+        counted.book_all_reduce(self.stats, scales, self.process_group)
+        dist.all_reduce(scales, op=dist.ReduceOp.MAX, group=self.process_group)
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        generator = torch.Generator(device=own.device).manual_seed(
+            (self.seed * 1_000_003 + self.current_step) * 65_537 + self.rank
+        )
+        noise = torch.rand(chunks.shape, generator=generator, device=own.device)
+        codes = torch.floor(chunks / scales[:, None] * levels + noise).clamp_(-levels, levels)
+        carried = self.leader_code.unscaled(codes / levels, scales, plan.k)
+        lanes = (codes + levels).to(torch.uint8).reshape(-1)
+        if bits == 4:
+            lanes = torch.cat([lanes, lanes.new_zeros(lanes.numel() % 2)])
+            lanes = lanes[0::2] * 16 + lanes[1::2]
+        self._count_payload(self.stats.bytes_sent - sent_before + counted.nbytes(lanes) + counted.nbytes(scales), plan)
+        self._allreduce_dense(plan, [])
+        counted.all_reduce(self.stats, lanes, self.process_group).wait()
+        if bits == 4:
+            lanes = torch.stack([lanes // 16, lanes % 16], dim=1).reshape(-1)[: chunks.numel()]
+        summed = lanes.to(torch.float32) - world_size * levels
+        return self.leader_code.unscaled(summed.view_as(chunks) / levels, scales, plan.k), carried

@@ -1,0 +1,225 @@
+"""LGC's ablations (issue 13): shared-index top-k, leader-scaled, and the linear codec."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+from test_lgc import MIN_NUMEL, _batch, _net
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
+from lgc.compressors.topk import num_selected, topk_indices
+from lgc.ddp.lgc_base import LGCStage
+from lgc.ddp.lgc_rar import LGCRingAllreduceState
+from lgc.ddp.shared_index import SharedIndexState, quantization_levels
+
+DENSITY = 0.05
+CHUNK = 32
+
+
+def _state(**kwargs) -> SharedIndexState:
+    # DGC-style warm-up: step 0 dense, step 1 top-k with error feedback (fills the residuals), then compressed.
+    common = dict(
+        density=DENSITY, warmup_steps=2, warmup="dgc", warmup_densities=[0.2], min_numel=MIN_NUMEL, chunk=CHUNK
+    )
+    return SharedIndexState(**{**common, **kwargs})
+
+
+def _step(model: DDP, step: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+    x, y = _batch(step, dist.get_rank())
+    model.zero_grad()
+    (model(x) - y).square().mean().backward()
+    if optimizer is not None:
+        optimizer.step()
+
+
+def _one_compressed_step(rank: int, world: int, kwargs: dict) -> dict:
+    model = DDP(_net(), bucket_cap_mb=0.01)
+    state = _state(measure_error=True, **kwargs)
+    state.register(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(2):
+        _step(model, step, optimizer)
+    residuals = {name: r.clone() for name, r in state.ef.residuals.items()}
+    payload_before = state.stats.payload_bytes
+    local = copy.deepcopy(model.module)
+    x, y = _batch(2, rank)
+    (local(x) - y).square().mean().backward()
+    local_grads = {name: p.grad.reshape(-1).clone() for name, p in local.named_parameters()}
+    _step(model, 2)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (residuals, local_grads))
+    return {
+        "stage": state.metrics()["lgc/stage"],
+        "true_error": state.metrics()["lgc/true_error"],
+        "payload": state.stats.payload_bytes - payload_before,
+        "names": [name for name, _ in model.module.named_parameters()],
+        "everyone": everyone,
+        "grads": {name: p.grad.reshape(-1).clone() for name, p in model.module.named_parameters()},
+        "residuals_after": {name: r.clone() for name, r in state.ef.residuals.items()},
+    }
+
+
+def _expected(result: dict, rank: int):
+    """Per compressed parameter: every worker's v, the leader's positions, this worker's v."""
+    everyone, world = result["everyone"], len(result["everyone"])
+    for name in result["names"]:
+        grads = [g[name] for _, g in everyone]
+        if grads[0].numel() < MIN_NUMEL:
+            torch.testing.assert_close(result["grads"][name], sum(grads) / world)
+            continue
+        v = [r[name] + g[name] / world for r, g in everyone]
+        yield name, v, topk_indices(v[0], num_selected(v[0].numel(), DENSITY)), v[rank]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index_coding", ["raw", "golomb"])
+def test_shared_index_fp32_delivers_the_exact_sum_at_the_leaders_positions(index_coding):
+    results = run_workers(_one_compressed_step, 2, dict(index_coding=index_coding))
+    compressed_k = 0
+    for rank, result in enumerate(results):
+        assert result["stage"] == LGCStage.COMPRESSED
+        assert result["true_error"] == pytest.approx(0.0, abs=1e-12)
+        for name, v, leader, own in _expected(result, rank):
+            expected = torch.zeros_like(own)
+            expected[leader] = sum(vj[leader] for vj in v)
+            torch.testing.assert_close(result["grads"][name], expected, rtol=1e-6, atol=1e-7)
+            cleared = own.clone()
+            cleared[leader] = 0.0
+            torch.testing.assert_close(result["residuals_after"][name], cleared, rtol=0, atol=0)
+            compressed_k += leader.numel() if rank == 0 else 0
+    if index_coding == "raw":
+        # Payload: the leader broadcasts 4 bytes per position; everyone sends 4 bytes per value.
+        assert [r["payload"] for r in results] == [8 * compressed_k, 4 * compressed_k]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("values", ["int8", "int4"])
+def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_rounding(values):
+    results = run_workers(_one_compressed_step, 2, dict(values=values))
+    levels = quantization_levels(int(values[3:]), 2)
+    for rank, result in enumerate(results):
+        params = list(_expected(result, rank))
+        # Chunks run across parameters in cat space; each chunk's shared scale is at most the largest
+        # magnitude over both workers and all selected values, so one step is at most that / levels.
+        step = max(float(torch.stack([vj[leader] for vj in v]).abs().max()) for _, v, leader, _ in params) / levels
+        for name, v, leader, own in params:
+            exact = sum(vj[leader] for vj in v)
+            delivered = result["grads"][name][leader]
+            assert torch.all((delivered - exact).abs() <= 2 * step * (1 + 1e-5))
+            assert not torch.equal(delivered, exact)  # it is quantized
+            # Error feedback keeps this worker's own rounding error: less than one step.
+            assert torch.all(result["residuals_after"][name][leader].abs() < step * (1 + 1e-5))
+            outside = torch.ones_like(own, dtype=torch.bool)
+            outside[leader] = False
+            assert torch.equal(result["grads"][name][outside], torch.zeros_like(own[outside]))
+            torch.testing.assert_close(result["residuals_after"][name][outside], own[outside], rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+def test_leader_scaled_applies_world_size_times_the_leaders_values_and_feeds_back_the_difference():
+    results = run_workers(_one_compressed_step, 2, dict(leader_only=True))
+    for rank, result in enumerate(results):
+        assert result["payload"] == (8 if rank == 0 else 0) * sum(
+            leader.numel() for _, _, leader, _ in _expected(result, rank)
+        )
+        for name, v, leader, own in _expected(result, rank):
+            expected = torch.zeros_like(own)
+            expected[leader] = 2 * v[0][leader]
+            torch.testing.assert_close(result["grads"][name], expected, rtol=1e-6, atol=1e-7)
+            kept = own.clone()
+            kept[leader] = own[leader] - v[0][leader]
+            torch.testing.assert_close(result["residuals_after"][name], kept, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_values_are_refused_before_workers_start():
+    with pytest.raises(ValueError, match=r"values must be one of .*got 'int2'"):
+        SharedIndexState(values="int2")
+    with pytest.raises(ValueError, match="ae_steps must be 0, got 5"):
+        SharedIndexState(ae_steps=5)
+    with pytest.raises(ValueError, match="chunk must be an even integer >= 2, got 33"):
+        SharedIndexState(chunk=33)
+    with pytest.raises(ValueError, match="leader_only .* float format, got 'int8'"):
+        SharedIndexState(leader_only=True, values="int8")
+    assert quantization_levels(8, 8) == 15 and quantization_levels(4, 2) == 3 and quantization_levels(4, 8) == 0
+    with pytest.raises(ValueError, match=r"values='int4' cannot hold the sum of 8 workers' codes .*at most 7 workers"):
+        SharedIndexState(values="int4", world_size=8)
+    SharedIndexState(values="int4", world_size=7)  # 1 level each way: allowed
+    with pytest.raises(ValueError, match="codec must be one of"):
+        LGCRingAllreduceState(codec="pca")
+    with pytest.raises(ValueError, match="linear_latent=4 is the linear codec's knob"):
+        LGCRingAllreduceState(linear_latent=4)
+
+
+# -- the linear codec ------------------------------------------------------------------------------------
+
+
+def test_linear_codec_is_exact_on_data_in_its_span_and_sums_linearly():
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(64, 6, generator=g)).Q
+    samples = torch.randn(500, 6, generator=g) @ basis.T  # rank 6
+    codec = LinearChunkCodec(chunk=64, latent_size=6)
+    codec.fit(samples)
+    torch.testing.assert_close(codec.decode(codec.encode(samples)), samples, rtol=1e-5, atol=1e-5)
+    # Codes add: decoding the sum of two workers' codes gives the sum of their chunks.
+    a, b = samples[:10], samples[10:20]
+    torch.testing.assert_close(codec.decode(codec.encode(a) + codec.encode(b)), a + b, rtol=1e-5, atol=1e-5)
+    # Outside its span it is the orthogonal projection: the error is orthogonal to the span.
+    x = torch.randn(5, 64, generator=g)
+    error = x - codec.decode(codec.encode(x))
+    torch.testing.assert_close(error @ codec.basis, torch.zeros(5, 6), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"latent_size must be in \[1, chunk=64\], got 65"):
+        LinearChunkCodec(chunk=64, latent_size=65)
+
+
+def test_linear_codec_trainer_fits_the_top_directions_of_its_buffer_and_round_trips_its_state():
+    g = torch.Generator().manual_seed(1)
+    direction = torch.nn.functional.normalize(torch.randn(32, generator=g), dim=0)
+    chunks = torch.randn(200, 2, 1, generator=g) * 10 * direction + 0.01 * torch.randn(200, 2, 32, generator=g)
+    trainer = LinearCodecTrainer(LinearChunkCodec(32, 1), buffer_size=150)
+    trainer.add(chunks)
+    assert trainer.num_samples == 150
+    losses = trainer.train(1)
+    assert losses["relative_error"] < 1e-3
+    assert abs(float(trainer.autoencoder.basis[:, 0] @ direction)) == pytest.approx(1.0, abs=1e-4)
+    twin = LinearCodecTrainer(LinearChunkCodec(32, 1))
+    twin.load_state_dict(trainer.state_dict())
+    assert torch.equal(twin.autoencoder.basis, trainer.autoencoder.basis) and torch.equal(twin.chunks, trainer.chunks)
+    with pytest.raises(ValueError, match="no innovations"):
+        trainer.add(chunks, chunks)
+
+
+def _linear_rar(rank: int, world: int) -> dict:
+    model = DDP(_net(), bucket_cap_mb=0.01)
+    state = LGCRingAllreduceState(
+        codec="linear",
+        density=DENSITY,
+        warmup_steps=1,
+        ae_steps=3,
+        min_numel=MIN_NUMEL,
+        measure_error=True,
+        autoencoder=dict(chunk=CHUNK, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2),
+    )
+    state.register(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(6):
+        _step(model, step, optimizer)
+    return {
+        "stage": state.metrics()["lgc/stage"],
+        "basis": state.autoencoder.basis.clone(),
+        "true_error": state.summary_extras()["lgc"]["true_error"],
+        "weights": state.summary_extras()["lgc"]["stages"]["autoencoder_weights"]["bytes_sent"],
+    }
+
+
+@pytest.mark.multiprocess
+def test_lgc_rar_with_the_linear_codec_trains_ships_and_uses_one_basis():
+    results = run_workers(_linear_rar, 2)
+    assert all(r["stage"] == LGCStage.COMPRESSED for r in results)
+    assert torch.equal(results[0]["basis"], results[1]["basis"])
+    assert not torch.equal(results[0]["basis"], torch.eye(CHUNK)[:, : results[0]["basis"].shape[1]])
+    # The basis (chunk x latent floats: 32 x the autoencoder's 2 channels x 32 / 2**2) is broadcast once from rank 0.
+    assert results[0]["weights"] == 4 * CHUNK * 16
+    assert 0.0 < results[0]["true_error"] < 1.0
