@@ -37,20 +37,20 @@ from lgc.autoencoder import (
     LossWeights,
 )
 from lgc.compressors.error_feedback import ErrorFeedback
-from lgc.compressors.topk import SparsePayload, TopKCompressor
+from lgc.compressors.topk import TopKCompressor
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
-from lgc.ddp.hook import CompressionHookState, PayloadExchange, PendingBucket, _Segment
+from lgc.ddp.hook import CompressionHookState, PendingBucket
 from lgc.ddp.lgc_codec import LeaderIndexCodec
 from lgc.ddp.lgc_plan import StepPlan, plan_step
-from lgc.ddp.lgc_samples import Sample, gather_samples
+from lgc.ddp.lgc_samples import CodecTrainingOps, Sample
 from lgc.ddp.lgc_schedule import LGCStage, StageSchedule
 from lgc.ddp.lgc_stage_ops import LATENT_DTYPES, CompressedStageOps
 
 __all__ = ["LGCHookState", "LGCStage", "StepPlan", "lgc_hook"]
 
 
-class LGCHookState(CompressedStageOps, CompressionHookState):
+class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
     """State of an LGC hook: stages, the codec and its trainer, error feedback.
 
     Subclasses implement the compressed stage (:meth:`_compressed_step`), the codec they need and
@@ -227,15 +227,6 @@ class LGCHookState(CompressedStageOps, CompressionHookState):
         """Send the trained weights from rank 0 to the workers that need them (a collective)."""
         raise NotImplementedError
 
-    def _innovation_of(self, v: Tensor, positions: Tensor) -> Tensor | None:
-        """LGC-PS: which of the leader's ``positions`` of one parameter are in this worker's innovation."""
-        return None
-
-    def _add_samples(self, chunks: Tensor, innovation_masks: list[Tensor] | None, k: int) -> None:
-        """At rank 0: add the step's samples ``[rows, workers, chunk]`` to the codec's buffer."""
-        self._record_held_out(self.trainer.evaluate(chunks) if self.trainer.num_samples else None)
-        self.trainer.add(chunks)
-
     # -- setup ------------------------------------------------------------------------------------
     def _check_world(self, world_size: int, leader_rank: int) -> None:
         if world_size < 1:
@@ -372,57 +363,13 @@ class LGCHookState(CompressedStageOps, CompressionHookState):
             super().compress_step(pending, used, step)
             return
         if self.stage is LGCStage.AUTOENCODER_TRAINING:
-            # Top-k per parameter, bucket by bucket; the samples are joined once all are exchanged.
             self.topk.density = self.density
-            for bucket in pending:
-                self._exchange_and_sample(bucket.buffer, bucket.segments, step, used)
-            gathered = gather_samples(self.samples, self.leader_code, self.stats, self.process_group)
-            self.samples = []
-            if gathered is not None:
-                self._add_samples(*gathered)
-            self._train_codec()
+            self._codec_training_step(pending, used, step)
         else:
             # Compressed: the whole model's values form one vector.
             self._compressed_step(plan_step(pending, used, self.param_order, self.density))
         for bucket in pending:
             bucket.future.set_result(bucket.buffer)
-
-    # -- stage 2 ----------------------------------------------------------------------------------
-    def _exchange_and_sample(
-        self, buffer: Tensor, segments: tuple[_Segment, ...], step: int, used: frozenset[str]
-    ) -> None:
-        """Top-k as usual; keep this worker's values at the leader's positions of every parameter."""
-        exchange = PayloadExchange(self, buffer, segments, step, used=used)
-        torch.futures.wait_all(exchange.futures)
-        exchange.finish()
-        for segment, own in zip(exchange.sparse, exchange.own, strict=True):
-            assert isinstance(own, SparsePayload)
-            leader = exchange.received[segment.name][self.leader]
-            # The corrected gradient before sending: what is left plus what this worker sent.
-            v = self.ef.residuals[segment.name].clone().index_add_(0, own.indices.long(), own.values.float())
-            positions = leader.indices.long()
-            self.samples.append(
-                Sample(
-                    self.param_order[segment.name],
-                    segment.numel,
-                    positions,
-                    leader.values.float(),
-                    v[positions].float(),
-                    self._innovation_of(v, positions),
-                )
-            )
-
-    def _record_held_out(self, losses: dict[str, float] | None) -> None:
-        # Losses on samples before the codec trains on them: an honest generalization estimate.
-        if losses:
-            self.last_metrics["lgc/recon_error"] = losses["relative_error"]
-
-    def _train_codec(self) -> None:
-        if self.rank != 0:
-            return
-        losses = self.trainer.train(self.ae_updates_per_step)
-        if losses:
-            self.last_metrics["lgc/ae_loss"] = losses["total"]
 
     def __getstate__(self) -> dict[str, Any]:
         # Per-process and per-step state stays behind (spawned workers attach anew).

@@ -1,4 +1,4 @@
-"""Stage 2's training samples: every worker's values at the leader's positions, gathered at rank 0.
+"""Stage 2, codec training: every worker's values at the leader's positions, gathered at rank 0.
 
 During codec training the workers communicate top-k as ``compressor=topk`` does. Each step, every
 worker also keeps, per compressed parameter, its error-corrected gradient at the leader's top-k
@@ -6,12 +6,13 @@ positions (the very vector the codec will encode in the compressed stage). At th
 bucket the whole model's samples are joined in cat space, put in wire order
 (:class:`~lgc.ddp.lgc_codec.LeaderIndexCodec`), gathered at rank 0 (counted with the stage's
 bytes), cut into chunks and divided by the leader's chunk scales: ``[rows, workers, chunk]``,
-what the codec's trainer takes.
+what the codec's trainer takes; rank 0 then trains (``ae_updates_per_step`` updates per step).
+:class:`CodecTrainingOps` is that stage, mixed into :class:`~lgc.ddp.lgc_base.LGCHookState`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,11 +20,13 @@ from torch import Tensor
 
 from lgc.autoencoder import chunk_scales
 from lgc.coding import pack_bits
+from lgc.compressors.topk import SparsePayload
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
+from lgc.ddp.hook import PayloadExchange, PendingBucket
 from lgc.ddp.lgc_codec import LeaderIndexCodec
 
-__all__ = ["GatheredSamples", "Sample", "gather_samples"]
+__all__ = ["CodecTrainingOps", "GatheredSamples", "Sample", "gather_samples"]
 
 
 class Sample(NamedTuple):
@@ -77,3 +80,76 @@ def gather_samples(
     scales = chunk_scales(codec.chunks(leader_values[order]))
     chunks = torch.stack([codec.scaled_chunks(x, scales) for x in gathered], dim=1)
     return GatheredSamples(chunks, masks, values.numel())
+
+
+class CodecTrainingOps:
+    """Stage 2 of an LGC hook state: top-k exchange, sample collection and codec training (a mixin).
+
+    It holds no state of its own; it reads and writes the hook state's ``samples``, ``trainer``,
+    ``ef``, ``leader``, ``leader_code``, ``param_order``, ``ae_updates_per_step``, ``stats``,
+    ``process_group`` and ``last_metrics``. Topologies override :meth:`_innovation_of` and
+    :meth:`_add_samples` (LGC-PS: innovation masks).
+    """
+
+    __slots__ = ()
+    # Provided by the hook state this is mixed into.
+    samples: list[Sample]
+    trainer: Any
+    ef: Any
+    leader: int
+    leader_code: LeaderIndexCodec
+    param_order: dict[str, int]
+    ae_updates_per_step: int
+    stats: CommStats
+    process_group: Any
+    last_metrics: dict[str, float]
+    rank: int
+
+    def _codec_training_step(self, pending: list[PendingBucket], used: frozenset[str], step: int) -> None:
+        """Top-k per parameter, bucket by bucket; then the samples are joined, gathered and trained on."""
+        for bucket in pending:
+            self._exchange_and_sample(bucket, used, step)
+        gathered = gather_samples(self.samples, self.leader_code, self.stats, self.process_group)
+        self.samples = []
+        if gathered is not None:
+            self._add_samples(*gathered)
+        if self.rank == 0:
+            losses = self.trainer.train(self.ae_updates_per_step)
+            if losses:
+                self.last_metrics["lgc/ae_loss"] = losses["total"]
+
+    def _exchange_and_sample(self, bucket: PendingBucket, used: frozenset[str], step: int) -> None:
+        """Top-k as usual; keep this worker's values at the leader's positions of every parameter."""
+        exchange = PayloadExchange(self, bucket.buffer, bucket.segments, step, used=used)  # type: ignore[arg-type]
+        torch.futures.wait_all(exchange.futures)
+        exchange.finish()
+        for segment, own in zip(exchange.sparse, exchange.own, strict=True):
+            assert isinstance(own, SparsePayload)
+            leader = exchange.received[segment.name][self.leader]
+            # The corrected gradient before sending: what is left plus what this worker sent.
+            v = self.ef.residuals[segment.name].clone().index_add_(0, own.indices.long(), own.values.float())
+            positions = leader.indices.long()
+            self.samples.append(
+                Sample(
+                    self.param_order[segment.name],
+                    segment.numel,
+                    positions,
+                    leader.values.float(),
+                    v[positions].float(),
+                    self._innovation_of(v, positions),
+                )
+            )
+
+    def _innovation_of(self, v: Tensor, positions: Tensor) -> Tensor | None:
+        """LGC-PS: which of the leader's ``positions`` of one parameter are in this worker's innovation."""
+        return None
+
+    def _add_samples(self, chunks: Tensor, innovation_masks: list[Tensor] | None, k: int) -> None:
+        """At rank 0: add the step's samples ``[rows, workers, chunk]`` to the codec's buffer."""
+        self._record_held_out(self.trainer.evaluate(chunks) if self.trainer.num_samples else None)
+        self.trainer.add(chunks)
+
+    def _record_held_out(self, losses: dict[str, float] | None) -> None:
+        # Losses on samples before the codec trains on them: an honest generalization estimate.
+        if losses:
+            self.last_metrics["lgc/recon_error"] = losses["relative_error"]
