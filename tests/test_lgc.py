@@ -328,24 +328,45 @@ def _one_compressed_step(rank: int, world: int, variant: str, index_coding: str)
     state.register(model)
     _identity_autoencoder(state)
     _train(model, state, 2)  # warm-up, then autoencoder training (which fills the residuals)
-    names = [name for name, _ in model.module.named_parameters()]
+    return observe_step(model, state, 2, rank, world)
+
+
+def observe_step(model: DDP, state, step: int, rank: int, world: int) -> dict:
+    """Run ``step`` (forward and backward only) and return what every worker had going in and what came out.
+
+    ``everyone`` holds every worker's residuals before the step and its local (unsynchronized)
+    gradients, so tests can compute the exact ``v = residual + g / N`` of each worker.
+    """
     residuals = {name: r.clone() for name, r in state.ef.residuals.items()}
     local = copy.deepcopy(model.module)
-    x, y = _batch(2, rank)
+    x, y = _batch(step, rank)
     (local(x) - y).square().mean().backward()
     local_grads = {name: p.grad.reshape(-1).clone() for name, p in local.named_parameters()}
     model.zero_grad()
     (model(x) - y).square().mean().backward()
-    stage = state.metrics()["lgc/stage"]
     everyone = [None] * world
     dist.all_gather_object(everyone, (residuals, local_grads))
     return {
-        "stage": stage,
-        "names": names,
+        "stage": state.metrics()["lgc/stage"],
+        "names": [name for name, _ in model.module.named_parameters()],
         "everyone": everyone,
         "grads": {name: p.grad.reshape(-1).clone() for name, p in model.module.named_parameters()},
         "residuals_after": {name: r.clone() for name, r in state.ef.residuals.items()},
     }
+
+
+def per_parameter(result: dict, rank: int, density: float):
+    """Per compressed parameter of an :func:`observe_step` result: its name, every worker's ``v``,
+    the leader's (rank 0's) top-k positions and this worker's ``v``. Dense parameters are checked
+    here to arrive as the workers' mean."""
+    everyone, world = result["everyone"], len(result["everyone"])
+    for name in result["names"]:
+        grads = [g[name] for _, g in everyone]
+        if grads[0].numel() < MIN_NUMEL:
+            torch.testing.assert_close(result["grads"][name], sum(grads) / world)
+            continue
+        v = [r[name] + g[name] / world for r, g in everyone]
+        yield name, v, topk_indices(v[0], num_selected(v[0].numel(), density)), v[rank]
 
 
 @pytest.mark.multiprocess
@@ -359,19 +380,11 @@ def test_compressed_stage_delivers_exactly_what_its_code_carries(variant, index_
       replaced by the worker's own where its innovation knows it; plus the innovations outside.
     """
     results = run_workers(_one_compressed_step, 2, variant, index_coding)
-    world = len(results)
     for rank, result in enumerate(results):
         assert result["stage"] == LGCStage.COMPRESSED
-        everyone = result["everyone"]
-        for name in result["names"]:
-            grads = [g[name] for _, g in everyone]
-            if grads[0].numel() < MIN_NUMEL:
-                torch.testing.assert_close(result["grads"][name], sum(grads) / world)
-                continue
-            v = [r[name] + g[name] / world for r, g in everyone]
-            leader = topk_indices(v[0], num_selected(v[0].numel(), 0.05))
-            expected = torch.zeros_like(v[0])
-            cleared = v[rank].clone()
+        for name, v, leader, own in per_parameter(result, rank, 0.05):
+            expected = torch.zeros_like(own)
+            cleared = own.clone()
             cleared[leader] = 0.0
             if variant == "rar":
                 expected[leader] = sum(vj[leader] for vj in v)
@@ -382,7 +395,7 @@ def test_compressed_stage_delivers_exactly_what_its_code_carries(variant, index_
                     estimate[leader] = v[0][leader]
                     estimate[innovation] = vj[innovation]
                     expected += estimate
-                cleared[topk_indices(v[rank], num_selected(v[rank].numel(), 0.01))] = 0.0
+                cleared[topk_indices(own, num_selected(own.numel(), 0.01))] = 0.0
             torch.testing.assert_close(result["grads"][name], expected, rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(result["residuals_after"][name], cleared, rtol=1e-5, atol=1e-7)
 

@@ -1,16 +1,13 @@
 """LGC's ablations (issue 13): shared-index top-k, leader-scaled, and the linear codec."""
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_workers
-from test_lgc import MIN_NUMEL, _batch, _net
+from test_lgc import MIN_NUMEL, _batch, _net, observe_step, per_parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
-from lgc.compressors.topk import num_selected, topk_indices
 from lgc.ddp.lgc_base import LGCStage
 from lgc.ddp.lgc_rar import LGCRingAllreduceState
 from lgc.ddp.shared_index import SharedIndexState, quantization_levels
@@ -42,36 +39,13 @@ def _one_compressed_step(rank: int, world: int, kwargs: dict) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(2):
         _step(model, step, optimizer)
-    residuals = {name: r.clone() for name, r in state.ef.residuals.items()}
     payload_before = state.stats.payload_bytes
-    local = copy.deepcopy(model.module)
-    x, y = _batch(2, rank)
-    (local(x) - y).square().mean().backward()
-    local_grads = {name: p.grad.reshape(-1).clone() for name, p in local.named_parameters()}
-    _step(model, 2)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, (residuals, local_grads))
+    observed = observe_step(model, state, 2, rank, world)
     return {
-        "stage": state.metrics()["lgc/stage"],
+        **observed,
         "true_error": state.metrics()["lgc/true_error"],
         "payload": state.stats.payload_bytes - payload_before,
-        "names": [name for name, _ in model.module.named_parameters()],
-        "everyone": everyone,
-        "grads": {name: p.grad.reshape(-1).clone() for name, p in model.module.named_parameters()},
-        "residuals_after": {name: r.clone() for name, r in state.ef.residuals.items()},
     }
-
-
-def _expected(result: dict, rank: int):
-    """Per compressed parameter: every worker's v, the leader's positions, this worker's v."""
-    everyone, world = result["everyone"], len(result["everyone"])
-    for name in result["names"]:
-        grads = [g[name] for _, g in everyone]
-        if grads[0].numel() < MIN_NUMEL:
-            torch.testing.assert_close(result["grads"][name], sum(grads) / world)
-            continue
-        v = [r[name] + g[name] / world for r, g in everyone]
-        yield name, v, topk_indices(v[0], num_selected(v[0].numel(), DENSITY)), v[rank]
 
 
 @pytest.mark.multiprocess
@@ -82,7 +56,7 @@ def test_shared_index_fp32_delivers_the_exact_sum_at_the_leaders_positions(index
     for rank, result in enumerate(results):
         assert result["stage"] == LGCStage.COMPRESSED
         assert result["true_error"] == pytest.approx(0.0, abs=1e-12)
-        for name, v, leader, own in _expected(result, rank):
+        for name, v, leader, own in per_parameter(result, rank, DENSITY):
             expected = torch.zeros_like(own)
             expected[leader] = sum(vj[leader] for vj in v)
             torch.testing.assert_close(result["grads"][name], expected, rtol=1e-6, atol=1e-7)
@@ -101,7 +75,7 @@ def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_roun
     results = run_workers(_one_compressed_step, 2, dict(values=values))
     levels = quantization_levels(int(values[3:]), 2)
     for rank, result in enumerate(results):
-        params = list(_expected(result, rank))
+        params = list(per_parameter(result, rank, DENSITY))
         # Chunks run across parameters in cat space; each chunk's shared scale is at most the largest
         # magnitude over both workers and all selected values, so one step is at most that / levels.
         step = max(float(torch.stack([vj[leader] for vj in v]).abs().max()) for _, v, leader, _ in params) / levels
@@ -123,9 +97,9 @@ def test_leader_scaled_applies_world_size_times_the_leaders_values_and_feeds_bac
     results = run_workers(_one_compressed_step, 2, dict(leader_only=True))
     for rank, result in enumerate(results):
         assert result["payload"] == (8 if rank == 0 else 0) * sum(
-            leader.numel() for _, _, leader, _ in _expected(result, rank)
+            leader.numel() for _, _, leader, _ in per_parameter(result, rank, DENSITY)
         )
-        for name, v, leader, own in _expected(result, rank):
+        for name, v, leader, own in per_parameter(result, rank, DENSITY):
             expected = torch.zeros_like(own)
             expected[leader] = 2 * v[0][leader]
             torch.testing.assert_close(result["grads"][name], expected, rtol=1e-6, atol=1e-7)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lgc.autoencoder.losses import relative_error
+
 __all__ = ["LinearChunkCodec", "LinearCodecTrainer"]
 
 
@@ -104,7 +106,7 @@ class LinearCodecTrainer:
         """Relative error of the decoded mean against the workers' mean (what ring-allreduce delivers)."""
         mean = chunks.float().mean(dim=1)
         decoded = self.autoencoder.decode(self.autoencoder.encode(mean))
-        error = float((decoded - mean).square().sum() / mean.square().sum().clamp_min(torch.finfo(torch.float32).tiny))
+        error = float(relative_error(decoded, mean))
         return {"total": error, "relative_error": error}
 
     @torch.no_grad()

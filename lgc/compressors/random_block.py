@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
-from lgc.compressors.topk import SparsePayload, num_selected
+from lgc.compressors.topk import SparsePayload, num_selected, scatter_add_sparse_into
 
 __all__ = ["BlockPayload", "OffsetBlockPayload", "RandomBlockCompressor", "block_offset"]
 
@@ -233,13 +233,7 @@ class RandomBlockCompressor(Compressor):
 
     def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
         """Zero ``out`` (the tensor's slice of the bucket) and add each block at its offset: no dense temporary."""
-        if out.dtype != torch.float32 and len(payloads) > 1:
-            out.copy_(self.aggregate(payloads))  # sum the workers' blocks in fp32, round once
-            return
-        out.zero_()
-        for payload in payloads:
-            assert isinstance(payload, BlockPayload)
-            payload.add_to(out)
+        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int) -> BlockPayload:
         if self.shared:

@@ -80,6 +80,10 @@ class SparsePayload(Payload):
         dense = self.values.new_zeros(self.numel, dtype=torch.float32)
         return dense.index_add_(0, self.indices.long(), self.values.float())
 
+    def add_to(self, dense: Tensor) -> Tensor:
+        """``dense += decode(self)`` in place, touching only the sent positions."""
+        return dense.index_add_(0, self.indices, self.values.to(dense.dtype))
+
     def subtract_from(self, dense: Tensor) -> Tensor:
         """``dense -= decode(self)`` in place, touching only the sent positions (error feedback's update)."""
         return dense.index_add_(0, self.indices, self.values.to(dense.dtype), alpha=-1)
@@ -94,7 +98,7 @@ def scatter_add_sparse(payloads: list[SparsePayload]) -> Tensor:
 
 
 def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:
-    """:func:`scatter_add_sparse` written into ``out``: zeroed, then one scatter-add, no dense temporary.
+    """:func:`scatter_add_sparse` written into ``out``: zeroed, then each payload adds itself, no dense temporary.
 
     An fp32 ``out`` takes the sum directly; another dtype (a half-precision bucket) gets the fp32
     sum of several payloads cast once, so the workers' values are not added in half precision.
@@ -103,8 +107,8 @@ def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:
         out.copy_(scatter_add_sparse(payloads))
         return
     out.zero_()
-    for payload in payloads:  # one index_add_ per payload: no concatenated copy of all of them
-        out.index_add_(0, payload.indices, payload.values.to(out.dtype))
+    for payload in payloads:  # each adds itself (positions, or a block's slices): no concatenated copy
+        payload.add_to(out)
 
 
 class ScatterAddAggregation:

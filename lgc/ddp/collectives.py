@@ -251,10 +251,15 @@ def _on_nccl(group: dist.ProcessGroup | None) -> bool:
 
 
 # -- the collectives ------------------------------------------------------------------------------
-def all_reduce(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
-    """Sum ``tensor`` in place across the group (asynchronous); the future holds ``[tensor]``."""
+def all_reduce(
+    stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.futures.Future:
+    """Reduce ``tensor`` in place across the group (``op``, SUM by default), asynchronously.
+
+    The future holds ``[tensor]``. Every op sends the same bytes, so all are booked alike.
+    """
     book_all_reduce(stats, tensor, group)
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True).get_future()
 
 
 def all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> tuple[list[Tensor], Any]:

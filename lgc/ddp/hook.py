@@ -432,8 +432,7 @@ def agree_flags(stats: CommStats, flags: Tensor, group: dist.ProcessGroup | None
     Shared by :meth:`CompressionHookState.agree` and the guard of PyTorch's stateful hooks
     (:mod:`lgc.ddp.torch_hooks`), so both decide a step by the same reduction.
     """
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    counted.book_all_reduce(stats, flags, group)
+    counted.all_reduce(stats, flags, group, op=dist.ReduceOp.MAX).wait()
     return flags.cpu()
 
 

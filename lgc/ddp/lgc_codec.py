@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from lgc.autoencoder import from_chunks, to_chunks
+from lgc.autoencoder import chunk_scales, from_chunks, to_chunks
 from lgc.coding import GolombCode, golomb_decode, golomb_encode, pack_uint, packed_nbytes, unpack_uint
 
 __all__ = ["INDEX_CODINGS", "VALUE_ORDERS", "LeaderIndexCodec", "order_bits"]
@@ -107,6 +107,10 @@ class LeaderIndexCodec:
     def chunks(self, values: Tensor) -> Tensor:
         """``[K]`` -> ``[ceil(K / chunk), chunk]``, zero-padded."""
         return to_chunks(values, self.chunk)
+
+    def chunk_scales(self, values: Tensor) -> Tensor:
+        """The scale (root mean square) of every chunk of ``values`` (:func:`~lgc.autoencoder.chunk_scales`)."""
+        return chunk_scales(to_chunks(values, self.chunk))
 
     def scaled_chunks(self, values: Tensor, scales: Tensor) -> Tensor:
         """The chunks of ``values``, each divided by its scale."""

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.autoencoder import AutoencoderConfig, chunk_scales, num_chunks
+from lgc.autoencoder import AutoencoderConfig, num_chunks
 from lgc.coding import unpack_bits
 from lgc.compressors.topk import num_selected, topk_indices
 from lgc.ddp import collectives as counted
@@ -118,7 +118,7 @@ class LGCParameterServerState(LGCHookState):
     # -- stage 3 ----------------------------------------------------------------------------------
     def _leader_wire(self, plan: StepPlan, v: Tensor) -> Tensor:
         positions = self.leader_code.in_wire_order(plan.top_positions(v), v)
-        scales = chunk_scales(self.leader_code.chunks(v[positions]))
+        scales = self.leader_code.chunk_scales(v[positions])
         latent = self._wire_latent(self.autoencoder.encode(self.leader_code.scaled_chunks(v[positions], scales)))
         code = self.leader_code.encode_positions(positions, plan.numel)
         return torch.cat([scales.view(torch.uint8), latent.view(torch.uint8), code])

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lgc.autoencoder import chunk_scales
 from lgc.coding import pack_bits
 from lgc.compressors.topk import SparsePayload
 from lgc.ddp import collectives as counted
@@ -77,7 +76,7 @@ def gather_samples(
         masks = counted.gather(stats, pack_bits(mask).to(values.device), 0, group)
     if gathered is None:
         return None
-    scales = chunk_scales(codec.chunks(leader_values[order]))
+    scales = codec.chunk_scales(leader_values[order])
     chunks = torch.stack([codec.scaled_chunks(x, scales) for x in gathered], dim=1)
     return GatheredSamples(chunks, masks, values.numel())
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lgc.autoencoder import chunk_scales, num_chunks
+from lgc.autoencoder import num_chunks
 from lgc.ddp import collectives as counted
 from lgc.ddp.lgc_plan import StepPlan
 
@@ -81,7 +81,7 @@ class CompressedStageOps:
         """
         if not self.measure_error:
             return
-        exact = own.detach().float().clone()
+        exact = own.detach().to(torch.float32, copy=True)
         dist.all_reduce(exact, group=self.process_group)
         error, norm = float((delivered.float() - exact).square().sum()), float(exact.square().sum())
         self.error_sums[0] += error
@@ -103,7 +103,7 @@ class CompressedStageOps:
         wire = None
         if self.rank == self.leader:
             positions = self.leader_code.in_wire_order(plan.top_positions(v), v)
-            pieces = [chunk_scales(self.leader_code.chunks(v[positions])).view(torch.uint8)] if scales else []
+            pieces = [self.leader_code.chunk_scales(v[positions]).view(torch.uint8)] if scales else []
             if values is not None:
                 pieces.append(v[positions].to(values).view(torch.uint8))
             wire = torch.cat([*pieces, self.leader_code.encode_positions(positions, plan.numel)])

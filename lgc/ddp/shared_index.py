@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lgc.autoencoder import AutoencoderConfig
+from lgc.coding import pack_uint, unpack_uint
 from lgc.ddp import collectives as counted
 from lgc.ddp.lgc_base import LGCHookState, StepPlan
 
@@ -206,8 +207,7 @@ class SharedIndexState(LGCHookState):
         levels = quantization_levels(bits, world_size)
         chunks = self.leader_code.chunks(own)
         scales = chunks.abs().amax(dim=1)
-        counted.book_all_reduce(self.stats, scales, self.process_group)
-        dist.all_reduce(scales, op=dist.ReduceOp.MAX, group=self.process_group)
+        counted.all_reduce(self.stats, scales, self.process_group, op=dist.ReduceOp.MAX).wait()
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         generator = torch.Generator(device=own.device).manual_seed(
             (self.seed * 1_000_003 + self.current_step) * 65_537 + self.rank
@@ -215,14 +215,10 @@ class SharedIndexState(LGCHookState):
         noise = torch.rand(chunks.shape, generator=generator, device=own.device)
         codes = torch.floor(chunks / scales[:, None] * levels + noise).clamp_(-levels, levels)
         carried = self.leader_code.unscaled(codes / levels, scales, plan.k)
-        lanes = (codes + levels).to(torch.uint8).reshape(-1)
-        if bits == 4:
-            lanes = torch.cat([lanes, lanes.new_zeros(lanes.numel() % 2)])
-            lanes = lanes[0::2] * 16 + lanes[1::2]
+        # Offset-binary codes in [0, 2m], packed bits wide: P workers' sums stay below 2**bits, so no lane carries.
+        lanes = pack_uint((codes + levels).to(torch.uint8), bits)
         self._count_payload(self.stats.bytes_sent - sent_before + counted.nbytes(lanes) + counted.nbytes(scales), plan)
         self._allreduce_dense(plan, [])
         counted.all_reduce(self.stats, lanes, self.process_group).wait()
-        if bits == 4:
-            lanes = torch.stack([lanes // 16, lanes % 16], dim=1).reshape(-1)[: chunks.numel()]
-        summed = lanes.to(torch.float32) - world_size * levels
+        summed = unpack_uint(lanes, bits, chunks.numel(), dtype=torch.uint8).to(torch.float32) - world_size * levels
         return self.leader_code.unscaled(summed.view_as(chunks) / levels, scales, plan.k), carried
