@@ -94,7 +94,13 @@ _LGC = dict(
     refresh_patience=5,
     refresh_steps=None,
     autoencoder=dict(
-        chunk=64, encoder_channels=[64, 128, 256, 64], latent_channels=4, decoder_channels=[32, 64, 128, 32], seed=0
+        chunk=64,
+        encoder_channels=[64, 128, 256, 64],
+        latent_channels=4,
+        decoder_channels=[32, 64, 128, 32],
+        decoder="transposed",
+        seed=0,
+        init=None,
     ),
     ae_optimizer="adam",
     ae_lr=1e-3,

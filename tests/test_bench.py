@@ -98,7 +98,7 @@ def test_help_is_plain_text_and_loads_no_training_stack():
     code = """
 import sys
 from lgc.bench.cli import main
-commands = ([], ["compressors"], ["autoencoder"], ["network"], ["model"])
+commands = ([], ["compressors"], ["autoencoder"], ["network"], ["model"], ["step"])
 for argv in ([*command, "--help"] for command in commands):
     try:
         main(argv)
@@ -110,3 +110,41 @@ print("loaded:", sorted(name for name in heavy if name in sys.modules))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "loaded: []"
     assert "encode + decode time and bits per element" in out and "``" not in out and ":func:" not in out
+
+
+def test_step_methods_take_nested_knobs_and_bad_ones_are_named():
+    from lgc.bench.step import parse_methods, parse_overrides
+
+    specs = parse_methods("none,lgc_rar:density=0.001;autoencoder.encoder_channels=[16,32,64,16],dgc")
+    assert [spec.name for spec in specs] == ["none", "lgc_rar", "dgc"]
+    assert specs[1].knobs == {"density": 0.001, "autoencoder": {"encoder_channels": [16, 32, 64, 16]}}
+    assert specs[1].label == "lgc_rar:density=0.001;autoencoder.encoder_channels=[16,32,64,16]"
+    with pytest.raises(ValueError, match="unknown method 'lgc_rarr'"):
+        parse_methods("lgc_rarr")
+    with pytest.raises(ValueError, match="names a method twice"):
+        parse_methods("dgc,dgc")
+    with pytest.raises(ValueError, match="key=value, got 'density'"):
+        parse_overrides("density")
+    with pytest.raises(ValueError, match="sets a field of 'a'"):
+        parse_overrides("a=1;a.b=2")
+
+
+def test_autoencoder_benchmark_names_a_bad_architecture_before_recording():
+    with pytest.raises(SystemExit, match="decoder must be one of .* got 'bilinear'"):
+        main(["autoencoder", "--architecture", "odd:decoder=bilinear"])
+    with pytest.raises(SystemExit, match="--orders must name some of"):
+        main(["autoencoder", "--orders", "sideways"])
+
+
+@pytest.mark.multiprocess
+def test_step_benchmark_times_lgc_past_its_stages_against_no_communication(tmp_path):
+    """``lgc-bench step`` on a small ResNet-18 step: every row timed, no-comm the reference (1.0)."""
+    out = tmp_path / "step.json"
+    narrow = "lgc_rar:autoencoder.encoder_channels=[8,8,8,8];autoencoder.decoder_channels=[8,8,8,8]"
+    main(
+        ["step", "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--density", "0.01",
+         "--steps", "1", "--rounds", "1", "--methods", f"topk,{narrow}", "--json", str(out)]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["no_sync", "topk", narrow]
+    assert rows["no_sync"]["cpu_x"] == 1.0 and all(row["cpu_s"] > 0 and row["wall_s"] > 0 for row in rows.values())

@@ -16,6 +16,7 @@ from lgc.autoencoder import (
     GradientAutoencoder,
     chunk_scales,
     from_chunks,
+    num_chunks,
     rar_losses,
     to_chunks,
 )
@@ -43,6 +44,26 @@ def test_latent_is_a_quarter_of_the_chunk_and_receptive_field_is_checked():
     assert torch.equal(torch.random.get_rng_state(), state)
     for a, b in zip(ae.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("decoder", ["transposed", "upsample"])
+def test_both_decoders_give_the_same_code_size_and_train(decoder):
+    """The decoder's upsampling choice changes its cost (``lgc-bench step``), not the wire: the same latent."""
+    config = AutoencoderConfig(chunk=32, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2, decoder=decoder)
+    ae = GradientAutoencoder(config)
+    chunks = _correlated_chunks(256, 2, 32, noise=0.1, seed=0)
+    assert ae.encode(chunks[:, 0]).shape == (256, 2, 8)
+    assert ae.decode(ae.encode(chunks[:, 0])).shape == (256, 32)
+    layers = [type(layer) for layer in ae.decoders[0].body]
+    assert (nn.Upsample in layers) == (decoder == "upsample")
+    assert (nn.ConvTranspose1d in layers) == (decoder == "transposed")
+    trainer = AutoencoderTrainer(ae, seed=0, buffer_size=256)
+    trainer.add(chunks)
+    before = rar_losses(ae, chunks).total.item()
+    trainer.train(200)
+    assert rar_losses(ae, chunks).total.item() < 0.5 * before
+    with pytest.raises(ValueError, match="decoder must be one of .* got 'bilinear'"):
+        AutoencoderConfig(decoder="bilinear")
 
 
 def test_chunks_round_trip_with_zero_padding():
@@ -170,6 +191,9 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x[:, :8]) + 0.1 * x[:, 8:16]
 
 
+_LGC_AE = dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2)
+
+
 def _lgc_state(variant: str, **kwargs):
     common = dict(
         density=0.05,
@@ -177,7 +201,7 @@ def _lgc_state(variant: str, **kwargs):
         ae_steps=4,
         ae_updates_per_step=2,
         min_numel=MIN_NUMEL,
-        autoencoder=dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2),
+        autoencoder=dict(_LGC_AE),
         ae_batch_size=16,
     )
     if variant == "ps":
@@ -398,6 +422,90 @@ def test_compressed_stage_delivers_exactly_what_its_code_carries(variant, index_
                 cleared[topk_indices(own, num_selected(own.numel(), 0.01))] = 0.0
             torch.testing.assert_close(result["grads"][name], expected, rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(result["residuals_after"][name], cleared, rtol=1e-5, atol=1e-7)
+
+
+def _decode_calls(rank: int, world: int, kwargs: dict) -> list[int]:
+    kwargs = dict(density=0.05, warmup_steps=1, ae_steps=1, ae_updates_per_step=0, min_numel=MIN_NUMEL, **kwargs)
+    kwargs.update(autoencoder=dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2))
+    model = DDP(_net(), bucket_cap_mb=100)  # one bucket
+    state = LGCRingAllreduceState(**kwargs)
+    state.register(model)
+    _identity_autoencoder(state)
+    _train(model, state, 2)
+    rows: list[int] = []
+    decode = state.autoencoder.decode
+    state.autoencoder.decode = lambda latent, *a, **k: rows.append(latent.shape[0]) or decode(latent, *a, **k)
+    _train(model, state, 1, first_step=2)
+    k = sum(num_selected(p.numel(), 0.05) for p in model.parameters() if p.numel() >= MIN_NUMEL)
+    return [*rows, num_chunks(k, state.ae_config.chunk)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        ({}, ["2r"]),  # own reconstruction and the mean: one call of both
+        ({"residual": "zero"}, ["r"]),  # the mean only
+        ({"refresh_threshold": 10.0}, ["r", "r"]),  # the own error rides in the allreduce: decoded first
+    ],
+)
+def test_lgc_rar_decodes_once_per_bucket_unless_the_refresh_needs_its_error_first(kwargs, expected):
+    """Issue 13 part 3: the decoder is LGC-RAR's largest cost, so it runs once per bucket where it can."""
+    for result in run_workers(_decode_calls, 2, kwargs):
+        *calls, rows = result
+        assert calls == [{"r": rows, "2r": 2 * rows}[name] for name in expected]
+
+
+def _trained_codec(rank: int, world: int, path: str) -> dict:
+    model = DDP(_net(), bucket_cap_mb=100)
+    state = _lgc_state("rar")
+    state.register(model)
+    _train(model, state, 8)  # warm-up 2, codec training 4, then compressed
+    saved = state.save_codec(path) if rank == 0 else None
+    return {"saved": str(saved), "weights": {k: v.clone() for k, v in state.autoencoder.state_dict().items()}}
+
+
+def _warm_started(rank: int, world: int, path: str) -> dict:
+    model = DDP(_net(), bucket_cap_mb=100)
+    state = _lgc_state("rar", ae_steps=0, autoencoder=dict(_LGC_AE, init=path))
+    state.register(model)
+    log = _train(model, state, 5)
+    return {
+        "stages": [entry["lgc/stage"] for entry in log],
+        "weights": {k: v.clone() for k, v in state.autoencoder.state_dict().items()},
+        "booked": sorted(state.stage_stats),
+        "describe": state.describe(),
+    }
+
+
+@pytest.mark.multiprocess
+def test_a_saved_codec_warm_starts_another_run_without_its_training_stage(tmp_path):
+    """``autoencoder.init``: the saved weights on every worker, stage 2 skipped, nothing broadcast."""
+    path = str(tmp_path / "codec.pt")
+    trained = run_workers(_trained_codec, 2, path)
+    assert trained[0]["saved"] == path
+    for result in run_workers(_warm_started, 2, path):
+        assert result["stages"] == [LGCStage.WARMUP] * 2 + [LGCStage.COMPRESSED] * 3
+        for name, tensor in trained[0]["weights"].items():
+            assert torch.equal(result["weights"][name], tensor), name
+        assert "autoencoder_weights" not in result["booked"] and "autoencoder_training" not in result["booked"]
+        assert f"init={path}" in result["describe"]
+
+
+def test_a_missing_or_misfitting_codec_is_refused_before_training(tmp_path):
+    from lgc.autoencoder.saved import save_codec
+
+    with pytest.raises(FileNotFoundError, match="autoencoder.init='.*nowhere.pt': no such file"):
+        _lgc_state("rar", autoencoder=dict(_LGC_AE, init=str(tmp_path / "nowhere.pt")))
+    (tmp_path / "junk.pt").write_bytes(b"not a codec")
+    with pytest.raises(ValueError, match="is not a saved lgc codec"):
+        _lgc_state("rar", autoencoder=dict(_LGC_AE, init=str(tmp_path / "junk.pt")))
+    other = GradientAutoencoder(AutoencoderConfig(chunk=64, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2))
+    save_codec(other, tmp_path / "chunk64.pt")
+    with pytest.raises(ValueError, match="does not fit this run's codec .*chunk: saved 64, this run 32"):
+        _lgc_state("rar", world_size=2, autoencoder=dict(_LGC_AE, init=str(tmp_path / "chunk64.pt")))
+    with pytest.raises(ValueError, match="ae_steps must be an integer >= 1"):
+        _lgc_state("rar", ae_steps=0)  # only a warm-started codec may skip its training
 
 
 # -- resume -------------------------------------------------------------------------------------------

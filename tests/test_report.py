@@ -458,6 +458,31 @@ def test_plot_has_a_labelled_marker_per_run_and_the_dense_baseline(tmp_path):
         plot_tradeoff([])
 
 
+def test_many_runs_get_numbered_markers_and_a_key_that_names_them(tmp_path, monkeypatch):
+    """Above MAX_LABELLED_RUNS the labels would overlap: numbers on the markers, labels in a key."""
+    import lgc.report
+
+    records = load_runs(_classification_sweep(tmp_path))
+    monkeypatch.setattr(lgc.report, "MAX_LABELLED_RUNS", 2)
+    axis, key = plot_tradeoff(records).axes
+    assert len(axis.collections) == len(records)
+    numbers = sorted(int(n) for text in axis.texts for n in text.get_text().split(","))
+    assert numbers == list(range(1, len(records) + 1))  # every marker numbered once
+    (listing,) = key.texts
+    assert listing.get_text().splitlines() == [f"{n:>2}  {r.label}" for n, r in enumerate(records, start=1)]
+    assert not key.axison
+
+
+def test_numbered_markers_close_together_share_one_annotation():
+    from lgc.report import NEAR_DECADES, _numbered_groups
+
+    step = NEAR_DECADES / 2
+    # 1 and 3 on the same spot, 2 just right of them (chained), 4 far right at the same y, 5 above.
+    logs, ys = [0.0, step, 0.0, 1.0, 0.0], [0.9, 0.9, 0.9, 0.9, 0.95]
+    groups = _numbered_groups(logs, ys)
+    assert [(names, below) for _, _, names, below in groups] == [(["1", "3", "2"], False), (["4"], True), (["5"], False)]
+
+
 def _png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.endswith(b"IEND\xaeB`\x82")

@@ -126,6 +126,30 @@ class _StrategyWithoutHook(CompressedDDPStrategy):
         pass
 
 
+_TINY_LGC = (
+    "compressor=lgc_rar",
+    "compressor.warmup_steps=1",
+    "compressor.ae_steps=2",
+    "compressor.autoencoder.encoder_channels=[4,4,4,4]",
+    "compressor.autoencoder.decoder_channels=[4,4,4,4]",
+)
+
+
+def test_an_lgc_run_saves_its_codec_and_another_run_starts_from_it(tmp_path):
+    """lgc-train writes codec.pt; ``autoencoder.init`` with ``ae_steps=0`` skips the codec-training stage."""
+    first = train(compose_cfg(tmp_path / "first", *_TINY_LGC))
+    codec = tmp_path / "first" / "codec.pt"
+    assert first["lgc_codec"] == str(codec) and codec.is_file()
+    assert first["lgc_stages"]["autoencoder_training"]["bytes_sent"] > 0
+
+    second = train(
+        compose_cfg(tmp_path / "second", *_TINY_LGC, f"compressor.autoencoder.init={codec}", "compressor.ae_steps=0")
+    )
+    assert set(second["lgc_stages"]) == {"warmup", "compressed"}  # no training stage, no weights broadcast
+    assert second["lgc_stages"]["compressed"]["bytes_sent"] > 0
+    assert f"init={codec}" in second["compressor"]
+
+
 def test_strategy_fails_loudly_when_the_hook_never_ran(tmp_path):
     from lgc.compressors import TopKCompressor
 
@@ -188,6 +212,11 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (["ddp.timeout=0"], ValueError, "ddp.timeout must be a positive number of seconds, got 0"),
         (["ddp.timeout=abc"], ValueError, "ddp.timeout must be a positive number of seconds, got 'abc'"),
         (["checkpoint.every_n_train_steps=0"], ValueError, "checkpoint.every_n_train_steps must be a positive"),
+        (
+            ["compressor=lgc_rar", "compressor.autoencoder.init=/no/such/codec.pt"],
+            FileNotFoundError,
+            "autoencoder.init='/no/such/codec.pt': no such file",
+        ),
     ],
 )
 def test_bad_input_is_reported_before_workers_start(tmp_path, no_workers, overrides, error, message):

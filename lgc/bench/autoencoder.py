@@ -1,8 +1,10 @@
 """``lgc-bench autoencoder``: how well LGC's autoencoder carries real gradients, option by option.
 
 LGC's design choices that the paper does not settle are measured here rather than assumed: the
-order of the values inside a chunk (``position``, ``magnitude``, ``value``), the latent size, and
-fp16 latents. The benchmark records every worker's gradients of a short dense run on the embedded
+order of the values inside a chunk (``position``, ``magnitude``, ``value``), the latent size,
+fp16 latents, and the architecture (``--architecture``: widths and decoder, against the
+reference's; with the CPU time of encoding and decoding, since the reference widths cost more
+than a ResNet-50 step at density 1 %). The benchmark records every worker's gradients of a short dense run on the embedded
 task (:func:`lgc.analysis.record_gradients`; or reads a recording given with ``--recording``),
 builds LGC's samples from them exactly as stage 2 does (the leader's top-k positions per
 parameter, every worker's values there, chunked and divided by the leader's chunk scales), trains
@@ -12,7 +14,9 @@ never saw:
 * ``mean_error``: ``||D(mean_i E(x_i)) - mean_i x_i||^2 / ||mean_i x_i||^2``, what LGC-RAR applies;
 * ``worker_error``: the same for every worker's own reconstruction ``D(E(x_i))``;
 * ``leader_error``: the leader's values taken as everyone's mean, for reference: an error below
-  it means the code carries more than the leader alone knows.
+  it means the code carries more than the leader alone knows;
+* ``cpu_ms_per_1k_chunks``: one thread's CPU time to encode 1,000 chunks and decode them twice
+  (LGC-RAR's work per worker: its own reconstruction and the mean), median of 5.
 
 Simplification: the positions come from the raw gradients (no error feedback residuals), so the
 samples resemble stage 2's of the first steps.
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +89,25 @@ def _evaluate(ae: GradientAutoencoder, samples: torch.Tensor, latent_dtype: torc
         }
 
 
+def codec_cpu_ms(ae: GradientAutoencoder, chunks: int = 1000, repeats: int = 5) -> float:
+    """One thread's CPU milliseconds to encode ``chunks`` chunks and decode them twice (median of ``repeats``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(chunks, ae.config.chunk, generator=torch.Generator().manual_seed(0))
+        times = []
+        with torch.no_grad():
+            for _ in range(repeats + 1):  # the first is a warm-up
+                start = time.process_time()
+                latent = ae.encode(x)
+                ae.decode(latent)
+                ae.decode(latent)
+                times.append(time.process_time() - start)
+        return 1000 * statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def benchmark_autoencoder(
     recording: str | Path,
     density: float = 0.01,
@@ -92,8 +117,13 @@ def benchmark_autoencoder(
     updates: int = 1500,
     train_fraction: float = 0.7,
     seed: int = 0,
+    architectures: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Train and evaluate one autoencoder per (value order, latent channels) on a recording."""
+    """Train and evaluate one autoencoder per (value order, architecture, latent channels) on a recording.
+
+    ``architectures``: label -> :class:`~lgc.autoencoder.AutoencoderConfig` fields over the
+    reference's (default: ``{"reference": {}}``).
+    """
     from lgc.analysis import load_recording  # imports Lightning: here, not when lgc-bench starts
 
     rec = load_recording(recording)
@@ -104,21 +134,28 @@ def benchmark_autoencoder(
     for order in orders:
         per_step = [aligned_samples([rec.flat(n)[:, t] for n in names], density, chunk, order) for t in range(steps)]
         train, held_out = torch.cat(per_step[:cut]), torch.cat(per_step[cut:])
-        for channels in latent_channels:
-            config = AutoencoderConfig(chunk=chunk, latent_channels=channels, seed=seed)
-            trainer = AutoencoderTrainer(GradientAutoencoder(config), seed=seed, buffer_size=train.shape[0])
-            trainer.add(train)
-            trainer.train(updates)
-            for dtype in (torch.float32, torch.float16):
-                rows.append(
-                    {
-                        "value_order": order,
-                        "latent_channels": channels,
-                        "latent_dtype": str(dtype).removeprefix("torch."),
-                        "latent_bits_per_value": 8 * config.latent_numel * dtype.itemsize / chunk,
-                        **_evaluate(trainer.autoencoder, held_out, dtype),
-                    }
+        for label, fields in (architectures or {"reference": {}}).items():
+            for channels in latent_channels:
+                config = AutoencoderConfig.from_kwargs(
+                    **{"chunk": chunk, "latent_channels": channels, "seed": seed, **fields}
                 )
+                trainer = AutoencoderTrainer(GradientAutoencoder(config), seed=seed, buffer_size=train.shape[0])
+                trainer.add(train)
+                trainer.train(updates)
+                cpu_ms = codec_cpu_ms(trainer.autoencoder)
+                for dtype in (torch.float32, torch.float16):
+                    rows.append(
+                        {
+                            "value_order": order,
+                            "architecture": label,
+                            "parameters": sum(p.numel() for p in trainer.autoencoder.parameters()),
+                            "latent_channels": config.latent_channels,
+                            "latent_dtype": str(dtype).removeprefix("torch."),
+                            "latent_bits_per_value": 8 * config.latent_numel * dtype.itemsize / config.chunk,
+                            "cpu_ms_per_1k_chunks": cpu_ms,
+                            **_evaluate(trainer.autoencoder, held_out, dtype),
+                        }
+                    )
     return {
         "recording": str(recording),
         "workers": rec.world_size,
@@ -139,12 +176,14 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['train_steps']}, {result['updates']} updates), density {result['density']}, chunk {result['chunk']}, "
         f"{result['held_out_samples']} held-out samples",
         "",
-        "| value order | latent | bits/value | mean decode error | own decode error | leader as mean |",
-        "|---|---|---|---|---|---|",
+        "| value order | architecture (parameters) | CPU ms / 1k chunks | latent | bits/value "
+        "| mean decode error | own decode error | leader as mean |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         lines.append(
-            f"| {row['value_order']} | {row['latent_channels']} ch {row['latent_dtype']} | "
+            f"| {row['value_order']} | {row['architecture']} ({row['parameters']:,}) | {row['cpu_ms_per_1k_chunks']:.0f} | "
+            f"{row['latent_channels']} ch {row['latent_dtype']} | "
             f"{row['latent_bits_per_value']:.1f} | {row['mean_error']:.3f} | {row['worker_error']:.3f} | "
             f"{row['leader_error']:.3f} |"
         )
@@ -160,14 +199,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--updates", type=int, default=1500)
+    parser.add_argument(
+        "--orders", default=",".join(_ORDERS), help="comma-separated value orders (default %(default)s)"
+    )
+    parser.add_argument("--latent-channels", default="4,2", help="comma-separated latent channels (default 4,2)")
+    parser.add_argument(
+        "--architecture",
+        action="append",
+        default=None,
+        metavar="LABEL[:KNOBS]",
+        help="an architecture to compare, AutoencoderConfig fields over the reference's, e.g. "
+        "'narrow:encoder_channels=[16,32,64,16];decoder_channels=[16,32,32,16]' (repeatable; default: reference)",
+    )
     parser.add_argument("--json", type=Path, help="also write the result as JSON here")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lgc.analysis import record_gradients
+    from lgc.bench.step import parse_overrides
 
     if not 0 < args.density <= 1:
         raise SystemExit(f"--density must be in (0, 1], got {args.density}")
+    orders = tuple(filter(None, args.orders.split(",")))
+    if not orders or set(orders) - set(_ORDERS):
+        raise SystemExit(f"--orders must name some of {_ORDERS}, got {args.orders!r}")
+    try:
+        channels = tuple(int(c) for c in args.latent_channels.split(","))
+        architectures = {}
+        for entry in args.architecture or ["reference"]:
+            label, _, knobs = entry.partition(":")
+            architectures[label] = parse_overrides(knobs)
+        for fields in architectures.values():  # bad fields are named before the recording starts
+            AutoencoderConfig.from_kwargs(**{"chunk": args.chunk, **fields})
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"--latent-channels / --architecture: {error}") from None
+    from lgc.analysis import record_gradients  # Lightning: only once the arguments are good
+
     with tempfile.TemporaryDirectory() as tmp:
         recording = args.recording
         if recording is None:
@@ -179,7 +245,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 patterns=["model.*.weight"],
                 overrides=[f"trainer.devices={args.workers}", "ddp.oversubscribe=true"],
             )
-        result = benchmark_autoencoder(recording, args.density, args.chunk, updates=args.updates)
+        result = benchmark_autoencoder(
+            recording,
+            args.density,
+            args.chunk,
+            latent_channels=channels,
+            orders=orders,
+            updates=args.updates,
+            architectures=architectures,
+        )
     print(format_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

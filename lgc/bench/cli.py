@@ -10,7 +10,7 @@ import argparse
 import re
 from types import ModuleType
 
-from lgc.bench import autoencoder, compressors, cost_model, network
+from lgc.bench import autoencoder, compressors, cost_model, network, step
 
 __all__ = ["main"]
 
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         "autoencoder": autoencoder,
         "network": network,
         "model": cost_model,
+        "step": step,
     }
     for name, module in benchmarks.items():
         module.add_arguments(

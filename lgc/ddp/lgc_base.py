@@ -22,7 +22,9 @@ step). Its bytes are counted with the stage's; the trained weights' broadcast ap
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
+from collections.abc import Mapping
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from lgc.autoencoder import (
     GradientAutoencoder,
     LossWeights,
 )
+from lgc.autoencoder.saved import load_codec_into, read_codec, save_codec
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.topk import TopKCompressor
 from lgc.ddp import collectives as counted
@@ -64,7 +67,11 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
             refresh_steps: the stages (:class:`~lgc.ddp.lgc_schedule.StageSchedule`).
         ae_updates_per_step: codec optimizer steps per training step in stage 2.
         autoencoder: :class:`~lgc.autoencoder.AutoencoderConfig` fields (``chunk``,
-            ``encoder_channels``, ``latent_channels``, ``decoder_channels``, ``seed``).
+            ``encoder_channels``, ``latent_channels``, ``decoder_channels``, ``decoder``, ``seed``),
+            and ``init``: the path of a ``codec.pt`` saved by an earlier run (:meth:`save_codec`;
+            ``lgc-train`` writes one beside ``summary.json``) whose weights start this codec. Stage 2
+            then fine-tunes them, or, with ``ae_steps=0``, is skipped: every worker loads the same
+            weights, so none are broadcast. A codec of another shape is refused.
         ae_optimizer / ae_lr / ae_batch_size / ae_buffer_size: the autoencoder's trainer
             (:class:`~lgc.autoencoder.AutoencoderTrainer`).
         loss_weights: :class:`~lgc.autoencoder.LossWeights` fields (``reconstruction``,
@@ -102,6 +109,7 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         "world_size",
         "measure_error",
         "error_sums",  # [sum of squared errors, sum of squared exact sums] over the measured steps
+        "ae_init",  # path of a saved codec that starts this one (autoencoder.init), or None
         "trainer",  # the codec, its optimizer and sample buffer (the buffer only on rank 0)
         "stage",  # stage of the current step
         "current_step",  # the step the hook is in (its first bucket starts it)
@@ -146,6 +154,14 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         super().__init__(
             ErrorFeedback(TopKCompressor(density)), min_numel=min_numel, start_iter=0, process_group=process_group
         )
+        if isinstance(autoencoder, Mapping):  # a dict, or Hydra's DictConfig
+            autoencoder = dict(autoencoder)
+            init = autoencoder.pop("init", None)
+        else:
+            init = None
+        self.ae_init: str | None = None if init is None else str(init)
+        if self.ae_init is not None:
+            read_codec(self.ae_init)  # a missing or foreign file is named before any worker starts
         self.schedule = StageSchedule(
             warmup_steps=warmup_steps,
             ae_steps=ae_steps,
@@ -155,7 +171,8 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
             refresh_threshold=refresh_threshold,
             refresh_patience=refresh_patience,
             refresh_steps=refresh_steps,
-            min_ae_steps=self.min_ae_steps,
+            # A warm-started codec may skip its training stage.
+            min_ae_steps=0 if self.ae_init is not None else self.min_ae_steps,
         )
         if isinstance(ae_updates_per_step, bool) or not isinstance(ae_updates_per_step, int) or ae_updates_per_step < 0:
             raise ValueError(f"ae_updates_per_step must be an integer >= 0, got {ae_updates_per_step!r}")
@@ -193,7 +210,8 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         self.stage = LGCStage.WARMUP
         self.current_step = -1
         self.leader = leader_rank
-        self.weights_sent = False
+        # Warm-started and not retrained: every worker already holds the same weights.
+        self.weights_sent = self.ae_init is not None and self.ae_steps == 0
         self.step_error = [0.0, 0.0]
         self.last_metrics: dict[str, float] = {}
         self.param_order: dict[str, int] = {}
@@ -253,6 +271,16 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         assert self.world_size is not None
         self.ae_config = self._autoencoder_config(self.ae_config, self.world_size)
         self.trainer = self._make_trainer()
+        if self.ae_init is not None:
+            load_codec_into(self.trainer.autoencoder, self.ae_init)
+            if self.ae_steps == 0:
+                self.trainer.autoencoder.eval()
+
+    def save_codec(self, path: str | Path) -> Path | None:
+        """Write the workers' codec to ``path`` for ``autoencoder.init`` (``None``: it was never trained or loaded)."""
+        if not self.weights_sent or self.trainer is None:
+            return None
+        return save_codec(self.trainer.autoencoder, path)
 
     def attach(self, model: DistributedDataParallel) -> None:
         super().attach(model)
@@ -288,7 +316,9 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         return (
             f"{type(self).__name__}(density={self.density}, warmup_steps={self.warmup_steps} ({self.warmup}), "
             f"ae_steps={self.ae_steps}, chunk={self.ae_config.chunk}, latent={self.latent_dtype}, "
-            f"indices={self.index_coding}, leader={'rotating' if self.rotate_leader else self.leader_rank})"
+            f"indices={self.index_coding}, leader={'rotating' if self.rotate_leader else self.leader_rank}"
+            + (f", init={self.ae_init}" if self.ae_init is not None else "")
+            + ")"
         )
 
     # -- stages -----------------------------------------------------------------------------------

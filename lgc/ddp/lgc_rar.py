@@ -116,17 +116,15 @@ class LGCRingAllreduceState(LGCHookState):
         latent = self._wire_latent(ae.encode(self.leader_code.scaled_chunks(values, scales)))
         self._count_payload(self.stats.bytes_sent - sent_before + counted.nbytes(latent), plan)
         rows = scales.numel()
-        own = self.leader_code.unscaled(
-            ae.decode(latent.float().view(self.autoencoder.latent_shape(rows))), scales, plan.k
-        )
-        error, norm = float((values - own).square().sum()), float(values.square().sum())
-        relative = error / norm if norm > 0 else 0.0
-        self.last_metrics["lgc/recon_error"] = relative
-        v[positions] = values - own if self.residual == "own_reconstruction" else 0.0
-        plan.keep_residuals(self.ef.residuals, v)
+        own_latent = latent.float().view(ae.latent_shape(rows))
+        # The worker's own reconstruction serves its residual and the refresh's error. The refresh's
+        # error rides in the allreduce, so it is decoded first; otherwise both decodes are one call
+        # after the allreduce, and none is needed with residual="zero" and no refresh.
+        own_needed = self.residual == "own_reconstruction" or refresh
+        own = self.leader_code.unscaled(ae.decode(own_latent), scales, plan.k) if refresh else None
+        error_part = [v.new_tensor([self._own_error(values, own)])] if own is not None else []
 
         # The latent rides with the dense parameters in one allreduce when it is fp32, else its own.
-        error_part = [v.new_tensor([relative])] if refresh else []
         if latent.dtype == torch.float32:
             summed = self._allreduce_dense(plan, [*error_part, latent])
             assert summed is not None
@@ -140,10 +138,29 @@ class LGCRingAllreduceState(LGCHookState):
             # Mean relative error over the workers, weighted by the step's values.
             self.step_error[0] += float(summed_error[0]) / world_size * plan.k
             self.step_error[1] += plan.k
-        mean_latent = (latent_sum / world_size).view(self.autoencoder.latent_shape(rows))
-        mean_values = self.leader_code.unscaled(ae.decode(mean_latent), scales, plan.k)
+        mean_latent = (latent_sum / world_size).view(ae.latent_shape(rows))
+        if own_needed and own is None:
+            decoded = ae.decode(torch.cat([own_latent, mean_latent]))
+            own = self.leader_code.unscaled(decoded[:rows], scales, plan.k)
+            self._own_error(values, own)
+            mean_chunks = decoded[rows:]
+        else:
+            mean_chunks = ae.decode(mean_latent)
+        mean_values = self.leader_code.unscaled(mean_chunks, scales, plan.k)
+        if own is not None and self.residual == "own_reconstruction":
+            v[positions] = values - own
+        else:
+            v[positions] = 0.0
+        plan.keep_residuals(self.ef.residuals, v)
         self._measure_error(values, mean_values * world_size)
         update = torch.zeros(plan.numel, dtype=v.dtype, device=v.device)
         # Each worker's share is already divided by the world size: the sum is the mean gradient.
         update[positions] = (mean_values * world_size).to(v.dtype)
         plan.scatter(update)
+
+    def _own_error(self, values: torch.Tensor, own: torch.Tensor) -> float:
+        """Relative error of this worker's own reconstruction (logged as ``lgc/recon_error``)."""
+        error, norm = float((values - own).square().sum()), float(values.square().sum())
+        relative = error / norm if norm > 0 else 0.0
+        self.last_metrics["lgc/recon_error"] = relative
+        return relative

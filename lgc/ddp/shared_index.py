@@ -138,6 +138,9 @@ class SharedIndexState(LGCHookState):
     def _distribute_weights(self) -> None:
         pass  # nothing was trained
 
+    def save_codec(self, path: Any) -> None:
+        return None  # no codec to save
+
     def describe(self) -> str:
         kind = "leader-scaled" if self.leader_only else "shared-index top-k"
         return (

@@ -198,7 +198,9 @@ class RunSummary(pl.Callback):
     the collectives' algorithms put on the network, :mod:`lgc.ddp.wire`) and logical bytes (the
     tensors handed to them) sent/received, their dense equivalents, ``compression_ratio`` (wire
     bytes of a dense ring allreduce over wire bytes sent), ``logical_compression_ratio``,
-    ``payload_compression_ratio``, ``hook_calls``, ``fit_time_s`` and the resolved config.
+    ``payload_compression_ratio``, ``hook_calls``, ``fit_time_s`` and the resolved config. An
+    LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
+    start from with ``compressor.autoencoder.init=PATH``.
     ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
     """
 
@@ -255,5 +257,9 @@ class RunSummary(pl.Callback):
         summary.update({k: summary["metrics"][k] for k in top_level if k in summary["metrics"]})
         summary["layers"] = layers
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        save_codec = getattr(_hook_state(trainer), "save_codec", None)
+        if save_codec is not None and save_codec(self.output_dir / "codec.pt") is not None:
+            # LGC's trained codec, for another run's autoencoder.init.
+            summary["lgc_codec"] = str(self.output_dir / "codec.pt")
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         _log_layer_table(trainer, layers)

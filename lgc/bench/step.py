@@ -1,0 +1,210 @@
+"""``lgc-bench step``: what a method's hook costs inside a real DDP step, against the no-communication step.
+
+``--workers`` gloo processes on this machine (loopback) each train a copy of the model per method
+(ImageNet ResNet shapes, 1,000 classes, on small random images so the gradients have the real
+sizes), past the method's own warm-up stages (LGC: past its autoencoder training, so its
+compressed stage is timed); then ``--rounds`` interleaved rounds time ``--steps`` steps of every
+method and of the no-communication step (``no_sync``: forward, backward and optimizer, DDP
+communicates nothing). Reported per method: median wall time, median CPU time summed over the
+workers' processes (all their threads), both as multiples of the no-communication step measured in
+the same rounds, and the load average.
+
+A method is an ``lgc.compress`` name, optionally with knobs after a colon, ``;``-separated, dotted
+for nested knobs and YAML-valued; e.g. LGC-RAR with a narrower autoencoder::
+
+    lgc-bench step --density 0.01 --methods \\
+      'none,dgc,lgc_rar,lgc_rar:autoencoder.encoder_channels=[16,32,64,16];autoencoder.decoder_channels=[16,32,32,16]'
+
+Targets it measures: issue 12's (top-k 0.1 % and DGC at most 1.25x the no-communication step in
+CPU time, no more than PyTorch's fp16 and PowerSGD hooks) and issue 13's (LGC's compressed stage at
+most 1.5x at densities 1 % and 0.1 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["MethodSpec", "parse_methods", "parse_overrides"]
+
+METHODS = "none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
+NO_COMM = "no_sync"
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """``"a.b=1;c=[1,2]"`` -> ``{"a": {"b": 1}, "c": [1, 2]}`` (values parsed as YAML)."""
+    knobs: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"a knob must read key=value, got {item!r}")
+        *parents, leaf = key.strip().split(".")
+        target = knobs
+        for name in parents:
+            target = target.setdefault(name, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"knob {key!r} sets a field of {name!r}, which already has a value")
+        target[leaf] = yaml.safe_load(value)
+    return knobs
+
+
+class MethodSpec(NamedTuple):
+    """One ``--methods`` entry."""
+
+    #: The entry as written (the table's row name).
+    label: str
+    #: The ``lgc.compress`` method.
+    name: str
+    #: Knobs over the benchmark's own (:func:`~lgc.bench.cost_model.profile_knobs`).
+    knobs: dict[str, Any]
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """Comma-separated ``name[:knobs]`` entries (commas inside ``[...]`` belong to a value)."""
+    from lgc.api import METHODS as KNOWN
+
+    specs = []
+    for entry in filter(None, (part.strip() for part in re.split(r",(?![^\[]*\])", text))):
+        name, _, knobs = entry.partition(":")
+        if name not in KNOWN:
+            raise ValueError(f"unknown method {name!r} in {entry!r}; known: {', '.join(sorted(KNOWN))}")
+        specs.append(MethodSpec(entry, name, parse_overrides(knobs)))
+    labels = [spec.label for spec in specs]
+    if len(set(labels)) != len(labels) or NO_COMM in labels:
+        raise ValueError(f"--methods names a method twice or names {NO_COMM!r}: {labels}")
+    return specs
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store: str, results: Any) -> None:
+    import lgc
+    from lgc.bench.cost_model import profile_knobs, steady_from
+    from lgc.bench.network_worker import sgd_for
+    from lgc.models.torchvision_resnet import torchvision_resnet
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=args.workers)
+    torch.manual_seed(0)
+    base = torchvision_resnet(int(args.model.removeprefix("resnet")), num_classes=1000, stem="imagenet")
+    generator = torch.Generator().manual_seed(rank)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
+        return x, torch.randint(1000, (args.batch_size,), generator=generator)
+
+    runs: dict[str, Any] = {}
+    for spec in [MethodSpec(NO_COMM, NO_COMM, {}), *specs]:
+        model = DistributedDataParallel(copy.deepcopy(base))
+        optimizer = sgd_for(spec.name, model, lr=1e-3)
+        warm = 2
+        if spec.name != NO_COMM:
+            knobs = _merged(profile_knobs(args.density).get(spec.name, {}), spec.knobs)
+            state = lgc.compress(model, spec.name, optimizer=optimizer, **knobs)
+            state.set_epoch(1000)  # DGC past its density warm-up
+            warm = steady_from(state) + 2
+        runs[spec.label] = (model, optimizer, warm, spec.name == NO_COMM)
+
+    def step(label: str) -> tuple[float, float]:
+        model, optimizer, _, no_comm = runs[label]
+        x, y = batch()
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        optimizer.zero_grad()
+        if no_comm:
+            with model.no_sync():
+                loss_fn(model(x), y).backward()
+        else:
+            loss_fn(model(x), y).backward()
+        optimizer.step()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    for label, (_, _, warm, _) in runs.items():
+        for _ in range(warm):
+            step(label)
+    timings: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
+    for _ in range(args.rounds):
+        for label in runs:
+            for _ in range(args.steps):
+                timings[label].append(step(label))
+    results[rank] = json.dumps(timings)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="resnet50", choices=("resnet18", "resnet50", "resnet101"))
+    parser.add_argument("--methods", default=METHODS, help="comma-separated name[:key=value;...] (default %(default)s)")
+    parser.add_argument("--density", type=float, default=0.001, help="the sparsifiers' and LGC's density")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3, help="steps per method per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not 0 < args.density <= 1:
+        raise SystemExit(f"--density must be in (0, 1], got {args.density}")
+    if args.workers < 1 or args.rounds < 1 or args.steps < 1:
+        raise SystemExit(f"--workers, --rounds and --steps must be >= 1, got {args.workers}, {args.rounds}, {args.steps}")
+    try:
+        specs = parse_methods(args.methods)
+    except ValueError as error:
+        raise SystemExit(f"--methods: {error}") from None
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory() as scratch:
+        results = mp.Manager().dict()
+        mp.spawn(_worker, args=(args, specs, f"file://{scratch}/store", results), nprocs=args.workers)
+        per_rank = [json.loads(results[rank]) for rank in range(args.workers)]
+    rows = {}
+    for label in per_rank[0]:
+        walls = [statistics.median(w for w, _ in rank[label]) for rank in per_rank]
+        # CPU of one step summed over the workers, median over steps.
+        cpus = [sum(rank[label][i][1] for rank in per_rank) for i in range(len(per_rank[0][label]))]
+        rows[label] = (max(walls), statistics.median(cpus))
+    wall0, cpu0 = rows[NO_COMM]
+    print(
+        f"# DDP step overhead: {args.model}, {args.workers} gloo workers on this machine, batch {args.batch_size} "
+        f"of {args.image_size}x{args.image_size}, density {args.density}, {args.threads} thread(s) each, "
+        f"{args.rounds} rounds x {args.steps} steps\n"
+    )
+    print("| method | wall (ms) | x no-comm | CPU, all workers (ms) | x no-comm |")
+    print("|---|---|---|---|---|")
+    for label, (wall, cpu) in rows.items():
+        print(f"| {label} | {1000 * wall:.0f} | {wall / wall0:.2f} | {1000 * cpu:.0f} | {cpu / cpu0:.2f} |")
+    end = os.getloadavg()
+    start_text, end_text = (" ".join(f"{x:.2f}" for x in values) for values in (load, end))
+    print(f"\nload average at start {start_text}, at end {end_text}")
+    table = {
+        "model": args.model,
+        "workers": args.workers,
+        "density": args.density,
+        "load_average": [load, end],
+        "rows": {label: {"wall_s": w, "cpu_s": c, "wall_x": w / wall0, "cpu_x": c / cpu0} for label, (w, c) in rows.items()},
+    }
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(table, handle, indent=2)
+    return table
