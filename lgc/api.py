@@ -181,6 +181,7 @@ METHODS: Mapping[str, Method] = MappingProxyType(
         "lgc_rar_paper": Method(LGCRingAllreduceState, _paper(_LGC_RAR)),
         "lgc_rar_linear": Method(LGCRingAllreduceState, dict(_LGC_RAR, codec="linear", linear_latent=None)),
         "shared_topk": Method(SharedIndexState, _SHARED),
+        "shared_topk_int8": Method(SharedIndexState, dict(_SHARED, values="int8", warmup_steps=1, index_coding="golomb")),
         "leader_scaled": Method(SharedIndexState, dict(_SHARED, leader_only=True)),
         "lgc_ps_paper": Method(LGCParameterServerState, _paper(_LGC_PS, innovation_density=1e-5)),
     }

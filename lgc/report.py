@@ -606,8 +606,13 @@ def report_table(records: Sequence[RunRecord]) -> str:
 MAX_LABELLED_RUNS = 8
 #: Numbered markers closer than this (in decades of the ratio) at the same accuracy share a label.
 NEAR_DECADES = 0.06
-#: Characters of a run's label in the key.
-KEY_LABEL_CHARS = 80
+#: Characters per line of the key (longer labels wrap).
+KEY_LABEL_CHARS = 76
+
+
+def _key_lines(number: int, label: str) -> list[str]:
+    """A run's entry in the plot's key: its number and its whole label, wrapped."""
+    return textwrap.wrap(f"{number:>2}  {label}", KEY_LABEL_CHARS, subsequent_indent="    ", break_on_hyphens=False)
 
 
 def _numbered_groups(logs: list[float], ys: list[float]) -> list[tuple[float, float, list[str], bool]]:
@@ -659,7 +664,8 @@ def plot_tradeoff(records: Sequence[RunRecord], ratio: str = "compression_ratio"
     # Many runs: their labels would overlap (accuracies of a small validation set take few values),
     # so each marker gets a number and a key beside the axes names the runs.
     numbered = max(len(panel) for panel in panels) > MAX_LABELLED_RUNS
-    height = max(5.0, 0.17 * max(len(panel) for panel in panels) + 1.2) if numbered else 5.0
+    key_lines = max(sum(len(_key_lines(1, record.label)) for record in panel) for panel in panels)
+    height = max(5.0, 0.13 * key_lines + 1.2) if numbered else 5.0
     figure = Figure(figsize=((13.0 if numbered else 8.0) * len(metric_keys), height), layout="constrained")
     if numbered:
         ratios = {"width_ratios": [8, 5] * len(metric_keys)}
@@ -702,10 +708,7 @@ def plot_tradeoff(records: Sequence[RunRecord], ratio: str = "compression_ratio"
             text.set_in_layout(False)
         if key_axis is not None:
             key_axis.axis("off")
-            lines = [
-                f"{number:>2}  {textwrap.shorten(record.label, KEY_LABEL_CHARS, placeholder='...')}"
-                for number, (record, _, _) in enumerate(points, start=1)
-            ]
+            lines = [line for number, (record, _, _) in enumerate(points, start=1) for line in _key_lines(number, record.label)]
             key_axis.text(0, 1, "\n".join(lines), va="top", ha="left", family="monospace", fontsize=7,
                           transform=key_axis.transAxes)  # fmt: skip
         dense = [record for record in panel if record.is_dense and record.metric is not None]

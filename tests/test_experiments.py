@@ -39,9 +39,11 @@ def test_smoke_variants_keep_their_papers_compressor_model_and_data(name):
     assert smoke.trainer.limit_train_batches == 4 and smoke.trainer.accelerator == "cpu"
 
 
-def test_the_default_run_is_lgc_rar_and_smoke_is_top_k_unless_told():
+def test_the_default_run_is_the_ablations_best_codec_and_smoke_is_top_k_unless_told():
     with initialize_config_module("lgc.conf", version_base="1.3"):
-        assert compose("train")["compressor"]._target_ == "lgc.ddp.lgc_rar.LGCRingAllreduceState"
+        default = compose("train")["compressor"]
+        assert default._target_ == "lgc.ddp.shared_index.SharedIndexState"
+        assert (default["values"], default["warmup_steps"], default["index_coding"]) == ("int8", 1, "golomb")
         assert compose("train", ["experiment=smoke"])["compressor"]._target_ == "lgc.compressors.TopKCompressor"
         told = compose("train", ["experiment=smoke", "compressor=dgc"])
     assert told["compressor"]._target_ == "lgc.compressors.dgc.DGCCompressor" and told.trainer.limit_train_batches == 4

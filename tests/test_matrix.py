@@ -117,7 +117,7 @@ METHODS = (
     Method("lgc_rar_linear", "lgc_rar_linear", (*_LGC,), inject_step=5),
     Method("shared_topk", "shared_topk", _SHARED, inject_step=4),
     Method("shared_topk_fp16", "shared_topk", (*_SHARED, "compressor.values=float16"), inject_step=4),
-    Method("shared_topk_int8", "shared_topk", (*_SHARED, "compressor.values=int8"), inject_step=4),
+    Method("shared_topk_int8", "shared_topk_int8", _SHARED, inject_step=4),
     Method("shared_topk_int4", "shared_topk", (*_SHARED, "compressor.values=int4", "compressor.index_coding=golomb")),
     Method("leader_scaled", "leader_scaled", _SHARED, inject_step=4),
     Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm.delay=2"), inject_step=3, delay=2),
