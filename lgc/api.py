@@ -181,7 +181,9 @@ METHODS: Mapping[str, Method] = MappingProxyType(
         "lgc_rar_paper": Method(LGCRingAllreduceState, _paper(_LGC_RAR)),
         "lgc_rar_linear": Method(LGCRingAllreduceState, dict(_LGC_RAR, codec="linear", linear_latent=None)),
         "shared_topk": Method(SharedIndexState, _SHARED),
-        "shared_topk_int8": Method(SharedIndexState, dict(_SHARED, values="int8", warmup_steps=1, index_coding="golomb")),
+        "shared_topk_int8": Method(
+            SharedIndexState, dict(_SHARED, values="int8", warmup_steps=1, index_coding="golomb")
+        ),
         "leader_scaled": Method(SharedIndexState, dict(_SHARED, leader_only=True)),
         "lgc_ps_paper": Method(LGCParameterServerState, _paper(_LGC_PS, innovation_density=1e-5)),
     }
@@ -198,6 +200,9 @@ def compress(
     optimizer: torch.optim.Optimizer | None = None,
     error_feedback: bool | None = None,
     delay: int | None = None,
+    outer: str | None = None,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
     min_numel: int | None = None,
     start_iter: int | None = None,
     process_group: dist.ProcessGroup | None = None,
@@ -229,6 +234,9 @@ def compress(
             Without ``optimizer``, call ``state.after_optimizer_step()`` after every
             ``optimizer.step()``; a missed or doubled call raises at the next forward pass (run all
             but the last backward pass of an accumulated step under ``model.no_sync()``).
+        outer, outer_lr, outer_momentum: with ``delay``, how the averaged update moves the
+            synchronized weights: ``"average"`` (default, SBC) or ``"sgd"`` (DiLoCo's outer SGD with
+            Nesterov momentum on the pseudo-gradient; lr 0.7 and momentum 0.9 unless given).
         min_numel: parameters with fewer elements go dense (default 1024: biases, norm layers).
         start_iter: plain-allreduce iterations before compressing (lgc compressors only; default 1).
         process_group: the group to communicate in (default: the world).
@@ -258,12 +266,21 @@ def compress(
         >>> state = lgc.compress(model, "dgc", optimizer=opt)  # opt: momentum=0, DGC applies 0.9
         >>> state = lgc.compress(model, "lgc_rar", warmup_steps=100, ae_steps=300)
         >>> state = lgc.compress(model, "sbc", optimizer=opt, delay=4)  # 4 local steps per exchange
+        >>> state = lgc.compress(model, "none", optimizer=opt, delay=50, outer="sgd")  # DiLoCo, H = 50
     """
     _check_model(model, process_group)
     _check_optimizer(model, optimizer, optimizer_momentum, optimizer_weight_decay)
+    if delay is None and (outer is not None or outer_lr is not None or outer_momentum is not None):
+        raise ValueError(
+            f"outer={outer!r}, outer_lr={outer_lr!r} and outer_momentum={outer_momentum!r} act on the exchanges "
+            "of local steps: they need delay="
+        )
     config = dict(
         error_feedback=error_feedback,
         delay=delay,
+        outer=outer,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
         min_numel=min_numel,
         start_iter=start_iter,
         process_group=process_group,
@@ -362,6 +379,9 @@ def _build(
     *,
     error_feedback: bool | None,
     delay: int | None,
+    outer: str | None,
+    outer_lr: float | None,
+    outer_momentum: float | None,
     min_numel: int | None,
     start_iter: int | None,
     process_group: dist.ProcessGroup | None,
@@ -409,7 +429,13 @@ def _build(
         if start_iter is not None:
             raise ValueError(f"start_iter does not apply with delay={delay!r}: the local steps start at once")
         return CommunicationDelayState(
-            compressor, delay=delay, min_numel=_or(min_numel, 1024), process_group=process_group
+            compressor,
+            delay=delay,
+            min_numel=_or(min_numel, 1024),
+            process_group=process_group,
+            outer=_or(outer, "average"),
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
         )
     return CompressionHookState(
         compressor, min_numel=_or(min_numel, 1024), start_iter=_or(start_iter, 1), process_group=process_group

@@ -684,7 +684,7 @@ def plot_tradeoff(records: Sequence[RunRecord], ratio: str = "compression_ratio"
         logs = [math.log10(x) for _, x, _ in points]
         middle = (min(logs) + max(logs)) / 2 if logs else 0.0
         shown: set[str] = set()
-        for number, ((record, x, y), log_x) in enumerate(zip(points, logs, strict=True), start=1):
+        for (record, x, y), log_x in zip(points, logs, strict=True):
             legend = record.compressor if record.compressor not in shown else None
             shown.add(record.compressor)
             axis.scatter([x], [y], color=colors[record.compressor], label=legend, zorder=3, s=36)
@@ -708,7 +708,11 @@ def plot_tradeoff(records: Sequence[RunRecord], ratio: str = "compression_ratio"
             text.set_in_layout(False)
         if key_axis is not None:
             key_axis.axis("off")
-            lines = [line for number, (record, _, _) in enumerate(points, start=1) for line in _key_lines(number, record.label)]
+            lines = [
+                line
+                for number, (record, _, _) in enumerate(points, start=1)
+                for line in _key_lines(number, record.label)
+            ]
             key_axis.text(0, 1, "\n".join(lines), va="top", ha="left", family="monospace", fontsize=7,
                           transform=key_axis.transAxes)  # fmt: skip
         dense = [record for record in panel if record.is_dense and record.metric is not None]

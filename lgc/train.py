@@ -86,9 +86,17 @@ def build_hook_state(
     ``cfg.compressor`` builds either an lgc :class:`Compressor` (``error_feedback: true`` wraps it in
     :class:`ErrorFeedback`; ``cfg.comm`` configures the hook) or one of PyTorch's hooks wrapped by
     :mod:`lgc.ddp.torch_hooks`. ``comm.delay: n`` switches to SBC's communication delay: ``n``
-    local steps, then an exchange of the compressed weight update (:mod:`lgc.ddp.local_sgd`).
+    local steps, then an exchange of the compressed weight update (:mod:`lgc.ddp.local_sgd`), which
+    ``comm.outer: sgd`` applies with DiLoCo's outer optimizer.
     """
     delay = comm_node.get("delay")
+    outer = comm_node.get("outer") or "average"
+    outer_lr, outer_momentum = comm_node.get("outer_lr"), comm_node.get("outer_momentum")
+    if delay is None and (outer != "average" or outer_lr is not None or outer_momentum is not None):
+        raise ValueError(
+            f"comm.outer={outer!r}, comm.outer_lr={outer_lr!r} and comm.outer_momentum={outer_momentum!r} "
+            "act on the exchanges of local steps: they need comm.delay"
+        )
     compressor = build_compressor(compressor_node)
     if isinstance(compressor, (TorchHookState, LGCHookState)):
         if delay is not None:
@@ -96,7 +104,14 @@ def build_hook_state(
         return compressor
     if delay is not None:
         # It refuses a compressor that applies weight decay itself (DGC): the updates carry it already.
-        return CommunicationDelayState(compressor, delay=delay, min_numel=comm_node.min_numel)
+        return CommunicationDelayState(
+            compressor,
+            delay=delay,
+            min_numel=comm_node.min_numel,
+            outer=outer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+        )
     return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
 
 
@@ -336,6 +351,12 @@ def _check_types(cfg: DictConfig) -> None:
     delay = cfg.comm.get("delay")
     if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int)):
         raise TypeError(f"comm.delay={delay!r} must be an int or null")
+    if not isinstance(cfg.comm.get("outer", "average"), str):
+        raise TypeError(f"comm.outer={cfg.comm.get('outer')!r} must be a string (average or sgd)")
+    for key in ("outer_lr", "outer_momentum"):
+        value = cfg.comm.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"comm.{key}={value!r} must be a float or null")
 
 
 def _check_timeout(value: Any) -> float:

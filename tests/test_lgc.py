@@ -49,7 +49,9 @@ def test_latent_is_a_quarter_of_the_chunk_and_receptive_field_is_checked():
 @pytest.mark.parametrize("decoder", ["transposed", "upsample"])
 def test_both_decoders_give_the_same_code_size_and_train(decoder):
     """The decoder's upsampling choice changes its cost (``lgc-bench step``), not the wire: the same latent."""
-    config = AutoencoderConfig(chunk=32, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2, decoder=decoder)
+    config = AutoencoderConfig(
+        chunk=32, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2, decoder=decoder
+    )
     ae = GradientAutoencoder(config)
     chunks = _correlated_chunks(256, 2, 32, noise=0.1, seed=0)
     assert ae.encode(chunks[:, 0]).shape == (256, 2, 8)
@@ -500,7 +502,9 @@ def test_a_missing_or_misfitting_codec_is_refused_before_training(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a codec")
     with pytest.raises(ValueError, match="is not a saved lgc codec"):
         _lgc_state("rar", autoencoder=dict(_LGC_AE, init=str(tmp_path / "junk.pt")))
-    other = GradientAutoencoder(AutoencoderConfig(chunk=64, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2))
+    other = GradientAutoencoder(
+        AutoencoderConfig(chunk=64, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2)
+    )
     save_codec(other, tmp_path / "chunk64.pt")
     with pytest.raises(ValueError, match="does not fit this run's codec .*chunk: saved 64, this run 32"):
         _lgc_state("rar", world_size=2, autoencoder=dict(_LGC_AE, init=str(tmp_path / "chunk64.pt")))

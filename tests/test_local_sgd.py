@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc import ErrorFeedback, NoneCompressor, TopKCompressor
-from lgc.ddp.local_sgd import CommunicationDelayState, register_communication_delay
+from lgc.ddp.local_sgd import CommunicationDelayState
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,9 +23,12 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
 
 
-def _train(rank: int, world: int, compressor, delay: int | None, steps: int) -> dict:
+def _train(rank: int, world: int, compressor, delay: int | None, steps: int, outer: dict | None = None) -> dict:
     model = DDP(_net())
-    state = None if delay is None else register_communication_delay(model, compressor, delay=delay, min_numel=0)
+    state = None
+    if delay is not None:
+        state = CommunicationDelayState(compressor, delay=delay, min_numel=0, **(outer or {}))
+        state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     weights, sent = [], []
     for step in range(steps):
@@ -67,10 +70,71 @@ def test_delay_rejects_non_positive_steps():
         CommunicationDelayState(NoneCompressor(), delay=0)
 
 
-def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path):
+@pytest.mark.parametrize(
+    "outer,message",
+    [
+        ({"outer": "adam"}, "outer must be one of .*, got 'adam'"),
+        ({"outer": "sgd", "outer_lr": 0.0}, "outer_lr must be a positive number, got 0.0"),
+        ({"outer": "sgd", "outer_lr": -1}, "outer_lr must be a positive number, got -1"),
+        ({"outer": "sgd", "outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\), got 1.0"),
+        ({"outer_lr": 0.5}, "outer_lr=0.5 and outer_momentum=None are the outer optimizer's knobs: set outer='sgd'"),
+    ],
+)
+def test_bad_outer_settings_are_named(outer, message):
+    with pytest.raises(ValueError, match=message):
+        CommunicationDelayState(NoneCompressor(), delay=4, **outer)
+
+
+def test_outer_sgd_with_lr_one_and_no_momentum_is_periodic_averaging_bit_for_bit():
+    """DiLoCo's outer step ``W -= 1 * (-mean dW)`` with no momentum is SBC's ``W += mean dW``."""
+    compressor, delay, steps = ErrorFeedback(TopKCompressor(0.2)), 3, 9
+    average = run_workers(_train, 2, compressor, delay, steps)
+    outer = run_workers(_train, 2, compressor, delay, steps, {"outer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0})
+    for a, b in zip(average, outer, strict=True):
+        for step, (wa, wb) in enumerate(zip(a["weights"], b["weights"], strict=True)):
+            assert torch.equal(wa, wb), step
+
+
+def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
+    """Against a one-process simulation of two workers: H local SGD steps each, then the averaged
+    pseudo-gradient ``Delta = mean_i (W_sync - W_i)`` drives ``m = mu m + Delta``,
+    ``W_sync -= lr (Delta + mu m)`` (Nesterov), and every worker restarts from ``W_sync``."""
+    delay, steps, lr, mu = 2, 6, 0.7, 0.9
+    outer = {"outer": "sgd", "outer_lr": lr, "outer_momentum": mu}
+    results = run_workers(_train, 2, NoneCompressor(), delay, steps, outer)
+
+    workers = [_net(), _net()]
+    synced = [p.detach().clone() for p in workers[0].parameters()]
+    momentum = [torch.zeros_like(p) for p in synced]
+    for step in range(steps):
+        for rank, net in enumerate(workers):
+            x, y = _batch(rank, step)
+            net.zero_grad()
+            (net(x) - y).square().mean().backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+        if (step + 1) % delay == 0:
+            with torch.no_grad():
+                for i, sync in enumerate(synced):
+                    local = [list(net.parameters())[i] for net in workers]
+                    delta = sum((sync - p) / 2 for p in local)
+                    momentum[i] = mu * momentum[i] + delta
+                    sync -= lr * (delta + mu * momentum[i])
+                for net in workers:
+                    for p, sync in zip(net.parameters(), synced, strict=True):
+                        p.copy_(sync)
+        for rank, net in enumerate(workers):
+            expected = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+            torch.testing.assert_close(results[rank]["weights"][step], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("outer", [[], ["comm.outer=sgd"]], ids=["average", "diloco"])
+def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
     # 3 steps per epoch and an exchange every 2: the checkpoint after epoch 1 falls between exchanges,
-    # where every rank holds its own weights and momenta.
+    # where every rank holds its own weights and momenta (and, with DiLoCo, the outer momentum).
     common = ["trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "comm.delay=2", "scheduler.T_max=2"]
+    common += outer
     from lgc.train import train
 
     train(compose_cfg(tmp_path / "straight", "trainer.max_epochs=2", *common))
@@ -88,3 +152,8 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path):
         for key in ("synced", "local_weights"):
             for name, tensor in a[key].items():
                 assert torch.equal(tensor, b[key][name]), (key, name)
+        if outer:
+            buffers = [[s["momentum_buffer"] for s in r["outer_optimizer"]["state"].values()] for r in (a, b)]
+            assert len(buffers[0]) == len(a["synced"]) and all(map(torch.equal, *buffers))
+        else:
+            assert a["outer_optimizer"] is None

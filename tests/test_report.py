@@ -482,7 +482,11 @@ def test_numbered_markers_close_together_share_one_annotation():
     # 1 and 3 on the same spot, 2 just right of them (chained), 4 far right at the same y, 5 above.
     logs, ys = [0.0, step, 0.0, 1.0, 0.0], [0.9, 0.9, 0.9, 0.9, 0.95]
     groups = _numbered_groups(logs, ys)
-    assert [(names, below) for _, _, names, below in groups] == [(["1", "3", "2"], False), (["4"], True), (["5"], False)]
+    assert [(names, below) for _, _, names, below in groups] == [
+        (["1", "3", "2"], False),
+        (["4"], True),
+        (["5"], False),
+    ]
 
 
 def _png_size(path: Path) -> tuple[int, int]:

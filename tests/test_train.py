@@ -213,6 +213,17 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (["ddp.timeout=abc"], ValueError, "ddp.timeout must be a positive number of seconds, got 'abc'"),
         (["checkpoint.every_n_train_steps=0"], ValueError, "checkpoint.every_n_train_steps must be a positive"),
         (
+            ["comm.outer=sgd"],
+            ValueError,
+            "comm.outer='sgd', .* act on the exchanges of local steps: they need comm.delay",
+        ),
+        (
+            ["comm.delay=4", "comm.outer=sgd", "comm.outer_lr=0"],
+            ValueError,
+            "outer_lr must be a positive number, got 0",
+        ),
+        (["comm.outer_momentum=abc"], TypeError, "comm.outer_momentum='abc' must be a float or null"),
+        (
             ["compressor=lgc_rar", "compressor.autoencoder.init=/no/such/codec.pt"],
             FileNotFoundError,
             "autoencoder.init='/no/such/codec.pt': no such file",

@@ -64,7 +64,9 @@ def read_codec(path: str | Path) -> dict[str, Any]:
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise ValueError(f"autoencoder.init={str(path)!r} is not a saved lgc codec (no format {FORMAT!r})")
     if record.get("version") != _VERSION:
-        raise ValueError(f"autoencoder.init={str(path)!r} has codec format version {record.get('version')!r}, expected {_VERSION}")
+        raise ValueError(
+            f"autoencoder.init={str(path)!r} has codec format version {record.get('version')!r}, expected {_VERSION}"
+        )
     return record
 
 

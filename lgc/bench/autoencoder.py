@@ -4,8 +4,8 @@ LGC's design choices that the paper does not settle are measured here rather tha
 order of the values inside a chunk (``position``, ``magnitude``, ``value``), the latent size,
 fp16 latents, and the architecture (``--architecture``: widths and decoder, against the
 reference's; with the CPU time of encoding and decoding, since the reference widths cost more
-than a ResNet-50 step at density 1 %). The benchmark records every worker's gradients of a short dense run on the embedded
-task (:func:`lgc.analysis.record_gradients`; or reads a recording given with ``--recording``),
+than a ResNet-50 step at density 1 %). The benchmark records every worker's gradients of a short
+dense run on the embedded task (:func:`lgc.analysis.record_gradients`; or reads a recording given with ``--recording``),
 builds LGC's samples from them exactly as stage 2 does (the leader's top-k positions per
 parameter, every worker's values there, chunked and divided by the leader's chunk scales), trains
 an autoencoder on the first ``--train-fraction`` of the steps and reports, on the later steps it
@@ -182,7 +182,8 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     for row in result["rows"]:
         lines.append(
-            f"| {row['value_order']} | {row['architecture']} ({row['parameters']:,}) | {row['cpu_ms_per_1k_chunks']:.0f} | "
+            f"| {row['value_order']} | {row['architecture']} ({row['parameters']:,}) | "
+            f"{row['cpu_ms_per_1k_chunks']:.0f} | "
             f"{row['latent_channels']} ch {row['latent_dtype']} | "
             f"{row['latent_bits_per_value']:.1f} | {row['mean_error']:.3f} | {row['worker_error']:.3f} | "
             f"{row['leader_error']:.3f} |"

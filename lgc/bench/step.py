@@ -168,7 +168,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 < args.density <= 1:
         raise SystemExit(f"--density must be in (0, 1], got {args.density}")
     if args.workers < 1 or args.rounds < 1 or args.steps < 1:
-        raise SystemExit(f"--workers, --rounds and --steps must be >= 1, got {args.workers}, {args.rounds}, {args.steps}")
+        raise SystemExit(
+            f"--workers, --rounds and --steps must be >= 1, got {args.workers}, {args.rounds}, {args.steps}"
+        )
     try:
         specs = parse_methods(args.methods)
     except ValueError as error:
@@ -202,7 +204,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "density": args.density,
         "load_average": [load, end],
-        "rows": {label: {"wall_s": w, "cpu_s": c, "wall_x": w / wall0, "cpu_x": c / cpu0} for label, (w, c) in rows.items()},
+        "rows": {
+            label: {"wall_s": w, "cpu_s": c, "wall_x": w / wall0, "cpu_x": c / cpu0} for label, (w, c) in rows.items()
+        },
     }
     if args.json:
         with open(args.json, "w") as handle:

@@ -7,6 +7,14 @@ through the compressor (with error feedback, SBC's residual ``A += dW; A -= sent
 set ``W_sync += mean(decoded dW)``. ``delay = 1`` exchanges the update of every single step, which
 for plain SGD equals averaging the gradients. This works with any lgc compressor.
 
+Outer optimizer (DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication Training of
+Language Models", 2023): with ``outer="sgd"`` the averaged update is not added as it is. Its
+negative, the *pseudo-gradient* ``mean_i (W_sync - W_local,i)``, is the gradient of an outer SGD
+step with Nesterov momentum on ``W_sync`` (``torch.optim.SGD``; DiLoCo's defaults: learning rate
+0.7, momentum 0.9, Nesterov). The inner optimizer and its state stay per worker. ``outer="average"``
+(default) is SBC's plain average; ``outer="sgd"`` with ``outer_lr=1`` and ``outer_momentum=0`` gives
+the same weights bit for bit.
+
 Steps:
 1. The DDP hook :func:`local_step_hook` returns each worker's own gradient untouched (no bytes).
 2. After every optimizer step, :meth:`CommunicationDelayState.after_optimizer_step` counts local
@@ -33,7 +41,13 @@ from lgc.compressors.base import Compressor, compressor_chain
 from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CommStats, CompressionHookState, PendingBucket
 
-__all__ = ["CommunicationDelayState", "local_step_hook", "register_communication_delay"]
+__all__ = ["OUTER_OPTIMIZERS", "CommunicationDelayState", "local_step_hook", "register_communication_delay"]
+
+#: ``outer`` choices: SBC's plain average, or DiLoCo's outer SGD on the pseudo-gradient.
+OUTER_OPTIMIZERS = ("average", "sgd")
+#: DiLoCo's outer learning rate and Nesterov momentum (Douillard et al. 2023, Sec. 3).
+DILOCO_OUTER_LR = 0.7
+DILOCO_OUTER_MOMENTUM = 0.9
 
 
 class CommunicationDelayState:
@@ -46,6 +60,11 @@ class CommunicationDelayState:
             but let workers drift apart, which costs accuracy on non-IID data).
         min_numel: parameters with fewer elements exchange their update dense.
         process_group: group to communicate in (default: the world).
+        outer: ``"average"`` (SBC: ``W_sync += mean(dW)``) or ``"sgd"`` (DiLoCo: an outer SGD step
+            with Nesterov momentum on the pseudo-gradient ``-mean(dW)``).
+        outer_lr: the outer learning rate (``outer="sgd"`` only; default 0.7, DiLoCo's).
+        outer_momentum: the outer Nesterov momentum in ``[0, 1)`` (``outer="sgd"`` only; default
+            0.9, DiLoCo's; 0 is plain SGD).
 
     Call :meth:`after_optimizer_step` after every ``optimizer.step()`` (the Lightning callback
     does). Checkpoints must hold every rank's :meth:`state_dict`: between exchanges the workers'
@@ -55,12 +74,16 @@ class CommunicationDelayState:
     __slots__ = (
         # hyperparameters
         "delay",
+        "outer",
+        "outer_lr",
+        "outer_momentum",
         # internal state
         "exchange_state",  # compressor, byte statistics and collectives, shared with the gradient hook
         "local_steps",  # optimizer steps taken; an exchange follows every delay-th
         "synced",  # name -> weights after the last exchange (identical on every rank)
         "module",  # the wrapped model (per process, not saved)
         "pending",  # a loaded state waiting for register()
+        "outer_optimizer",  # torch.optim.SGD over the synchronized weights (outer="sgd"), built at register()
     )
 
     def __init__(
@@ -70,9 +93,25 @@ class CommunicationDelayState:
         delay: int,
         min_numel: int = 1024,
         process_group: dist.ProcessGroup | None = None,
+        outer: str = "average",
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
     ) -> None:
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
             raise ValueError(f"delay must be a positive number of local steps, got {delay!r}")
+        if outer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer must be one of {OUTER_OPTIMIZERS}, got {outer!r}")
+        if outer == "average" and (outer_lr is not None or outer_momentum is not None):
+            raise ValueError(
+                f"outer_lr={outer_lr!r} and outer_momentum={outer_momentum!r} are the outer optimizer's knobs: "
+                "set outer='sgd' (DiLoCo), or leave them null for outer='average'"
+            )
+        lr = DILOCO_OUTER_LR if outer_lr is None else outer_lr
+        momentum = DILOCO_OUTER_MOMENTUM if outer_momentum is None else outer_momentum
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+            raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         for inner in compressor_chain(compressor):
             if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
                 raise ValueError(
@@ -81,6 +120,10 @@ class CommunicationDelayState:
                     "set the compressor's weight_decay=0 and keep the decay in the optimizer"
                 )
         self.delay = delay
+        self.outer = outer
+        self.outer_lr = float(lr)
+        self.outer_momentum = float(momentum)
+        self.outer_optimizer: torch.optim.SGD | None = None
         self.exchange_state = CompressionHookState(
             compressor, min_numel=min_numel, start_iter=0, process_group=process_group
         )
@@ -107,7 +150,10 @@ class CommunicationDelayState:
         self.exchange_state.process_group = group
 
     def describe(self) -> str:
-        return f"{self.exchange_state.describe()} every {self.delay} local step(s)"
+        text = f"{self.exchange_state.describe()} every {self.delay} local step(s)"
+        if self.outer == "sgd":
+            text += f", outer SGD (lr {self.outer_lr:g}, Nesterov momentum {self.outer_momentum:g})"
+        return text
 
     def set_epoch(self, epoch: int) -> None:
         self.exchange_state.set_epoch(epoch)
@@ -134,7 +180,19 @@ class CommunicationDelayState:
                 self.pending = None
             else:
                 self.synced = {name: p.detach().clone() for name, p in self._named_parameters()}
+                self._build_outer_optimizer()
         model.register_comm_hook(self, local_step_hook)
+
+    def _build_outer_optimizer(self) -> None:
+        """DiLoCo's outer SGD over the synchronized weights (``outer="sgd"``)."""
+        if self.outer != "sgd":
+            return
+        self.outer_optimizer = torch.optim.SGD(
+            list(self.synced.values()),
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.outer_momentum > 0,
+        )
 
     @torch.no_grad()
     def after_optimizer_step(self) -> bool:
@@ -160,10 +218,18 @@ class CommunicationDelayState:
             self.stats.skipped_steps += 1
             return True
         self.exchange_state.compress_step(pending, verdict.used, exchange)
-        for (name, param), segment in zip(named, segments, strict=True):
+        for (name, _), segment in zip(named, segments, strict=True):
             synced = self.synced[name]
-            synced += update[segment.offset : segment.offset + segment.numel].view_as(synced)
-            param.copy_(synced)
+            averaged = update[segment.offset : segment.offset + segment.numel].view_as(synced)
+            if self.outer_optimizer is None:
+                synced += averaged
+            else:
+                synced.grad = averaged.neg()  # the pseudo-gradient: mean of W_sync - W_local
+        if self.outer_optimizer is not None:
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+        for name, param in named:
+            param.copy_(self.synced[name])
         return True
 
     def state_dict(self) -> dict[str, Any]:
@@ -175,6 +241,7 @@ class CommunicationDelayState:
             "synced": {name: t.detach().cpu().clone() for name, t in self.synced.items()},
             # Between exchanges every rank has its own weights; the model checkpoint holds rank 0's.
             "local_weights": local,
+            "outer_optimizer": None if self.outer_optimizer is None else self.outer_optimizer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -191,10 +258,23 @@ class CommunicationDelayState:
         self.synced = {name: t.to(params[name].device).clone() for name, t in state["synced"].items()}
         for name, weights in state["local_weights"].items():
             params[name].copy_(weights)
+        self._build_outer_optimizer()
+        saved = state.get("outer_optimizer")  # absent before the outer optimizer existed
+        if (saved is None) != (self.outer_optimizer is None):
+            raise ValueError(
+                f"the checkpoint was written with outer={'average' if saved is None else 'sgd'!r}, "
+                f"this run has outer={self.outer!r}"
+            )
+        if self.outer_optimizer is not None:
+            self.outer_optimizer.load_state_dict(saved)
 
     def __getstate__(self) -> dict[str, Any]:
         return {
             "delay": self.delay,
+            "outer": self.outer,
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "outer_optimizer": None,
             "exchange_state": self.exchange_state,
             "local_steps": self.local_steps,
             "synced": {},
