@@ -379,12 +379,12 @@ def _build(
     *,
     error_feedback: bool | None,
     delay: int | None,
-    outer: str | None,
-    outer_lr: float | None,
-    outer_momentum: float | None,
     min_numel: int | None,
     start_iter: int | None,
     process_group: dist.ProcessGroup | None,
+    outer: str | None = None,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
 ) -> HookState:
     """The hook state for a method's name or a compressor (not yet registered)."""
     if isinstance(method, str):

@@ -136,6 +136,7 @@ def test_autoencoder_benchmark_names_a_bad_architecture_before_recording():
         main(["autoencoder", "--orders", "sideways"])
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_step_benchmark_times_lgc_past_its_stages_against_no_communication(tmp_path):
     """``lgc-bench step`` on a small ResNet-18 step: every row timed, no-comm the reference (1.0)."""

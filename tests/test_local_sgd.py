@@ -129,7 +129,9 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
             torch.testing.assert_close(results[rank]["weights"][step], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("outer", [[], ["comm.outer=sgd"]], ids=["average", "diloco"])
+@pytest.mark.parametrize(
+    "outer", [[], pytest.param(["comm.outer=sgd"], marks=pytest.mark.slow)], ids=["average", "diloco"]
+)
 def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
     # 3 steps per epoch and an exchange every 2: the checkpoint after epoch 1 falls between exchanges,
     # where every rank holds its own weights and momenta (and, with DiLoCo, the outer momentum).
