@@ -28,13 +28,13 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lgc.autoencoder import AutoencoderConfig, AutoencoderTrainer, GradientAutoencoder, chunk_scales, to_chunks
+from lgc.bench.compressors import _time_once
 from lgc.compressors.topk import num_selected, topk_indices
 
 __all__ = ["aligned_samples", "benchmark_autoencoder"]
@@ -95,15 +95,16 @@ def codec_cpu_ms(ae: GradientAutoencoder, chunks: int = 1000, repeats: int = 5) 
     torch.set_num_threads(1)
     try:
         x = torch.randn(chunks, ae.config.chunk, generator=torch.Generator().manual_seed(0))
-        times = []
+
+        def encode_and_decode_twice() -> None:
+            latent = ae.encode(x)
+            ae.decode(latent)
+            ae.decode(latent)
+
         with torch.no_grad():
-            for _ in range(repeats + 1):  # the first is a warm-up
-                start = time.process_time()
-                latent = ae.encode(x)
-                ae.decode(latent)
-                ae.decode(latent)
-                times.append(time.process_time() - start)
-        return 1000 * statistics.median(times[1:])
+            # The first call is a warm-up.
+            times = [_time_once(encode_and_decode_twice, x.device)[1] for _ in range(repeats + 1)]
+        return statistics.median(times[1:])
     finally:
         torch.set_num_threads(threads)
 

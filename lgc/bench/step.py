@@ -88,13 +88,6 @@ def parse_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
-def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store: str, results: Any) -> None:
     import lgc
     from lgc.bench.cost_model import profile_knobs, steady_from
@@ -118,7 +111,8 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
         optimizer = sgd_for(spec.name, model, lr=1e-3)
         warm = 2
         if spec.name != NO_COMM:
-            knobs = _merged(profile_knobs(args.density).get(spec.name, {}), spec.knobs)
+            # lgc.compress merges dict knobs (LGC's autoencoder) into the method's defaults key by key.
+            knobs = {**profile_knobs(args.density).get(spec.name, {}), **spec.knobs}
             state = lgc.compress(model, spec.name, optimizer=optimizer, **knobs)
             state.set_epoch(1000)  # DGC past its density warm-up
             warm = steady_from(state) + 2

@@ -147,7 +147,8 @@ class LGCRingAllreduceState(LGCHookState):
         else:
             mean_chunks = ae.decode(mean_latent)
         mean_values = self.leader_code.unscaled(mean_chunks, scales, plan.k)
-        if own is not None and self.residual == "own_reconstruction":
+        if self.residual == "own_reconstruction":
+            assert own is not None  # decoded above: first for the refresh, or with the mean
             v[positions] = values - own
         else:
             v[positions] = 0.0
