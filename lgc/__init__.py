@@ -9,12 +9,15 @@ The way in for a plain DDP script is :func:`compress`::
 
 from lgc.api import METHODS, HookState, compress
 from lgc.compressors import (
+    ChunkedTopKCompressor,
     Compressor,
+    DeMoCompressor,
     DGCCompressor,
     ErrorFeedback,
     FP16Compressor,
     NoneCompressor,
     QSGDCompressor,
+    QuantizedValues,
     RandomBlockCompressor,
     RedSyncCompressor,
     SBCCompressor,
@@ -37,12 +40,15 @@ __all__ = [
     "HookState",
     "compress",
     # compressors (a flat tensor -> a payload on the wire -> a flat tensor)
+    "ChunkedTopKCompressor",
     "Compressor",
     "DGCCompressor",
+    "DeMoCompressor",
     "ErrorFeedback",
     "FP16Compressor",
     "NoneCompressor",
     "QSGDCompressor",
+    "QuantizedValues",
     "RandomBlockCompressor",
     "RedSyncCompressor",
     "SBCCompressor",

@@ -32,12 +32,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors import (
+    ChunkedTopKCompressor,
     Compressor,
     DGCCompressor,
     ErrorFeedback,
     FP16Compressor,
     NoneCompressor,
     QSGDCompressor,
+    QuantizedValues,
     RandomBlockCompressor,
     RedSyncCompressor,
     SBCCompressor,
@@ -46,6 +48,7 @@ from lgc.compressors import (
     TopKCompressor,
 )
 from lgc.compressors.base import compressor_chain
+from lgc.compressors.demo import DeMoCompressor, check_demo_optimizer
 from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, check_optimizer_momentum
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.lgc_ps import LGCParameterServerState
@@ -69,6 +72,8 @@ class Method(NamedTuple):
     defaults: Mapping[str, Any]
     #: The yaml's ``error_feedback``: wrap the compressor in :class:`~lgc.compressors.ErrorFeedback`.
     error_feedback: bool = False
+    #: The yaml's ``error_decay``: error feedback's residual decay (SparseLoCo 0.95, DeMo 0.999; 1 keeps all).
+    error_decay: float = 1.0
 
 
 _POWERSGD = dict(
@@ -185,6 +190,30 @@ METHODS: Mapping[str, Method] = MappingProxyType(
             SharedIndexState, dict(_SHARED, values="int8", warmup_steps=1, index_coding="golomb")
         ),
         "leader_scaled": Method(SharedIndexState, dict(_SHARED, leader_only=True)),
+        "chunked_topk": Method(
+            ChunkedTopKCompressor, dict(chunk=4096, k=64, value_dtype="float32"), error_feedback=True
+        ),
+        "demo": Method(
+            DeMoCompressor,
+            dict(chunk=64, k=32, sign=True, value_dtype="float32"),
+            error_feedback=True,
+            error_decay=0.999,
+        ),
+        "sparseloco": Method(
+            QuantizedValues,
+            dict(
+                sparsifier={
+                    "_target_": "lgc.compressors.ChunkedTopKCompressor",
+                    "chunk": 4096,
+                    "k": 64,
+                    "value_dtype": "float32",
+                },
+                bits=2,
+                range_sigmas=6.0,
+            ),
+            error_feedback=True,
+            error_decay=0.95,
+        ),
         "lgc_ps_paper": Method(LGCParameterServerState, _paper(_LGC_PS, innovation_density=1e-5)),
     }
 )
@@ -199,10 +228,12 @@ def compress(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     error_feedback: bool | None = None,
+    error_decay: float | None = None,
     delay: int | None = None,
     outer: str | None = None,
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
+    fragments: int | None = None,
     min_numel: int | None = None,
     start_iter: int | None = None,
     process_group: dist.ProcessGroup | None = None,
@@ -229,6 +260,8 @@ def compress(
             signsgd). ``True`` wraps the compressor in :class:`~lgc.compressors.ErrorFeedback`;
             ``False`` runs a sparsifier without it (refused unless said explicitly: the unsent part
             is lost). Refused for DGC, LGC and PyTorch's hooks, which keep their own.
+        error_decay: error feedback's residual decay ``beta`` in ``v = beta * r + g``; ``None``
+            follows the yaml (``sparseloco``: 0.95, ``demo``: 0.999, else 1: nothing fades).
         delay: SBC's communication delay: ``delay`` local optimizer steps, then the workers
             exchange their weight updates through the compressor (:mod:`lgc.ddp.local_sgd`).
             Without ``optimizer``, call ``state.after_optimizer_step()`` after every
@@ -237,6 +270,8 @@ def compress(
         outer, outer_lr, outer_momentum: with ``delay``, how the averaged update moves the
             synchronized weights: ``"average"`` (default, SBC) or ``"sgd"`` (DiLoCo's outer SGD with
             Nesterov momentum on the pseudo-gradient; lr 0.7 and momentum 0.9 unless given).
+        fragments: with ``delay``, Streaming DiLoCo's fragments of the parameters, exchanged on
+            staggered steps (default 1: all at once).
         min_numel: parameters with fewer elements go dense (default 1024: biases, norm layers).
         start_iter: plain-allreduce iterations before compressing (lgc compressors only; default 1).
         process_group: the group to communicate in (default: the world).
@@ -270,17 +305,21 @@ def compress(
     """
     _check_model(model, process_group)
     _check_optimizer(model, optimizer, optimizer_momentum, optimizer_weight_decay)
-    if delay is None and (outer is not None or outer_lr is not None or outer_momentum is not None):
+    if delay is None and (
+        outer is not None or outer_lr is not None or outer_momentum is not None or fragments is not None
+    ):
         raise ValueError(
-            f"outer={outer!r}, outer_lr={outer_lr!r} and outer_momentum={outer_momentum!r} act on the exchanges "
-            "of local steps: they need delay="
+            f"outer={outer!r}, outer_lr={outer_lr!r}, outer_momentum={outer_momentum!r} and fragments={fragments!r} "
+            "act on the exchanges of local steps: they need delay="
         )
     config = dict(
         error_feedback=error_feedback,
+        error_decay=error_decay,
         delay=delay,
         outer=outer,
         outer_lr=outer_lr,
         outer_momentum=outer_momentum,
+        fragments=fragments,
         min_numel=min_numel,
         start_iter=start_iter,
         process_group=process_group,
@@ -300,6 +339,9 @@ def compress(
         state = _build(method, knobs, **config)
     _check_error_feedback(state, method, error_feedback)
     _check_dgc(state, optimizer, optimizer_momentum, optimizer_weight_decay)
+    if optimizer is not None or optimizer_momentum is not None:
+        momentum = _optimizer_setting(optimizer, "momentum")[0] if optimizer is not None else optimizer_momentum
+        check_demo_optimizer(state, momentum)
     if grad_scaler is not None:
         if not isinstance(state, CompressionHookState) or isinstance(state, CommunicationDelayState):
             raise ValueError(
@@ -378,6 +420,7 @@ def _build(
     knobs: dict[str, Any],
     *,
     error_feedback: bool | None,
+    error_decay: float | None = None,
     delay: int | None,
     min_numel: int | None,
     start_iter: int | None,
@@ -385,6 +428,7 @@ def _build(
     outer: str | None = None,
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
+    fragments: int | None = None,
 ) -> HookState:
     """The hook state for a method's name or a compressor (not yet registered)."""
     if isinstance(method, str):
@@ -400,7 +444,7 @@ def _build(
             # Dict knobs (LGC's autoencoder, loss_weights) change the keys given, the rest stay the yaml's.
             kwargs[name] = {**default, **value} if isinstance(default, dict) and isinstance(value, Mapping) else value
         if not issubclass(entry.cls, Compressor):
-            _refuse_compressor_settings(what, error_feedback, delay, start_iter)
+            _refuse_compressor_settings(what, error_feedback or error_decay is not None, delay, start_iter)
             if issubclass(entry.cls, TorchHookState):
                 if min_numel is not None:
                     raise ValueError(f"min_numel does not apply to {what}: PyTorch's hook compresses every parameter")
@@ -424,7 +468,13 @@ def _build(
         )
     if wrap:
         _check_own_error_feedback(compressor)
-        compressor = ErrorFeedback(compressor)
+        default_decay = entry.error_decay if isinstance(method, str) else 1.0
+        compressor = ErrorFeedback(compressor, decay=_or(error_decay, default_decay))
+    elif error_decay is not None:
+        raise ValueError(
+            f"error_decay={error_decay!r} is the decay of error feedback's residual, but {compressor!r} runs without "
+            "error feedback: pass error_feedback=True, or a method whose yaml has it"
+        )
     if delay is not None:
         if start_iter is not None:
             raise ValueError(f"start_iter does not apply with delay={delay!r}: the local steps start at once")
@@ -436,6 +486,7 @@ def _build(
             outer=_or(outer, "average"),
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
+            fragments=_or(fragments, 1),
         )
     return CompressionHookState(
         compressor, min_numel=_or(min_numel, 1024), start_iter=_or(start_iter, 1), process_group=process_group

@@ -27,11 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 
 import lgc.conf  # noqa: F401  (registers the resolvers the configs use, e.g. the run folder's lgc_run_id)
 from lgc.compressors import Compressor, ErrorFeedback
+from lgc.compressors.demo import check_demo_optimizer
 from lgc.compressors.dgc import check_optimizer_momentum
 from lgc.config_types import check_node_types
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.lgc_base import LGCHookState
-from lgc.ddp.local_sgd import CommunicationDelayState
+from lgc.ddp.local_sgd import CommunicationDelayState, split_into_fragments
 from lgc.ddp.torch_hooks import TorchHookState
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
 from lgc.lit.strategy import heartbeats, stalled_workers
@@ -66,6 +67,12 @@ def build_compressor(node: DictConfig | dict[str, Any]) -> Compressor | TorchHoo
     """
     kwargs = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     with_error_feedback = bool(kwargs.pop("error_feedback", False))
+    error_decay = kwargs.pop("error_decay", None)
+    if error_decay is not None and not with_error_feedback:
+        raise ValueError(
+            f"compressor.error_decay={error_decay!r} is the decay of error feedback's residual: it needs "
+            "compressor.error_feedback=true"
+        )
     built = _instantiate(kwargs, "compressor")
     if isinstance(built, (TorchHookState, LGCHookState)):
         if with_error_feedback:
@@ -75,7 +82,12 @@ def build_compressor(node: DictConfig | dict[str, Any]) -> Compressor | TorchHoo
         return built
     if not isinstance(built, Compressor):
         raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
-    return ErrorFeedback(built) if with_error_feedback else built
+    if not with_error_feedback:
+        return built
+    try:
+        return ErrorFeedback(built, decay=1.0 if error_decay is None else error_decay)
+    except ValueError as err:
+        raise ValueError(f"compressor.error_decay: {err}") from None
 
 
 def build_hook_state(
@@ -92,10 +104,11 @@ def build_hook_state(
     delay = comm_node.get("delay")
     outer = comm_node.get("outer") or "average"
     outer_lr, outer_momentum = comm_node.get("outer_lr"), comm_node.get("outer_momentum")
-    if delay is None and (outer != "average" or outer_lr is not None or outer_momentum is not None):
+    fragments = comm_node.get("fragments", 1)
+    if delay is None and (outer != "average" or outer_lr is not None or outer_momentum is not None or fragments != 1):
         raise ValueError(
-            f"comm.outer={outer!r}, comm.outer_lr={outer_lr!r} and comm.outer_momentum={outer_momentum!r} "
-            "act on the exchanges of local steps: they need comm.delay"
+            f"comm.outer={outer!r}, comm.outer_lr={outer_lr!r}, comm.outer_momentum={outer_momentum!r} and "
+            f"comm.fragments={fragments!r} act on the exchanges of local steps: they need comm.delay"
         )
     compressor = build_compressor(compressor_node)
     if isinstance(compressor, (TorchHookState, LGCHookState)):
@@ -111,6 +124,7 @@ def build_hook_state(
             outer=outer,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
+            fragments=fragments,
         )
     return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
 
@@ -343,9 +357,9 @@ def _check_types(cfg: DictConfig) -> None:
     groups |= {f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()}
     for what, node in groups.items():
         if node:
-            check_node_types(node, what, ignore=("error_feedback",) if what == "compressor" else ())
-    for key in ("min_numel", "start_iter"):
-        value = cfg.comm.get(key)
+            check_node_types(node, what, ignore=("error_feedback", "error_decay") if what == "compressor" else ())
+    for key in ("min_numel", "start_iter", "fragments"):
+        value = cfg.comm.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"comm.{key}={value!r} must be an int")
     delay = cfg.comm.get("delay")
@@ -376,6 +390,7 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
     check_optimizer_momentum(
         hook_state, cfg.optimizer.get("momentum", 0.0), weight_decay=cfg.optimizer.get("weight_decay", 0.0)
     )
+    check_demo_optimizer(hook_state, cfg.optimizer.get("momentum", 0.0))
     devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
     world_size = devices * int(cfg.trainer.get("num_nodes") or 1)
     timeout_s = _check_timeout(cfg.ddp.get("timeout", 300))
@@ -397,6 +412,13 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
     model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
     module = _task_module(cfg, model, datamodule)
     _check_optimizer(module)
+    if isinstance(hook_state, CommunicationDelayState):
+        try:  # the fragments need the model's parameters: checked here, before any worker starts
+            split_into_fragments(
+                [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad], hook_state.fragments
+            )
+        except ValueError as err:
+            raise ValueError(f"comm.fragments: {err}") from None
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if ckpt_path is not None:
         check_checkpoint(

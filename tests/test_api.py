@@ -97,7 +97,8 @@ def test_registry_defaults_are_the_yamls_values(name):
     node = _yaml(name)
     assert _target(node._target_) is method.cls
     assert method.error_feedback == node.get("error_feedback", False)
-    knobs = {key for key in node if key not in ("_target_", "error_feedback")}
+    assert method.error_decay == node.get("error_decay", 1.0)
+    knobs = {key for key in node if key not in ("_target_", "error_feedback", "error_decay")}
     assert set(method.defaults) <= knobs, "the registry has knobs its yaml does not set"
     for key in sorted(knobs):
         if OmegaConf.is_interpolation(node, key):

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc import ErrorFeedback, NoneCompressor, TopKCompressor
-from lgc.ddp.local_sgd import CommunicationDelayState
+from lgc.ddp.local_sgd import CommunicationDelayState, split_into_fragments
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,7 +40,7 @@ def _train(rank: int, world: int, compressor, delay: int | None, steps: int, out
             state.after_optimizer_step()
         weights.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
         sent.append(state.stats.bytes_sent if state else 0)
-    return {"weights": weights, "sent": sent}
+    return {"weights": weights, "sent": sent, "payload": state.stats.payload_bytes if state else 0}
 
 
 @pytest.mark.parametrize("compressor", [NoneCompressor(), ErrorFeedback(TopKCompressor(1.0))], ids=repr)
@@ -130,7 +130,13 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
 
 
 @pytest.mark.parametrize(
-    "outer", [[], pytest.param(["comm.outer=sgd"], marks=pytest.mark.slow)], ids=["average", "diloco"]
+    "outer",
+    [
+        [],
+        pytest.param(["comm.outer=sgd"], marks=pytest.mark.slow),
+        pytest.param(["comm.outer=sgd", "comm.fragments=2"], marks=pytest.mark.slow),
+    ],
+    ids=["average", "diloco", "streaming"],
 )
 def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
     # 3 steps per epoch and an exchange every 2: the checkpoint after epoch 1 falls between exchanges,
@@ -159,3 +165,59 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
             assert len(buffers[0]) == len(a["synced"]) and all(map(torch.equal, *buffers))
         else:
             assert a["outer_optimizer"] is None
+
+
+# -- Streaming DiLoCo's fragments ------------------------------------------------------------------
+
+
+def test_fragments_are_consecutive_balanced_and_never_empty():
+    sizes = [("a", 10), ("b", 1000), ("c", 5), ("d", 1000), ("e", 3)]
+    assert split_into_fragments(sizes, 1) == dict.fromkeys("abcde", 0)
+    assert split_into_fragments(sizes, 2) == {"a": 0, "b": 0, "c": 1, "d": 1, "e": 1}
+    assert split_into_fragments(sizes, 5) == {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4}
+    # one huge parameter first: the small ones still fill the other fragments
+    assert split_into_fragments([("a", 1000), ("b", 1), ("c", 1), ("d", 1)], 3) == {"a": 0, "b": 1, "c": 2, "d": 2}
+    with pytest.raises(ValueError, match="fragments=6 is more than the model's 5 trainable parameters"):
+        split_into_fragments(sizes, 6)
+
+
+@pytest.mark.parametrize("fragments", [0, 5, 2.0, True])
+def test_bad_fragment_counts_are_named(fragments):
+    with pytest.raises(ValueError, match=f"fragments must be an integer from 1 to delay=4.*got {fragments!r}"):
+        CommunicationDelayState(NoneCompressor(), delay=4, fragments=fragments)
+
+
+def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
+    """H = 4, two fragments: the first layer's weight is exchanged at local steps 2, 6, the rest at 4, 8.
+
+    Every fragment still waits H steps between exchanges, so over 8 steps the bytes equal those of
+    exchanging everything every 4 steps; each exchange makes exactly its fragment agree across ranks.
+    """
+    delay, steps = 4, 8
+    whole = run_workers(_train, 2, NoneCompressor(), delay, steps)
+    streamed = run_workers(_train, 2, NoneCompressor(), delay, steps, {"fragments": 2})
+    first = 16 * 32  # the first Linear's weight: fragment 0 (512 of the 676 entries)
+    for result in streamed:
+        sent = result["sent"]
+        increments = [b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)]
+        assert [step for step, inc in enumerate(increments) if inc] == [1, 3, 5, 7]
+        assert increments[1] == increments[5] and increments[3] == increments[7]
+        assert increments[1] > increments[3]  # the 512-entry fragment against the 164-entry one
+    # The same payload bytes; each exchange adds the step guard's agreement on its own parameters
+    # (a flag and a bit per parameter: a few bytes, 4 exchanges against 2).
+    assert streamed[0]["payload"] == whole[0]["payload"] > 0
+    for result, exchanges in ((whole, 2), (streamed, 4)):
+        assert 0 < result[0]["sent"][-1] - result[0]["payload"] <= 8 * exchanges
+    a, b = streamed[0]["weights"], streamed[1]["weights"]
+    for step in range(steps):
+        assert torch.equal(a[step][:first], b[step][:first]) == (step in (1, 5)), step
+        assert torch.equal(a[step][first:], b[step][first:]) == (step in (3, 7)), step
+
+
+def test_too_many_fragments_are_refused_before_workers_start(tmp_path):
+    from lgc.train import train
+
+    cfg = compose_cfg(tmp_path, "comm.delay=1000", "comm.fragments=1000")
+    with pytest.raises(ValueError, match="comm.fragments: fragments=1000 is more than the model's"):
+        train(cfg)
+    assert not (tmp_path / ".workers").exists()

@@ -60,6 +60,7 @@ _LGC = [
 ]
 _PS = ["compressor.innovation_density=0.01"]
 _SHARED = ("compressor.density=0.05", "compressor.warmup_steps=2", "compressor.chunk=16")
+_SPARSELOCO = ("compressor.sparsifier.chunk=64", "compressor.sparsifier.k=4")
 
 
 class Method(NamedTuple):
@@ -120,6 +121,20 @@ METHODS = (
     Method("shared_topk_int8", "shared_topk_int8", _SHARED, inject_step=4),
     Method("shared_topk_int4", "shared_topk", (*_SHARED, "compressor.values=int4", "compressor.index_coding=golomb")),
     Method("leader_scaled", "leader_scaled", _SHARED, inject_step=4),
+    Method("chunked_topk", "chunked_topk", ("compressor.chunk=64", "compressor.k=4")),
+    Method("sparseloco", "sparseloco", _SPARSELOCO),
+    Method(
+        "sparseloco_topk",
+        "sparseloco",
+        (
+            "compressor.sparsifier._target_=lgc.compressors.TopKCompressor",
+            "~compressor.sparsifier.chunk",
+            "~compressor.sparsifier.k",
+            "+compressor.sparsifier.density=0.05",
+        ),
+    ),
+    Method("delay_sparseloco", "sparseloco", (*_SPARSELOCO, "comm.delay=2"), inject_step=3, delay=2),
+    Method("demo", "demo", ("compressor.chunk=4", "compressor.k=2")),
     Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm.delay=2"), inject_step=3, delay=2),
     Method("delay_none", "none", ("comm.delay=2",), inject_step=2, delay=2),
 )

@@ -25,7 +25,8 @@ def nothing_built(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--methods", "none,nosuch"], r"unknown method\(s\) \['nosuch'\]"),
+        (["--methods", "none,nosuch"], r"unknown method 'nosuch'"),
+        (["--methods", "demo:lr=-1"], r"demo:lr=-1: lr must be a non-negative number, got -1"),
         (["--bandwidth", "fast"], "fast"),
         (["--task", "vgg"], "--task must be one of"),
         (["--steps", "5", "--skip", "5"], r"--skip must be in \[0, --steps=5\)"),
@@ -92,6 +93,20 @@ def test_summary_takes_medians_after_the_skipped_steps_and_the_first_evaluation_
     table = network._table([row], 0.9)
     assert table.splitlines()[0].count("|") == table.splitlines()[2].count("|")
     assert "| topk | 250.0 |" in table
+
+
+def test_accuracy_at_equal_wire_bytes_reads_every_curve_at_the_thriftiest_methods_total():
+    def row(method, wire_per_step, accuracies):
+        ranks = [_rank(method, [0.1] * 30, 0.05, accuracies, wire_per_step) for _ in range(2)]
+        return network.summarize({"ranks": ranks, "interfaces": {}}, target=0.9, skip=0)
+
+    cheap, dear = row("cheap", 10, [0.5, 0.6, 0.7]), row("dear", 100, [0.8, 0.9, 0.95])
+    assert cheap["byte_curve"] == [(100, 0.5), (200, 0.6), (300, 0.7)]
+    assert dear["byte_curve"] == [(1000, 0.8), (2000, 0.9), (3000, 0.95)]
+    assert network.accuracy_at_bytes(dear, 2500) == 0.9 and network.accuracy_at_bytes(dear, 999) is None
+    assert cheap["mean_step_s"] == pytest.approx(3.0 / 30)  # the last evaluation's training seconds over the steps
+    table = network._equal_bytes_table([cheap, dear])
+    assert "at most 0.000 MB" in table and "| cheap | 0.7000 |" in table and "| dear | - |" in table
 
 
 @pytest.mark.slow

@@ -33,10 +33,18 @@ round, so slow drifts hit all alike) the workers train ``--steps`` steps of ``--
   next to the measured step.
 
 ``--workers`` and ``--bandwidth`` take lists: every pair gets its own network and calibration.
+A ``--methods`` entry may carry knobs, as in ``lgc-bench step``: ``none:delay=10;outer=sgd`` is
+DiLoCo with H = 10, ``sparseloco:delay=10`` SparseLoCo, ``demo:lr=0.003`` DeMo with its sign-SGD
+step size (``lr`` and ``momentum`` go to the worker's SGD, the rest to ``lgc.compress``). With
+``delay`` most steps send nothing: the per-step medians are local steps, so compare the mean
+step, the whole run's wire MB, the time to target and the accuracy at equal wire bytes (the
+accuracy every method had reached when it had sent as many bytes as the thriftiest one sent in
+its whole run), printed below each table.
 ``--from-json`` reports a saved ``network.json`` again without measuring.
 
 Output: a markdown table (stdout and ``--out``/``network.md``), ``network.json`` (every step of
-every rank) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, one line
+every rank) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, and below
+against the wire bytes a worker sent; one line
 per method, a panel per setting). Needs root and iproute2; without them it says what is missing
 and exits with status 2 before creating anything. Every namespace and interface it creates is
 removed at the end, on Ctrl-C and when a worker crashes.
@@ -111,7 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--delay", default=None, help="one-way delay per link, e.g. 1ms (default none)")
     parser.add_argument(
-        "--methods", default=",".join(DEFAULT_METHODS), help="comma-separated lgc.compress method names"
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated lgc.compress method names, each with optional knobs: name:key=value;... "
+        "(lgc.compress's, e.g. none:delay=10;outer=sgd, or the optimizer's lr and momentum, e.g. demo:lr=0.003)",
     )
     parser.add_argument("--task", default="digits", help="digits (ResNet-8), resnet18 or resnet50 on 8x8 digits")
     parser.add_argument("--steps", type=int, default=150, help="training steps per method (default 150)")
@@ -139,11 +150,15 @@ def parse_list(text: str, what: str) -> list[str]:
     return items
 
 
-def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[str], list[str]]:
+#: Knobs of a ``--methods`` entry that configure the worker's optimizer rather than ``lgc.compress``.
+OPTIMIZER_KNOBS = ("lr", "momentum")
+
+
+def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[Any], list[str]]:
     """Every bad value, before any namespace or process exists."""
-    from lgc.api import METHODS
     from lgc.bench.netns import parse_delay, parse_rate
     from lgc.bench.network_worker import TASKS
+    from lgc.bench.step import parse_methods
 
     try:
         workers = [int(w) for w in parse_list(args.workers, "workers")]
@@ -151,10 +166,13 @@ def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[str], li
         raise ValueError(f"--workers must be comma-separated integers, got {args.workers!r}") from error
     if min(workers) < 2:
         raise ValueError(f"--workers must be >= 2 (a network needs two ends), got {args.workers!r}")
-    methods = parse_list(args.methods, "methods")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; known: {sorted(METHODS)}")
+    parse_list(args.methods, "methods")
+    methods = parse_methods(args.methods)
+    for spec in methods:
+        for key in OPTIMIZER_KNOBS:
+            value = spec.knobs.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{spec.label}: {key} must be a non-negative number, got {value!r}")
     bandwidths = parse_list(args.bandwidth, "bandwidth")
     for bandwidth in bandwidths:
         parse_rate(bandwidth)
@@ -256,8 +274,9 @@ def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str
         interface_sent = sum(counts["tx_bytes"] for counts in measurement["interfaces"].values())
     total_steps = len(ranks[0]["steps"])
     return {
-        "method": ranks[0]["spec"]["method"],
+        "method": ranks[0]["spec"].get("label") or ranks[0]["spec"]["method"],
         "step_s": wall,
+        "mean_step_s": evaluations[-1]["training_s"] / total_steps,
         "compute_s": compute,
         "encode_s": encode,
         "decode_s": decode,
@@ -274,7 +293,20 @@ def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str
         "steps": total_steps,
         "steady_from": first,
         "curve": [(e["training_s"], e["accuracy"]) for e in evaluations],
+        # (wire bytes a worker sent by then, accuracy) at every evaluation: accuracy against bytes.
+        "byte_curve": [(_bytes_by_step(ranks, e["step"]), e["accuracy"]) for e in evaluations],
     }
+
+
+def _bytes_by_step(ranks: list[dict[str, Any]], step: int) -> float:
+    """Wire bytes a worker sent (mean over ranks) in the first ``step`` training steps."""
+    return statistics.mean(sum(s["wire_bytes_sent"] for s in rank["steps"][:step]) for rank in ranks)
+
+
+def accuracy_at_bytes(row: dict[str, Any], budget: float) -> float | None:
+    """The last evaluated accuracy of ``row`` with at most ``budget`` wire bytes sent per worker."""
+    within = [accuracy for sent, accuracy in row["byte_curve"] if sent <= budget and accuracy is not None]
+    return within[-1] if within else None
 
 
 def _ratio(value: float | None, reference: float | None) -> float | None:
@@ -293,7 +325,7 @@ def _table(rows: list[dict[str, Any]], target: float) -> str:
     header = (
         f"| method | step (ms) | x dense | x fp16 | compute | encode | decode | own work alone | comm | CPU (ms) "
         f"| wire KB/step "
-        f"| interface/wire | time to {target:g} (s) | x dense | steps | final acc |"
+        f"| interface/wire | time to {target:g} (s) | x dense | steps | final acc | mean step (ms) | wire MB/worker |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in rows:
@@ -305,8 +337,26 @@ def _table(rows: list[dict[str, Any]], target: float) -> str:
             f"| {r['wire_bytes_per_step'] / 1e3:.1f} "
             f"| {times(r['interface_over_wire'])} | {'-' if to_target is None else f'{to_target:.1f}'} "
             f"| {times(_ratio(to_target, dense and dense['time_to_target_s']))} "
-            f"| {r['steps_to_target'] or '-'} | {r['final_accuracy']:.4f} |"
+            f"| {r['steps_to_target'] or '-'} | {r['final_accuracy']:.4f} | {ms(r.get('mean_step_s'))} "
+            f"| {r['wire_bytes_per_worker'] / 1e6:.2f} |"
         )
+    return "\n".join(lines)
+
+
+def _equal_bytes_table(rows: list[dict[str, Any]]) -> str:
+    """Every method's accuracy once it has sent as many bytes as the thriftiest method sent in its whole run."""
+    if "byte_curve" not in rows[0]:
+        return ""
+    budget = min(r["wire_bytes_per_worker"] for r in rows)
+    lines = [
+        f"At equal wire bytes: accuracy at the last evaluation with at most {budget / 1e6:.3f} MB sent per worker "
+        "(the least any method sent in the whole run; `-`: no evaluation within it).\n",
+        "| method | accuracy |",
+        "|---|---|",
+    ]
+    for r in rows:
+        accuracy = accuracy_at_bytes(r, budget)
+        lines.append(f"| {r['method']} | {'-' if accuracy is None else f'{accuracy:.4f}'} |")
     return "\n".join(lines)
 
 
@@ -324,16 +374,22 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
-    for axis, (bandwidth, rows) in zip(axes[0], results.items(), strict=True):
+    figure, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 9), squeeze=False)
+    for column, (bandwidth, rows) in enumerate(results.items()):
         for index, row in enumerate(rows):
             seconds, accuracy = zip(*row["curve"], strict=True)
-            axis.plot(seconds, accuracy, marker=".", color=method_color(index), label=row["method"])
-        axis.axhline(target, color="grey", linestyle=":", linewidth=1)
-        axis.set_title(f"{bandwidth} per link")
-        axis.set_xlabel("training wall time (s)")
-        axis.set_ylabel("validation accuracy")
-        axis.legend(fontsize=7)
+            axes[0][column].plot(seconds, accuracy, marker=".", color=method_color(index), label=row["method"])
+            if "byte_curve" in row:
+                sent, accuracy = zip(*row["byte_curve"], strict=True)
+                megabytes = [max(b, 1.0) / 1e6 for b in sent]
+                axes[1][column].plot(megabytes, accuracy, marker=".", color=method_color(index), label=row["method"])
+        for axis, xlabel in zip(axes[:, column], ("training wall time (s)", "wire MB sent per worker"), strict=True):
+            axis.axhline(target, color="grey", linestyle=":", linewidth=1)
+            axis.set_title(f"{bandwidth} per link")
+            axis.set_xlabel(xlabel)
+            axis.set_ylabel("validation accuracy")
+            axis.legend(fontsize=7)
+        axes[1][column].set_xscale("log")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -433,23 +489,27 @@ def run(args: argparse.Namespace) -> None:
                     )
                     for repeat in range(args.repeats):
                         order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
-                        for method in order:
+                        for index, method in enumerate(order):
+                            knobs = {**SHORT_RUN_KNOBS.get(method.name, {}), **method.knobs}
+                            optimizer = {key: knobs.pop(key) for key in OPTIMIZER_KNOBS if key in knobs}
                             spec = {
-                                "method": method,
+                                "method": method.name,
+                                "label": method.label,
                                 "task": args.task,
                                 "steps": args.steps,
                                 "batch_size": args.batch_size,
                                 "lr": args.lr,
                                 "eval_every": args.eval_every,
-                                "knobs": SHORT_RUN_KNOBS.get(method, {}),
+                                "knobs": knobs,
+                                **optimizer,
                             }
-                            folder = Path(scratch) / f"{workers}-{bandwidth}-{repeat}-{method}"
+                            folder = Path(scratch) / f"{workers}-{bandwidth}-{repeat}-{index}-{method.name}"
                             folder.mkdir()
                             started = time.perf_counter()
                             measurement = _measure(net, spec, args.timeout, folder)
-                            measurements.setdefault(setting, {}).setdefault(method, []).append(measurement)
+                            measurements.setdefault(setting, {}).setdefault(method.label, []).append(measurement)
                             print(
-                                f"{setting} {method} round {repeat + 1}: {time.perf_counter() - started:.0f} s",
+                                f"{setting} {method.label} round {repeat + 1}: {time.perf_counter() - started:.0f} s",
                                 flush=True,
                             )
     _report(args, measurements, calibrations)
@@ -484,7 +544,7 @@ def _report(
     text = [f"# lgc-bench network: task {args.task}, {args.steps} steps, delay {args.delay}\n"]
     for setting, rows in results.items():
         fitted = calibrations[setting]
-        text.append(f"## {setting} per link\n\n{_table(rows, args.target)}\n")
+        text.append(f"## {setting} per link\n\n{_table(rows, args.target)}\n\n{_equal_bytes_table(rows)}\n")
         text.append(
             f"Cost model, link fitted on plain allreduces and allgathers: alpha {1e6 * fitted['latency_s']:.0f} us, "
             f"{8 * fitted['bytes_per_s'] / 1e6:.1f} Mbit/s.\n\n{_validation_table(rows)}\n"

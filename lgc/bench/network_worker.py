@@ -56,6 +56,8 @@ class WorkerSpec:
     """What every worker of one measurement runs (the same on every rank)."""
 
     method: str
+    #: The ``--methods`` entry as written (``none:delay=10;outer=sgd``): the report's row name.
+    label: str = ""
     task: str = "digits"
     steps: int = 120
     batch_size: int = 32
@@ -86,9 +88,9 @@ def build_model(task: str) -> nn.Module:
 
 
 def sgd_for(method: str, model: nn.Module, lr: float, momentum: float = 0.9) -> torch.optim.Optimizer:
-    """SGD for ``model`` trained with ``method``: without momentum for DGC, which applies it itself
-    (:func:`lgc.compress` refuses an optimizer that would apply it again)."""
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if method == "dgc" else momentum)
+    """SGD for ``model`` trained with ``method``: without momentum for DGC and DeMo, which apply it
+    themselves (:func:`lgc.compress` refuses an optimizer that would apply it again)."""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if method in ("dgc", "demo") else momentum)
 
 
 def _evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:

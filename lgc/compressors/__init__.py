@@ -4,11 +4,14 @@ One algorithm per module; each yaml in ``conf/compressor/`` instantiates one of 
 """
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
+from lgc.compressors.chunked_topk import ChunkedTopKCompressor
+from lgc.compressors.demo import DeMoCompressor
 from lgc.compressors.dgc import DGCCompressor
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.fp16 import FP16Compressor
 from lgc.compressors.none import DensePayload, NoneCompressor
 from lgc.compressors.qsgd import QSGDCompressor
+from lgc.compressors.quantized_values import QuantizedValues
 from lgc.compressors.random_block import RandomBlockCompressor
 from lgc.compressors.redsync import RedSyncCompressor
 from lgc.compressors.sbc import SBCCompressor
@@ -17,15 +20,18 @@ from lgc.compressors.terngrad import TernGradCompressor
 from lgc.compressors.topk import SparsePayload, TopKCompressor
 
 __all__ = [
+    "ChunkedTopKCompressor",
     "CombineMode",
     "Compressor",
     "DGCCompressor",
+    "DeMoCompressor",
     "DensePayload",
     "ErrorFeedback",
     "FP16Compressor",
     "NoneCompressor",
     "Payload",
     "QSGDCompressor",
+    "QuantizedValues",
     "RandomBlockCompressor",
     "RedSyncCompressor",
     "SBCCompressor",

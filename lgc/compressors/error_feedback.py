@@ -4,6 +4,11 @@ Each worker keeps, per tensor, the residual ``r`` of what earlier steps did not 
 compresses ``v = g + r`` and keeps ``r = v - decode(payload)``, so nothing is ever dropped, only
 delayed (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019). The invariant
 ``v == decode(payload) + r`` holds exactly for every compressor and is tested.
+
+With ``decay = beta < 1`` the residual fades: ``v = beta * r + g``. That is the error buffer of
+SparseLoCo (Sarfi et al. 2025, ``beta = 0.95`` on the pseudo-gradient, standing in for DiLoCo's
+outer momentum) and DeMo's momentum (Peng et al. 2024, ``m = beta * m + g``, then the sent part
+is subtracted, ``beta = 0.999``): both are error feedback whose memory decays.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class ErrorFeedback(Compressor):
 
     Args:
         compressor: the compressor whose error is fed back.
+        decay: the factor ``beta`` in ``v = beta * r + g``, in (0, 1]. 1 (default) is plain error
+            feedback: nothing is lost. Below 1 the unsent part fades geometrically and the residual
+            is a momentum of the inputs: SparseLoCo's 0.95, DeMo's 0.999.
 
     Example::
 
@@ -40,10 +48,13 @@ class ErrorFeedback(Compressor):
         True
     """
 
-    def __init__(self, compressor: Compressor) -> None:
+    def __init__(self, compressor: Compressor, decay: float = 1.0) -> None:
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("error feedback is already applied; do not wrap ErrorFeedback twice")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"error feedback's decay must be in (0, 1], got {decay!r}")
         self.compressor = compressor
+        self.decay = float(decay)
         self.combine = compressor.combine
         self.variable_size = compressor.variable_size
         self.needs_shared_seed = compressor.needs_shared_seed
@@ -57,8 +68,11 @@ class ErrorFeedback(Compressor):
             # small entries it exists to accumulate.
             corrected = tensor.to(torch.float32, copy=True)
         else:
-            # In place: the residual buffer becomes g + r, then what is not sent stays in it.
-            corrected = residual.to(tensor.device).add_(tensor)
+            # In place: the residual buffer becomes g + beta * r, then what is not sent stays in it.
+            corrected = residual.to(tensor.device)
+            if self.decay != 1.0:
+                corrected.mul_(self.decay)
+            corrected.add_(tensor)
         payload = self.compressor.compress(corrected, key)
         if isinstance(payload, SparsePayload):
             # Cheaper than a dense decode: subtract what was sent at the sent positions only.
@@ -128,4 +142,5 @@ class ErrorFeedback(Compressor):
         self.compressor.load_state_dict(state["compressor"])
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback({self.compressor!r})"
+        decay = "" if self.decay == 1.0 else f", decay={self.decay:g}"
+        return f"ErrorFeedback({self.compressor!r}{decay})"

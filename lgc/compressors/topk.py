@@ -210,6 +210,10 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
         self.density = float(density)
         self.value_dtype = wire_float_dtype(value_dtype, "value_dtype")
 
+    def selected_count(self, numel: int) -> int:
+        """Entries every payload of a ``numel``-entry tensor carries: ``ceil(density * numel)``."""
+        return num_selected(numel, self.density)
+
     def compress(self, tensor: Tensor, key: str) -> SparsePayload:
         numel = tensor.numel()
         k = num_selected(numel, self.density)

@@ -15,6 +15,16 @@ step with Nesterov momentum on ``W_sync`` (``torch.optim.SGD``; DiLoCo's default
 (default) is SBC's plain average; ``outer="sgd"`` with ``outer_lr=1`` and ``outer_momentum=0`` gives
 the same weights bit for bit.
 
+Streaming (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025): with
+``fragments = F > 1`` the parameters are cut into ``F`` fragments of consecutive parameters of
+about equal size (in :meth:`torch.nn.Module.named_parameters` order, every fragment at least one
+parameter), and fragment ``f`` is exchanged on the local steps ``t`` with
+``t % delay == (f + 1) * delay // F % delay``: every fragment still waits ``delay`` steps between
+its exchanges, so the bytes per ``delay`` steps are unchanged, but they are spread over ``F``
+exchanges instead of one burst, and the peak bandwidth falls by ``F``. The outer optimizer steps
+only the exchanged fragment. The exchange is blocking: Streaming DiLoCo's overlap of an exchange
+with the next local steps (``tau > 0``) is not implemented, on gloo or NCCL.
+
 Steps:
 1. The DDP hook :func:`local_step_hook` returns each worker's own gradient untouched (no bytes).
 2. After every optimizer step, :meth:`CommunicationDelayState.after_optimizer_step` counts local
@@ -41,7 +51,13 @@ from lgc.compressors.base import Compressor, compressor_chain
 from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CommStats, CompressionHookState, PendingBucket
 
-__all__ = ["OUTER_OPTIMIZERS", "CommunicationDelayState", "local_step_hook", "register_communication_delay"]
+__all__ = [
+    "OUTER_OPTIMIZERS",
+    "CommunicationDelayState",
+    "local_step_hook",
+    "register_communication_delay",
+    "split_into_fragments",
+]
 
 #: ``outer`` choices: SBC's plain average, or DiLoCo's outer SGD on the pseudo-gradient.
 OUTER_OPTIMIZERS = ("average", "sgd")
@@ -65,6 +81,9 @@ class CommunicationDelayState:
         outer_lr: the outer learning rate (``outer="sgd"`` only; default 0.7, DiLoCo's).
         outer_momentum: the outer Nesterov momentum in ``[0, 1)`` (``outer="sgd"`` only; default
             0.9, DiLoCo's; 0 is plain SGD).
+        fragments: Streaming DiLoCo's fragments, exchanged on staggered steps (1: every parameter at
+            once, every ``delay`` steps). At most ``delay`` (each fragment its own step) and at most
+            the number of trainable parameters (checked at :meth:`register`).
 
     Call :meth:`after_optimizer_step` after every ``optimizer.step()`` (the Lightning callback
     does). Checkpoints must hold every rank's :meth:`state_dict`: between exchanges the workers'
@@ -77,9 +96,12 @@ class CommunicationDelayState:
         "outer",
         "outer_lr",
         "outer_momentum",
+        "fragments",
         # internal state
         "exchange_state",  # compressor, byte statistics and collectives, shared with the gradient hook
         "local_steps",  # optimizer steps taken; an exchange follows every delay-th
+        "exchanges",  # exchanges done (of a fragment, or of everything), numbering the compressed steps
+        "fragment_of",  # name -> its fragment (built at register())
         "synced",  # name -> weights after the last exchange (identical on every rank)
         "module",  # the wrapped model (per process, not saved)
         "pending",  # a loaded state waiting for register()
@@ -96,9 +118,15 @@ class CommunicationDelayState:
         outer: str = "average",
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
+        fragments: int = 1,
     ) -> None:
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
             raise ValueError(f"delay must be a positive number of local steps, got {delay!r}")
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= delay:
+            raise ValueError(
+                f"fragments must be an integer from 1 to delay={delay} (each fragment is exchanged on a step of its "
+                f"own), got {fragments!r}"
+            )
         if outer not in OUTER_OPTIMIZERS:
             raise ValueError(f"outer must be one of {OUTER_OPTIMIZERS}, got {outer!r}")
         if outer == "average" and (outer_lr is not None or outer_momentum is not None):
@@ -123,6 +151,9 @@ class CommunicationDelayState:
         self.outer = outer
         self.outer_lr = float(lr)
         self.outer_momentum = float(momentum)
+        self.fragments = fragments
+        self.fragment_of: dict[str, int] = {}
+        self.exchanges = 0
         self.outer_optimizer: torch.optim.SGD | None = None
         self.exchange_state = CompressionHookState(
             compressor, min_numel=min_numel, start_iter=0, process_group=process_group
@@ -151,6 +182,8 @@ class CommunicationDelayState:
 
     def describe(self) -> str:
         text = f"{self.exchange_state.describe()} every {self.delay} local step(s)"
+        if self.fragments > 1:
+            text += f" in {self.fragments} staggered fragments"
         if self.outer == "sgd":
             text += f", outer SGD (lr {self.outer_lr:g}, Nesterov momentum {self.outer_momentum:g})"
         return text
@@ -174,6 +207,9 @@ class CommunicationDelayState:
     def register(self, model: DistributedDataParallel) -> None:
         """Register :func:`local_step_hook` on ``model`` and remember its synchronized weights."""
         self.module = model.module
+        self.fragment_of = split_into_fragments(
+            [(name, p.numel()) for name, p in self._named_parameters()], self.fragments
+        )
         with torch.no_grad():
             if self.pending is not None:
                 self._restore(self.pending)
@@ -194,17 +230,26 @@ class CommunicationDelayState:
             nesterov=self.outer_momentum > 0,
         )
 
+    def fragment_step(self, fragment: int) -> int:
+        """The step within every ``delay`` local steps (``0`` for the last) at which ``fragment`` is exchanged."""
+        return (fragment + 1) * self.delay // self.fragments % self.delay
+
     @torch.no_grad()
     def after_optimizer_step(self) -> bool:
-        """Count a local step; on every ``delay``-th, exchange the update. Returns whether it did."""
+        """Count a local step; exchange the fragments due at it (all: every ``delay``-th). Returns whether it did."""
         self.local_steps += 1
-        if self.local_steps % self.delay:
-            return False
-        named = self._named_parameters()
+        due = [f for f in range(self.fragments) if self.local_steps % self.delay == self.fragment_step(f)]
+        for fragment in due:
+            self._exchange([(n, p) for n, p in self._named_parameters() if self.fragment_of[n] == fragment])
+        return bool(due)
+
+    def _exchange(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Average the weight updates of ``named`` (a fragment, or every parameter) and apply the outer step."""
         world_size = dist.get_world_size(self.process_group)
         update = torch.cat([(p - self.synced[name]).reshape(-1) for name, p in named]).div_(world_size)
         segments = self.exchange_state.segments([(name, p.numel()) for name, p in named])
-        exchange = self.local_steps // self.delay - 1
+        exchange = self.exchanges
+        self.exchanges += 1
         # The hook's step guard, applied to the weight update: every rank agrees whether some
         # rank's weights went non-finite (a local step without a GradScaler to skip it) and which
         # parameters did not move anywhere.
@@ -216,7 +261,7 @@ class CommunicationDelayState:
             for name, param in named:
                 param.copy_(self.synced[name])
             self.stats.skipped_steps += 1
-            return True
+            return
         self.exchange_state.compress_step(pending, verdict.used, exchange)
         for (name, _), segment in zip(named, segments, strict=True):
             synced = self.synced[name]
@@ -230,7 +275,6 @@ class CommunicationDelayState:
             self.outer_optimizer.zero_grad(set_to_none=True)
         for name, param in named:
             param.copy_(self.synced[name])
-        return True
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: compressor state, counters, synchronized and local weights."""
@@ -238,6 +282,8 @@ class CommunicationDelayState:
         return {
             "exchange": self.exchange_state.state_dict(),
             "local_steps": self.local_steps,
+            "exchanges": self.exchanges,
+            "fragments": self.fragments,
             "synced": {name: t.detach().cpu().clone() for name, t in self.synced.items()},
             # Between exchanges every rank has its own weights; the model checkpoint holds rank 0's.
             "local_weights": local,
@@ -246,7 +292,14 @@ class CommunicationDelayState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.exchange_state.load_state_dict(state["exchange"])
+        saved_fragments = int(state.get("fragments", 1))  # absent before fragments existed
+        if saved_fragments != self.fragments:
+            raise ValueError(
+                f"the checkpoint was written with fragments={saved_fragments}, this run has "
+                f"fragments={self.fragments}: the fragments' schedule would change mid-run"
+            )
         self.local_steps = int(state["local_steps"])
+        self.exchanges = int(state.get("exchanges", self.local_steps // self.delay))
         if self.module is None:
             self.pending = state
         else:
@@ -274,6 +327,9 @@ class CommunicationDelayState:
             "outer": self.outer,
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
+            "fragments": self.fragments,
+            "fragment_of": {},
+            "exchanges": self.exchanges,
             "outer_optimizer": None,
             "exchange_state": self.exchange_state,
             "local_steps": self.local_steps,
@@ -285,6 +341,29 @@ class CommunicationDelayState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
+
+
+def split_into_fragments(numels: list[tuple[str, int]], fragments: int) -> dict[str, int]:
+    """Each parameter's fragment: consecutive parameters, fragments of about equal size, none empty.
+
+    A parameter goes to the fragment its first element falls in when the total is cut into
+    ``fragments`` equal parts, moved up or down so that every fragment keeps at least one parameter.
+    """
+    if fragments > len(numels):
+        raise ValueError(
+            f"fragments={fragments} is more than the model's {len(numels)} trainable parameters: "
+            "every fragment needs at least one"
+        )
+    total = max(1, sum(numel for _, numel in numels))
+    assigned: dict[str, int] = {}
+    before, previous = 0, 0
+    for index, (name, numel) in enumerate(numels):
+        share = min(fragments - 1, before * fragments // total)
+        # never skip a fragment, and leave one parameter for each fragment still to come
+        fragment = max(min(share, previous + 1), previous, fragments - (len(numels) - index))
+        assigned[name] = previous = fragment
+        before += numel
+    return assigned
 
 
 def local_step_hook(state: CommunicationDelayState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
