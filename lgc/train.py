@@ -59,6 +59,10 @@ def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
         raise
 
 
+#: Keys of a ``compressor`` node that configure the ErrorFeedback wrapper, not the compressor (popped first).
+ERROR_FEEDBACK_KEYS = ("error_feedback", "error_decay")
+
+
 def build_compressor(node: DictConfig | dict[str, Any]) -> Compressor | TorchHookState | LGCHookState:
     """Instantiate a ``compressor`` config node; ``error_feedback: true`` wraps it in :class:`ErrorFeedback`.
 
@@ -357,7 +361,7 @@ def _check_types(cfg: DictConfig) -> None:
     groups |= {f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()}
     for what, node in groups.items():
         if node:
-            check_node_types(node, what, ignore=("error_feedback", "error_decay") if what == "compressor" else ())
+            check_node_types(node, what, ignore=ERROR_FEEDBACK_KEYS if what == "compressor" else ())
     for key in ("min_numel", "start_iter", "fragments"):
         value = cfg.comm.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int):

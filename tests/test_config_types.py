@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
 from lgc.config_types import check_node_types
+from lgc.train import ERROR_FEEDBACK_KEYS
 
 CONF = resources.files("lgc.conf")
 #: Config groups whose node is one ``_target_`` (logger and callbacks hold several).
@@ -36,7 +37,7 @@ def _node(cfg: DictConfig, group: str) -> dict[str, Any]:
 
 
 def _check(cfg: DictConfig, group: str) -> None:
-    check_node_types(_node(cfg, group), group, ignore=("error_feedback",) if group == "compressor" else ())
+    check_node_types(_node(cfg, group), group, ignore=ERROR_FEEDBACK_KEYS if group == "compressor" else ())
 
 
 def _check_all(cfg: DictConfig) -> None:
@@ -199,11 +200,11 @@ def test_a_missing_mandatory_value_is_left_to_omegaconf():
 def test_ignored_and_private_keys_are_not_checked():
     node = _node(_compose("compressor=topk"), "compressor")
     assert node["error_feedback"] is True and node["_target_"] == "lgc.compressors.TopKCompressor"
-    check_node_types(node, "compressor", ignore=("error_feedback",))
+    check_node_types(node, "compressor", ignore=ERROR_FEEDBACK_KEYS)
     with pytest.raises(TypeError, match="compressor.error_feedback is not a parameter"):
         check_node_types(node, "compressor")
     check_node_types(
-        {**node, "_partial_": True, "_recursive_": False, "_convert_": "all"}, "compressor", ignore=("error_feedback",)
+        {**node, "_partial_": True, "_recursive_": False, "_convert_": "all"}, "compressor", ignore=ERROR_FEEDBACK_KEYS
     )
 
 
@@ -313,5 +314,5 @@ def test_a_target_without_parameters_takes_no_key():
 def test_a_dict_config_is_converted_first():
     cfg = _compose("compressor=topk", "compressor.density=[0.1]")
     with pytest.raises(TypeError, match=r"^compressor.density=\[0.1\] must be a float"):
-        check_node_types(cfg.compressor, "compressor", ignore=("error_feedback",))
-    check_node_types(_compose("compressor=dgc").compressor, "compressor", ignore=("error_feedback",))
+        check_node_types(cfg.compressor, "compressor", ignore=ERROR_FEEDBACK_KEYS)
+    check_node_types(_compose("compressor=dgc").compressor, "compressor", ignore=ERROR_FEEDBACK_KEYS)

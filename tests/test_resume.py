@@ -43,6 +43,10 @@ METHODS: dict[str, tuple[str, ...]] = {
     "lgc_rar_linear": ("compressor=lgc_rar_linear", *LGC_STAGES),
     # Stochastic rounding (seeded by step and rank) and the shared-index stages (no codec training).
     "shared_topk_int8": ("compressor=shared_topk", "compressor.values=int8", "compressor.warmup_steps=2"),
+    # Issue 14: decaying error feedback on the pseudo-gradient, DiLoCo's outer momentum, three
+    # fragments exchanged on staggered steps (one per local step); and DeMo's momentum.
+    "sparseloco_streaming": ("compressor=sparseloco", "comm.delay=3", "comm.outer=sgd", "comm.fragments=3"),
+    "demo": ("compressor=demo",),
 }
 #: Where each method is stopped: (how, step). "max_steps" stops a run there (mid-epoch),
 #: "max_epochs" at an epoch's end (step 8 or 16), "kept" resumes from a mid-epoch step checkpoint
@@ -55,6 +59,8 @@ STOPS: dict[str, tuple[tuple[str, int], ...]] = {
     "lgc_ps": (("kept", 1), ("kept", 4), ("max_epochs", 8), ("max_steps", 13), ("max_epochs", 16)),
     "lgc_rar_linear": (("kept", 4), ("max_steps", 13)),
     "shared_topk_int8": (("kept", 1), ("max_steps", 10), ("max_epochs", 16)),
+    "sparseloco_streaming": (("max_steps", 10), ("max_epochs", 8), ("kept", 13)),
+    "demo": (("max_steps", 12), ("max_epochs", 8)),
 }
 
 

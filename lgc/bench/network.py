@@ -380,9 +380,13 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
             seconds, accuracy = zip(*row["curve"], strict=True)
             axes[0][column].plot(seconds, accuracy, marker=".", color=method_color(index), label=row["method"])
             if "byte_curve" in row:
-                sent, accuracy = zip(*row["byte_curve"], strict=True)
-                megabytes = [max(b, 1.0) / 1e6 for b in sent]
-                axes[1][column].plot(megabytes, accuracy, marker=".", color=method_color(index), label=row["method"])
+                # Evaluations before anything was sent (a delay's first local steps) have no place on a log axis.
+                points = [(sent / 1e6, accuracy) for sent, accuracy in row["byte_curve"] if sent > 0]
+                if points:
+                    megabytes, accuracy = zip(*points, strict=True)
+                    axes[1][column].plot(
+                        megabytes, accuracy, marker=".", color=method_color(index), label=row["method"]
+                    )
         for axis, xlabel in zip(axes[:, column], ("training wall time (s)", "wire MB sent per worker"), strict=True):
             axis.axhline(target, color="grey", linestyle=":", linewidth=1)
             axis.set_title(f"{bandwidth} per link")
