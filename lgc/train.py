@@ -362,8 +362,8 @@ def _check_types(cfg: DictConfig) -> None:
     for what, node in groups.items():
         if node:
             check_node_types(node, what, ignore=ERROR_FEEDBACK_KEYS if what == "compressor" else ())
-    for key in ("min_numel", "start_iter", "fragments"):
-        value = cfg.comm.get(key, 1)
+    for key, default in (("min_numel", None), ("start_iter", None), ("fragments", 1)):
+        value = cfg.comm.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"comm.{key}={value!r} must be an int")
     delay = cfg.comm.get("delay")

@@ -230,10 +230,8 @@ def _uses_aux(feature: str, step: int, rank: int) -> bool:
 
 def _flat_state(state: Any, prefix: str = "") -> dict[str, Any]:
     """Every leaf of a nested state dict by path, leaving out statistics (they count skipped steps)."""
-    # Statistics count the skipped step; a delay's local weights and step count move every step, and
-    # its exchange counter numbers exchange slots, skipped ones included (as local_steps // delay did).
+    # Statistics count the skipped step; a delay's local weights and step count move every step.
     ignored = {"stats", "layers", "stage_stats", "stats_mark", "last_metrics", "local_weights", "local_steps"}
-    ignored |= {"exchanges"}
     if isinstance(state, dict):
         out: dict[str, Any] = {}
         for key, value in state.items():

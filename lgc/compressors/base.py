@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CombineMode", "Compressor", "Payload", "compressor_chain", "view_bytes_as"]
+__all__ = ["CombineMode", "Compressor", "ForwardsHookCalls", "Payload", "compressor_chain", "view_bytes_as"]
 
 
 class CombineMode(enum.Enum):
@@ -195,3 +195,33 @@ class Compressor(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class ForwardsHookCalls:
+    """Mixin for a compressor that wraps another (``self.compressor``): the hook's calls reach the inner one.
+
+    The per-step and per-run calls that configure a compressor rather than encode for it (rank,
+    world size, parameters, step, epoch, dense small tensors) are forwarded, so a wrapper
+    (:class:`~lgc.compressors.ErrorFeedback`, :class:`~lgc.compressors.QuantizedValues`) cannot
+    forget one. Put it before :class:`Compressor` in the bases.
+    """
+
+    compressor: Compressor
+
+    def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
+        return self.compressor.transform_dense(tensor, key)
+
+    def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
+        self.compressor.attach_parameters(parameters)
+
+    def begin_step(self, step: int) -> None:
+        self.compressor.begin_step(step)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.compressor.set_epoch(epoch)
+
+    def set_world_size(self, world_size: int) -> None:
+        self.compressor.set_world_size(world_size)
+
+    def set_rank(self, rank: int) -> None:
+        self.compressor.set_rank(rank)

@@ -32,7 +32,15 @@ from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.topk import ScatterAddAggregation, SparsePayload, wire_float_dtype
 
-__all__ = ["ChunkedSparsePayload", "ChunkedTopKCompressor", "chunked_topk_count", "chunked_topk_nbytes"]
+__all__ = [
+    "ChunkedSparsePayload",
+    "ChunkedTopKCompressor",
+    "chunk_starts",
+    "chunked_topk_count",
+    "chunked_topk_nbytes",
+    "position_bits",
+    "topk_per_chunk",
+]
 
 
 def position_bits(chunk: int) -> int:
@@ -51,6 +59,34 @@ def chunked_topk_nbytes(numel: int, chunk: int, k: int, value_dtype: str | torch
     count = chunked_topk_count(numel, chunk, k)
     value_size = torch.empty((), dtype=wire_float_dtype(value_dtype)).element_size()
     return count * value_size + packed_nbytes(count * position_bits(chunk))
+
+
+def topk_per_chunk(values: Tensor, chunk: int, k: int) -> Tensor:
+    """Chunk-relative positions of each chunk's largest magnitudes, chunk by chunk (int64).
+
+    ``k`` from every full chunk of ``chunk`` entries, then :func:`chunked_topk_count`'s share from
+    the partial chunk at the end. DeMo selects its DCT coefficients per tile with it too.
+    """
+    full, rest = divmod(values.numel(), chunk)
+    parts = []
+    if full:
+        rows = values[: full * chunk].view(full, chunk)
+        parts.append(torch.topk(rows.abs(), min(k, chunk), dim=1, sorted=False).indices.reshape(-1))
+    if rest:
+        parts.append(torch.topk(values[full * chunk :].abs(), chunked_topk_count(rest, chunk, k), sorted=False).indices)
+    if not parts:  # an empty tensor
+        return torch.zeros(0, dtype=torch.int64, device=values.device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def chunk_starts(numel: int, chunk: int, k: int, device: torch.device | str | None = None) -> Tensor:
+    """The first entry of the chunk of every position :func:`topk_per_chunk` returns, in its order."""
+    full, rest = divmod(numel, chunk)
+    starts = torch.arange(full, device=device).repeat_interleave(min(k, chunk))
+    partial = chunked_topk_count(rest, chunk, k)
+    if partial:
+        starts = torch.cat([starts, torch.full((partial,), full, device=device, dtype=starts.dtype)])
+    return starts.mul_(chunk)
 
 
 def parse_values_and_positions(
@@ -119,42 +155,16 @@ class ChunkedTopKCompressor(ScatterAddAggregation, Compressor):
         """Entries every payload of a ``numel``-entry tensor carries (:func:`chunked_topk_count`)."""
         return chunked_topk_count(numel, self.chunk, self.k)
 
-    def _partial_k(self, rest: int) -> int:
-        return chunked_topk_count(rest, self.chunk, self.k)
-
     def compress(self, tensor: Tensor, key: str) -> ChunkedSparsePayload:
         flat = tensor.reshape(-1)
-        numel = flat.numel()
-        full, rest = divmod(numel, self.chunk)
-        local_parts, global_parts = [], []
-        if full:
-            rows = flat[: full * self.chunk].view(full, self.chunk)
-            local = torch.topk(rows.abs(), self.k, dim=1, sorted=False).indices
-            local_parts.append(local.reshape(-1))
-            offsets = torch.arange(full, device=flat.device).mul_(self.chunk).unsqueeze(1)
-            global_parts.append((local + offsets).reshape(-1))
-        if rest:
-            tail = flat[full * self.chunk :]
-            local = torch.topk(tail.abs(), self._partial_k(rest), sorted=False).indices
-            local_parts.append(local)
-            global_parts.append(local + full * self.chunk)
-        local = torch.cat(local_parts) if len(local_parts) > 1 else local_parts[0]
-        indices = torch.cat(global_parts) if len(global_parts) > 1 else global_parts[0]
+        local = topk_per_chunk(flat, self.chunk, self.k)
+        indices = chunk_starts(flat.numel(), self.chunk, self.k, flat.device).add_(local)
         return ChunkedSparsePayload(
-            numel=numel,
+            numel=flat.numel(),
             values=flat[indices].to(self.value_dtype),  # a copy: error feedback updates ``tensor`` in place
             indices=indices,
             positions=pack_uint(local, self.bits),
         )
-
-    def _global_indices(self, local: Tensor, numel: int) -> Tensor:
-        """Global positions from chunk-relative ones, in the order :meth:`compress` writes them."""
-        full = numel // self.chunk
-        chunk_of = torch.arange(full, device=local.device).repeat_interleave(self.k)
-        if local.numel() > chunk_of.numel():  # the partial chunk's entries come last
-            tail = torch.full((local.numel() - chunk_of.numel(),), full, device=local.device, dtype=chunk_of.dtype)
-            chunk_of = torch.cat([chunk_of, tail])
-        return chunk_of.mul_(self.chunk).add_(local)
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, SparsePayload)
@@ -164,9 +174,8 @@ class ChunkedTopKCompressor(ScatterAddAggregation, Compressor):
         values, positions, local = parse_values_and_positions(
             wire, self.selected_count(numel), self.value_dtype, self.bits, f"a chunked top-k payload of {numel} entries"
         )
-        return ChunkedSparsePayload(
-            numel=numel, values=values, indices=self._global_indices(local, numel), positions=positions
-        )
+        indices = chunk_starts(numel, self.chunk, self.k, local.device).add_(local)
+        return ChunkedSparsePayload(numel=numel, values=values, indices=indices, positions=positions)
 
     def __repr__(self) -> str:
         dtype = (

@@ -99,9 +99,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.coding.bitpack import pack_uint, packed_nbytes
+from lgc.coding.bitpack import pack_uint
 from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
-from lgc.compressors.chunked_topk import parse_values_and_positions
+from lgc.compressors.chunked_topk import (
+    chunk_starts,
+    chunked_topk_count,
+    chunked_topk_nbytes,
+    parse_values_and_positions,
+    position_bits,
+    topk_per_chunk,
+)
 from lgc.compressors.topk import wire_float_dtype
 
 __all__ = [
@@ -139,25 +146,13 @@ def idct_tiles(coefficients: Tensor, basis: Tensor) -> Tensor:
     return basis.T @ coefficients @ basis
 
 
-def _position_bits(tile: int) -> int:
-    """Bits of a position within a tile of ``tile`` coefficients: ``ceil(log2(tile))``, at least 1."""
-    return max(1, (tile - 1).bit_length())
-
-
-def _layout(numel: int, chunk: int, k: int) -> tuple[int, int]:
-    """``(full tiles, coefficients kept in the partial tile)`` for ``numel`` entries (0 when there is none)."""
-    tile = chunk * chunk
-    full, rest = divmod(numel, tile)
-    return full, (max(1, math.ceil(k * rest / tile)) if rest else 0)
-
-
 def demo_coefficient_count(numel: int, chunk: int, k: int) -> int:
     """Coefficients ``K`` a payload of ``numel`` entries carries: ``k`` per full tile, fewer for a partial one.
 
-    A partial tile of ``L`` entries keeps ``ceil(k * L / chunk**2)``, at least one.
+    A partial tile of ``L`` entries keeps ``ceil(k * L / chunk**2)``, at least one: chunked top-k's
+    count with tiles of ``chunk**2`` coefficients as its chunks.
     """
-    full, partial_k = _layout(numel, chunk, k)
-    return full * k + partial_k
+    return chunked_topk_count(numel, chunk * chunk, k)
 
 
 def demo_payload_nbytes(numel: int, chunk: int, k: int, value_dtype: str | torch.dtype = "float32") -> int:
@@ -165,9 +160,7 @@ def demo_payload_nbytes(numel: int, chunk: int, k: int, value_dtype: str | torch
 
     ``K * value_size + ceil(K * ceil(log2(chunk**2)) / 8)`` with ``K`` from :func:`demo_coefficient_count`.
     """
-    count = demo_coefficient_count(numel, chunk, k)
-    value_size = torch.empty((), dtype=wire_float_dtype(value_dtype, "value_dtype")).element_size()
-    return count * value_size + packed_nbytes(count * _position_bits(chunk * chunk))
+    return chunked_topk_nbytes(numel, chunk * chunk, k, value_dtype)
 
 
 @dataclass
@@ -232,7 +225,7 @@ class DeMoCompressor(Compressor):
         #: Coefficients per tile.
         self.tile = chunk * chunk
         #: Bits of a within-tile position on the wire.
-        self.bits = _position_bits(self.tile)
+        self.bits = position_bits(self.tile)
         #: Workers the hook divides gradients by (:meth:`set_world_size`); rescales ``sign=False``.
         self.world_size = 1
         # DCT matrices by (size, device, dtype), built on first use (not state: pure functions of the size).
@@ -254,14 +247,6 @@ class DeMoCompressor(Compressor):
         if basis is None:
             basis = self._bases[key] = dct_matrix(n, dtype, like.device)
         return basis
-
-    def _tile_of(self, count: int, numel: int, device: torch.device) -> Tensor:
-        """Tile of each of the ``count`` coefficients, in the order :meth:`compress` writes them."""
-        full, partial_k = _layout(numel, self.chunk, self.k)
-        tile_of = torch.arange(full, device=device).repeat_interleave(self.k)
-        if partial_k:
-            tile_of = torch.cat([tile_of, torch.full((partial_k,), full, device=device, dtype=tile_of.dtype)])
-        return tile_of
 
     def transform(self, tensor: Tensor) -> Tensor:
         """The flat tensor's DCT coefficients, as many as its entries (fp32; float64 stays float64).
@@ -305,19 +290,9 @@ class DeMoCompressor(Compressor):
     def compress(self, tensor: Tensor, key: str) -> DCTPayload:
         flat = tensor.reshape(-1).float()  # the transform writes a new tensor: nothing aliases ``tensor``
         numel = flat.numel()
-        full, partial_k = _layout(numel, self.chunk, self.k)
         coefficients = self.transform(flat)
-        local_parts = []
-        if full:
-            rows = coefficients[: full * self.tile].view(full, self.tile)
-            local_parts.append(torch.topk(rows.abs(), self.k, dim=-1, sorted=False).indices.reshape(-1))
-        if partial_k:
-            local_parts.append(torch.topk(coefficients[full * self.tile :].abs(), partial_k, sorted=False).indices)
-        if local_parts:
-            local = torch.cat(local_parts) if len(local_parts) > 1 else local_parts[0]
-        else:  # an empty tensor
-            local = torch.zeros(0, dtype=torch.int64, device=flat.device)
-        indices = self._tile_of(local.numel(), numel, flat.device).mul_(self.tile).add_(local)
+        local = topk_per_chunk(coefficients, self.tile, self.k)
+        indices = chunk_starts(numel, self.tile, self.k, flat.device).add_(local)
         return DCTPayload(
             numel=numel,
             values=coefficients[indices].to(self.value_dtype),
@@ -361,7 +336,7 @@ class DeMoCompressor(Compressor):
             numel=numel,
             values=values,
             positions=positions,
-            indices=self._tile_of(count, numel, wire.device).mul_(self.tile).add_(local),
+            indices=chunk_starts(numel, self.tile, self.k, local.device).add_(local),
         )
 
     # ----------------------------------------------------------------------------------------

@@ -13,19 +13,18 @@ is subtracted, ``beta = 0.999``): both are error feedback whose memory decays.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import Compressor, Payload
+from lgc.compressors.base import Compressor, ForwardsHookCalls, Payload
 from lgc.compressors.topk import SparsePayload
 
 __all__ = ["ErrorFeedback"]
 
 
-class ErrorFeedback(Compressor):
+class ErrorFeedback(ForwardsHookCalls, Compressor):
     """Wraps ``compressor`` and feeds back what it did not send.
 
     Residuals are kept per ``key`` (the parameter name in the DDP hook), in fp32 whatever the
@@ -95,26 +94,8 @@ class ErrorFeedback(Compressor):
     def payload_from_sum(self, summed: Tensor, own: Payload) -> Payload:
         return self.compressor.payload_from_sum(summed, own)
 
-    def set_rank(self, rank: int) -> None:
-        self.compressor.set_rank(rank)
-
-    def set_world_size(self, world_size: int) -> None:
-        self.compressor.set_world_size(world_size)
-
     def payload_from_wire(self, wire: Tensor, numel: int) -> Payload:
         return self.compressor.payload_from_wire(wire, numel)
-
-    def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
-        return self.compressor.transform_dense(tensor, key)
-
-    def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
-        self.compressor.attach_parameters(parameters)
-
-    def begin_step(self, step: int) -> None:
-        self.compressor.begin_step(step)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.compressor.set_epoch(epoch)
 
     @property
     def shared_seed(self) -> int:  # type: ignore[override]

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
-from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.base import CombineMode, Compressor, ForwardsHookCalls, Payload, view_bytes_as
 from lgc.compressors.chunked_topk import chunked_topk_count, position_bits
 from lgc.compressors.topk import SparsePayload
 
@@ -92,7 +92,7 @@ class QuantizedPayload(Payload):
         return (self.codes, self.table, *rest)
 
 
-class QuantizedValues(Compressor):
+class QuantizedValues(ForwardsHookCalls, Compressor):
     """Wraps a sparsifier and sends its kept values in ``bits`` bits each (SparseLoCo: 2).
 
     Args:
@@ -172,21 +172,6 @@ class QuantizedValues(Compressor):
         inner = self.sparsifier.payload_from_wire(torch.cat([placeholder, wire[code_bytes + table_bytes :]]), numel)
         assert isinstance(inner, SparsePayload)
         return QuantizedPayload(numel=numel, codes=codes, table=table, inner=dataclasses.replace(inner, values=values))
-
-    def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
-        self.sparsifier.attach_parameters(parameters)
-
-    def begin_step(self, step: int) -> None:
-        self.sparsifier.begin_step(step)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sparsifier.set_epoch(epoch)
-
-    def set_rank(self, rank: int) -> None:
-        self.sparsifier.set_rank(rank)
-
-    def set_world_size(self, world_size: int) -> None:
-        self.sparsifier.set_world_size(world_size)
 
     def state_dict(self) -> dict[str, Any]:
         return self.sparsifier.state_dict()

@@ -100,7 +100,6 @@ class CommunicationDelayState:
         # internal state
         "exchange_state",  # compressor, byte statistics and collectives, shared with the gradient hook
         "local_steps",  # optimizer steps taken; an exchange follows every delay-th
-        "exchanges",  # exchanges done (of a fragment, or of everything), numbering the compressed steps
         "fragment_of",  # name -> its fragment (built at register())
         "synced",  # name -> weights after the last exchange (identical on every rank)
         "module",  # the wrapped model (per process, not saved)
@@ -153,7 +152,6 @@ class CommunicationDelayState:
         self.outer_momentum = float(momentum)
         self.fragments = fragments
         self.fragment_of: dict[str, int] = {}
-        self.exchanges = 0
         self.outer_optimizer: torch.optim.SGD | None = None
         self.exchange_state = CompressionHookState(
             compressor, min_numel=min_numel, start_iter=0, process_group=process_group
@@ -234,22 +232,31 @@ class CommunicationDelayState:
         """The step within every ``delay`` local steps (``0`` for the last) at which ``fragment`` is exchanged."""
         return (fragment + 1) * self.delay // self.fragments % self.delay
 
+    def exchanges_through(self, step: int) -> int:
+        """Exchanges (of a fragment, or of everything) due on local steps ``1..step``, skipped ones included."""
+        total = 0
+        for fragment in range(self.fragments):
+            first = self.fragment_step(fragment) or self.delay
+            if step >= first:
+                total += (step - first) // self.delay + 1
+        return total
+
     @torch.no_grad()
     def after_optimizer_step(self) -> bool:
         """Count a local step; exchange the fragments due at it (all: every ``delay``-th). Returns whether it did."""
         self.local_steps += 1
         due = [f for f in range(self.fragments) if self.local_steps % self.delay == self.fragment_step(f)]
-        for fragment in due:
-            self._exchange([(n, p) for n, p in self._named_parameters() if self.fragment_of[n] == fragment])
+        # Exchanges are numbered in schedule order (the compressor's step counter).
+        first = self.exchanges_through(self.local_steps - 1)
+        for number, fragment in enumerate(due, start=first):
+            self._exchange([(n, p) for n, p in self._named_parameters() if self.fragment_of[n] == fragment], number)
         return bool(due)
 
-    def _exchange(self, named: list[tuple[str, nn.Parameter]]) -> None:
+    def _exchange(self, named: list[tuple[str, nn.Parameter]], exchange: int) -> None:
         """Average the weight updates of ``named`` (a fragment, or every parameter) and apply the outer step."""
         world_size = dist.get_world_size(self.process_group)
         update = torch.cat([(p - self.synced[name]).reshape(-1) for name, p in named]).div_(world_size)
         segments = self.exchange_state.segments([(name, p.numel()) for name, p in named])
-        exchange = self.exchanges
-        self.exchanges += 1
         # The hook's step guard, applied to the weight update: every rank agrees whether some
         # rank's weights went non-finite (a local step without a GradScaler to skip it) and which
         # parameters did not move anywhere.
@@ -282,7 +289,6 @@ class CommunicationDelayState:
         return {
             "exchange": self.exchange_state.state_dict(),
             "local_steps": self.local_steps,
-            "exchanges": self.exchanges,
             "fragments": self.fragments,
             "synced": {name: t.detach().cpu().clone() for name, t in self.synced.items()},
             # Between exchanges every rank has its own weights; the model checkpoint holds rank 0's.
@@ -299,7 +305,6 @@ class CommunicationDelayState:
                 f"fragments={self.fragments}: the fragments' schedule would change mid-run"
             )
         self.local_steps = int(state["local_steps"])
-        self.exchanges = int(state.get("exchanges", self.local_steps // self.delay))
         if self.module is None:
             self.pending = state
         else:
@@ -329,7 +334,6 @@ class CommunicationDelayState:
             "outer_momentum": self.outer_momentum,
             "fragments": self.fragments,
             "fragment_of": {},
-            "exchanges": self.exchanges,
             "outer_optimizer": None,
             "exchange_state": self.exchange_state,
             "local_steps": self.local_steps,
