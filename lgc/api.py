@@ -593,8 +593,8 @@ def _check_dgc(
     if decay != 0.0 and dgc.weight_decay > 0:
         raise ValueError(
             f"weight decay in the optimizer ({decay_source}={decay:g}) and in DGC (weight_decay={dgc.weight_decay:g}) "
-            "would be applied twice: set the optimizer's weight_decay=0 (DGC adds the decay before momentum "
-            "correction, as SGD(momentum, weight_decay) does), or pass weight_decay=0 to DGC to keep the decay in "
+            "would be applied twice: set the optimizer's weight_decay=0 (DGC gives the decay a momentum of its own, "
+            "as SGD(momentum, weight_decay) does), or pass weight_decay=0 to DGC to keep the decay in "
             "the optimizer, where it acts outside the momentum, (1 - momentum) times as strong"
         )
     # The rules' home (lgc.compressors.dgc); anything it adds applies here too.
