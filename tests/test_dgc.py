@@ -836,6 +836,85 @@ def test_warmup_follows_the_paper_then_the_final_density():
     assert custom.current_density == 0.01
 
 
+def test_warmup_follows_the_hook_steps_with_steps_per_epoch():
+    """The hook's step counter drives the warm-up; set_epoch (lgc-train's callback) does not move it."""
+    dgc = DGCCompressor(0.001, steps_per_epoch=3)
+    densities = []
+    for step in range(16):
+        dgc.begin_step(step)
+        densities.append(dgc.current_density)
+        dgc.set_epoch(0)
+        assert dgc.current_density == densities[-1]
+    assert densities == [0.25] * 3 + [0.0625] * 3 + [0.015625] * 3 + [0.00390625] * 3 + [0.001] * 4
+    # Resumed at step 7, it is where the run was (the hook's step counter is checkpointed).
+    resumed = DGCCompressor(0.001, steps_per_epoch=3)
+    resumed.begin_step(7)
+    assert resumed.current_density == densities[7]
+
+
+def test_a_warmup_nothing_advances_is_refused_at_the_first_compressed_step():
+    message = (
+        r"warm-up \(0.25, 0.0625, 0.015625, 0.00390625, one per epoch, then density=0.001\) is at epoch 0 and "
+        r"nothing advances it.*send 0.25 of every gradient for the whole run.*Pass steps_per_epoch=.*"
+        r"state.set_epoch\(epoch\) at the start of every epoch.*warmup_densities=\[\]"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        DGCCompressor(0.001).begin_step(1)
+    told = DGCCompressor(0.001)
+    told.set_epoch(0)
+    told.begin_step(1)
+    DGCCompressor(0.001, warmup_densities=[]).begin_step(1)
+    DGCCompressor(1.0).begin_step(1)  # at density 1 the warm-up changes nothing
+    # A restored epoch is not a program that advances it: a resumed run inside the warm-up must
+    # advance it again; past the warm-up nothing is left to advance.
+    resumed = DGCCompressor(0.001)
+    resumed.load_state_dict(told.state_dict())
+    with pytest.raises(RuntimeError, match="nothing advances it"):
+        resumed.begin_step(2)
+    told.set_epoch(4)
+    past = DGCCompressor(0.001)
+    past.load_state_dict(told.state_dict())
+    past.begin_step(5000)
+
+
+def _payload_bytes_per_step(state, model: DDP, optimizer: torch.optim.Optimizer, steps: int) -> list[int]:
+    sent = []
+    for step in range(steps):
+        before = state.stats.payload_bytes
+        optimizer.zero_grad()
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        optimizer.step()
+        sent.append(state.stats.payload_bytes - before)
+    return sent
+
+
+def test_a_plain_ddp_script_warms_up_with_steps_per_epoch_and_is_refused_without(group):
+    """lgc.compress(model, "dgc", optimizer=...) in a plain loop that never calls set_epoch (gloo, one worker).
+
+    The 64 x 32 weight is compressed (exact top-k, 8 bytes per entry); the first step is the hook's
+    plain allreduce. Two steps per epoch: 50 % (1024 entries), 25 % (512), then 1 % (21).
+    """
+    import lgc
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    model = DDP(net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = lgc.compress(
+        model, "dgc", optimizer=optimizer, density=0.01, warmup_densities=[0.5, 0.25], steps_per_epoch=2
+    )
+    assert _payload_bytes_per_step(state, model, optimizer, 7) == [0, 8 * 1024, 8 * 512, 8 * 512] + [8 * 21] * 3
+    # The same script without steps_per_epoch would send 50 % for ever: its first compressed step refuses.
+    model = DDP(net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = lgc.compress(model, "dgc", optimizer=optimizer, density=0.01, warmup_densities=[0.5, 0.25])
+    with pytest.raises(RuntimeError, match=r"nothing advances it.*Pass steps_per_epoch="):
+        _payload_bytes_per_step(state, model, optimizer, 2)
+
+
 # -- (6) checkpoints ---------------------------------------------------------------------------------
 def test_state_dict_round_trip_continues_identically():
     grads = [_randn(300_000, seed) for seed in range(6)]
@@ -913,6 +992,8 @@ def test_check_optimizer_momentum_refuses_double_momentum_and_double_error_feedb
         ({"warmup_densities": [0.25, 2.0]}, r"warmup_densities must lie in \(0, 1\], got 2.0"),
         ({"sample_fraction": 0.0}, r"sample_fraction must be in \(0, 1\], got 0.0"),
         ({"exact_below_numel": -1}, r"exact_below_numel must be a non-negative integer, got -1"),
+        ({"steps_per_epoch": 0}, r"steps_per_epoch must be a positive integer .*len\(train_loader\).* got 0"),
+        ({"steps_per_epoch": 2.5}, r"steps_per_epoch must be a positive integer .* got 2.5"),
     ],
 )
 def test_bad_knobs_are_named(kwargs, message):

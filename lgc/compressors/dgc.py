@@ -16,7 +16,10 @@ of 0.1 % (the paper: 270x-600x compression, ResNet-50's gradient from 97 MB to 0
 3. **Local gradient clipping** (for RNNs; off by default): each worker clips its own gradient
    before accumulating it, with the threshold scaled by ``N**-0.5``.
 4. **Warm-up.** The density falls exponentially over the first epochs (25 %, 6.25 %, 1.5625 %,
-   0.39 %, then the final density), so the early, fast-changing gradients are sent densely.
+   0.39 %, then the final density), so the early, fast-changing gradients are sent densely. The
+   epoch comes from :meth:`DGCCompressor.set_epoch` (``lgc-train`` calls it every epoch) or,
+   given ``steps_per_epoch``, from the hook's step counter; a warm-up that neither can advance is
+   refused at the first compressed step rather than left at 25 % for the whole run.
 
 The top-k threshold is estimated from a strided sample instead of a full top-k, as the paper and
 its authors' code do (see :func:`sampled_topk` for the exact rule). The accumulator ``v`` *is*
@@ -366,11 +369,18 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             :meth:`attach_parameters`. ``0`` (the default) adds none.
         world_size: number of workers ``N`` the hook divides the gradient by: scales ``clip_norm``.
             :meth:`set_world_size` overrides it.
-        warmup_densities: density per warm-up epoch, applied by :meth:`set_epoch`; from epoch
-            ``len(warmup_densities)`` on, ``density`` is used (a warm-up value below ``density``
-            counts as ``density``). ``None`` is the paper's
-            ``[0.25, 0.0625, 0.015625, 0.00390625]`` (4 epochs); ``[]`` disables warm-up. Stretch
-            it (repeat values) when epochs are short; the paper's schedule assumes ~100+ epochs.
+        warmup_densities: density per warm-up epoch; from epoch ``len(warmup_densities)`` on,
+            ``density`` is used (a warm-up value below ``density`` counts as ``density``). ``None``
+            is the paper's ``[0.25, 0.0625, 0.015625, 0.00390625]`` (4 epochs); ``[]`` disables
+            warm-up. Stretch it (repeat values) when epochs are short; the paper's schedule assumes
+            ~100+ epochs.
+        steps_per_epoch: optimizer steps per epoch: the warm-up then follows the hook's step
+            counter (epoch ``step // steps_per_epoch``, counted from the first step, the hook's
+            plain-allreduce ones included, skipped inf/NaN steps not; under communication delay,
+            one step per exchange), and :meth:`set_epoch` does not move it. ``None`` (the default):
+            the epoch is what :meth:`set_epoch` was last told (``lgc-train`` tells it at the start
+            of every epoch). With neither, a warm-up is refused at the first compressed step: it
+            would stay at its first density for the whole run.
         sample_fraction: minimum fraction of entries sampled to estimate the threshold, in (0, 1]
             (1 % by default). A larger sample gives counts closer to ``k`` (the count's relative
             spread is about ``1 / sqrt(density * sample size)``) at the cost of a larger gather.
@@ -400,6 +410,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         weight_decay: float = 0.0,
         world_size: int = 1,
         warmup_densities: Sequence[float] | None = None,
+        steps_per_epoch: int | None = None,
         sample_fraction: float = 0.01,
         exact_below_numel: int = 1 << 17,
         seed: int = 0,
@@ -425,6 +436,13 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction!r}")
         if isinstance(exact_below_numel, bool) or int(exact_below_numel) != exact_below_numel or exact_below_numel < 0:
             raise ValueError(f"exact_below_numel must be a non-negative integer, got {exact_below_numel!r}")
+        if steps_per_epoch is not None and (
+            isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
+        ):
+            raise ValueError(
+                f"steps_per_epoch must be a positive integer (optimizer steps per epoch, e.g. len(train_loader)) "
+                f"or None, got {steps_per_epoch!r}"
+            )
         self.density = float(density)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
@@ -433,13 +451,16 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self.weight_decay = float(weight_decay)
         self.world_size = int(world_size)
         self.warmup_densities = tuple(float(d) for d in warmup_densities)
+        self.steps_per_epoch = steps_per_epoch
         self.sample_fraction = float(sample_fraction)
         self.exact_below_numel = int(exact_below_numel)
         self.seed = int(seed)
         #: Epoch of the schedule and its density (a warm-up value until the warm-up is over).
         self.epoch = 0
         self.current_density = self.density
-        self.set_epoch(0)
+        self._schedule(0)
+        #: Whether this process called :meth:`set_epoch` (per process: a restored epoch does not count).
+        self._epoch_told = False
         #: Per-key momentum ``u`` (fp32; absent when ``momentum == 0``).
         self.momenta: dict[str, Tensor] = {}
         #: Per-key accumulator ``v``: the unsent, momentum-corrected gradient (the residual).
@@ -475,7 +496,34 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
 
     # -- schedule --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Pick the warm-up density of ``epoch`` (``density`` once the warm-up is over)."""
+        """Pick the warm-up density of ``epoch`` (``density`` once the warm-up is over).
+
+        With ``steps_per_epoch`` the hook's step counter sets the epoch instead, and this only
+        notes the call (``lgc-train`` calls it every epoch whatever the compressor).
+        """
+        self._epoch_told = True
+        if self.steps_per_epoch is None:
+            self._schedule(epoch)
+
+    def begin_step(self, step: int) -> None:
+        """Follow the step counter (``steps_per_epoch``), or refuse a warm-up nothing advances.
+
+        The hook calls it before the first tensor of every compressed step, on every rank alike.
+        """
+        if self.steps_per_epoch is not None:
+            self._schedule(step // self.steps_per_epoch)
+        elif not self._epoch_told and self.current_density > self.density:
+            raise RuntimeError(
+                f"DGC's density warm-up ({', '.join(f'{d:g}' for d in self.warmup_densities)}, one per epoch, then "
+                f"density={self.density:g}) is at epoch {self.epoch} and nothing advances it: without steps_per_epoch "
+                "its epoch comes from set_epoch, which this program never called, so it would send "
+                f"{self.current_density:.4g} of every gradient for the whole run. Pass steps_per_epoch=<optimizer "
+                "steps per epoch, e.g. len(train_loader)> (lgc.compress(model, 'dgc', steps_per_epoch=...) or "
+                "DGCCompressor(steps_per_epoch=...)), or call state.set_epoch(epoch) at the start of every epoch, "
+                "or pass warmup_densities=[] to start at the final density"
+            )
+
+    def _schedule(self, epoch: int) -> None:
         self.epoch = int(epoch)
         warmup = self.warmup_densities
         # A warm-up never sends less than the final density (the paper's schedule only falls).
@@ -651,14 +699,16 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self.dense_momenta = {key: t.clone() for key, t in state.get("dense_momenta", {}).items()}
         self.decay_momenta = {key: t.clone() for key, t in state.get("decay_momenta", {}).items()}
         self._rng.setstate(state["rng"])
-        self.set_epoch(state["epoch"])
+        # Restored, not told: a resumed program must still advance the schedule itself.
+        self._schedule(state["epoch"])
 
     def __repr__(self) -> str:
         return (
             f"DGCCompressor(density={self.density}, momentum={self.momentum}, nesterov={self.nesterov}, "
             f"momentum_masking={self.momentum_masking}, clip_norm={self.clip_norm}, "
             f"weight_decay={self.weight_decay}, "
-            f"warmup_densities={list(self.warmup_densities)}, sample_fraction={self.sample_fraction})"
+            f"warmup_densities={list(self.warmup_densities)}, steps_per_epoch={self.steps_per_epoch}, "
+            f"sample_fraction={self.sample_fraction})"
         )
 
 
