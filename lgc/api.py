@@ -9,7 +9,9 @@ a plain DDP script gets wrong silently and refuses it with a message that says w
   does not send would be dropped, not delayed; ``error_feedback=False`` says that is meant;
 * :class:`~lgc.compressors.ErrorFeedback` around DGC, which keeps its own;
 * DGC next to an optimizer that applies momentum, or weight decay that DGC applies as well
-  (:func:`lgc.compressors.dgc.check_optimizer_momentum`'s rules);
+  (:func:`lgc.compressors.dgc.check_optimizer_momentum`'s rules), and DGC's per-epoch warm-up
+  with neither ``steps_per_epoch`` nor ``state.set_epoch`` to advance it (refused at its first
+  compressed step, where it is known that nothing called ``set_epoch``);
 * communication delay whose ``after_optimizer_step()`` is forgotten (workers would drift apart
   without ever exchanging) or called twice per step.
 
@@ -162,6 +164,8 @@ METHODS: Mapping[str, Method] = MappingProxyType(
                 # The yaml takes the run's regularization.weight_decay, else this, the paper's value.
                 weight_decay=5e-4,
                 warmup_densities=list(PAPER_WARMUP_DENSITIES),
+                # The run's length: a plain script passes steps_per_epoch= (or calls state.set_epoch).
+                steps_per_epoch=None,
                 sample_fraction=0.01,
                 exact_below_numel=131072,
                 seed=0,
@@ -287,7 +291,9 @@ def compress(
     Returns:
         The hook state: ``state.stats`` counts bytes (``compression_ratio``); save
         ``state.state_dict()`` with every rank's checkpoint (residuals differ between ranks). DGC's
-        density warm-up advances with ``state.set_epoch(epoch)``.
+        density warm-up is per epoch: pass ``steps_per_epoch=len(train_loader)`` (it then follows
+        the optimizer steps) or call ``state.set_epoch(epoch)`` at the start of every epoch; with
+        neither, the first compressed step refuses to run it.
 
     Raises:
         TypeError: ``model`` is not DDP, or an unknown knob.
@@ -298,7 +304,7 @@ def compress(
 
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> state = lgc.compress(model, "topk", optimizer=opt, density=0.01)  # with error feedback
-        >>> state = lgc.compress(model, "dgc", optimizer=opt)  # opt: momentum=0, DGC applies 0.9
+        >>> state = lgc.compress(model, "dgc", optimizer=opt, steps_per_epoch=len(loader))  # opt: momentum=0
         >>> state = lgc.compress(model, "lgc_rar", warmup_steps=100, ae_steps=300)
         >>> state = lgc.compress(model, "sbc", optimizer=opt, delay=4)  # 4 local steps per exchange
         >>> state = lgc.compress(model, "none", optimizer=opt, delay=50, outer="sgd")  # DiLoCo, H = 50
@@ -593,8 +599,8 @@ def _check_dgc(
     if decay != 0.0 and dgc.weight_decay > 0:
         raise ValueError(
             f"weight decay in the optimizer ({decay_source}={decay:g}) and in DGC (weight_decay={dgc.weight_decay:g}) "
-            "would be applied twice: set the optimizer's weight_decay=0 (DGC adds the decay before momentum "
-            "correction, as SGD(momentum, weight_decay) does), or pass weight_decay=0 to DGC to keep the decay in "
+            "would be applied twice: set the optimizer's weight_decay=0 (DGC gives the decay a momentum of its own, "
+            "as SGD(momentum, weight_decay) does), or pass weight_decay=0 to DGC to keep the decay in "
             "the optimizer, where it acts outside the momentum, (1 - momentum) times as strong"
         )
     # The rules' home (lgc.compressors.dgc); anything it adds applies here too.

@@ -181,8 +181,10 @@ def _compressor_candidate(
         payload_bytes = 0
         for key, grad in grads.items():
             payload = compressor.compress(grad, key)
-            # Decoded as the DDP hook decodes: straight into the tensor's slice of the bucket.
+            # Decoded as the DDP hook decodes: straight into the tensor's slice of the bucket, then
+            # completed there (DGC's weight decay).
             compressor.aggregate_into([payload], outs[key])
+            compressor.finish_aggregate(outs[key], key)
             payload_bytes += payload.nbytes
         candidate.bits_per_element = 8 * payload_bytes / total
 

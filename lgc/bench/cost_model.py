@@ -212,7 +212,8 @@ def steady_from(state: Any, steps_per_epoch: int = 1) -> int:
 
     Counts the stages every method has before its steady state: the hook's plain-allreduce
     iterations (``start_iter``), PowerSGD's dense iterations, LGC's warm-up and autoencoder
-    training, and DGC's density warm-up epochs (``steps_per_epoch`` each).
+    training, and DGC's density warm-up epochs (``steps_per_epoch`` each, unless DGC was given
+    its own).
     """
     from lgc.compressors.base import compressor_chain
 
@@ -224,7 +225,7 @@ def steady_from(state: Any, steps_per_epoch: int = 1) -> int:
     for part in compressor_chain(getattr(state, "compressor", None)):
         warmup = getattr(part, "warmup_densities", None)
         if warmup:
-            first = max(first, len(warmup) * steps_per_epoch)
+            first = max(first, len(warmup) * (getattr(part, "steps_per_epoch", None) or steps_per_epoch))
     return first
 
 

@@ -156,8 +156,21 @@ class Compressor(abc.ABC):
         """Receive the model's parameters by name (the ``key`` of :meth:`compress`); called by the hook.
 
         A no-op by default. Compressors that own part of the optimizer and need the weights
-        themselves (DGC's weight decay, added to the gradient before momentum correction) keep the
-        mapping; they must not pickle or checkpoint it.
+        themselves (DGC's weight decay, see :meth:`finish_aggregate`) keep the mapping; they must
+        not pickle or checkpoint it.
+        """
+
+    def finish_aggregate(self, aggregate: Tensor, key: str) -> None:
+        """Complete, in place, the averaged update of ``key`` that the optimizer will read.
+
+        The hook calls it on every rank for every parameter of a compressed step, compressed or
+        sent dense, right after that parameter's sum is written into its slice of the DDP bucket
+        (``aggregate``, in the bucket's dtype and in the units the compressor sees: divided by any
+        AMP loss scale). It is not called for a parameter whose gradient is zero on every rank
+        (unused), in a step the step guard passes through (inf/NaN), nor in the hook's
+        plain-allreduce iterations. What it adds is never sent, so it must be the same on every
+        rank: a function of state every rank shares, such as the synchronized weights. A no-op by
+        default; DGC adds its weight decay's momentum here, as the authors' optimizer does.
         """
 
     def begin_step(self, step: int) -> None:
@@ -201,7 +214,7 @@ class ForwardsHookCalls:
     """Mixin for a compressor that wraps another (``self.compressor``): the hook's calls reach the inner one.
 
     The per-step and per-run calls that configure a compressor rather than encode for it (rank,
-    world size, parameters, step, epoch, dense small tensors) are forwarded, so a wrapper
+    world size, parameters, step, epoch, dense small tensors, the finished aggregate) are forwarded, so a wrapper
     (:class:`~lgc.compressors.ErrorFeedback`, :class:`~lgc.compressors.QuantizedValues`) cannot
     forget one. Put it before :class:`Compressor` in the bases.
     """
@@ -213,6 +226,9 @@ class ForwardsHookCalls:
 
     def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
         self.compressor.attach_parameters(parameters)
+
+    def finish_aggregate(self, aggregate: Tensor, key: str) -> None:
+        self.compressor.finish_aggregate(aggregate, key)
 
     def begin_step(self, step: int) -> None:
         self.compressor.begin_step(step)

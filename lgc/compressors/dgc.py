@@ -6,28 +6,47 @@ of 0.1 % (the paper: 270x-600x compression, ResNet-50's gradient from 97 MB to 0
 1. **Momentum correction.** Each worker keeps, per tensor, a momentum ``u`` and an accumulator
    ``v`` and selects from ``v``: ``u = m*u + g; v = v + u`` (Nesterov: ``u = m*(u + g);
    v = v + u + g``). DGC owns the momentum, so the optimizer must *not* apply it again
-   (``optimizer.momentum=0``). Weight decay belongs inside it too (``weight_decay``): ``g`` is
-   the gradient plus ``wd * w``, as for ``torch.optim.SGD(weight_decay=wd)``; decay left in the
-   optimizer acts outside the momentum and is effectively ``(1 - m) * wd``, 10x weaker at 0.9.
+   (``optimizer.momentum=0``). The weight decay (``weight_decay``) is DGC's too, but it is kept
+   apart from the gradient as in the authors' code (synxlin/deep-gradient-compression,
+   ``dgc/optim/sgd.py``: ``DGCSGD``): a dense momentum of its own, ``d = m*d + wd*w``, that is
+   never masked and never sent (every worker computes the same ``d`` from the same weights) and
+   is added to every parameter's averaged update (:meth:`DGCCompressor.finish_aggregate`).
 2. **Momentum factor masking.** After sending, ``u`` and ``v`` are zeroed at the sent positions,
    so stale momentum does not keep pushing coordinates that were just updated.
 3. **Local gradient clipping** (for RNNs; off by default): each worker clips its own gradient
    before accumulating it, with the threshold scaled by ``N**-0.5``.
 4. **Warm-up.** The density falls exponentially over the first epochs (25 %, 6.25 %, 1.5625 %,
-   0.39 %, then the final density), so the early, fast-changing gradients are sent densely.
+   0.39 %, then the final density), so the early, fast-changing gradients are sent densely. The
+   epoch comes from :meth:`DGCCompressor.set_epoch` (``lgc-train`` calls it every epoch) or,
+   given ``steps_per_epoch``, from the hook's step counter; a warm-up that neither can advance is
+   refused at the first compressed step rather than left at 25 % for the whole run.
 
 The top-k threshold is estimated from a strided sample instead of a full top-k, as the paper and
 its authors' code do (see :func:`sampled_topk` for the exact rule). The accumulator ``v`` *is*
 the error-feedback residual, so DGC is never wrapped in :class:`lgc.compressors.ErrorFeedback`.
 
-**When DGC is exactly momentum SGD.** With density 1, momentum factor masking *off* and every
+**When DGC is exactly momentum SGD.** With density 1 and momentum factor masking *off*, every
 step going through the compressor (the hook's ``start_iter=0``), everything is sent and ``v`` is
-emptied every step, so the sent update is ``u``: DGC + ``SGD(momentum=0, weight_decay=0)`` equals
-``SGD(momentum=m, nesterov=..., weight_decay=wd)`` step for step (to rounding; weight decay on
-the compressor). With masking *on* (the default) this does not hold: at density 1 every position
-is sent, so ``u`` is zeroed every step and DGC is SGD *without* momentum (the decay still
-applies). Below density 1 masking is what keeps accuracy; the warm-up never lowers a density
-below ``density``, so at density 1 it changes nothing.
+emptied every step, so the sent update is ``u``; with the decay's momentum ``d`` added,
+DGC + ``SGD(momentum=0, weight_decay=0)`` equals ``SGD(momentum=m, nesterov=..., weight_decay=wd)``
+step for step (to rounding), by linearity. With masking *on* (the default) at density 1 every
+position is sent, so ``u`` is zeroed every step: the gradient steps without momentum, while the
+decay keeps its own (it is never masked), i.e. ``w -= lr * (g + d)``. The authors' code treats
+density 1 as "no compression" instead (plain momentum, no masking), which is lgc's density 1
+with ``momentum_masking=False``. Below density 1 masking is what keeps accuracy; the warm-up
+never lowers a density below ``density``, so at density 1 it changes nothing.
+
+**Where lgc departs from the authors' code.** Which tensors are compressed: the authors compress
+every tensor with more than one dimension and send the others dense (with plain momentum on the
+average); lgc's hook decides by size (``min_numel``) and sends the smaller ones dense, with
+the same momentum (:meth:`DGCCompressor.apply_momentum`). Density 1: see above. The sampled
+threshold's stride and sample size follow the rule :func:`sampled_topk` states, not the code's
+arithmetic, and between ``0.8 k`` and ``1.3 k`` survivors all are sent, where the code keeps the
+first ``k`` by position (``dgc/compression.py``). The warm-up densities are the paper's; the
+authors' CIFAR configuration (``configs/dgc/wm5.py``) computes five epochs at
+``density ** ((e + 1) / 6)`` instead (31.6 %, 10 %, 3.16 %, 1 %, 0.316 % for 0.1 %). A parameter
+whose gradient is exactly zero on every rank is left alone by the hook (no update, no decay that
+step), where the authors' optimizer would still decay it.
 """
 
 from __future__ import annotations
@@ -277,29 +296,41 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
     Per tensor (``key``, the parameter name in the DDP hook) the compressor keeps the momentum
     ``u`` and the accumulator ``v`` and, per step:
 
-    1. optionally clips the incoming gradient ``g`` to norm ``clip_norm / sqrt(world_size)``, then
-       adds the weight decay ``weight_decay * w / world_size`` (summed over the workers: ``wd * w``);
+    1. optionally clips the incoming gradient ``g`` to norm ``clip_norm / sqrt(world_size)``;
     2. momentum correction: ``u = m*u + g; v = v + u`` (Nesterov: ``u = m*(u + g); v = v + u + g``);
     3. selects about ``k = ceil(density * n)`` entries of ``v`` with :func:`sampled_topk`;
     4. sends them as a :class:`~lgc.compressors.topk.SparsePayload` (fp32 value + int32 index,
        8 bytes per entry) and zeroes ``v`` there (so ``v_before == decoded + v_after`` exactly) and,
-       with momentum factor masking, ``u`` too.
+       with momentum factor masking, ``u`` too;
+    5. once the workers' payloads are summed (the averaged sparse update ``a``), adds the weight
+       decay's momentum: ``d = m*d + wd*w`` and ``a + d`` (Nesterov: ``a + wd*w + m*d``), in
+       :meth:`finish_aggregate`, for compressed and dense tensors alike.
 
     ``v`` is the error-feedback residual: do not wrap DGC in :class:`~lgc.compressors.ErrorFeedback`
     (``error_feedback: false`` in the yaml). The sampled threshold makes the number of entries
     differ between workers (``variable_size``): the hook exchanges sizes before its allgather.
 
-    **The optimizer must apply neither momentum nor weight decay**: DGC already sends heavy-ball
-    updates, so use ``torch.optim.SGD(momentum=0, nesterov=False, weight_decay=0)`` and give the
-    decay to the compressor (``weight_decay``); :func:`check_optimizer_momentum` refuses momentum
-    in both places, and decay in both places. Decay left in the optimizer (``weight_decay=0`` here)
-    acts on the averaged update outside the momentum: at equilibrium ``u = g / (1 - m)``, so its
-    effective strength is ``(1 - m) * wd``, 10x weaker than in dense momentum SGD at ``m = 0.9``.
-    The authors' code gives the decay term a momentum of its own in its optimizer (``DGCSGD``:
-    dense, every step, never communicated); here it joins the gradient in ``u`` and ``v`` before
-    momentum correction, which is the same update at density 1 and, below it, lets the decay wait
-    in ``v`` like the gradient until its coordinates are sent. The paper also warms the learning
-    rate up; that belongs to the scheduler (``scheduler=warmup_multistep``).
+    **Weight decay as the authors apply it.** Their optimizer (``DGCSGD`` in
+    synxlin/deep-gradient-compression, ``dgc/optim/sgd.py``) keeps ``wd * w`` in a momentum buffer
+    of its own, ``d = m*d + wd*w`` (``d = wd*w`` at the first step), and steps
+    ``w -= lr * (d + received)`` (Nesterov: ``w -= lr * (wd*w + m*d + received)``), while its
+    memory (``dgc/memory.py``) momentum-corrects the gradient alone. ``d`` is dense, never masked
+    and never sent: it depends only on the weights, which every worker shares, so every worker
+    computes the same ``d`` and the decay costs no bytes. lgc does the same: ``d`` lives here
+    (checkpointed with the rest), :meth:`finish_aggregate` adds it to each parameter's averaged
+    update after the exchange, and the optimizer is plain SGD. Were the decay added to ``g``
+    instead, masking would zero its momentum wherever entries are sent (at density 1: everywhere,
+    about 1/10 of the decay at ``m = 0.9``) and below density 1 it would wait in ``v`` with the
+    gradient, so the weights the top-k never picks would not decay at all.
+
+    **The optimizer must apply neither momentum nor weight decay**: use
+    ``torch.optim.SGD(momentum=0, nesterov=False, weight_decay=0)`` and give the decay to the
+    compressor (``weight_decay``); :func:`check_optimizer_momentum` refuses momentum in both
+    places, and decay in both places. Decay left in the optimizer (``weight_decay=0`` here) acts
+    without momentum: at equilibrium the momentum multiplies the gradient by ``1 / (1 - m)`` but
+    not the decay, so its effective strength is ``(1 - m) * wd``, 10x weaker than in momentum SGD
+    at ``m = 0.9``. The paper also warms the learning rate up; that belongs to the scheduler
+    (``scheduler=warmup_multistep``).
 
     Weight decay needs the weights: :meth:`attach_parameters` receives them by name (the hook calls
     it from :meth:`~lgc.ddp.CompressionHookState.attach`; a plain script calls it itself). The
@@ -310,11 +341,13 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
     gradient and the aggregate (a scatter-add over workers) is the mean's sparse update. Tensors
     below the hook's ``min_numel`` are allreduced dense and never reach :meth:`compress`; the hook
     passes them through :meth:`transform_dense` (:meth:`apply_momentum`), so they get the same
-    momentum and decay. Because the hook has divided the gradient, each worker adds only
-    ``wd * w / world_size``: ``world_size`` must be the number of workers the hook divides by
-    (the constructor's value, or what :meth:`set_world_size` was told). The hook's ``start_iter``
-    plain-allreduce iterations bypass DGC entirely, without momentum or decay (the first step's
-    gradient then never enters ``u``; with one such step the difference is ``m**t * g_0``).
+    momentum, and :meth:`finish_aggregate` gives them the same decay. The decay's momentum advances
+    only in steps the hook completes: not in a step it passes through for an inf/NaN, not for a
+    parameter whose gradient is zero on every rank, and not in its ``start_iter`` plain-allreduce
+    iterations, which bypass DGC entirely, without momentum or decay (the first step's gradient
+    then never enters ``u``; with one such step the difference is ``m**t * g_0``). Under
+    communication delay (:mod:`lgc.ddp.local_sgd`) the exchanges carry weight updates, which the
+    local optimizer's decay already shaped: DGC's own decay is refused there.
 
     Args:
         density: final fraction of entries sent, in (0, 1]; the paper uses 0.001 (0.1 %). With
@@ -330,16 +363,24 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             paper's default except for RNNs). Each worker clips the tensor it is given (already
             divided by the world size) to ``clip_norm * world_size**-0.5``. Clipping is per tensor,
             because a compressor sees one tensor at a time.
-        weight_decay: L2 weight decay ``wd >= 0`` added to the gradient before momentum correction,
-            the value you would give ``torch.optim.SGD(weight_decay=...)`` (which must then be 0);
-            needs :meth:`attach_parameters`. ``0`` (the default) adds none.
-        world_size: number of workers ``N`` the hook divides the gradient by: scales ``clip_norm``
-            and ``weight_decay``. :meth:`set_world_size` overrides it.
-        warmup_densities: density per warm-up epoch, applied by :meth:`set_epoch`; from epoch
-            ``len(warmup_densities)`` on, ``density`` is used (a warm-up value below ``density``
-            counts as ``density``). ``None`` is the paper's
-            ``[0.25, 0.0625, 0.015625, 0.00390625]`` (4 epochs); ``[]`` disables warm-up. Stretch
-            it (repeat values) when epochs are short; the paper's schedule assumes ~100+ epochs.
+        weight_decay: L2 weight decay ``wd >= 0`` with a momentum of its own, added to every
+            parameter's averaged update (see above); the value you would give
+            ``torch.optim.SGD(weight_decay=...)``, which must then be 0. Needs
+            :meth:`attach_parameters`. ``0`` (the default) adds none.
+        world_size: number of workers ``N`` the hook divides the gradient by: scales ``clip_norm``.
+            :meth:`set_world_size` overrides it.
+        warmup_densities: density per warm-up epoch; from epoch ``len(warmup_densities)`` on,
+            ``density`` is used (a warm-up value below ``density`` counts as ``density``). ``None``
+            is the paper's ``[0.25, 0.0625, 0.015625, 0.00390625]`` (4 epochs); ``[]`` disables
+            warm-up. Stretch it (repeat values) when epochs are short; the paper's schedule assumes
+            ~100+ epochs.
+        steps_per_epoch: optimizer steps per epoch: the warm-up then follows the hook's step
+            counter (epoch ``step // steps_per_epoch``, counted from the first step, the hook's
+            plain-allreduce ones included, skipped inf/NaN steps not; under communication delay,
+            one step per exchange), and :meth:`set_epoch` does not move it. ``None`` (the default):
+            the epoch is what :meth:`set_epoch` was last told (``lgc-train`` tells it at the start
+            of every epoch). With neither, a warm-up is refused at the first compressed step: it
+            would stay at its first density for the whole run.
         sample_fraction: minimum fraction of entries sampled to estimate the threshold, in (0, 1]
             (1 % by default). A larger sample gives counts closer to ``k`` (the count's relative
             spread is about ``1 / sqrt(density * sample size)``) at the cost of a larger gather.
@@ -369,6 +410,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         weight_decay: float = 0.0,
         world_size: int = 1,
         warmup_densities: Sequence[float] | None = None,
+        steps_per_epoch: int | None = None,
         sample_fraction: float = 0.01,
         exact_below_numel: int = 1 << 17,
         seed: int = 0,
@@ -394,6 +436,13 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction!r}")
         if isinstance(exact_below_numel, bool) or int(exact_below_numel) != exact_below_numel or exact_below_numel < 0:
             raise ValueError(f"exact_below_numel must be a non-negative integer, got {exact_below_numel!r}")
+        if steps_per_epoch is not None and (
+            isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
+        ):
+            raise ValueError(
+                f"steps_per_epoch must be a positive integer (optimizer steps per epoch, e.g. len(train_loader)) "
+                f"or None, got {steps_per_epoch!r}"
+            )
         self.density = float(density)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
@@ -402,19 +451,24 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self.weight_decay = float(weight_decay)
         self.world_size = int(world_size)
         self.warmup_densities = tuple(float(d) for d in warmup_densities)
+        self.steps_per_epoch = steps_per_epoch
         self.sample_fraction = float(sample_fraction)
         self.exact_below_numel = int(exact_below_numel)
         self.seed = int(seed)
         #: Epoch of the schedule and its density (a warm-up value until the warm-up is over).
         self.epoch = 0
         self.current_density = self.density
-        self.set_epoch(0)
+        self._schedule(0)
+        #: Whether this process called :meth:`set_epoch` (per process: a restored epoch does not count).
+        self._epoch_told = False
         #: Per-key momentum ``u`` (fp32; absent when ``momentum == 0``).
         self.momenta: dict[str, Tensor] = {}
         #: Per-key accumulator ``v``: the unsent, momentum-corrected gradient (the residual).
         self.velocities: dict[str, Tensor] = {}
         #: Per-key momentum of tensors sent dense (see :meth:`apply_momentum`).
         self.dense_momenta: dict[str, Tensor] = {}
+        #: Per-key momentum ``d`` of the weight decay (fp32; the same on every worker, never sent).
+        self.decay_momenta: dict[str, Tensor] = {}
         #: How the last :meth:`compress` selected its entries (diagnostics; not saved).
         self.last_selection: SelectionInfo | None = None
         # Python's generator, not torch's: it pickles without tensors (spawned workers get a copy).
@@ -429,7 +483,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self._parameters = parameters
 
     def set_world_size(self, world_size: int) -> None:
-        """Number of workers the hook divides gradients by (scales ``clip_norm`` and ``weight_decay``)."""
+        """Number of workers the hook divides gradients by (scales ``clip_norm``)."""
         _check_world_size(world_size)
         self.world_size = int(world_size)
 
@@ -442,7 +496,34 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
 
     # -- schedule --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Pick the warm-up density of ``epoch`` (``density`` once the warm-up is over)."""
+        """Pick the warm-up density of ``epoch`` (``density`` once the warm-up is over).
+
+        With ``steps_per_epoch`` the hook's step counter sets the epoch instead, and this only
+        notes the call (``lgc-train`` calls it every epoch whatever the compressor).
+        """
+        self._epoch_told = True
+        if self.steps_per_epoch is None:
+            self._schedule(epoch)
+
+    def begin_step(self, step: int) -> None:
+        """Follow the step counter (``steps_per_epoch``), or refuse a warm-up nothing advances.
+
+        The hook calls it before the first tensor of every compressed step, on every rank alike.
+        """
+        if self.steps_per_epoch is not None:
+            self._schedule(step // self.steps_per_epoch)
+        elif not self._epoch_told and self.current_density > self.density:
+            raise RuntimeError(
+                f"DGC's density warm-up ({', '.join(f'{d:g}' for d in self.warmup_densities)}, one per epoch, then "
+                f"density={self.density:g}) is at epoch {self.epoch} and nothing advances it: without steps_per_epoch "
+                "its epoch comes from set_epoch, which this program never called, so it would send "
+                f"{self.current_density:.4g} of every gradient for the whole run. Pass steps_per_epoch=<optimizer "
+                "steps per epoch, e.g. len(train_loader)> (lgc.compress(model, 'dgc', steps_per_epoch=...) or "
+                "DGCCompressor(steps_per_epoch=...)), or call state.set_epoch(epoch) at the start of every epoch, "
+                "or pass warmup_densities=[] to start at the final density"
+            )
+
+    def _schedule(self, epoch: int) -> None:
         self.epoch = int(epoch)
         warmup = self.warmup_densities
         # A warm-up never sends less than the final density (the paper's schedule only falls).
@@ -471,10 +552,8 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         # The same rule as torch.nn.utils.clip_grad_norm_ (the 1e-6 guards a zero norm).
         return grad, min(1.0, limit / (norm + 1e-6))
 
-    def _weights(self, key: str, like: Tensor) -> Tensor | None:
-        """The flat weights of ``key`` that the decay acts on, or None without weight decay."""
-        if self.weight_decay == 0.0:
-            return None
+    def _weights(self, key: str, like: Tensor) -> Tensor:
+        """The flat weights of ``key`` (``like``'s size), which the weight decay acts on."""
         if self._parameters is None:
             raise ValueError(
                 f"DGC's weight_decay={self.weight_decay} needs the model's weights, but none were attached: "
@@ -484,39 +563,19 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         weight = self._parameters.get(key)
         if weight is None:
             raise ValueError(
-                f"DGC's weight decay got a gradient for {key!r} but no parameter of that name was attached "
+                f"DGC's weight decay got an update for {key!r} but no parameter of that name was attached "
                 f"({len(self._parameters)} were, e.g. {next(iter(self._parameters), None)!r})"
             )
         if weight.numel() != like.numel():
-            raise ValueError(f"parameter {key!r} has {weight.numel()} elements but its gradient {like.numel()}")
+            raise ValueError(f"parameter {key!r} has {weight.numel()} elements but its update {like.numel()}")
         return weight.detach().reshape(-1)
 
-    def _decayed(self, grad: Tensor, scale: float, weight: Tensor | None) -> tuple[Tensor, float]:
-        """``scale * grad + wd / world_size * weight`` (a new tensor) and 1.0, or ``grad, scale`` unchanged."""
-        if weight is None:
-            return grad, scale
-        if scale != 1.0:
-            grad = grad * scale
-        # This worker's share: the hook sums the workers' updates, which then hold wd * w once.
-        # grad + wd * w in one add, as torch.optim.SGD(weight_decay=wd) computes it.
-        return torch.add(grad, weight, alpha=self.weight_decay / self.world_size), 1.0
-
-    def _accumulate(
-        self, u: Tensor | None, v: Tensor, grad: Tensor, scale: float, weight: Tensor | None = None
-    ) -> None:
-        """Momentum correction on one span, in place: ``u = m*u + g; v += u`` (or the variants).
-
-        ``g`` is ``scale * grad`` plus the weight decay on ``weight`` (when given). Without Nesterov
-        the decay is added into ``u`` (or ``v``) in place, so no gradient-sized temporary is allocated.
-        """
-        decay = 0.0 if weight is None else self.weight_decay / self.world_size
+    def _accumulate(self, u: Tensor | None, v: Tensor, grad: Tensor, scale: float) -> None:
+        """Momentum correction on one span, in place: ``u = m*u + g; v += u`` (or the variants); ``g = scale*grad``."""
         if u is None:
             # No momentum: u would be g every step, so v += g is all there is (top-k with EF).
             v.add_(grad, alpha=scale)
-            if decay:
-                v.add_(weight, alpha=decay)
         elif self.nesterov:
-            grad, scale = self._decayed(grad, scale, weight)
             u.add_(grad, alpha=scale).mul_(self.momentum)
             v.add_(u).add_(grad, alpha=scale)
         else:
@@ -525,20 +584,16 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
                 torch.add(grad, u, alpha=self.momentum, out=u)
             else:
                 u.mul_(self.momentum).add_(grad, alpha=scale)
-            if decay:
-                # (g + m*u) + wd*w: the same sum as SGD's m*u + (g + wd*w), rounded in another order.
-                u.add_(weight, alpha=decay)
             v.add_(u)
 
     def compress(self, tensor: Tensor, key: str) -> SparsePayload:
         grad, scale = self._clipped(tensor)
         numel = grad.numel()
-        weight = self._weights(key, grad)
         v = self._buffer(self.velocities, key, grad)
         u = None if self.momentum == 0.0 else self._buffer(self.momenta, key, grad)
         k = num_selected(numel, self.current_density)
         if k == numel or numel < self.exact_below_numel:
-            self._accumulate(u, v, grad, scale, weight)
+            self._accumulate(u, v, grad, scale)
             if k == numel:
                 positions = torch.arange(numel, device=v.device)
                 self.last_selection = SelectionInfo("all", k, numel, 0, math.nan)
@@ -550,8 +605,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             scan = _ColumnScan(v)
             for span, (start, stop) in enumerate(scan.spans):
                 part = None if u is None else u[start:stop]
-                decay_part = None if weight is None else weight[start:stop]
-                self._accumulate(part, v[start:stop], grad[start:stop], scale, decay_part)
+                self._accumulate(part, v[start:stop], grad[start:stop], scale)
                 scan.scan(span)
             positions, self.last_selection = sampled_topk(
                 v, k, sample_fraction=self.sample_fraction, rng=self._rng, scan=scan
@@ -565,17 +619,16 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         return SparsePayload(numel=numel, values=values, indices=positions.to(index_dtype_for(numel)))
 
     def apply_momentum(self, tensor: Tensor, key: str) -> Tensor:
-        """Momentum, weight decay (and clipping) for a tensor that is sent dense instead of compressed.
+        """Momentum (and clipping) for a tensor that is sent dense instead of compressed.
 
-        DGC owns the momentum and the decay, so tensors the hook allreduces dense (biases, norm
-        layers below ``min_numel``) need them here (the authors' code, too, gives them momentum
-        correction without sparsification): returns heavy-ball SGD's update ``u = m*u + g``
-        (Nesterov: ``g + m*u``) with ``g`` the gradient plus ``wd * w / world_size``, as a new
-        fp32 tensor; ``tensor`` is not changed. By linearity, summing these over workers equals
-        ``torch.optim.SGD(momentum=m, weight_decay=wd)``'s update for the averaged gradient.
+        DGC owns the momentum, so tensors the hook allreduces dense (biases, norm layers below
+        ``min_numel``) need it here (the authors' code, too, gives them momentum without
+        sparsification or masking): returns heavy-ball SGD's update ``u = m*u + g`` (Nesterov:
+        ``g + m*u``) as a new fp32 tensor; ``tensor`` is not changed. By linearity, summing these
+        over workers equals ``torch.optim.SGD(momentum=m)``'s update for the averaged gradient. The
+        weight decay is added after the allreduce, by :meth:`finish_aggregate`.
         """
         grad, scale = self._clipped(tensor)
-        grad, scale = self._decayed(grad, scale, self._weights(key, grad))
         if self.momentum == 0.0:
             return grad * scale
         u = self._buffer(self.dense_momenta, key, grad)
@@ -587,6 +640,27 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
 
     def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
         return self.apply_momentum(tensor, key).to(tensor.dtype)
+
+    def finish_aggregate(self, aggregate: Tensor, key: str) -> None:
+        """Add the weight decay's own momentum to ``key``'s averaged update (a slice of the bucket).
+
+        The authors' ``DGCSGD.step`` (``dgc/optim/sgd.py``): ``d = wd*w`` at the first step, then
+        ``d = m*d + wd*w``, and the optimizer steps along ``d + received`` (Nesterov:
+        ``wd*w + m*d + received``; momentum 0: ``wd*w + received``). ``d`` starts at zero here,
+        which gives the same first step. It depends only on the weights, which are the same on
+        every worker, so every worker adds the same term and nothing is sent for it. Computed in
+        fp32 and added once, rounded to the bucket's dtype.
+        """
+        if self.weight_decay == 0.0:
+            return
+        weight = self._weights(key, aggregate).float()
+        # wd*w formed on its own, as DGCSGD forms d_p, so the buffer rounds as the reference's does.
+        decay = weight * self.weight_decay
+        if self.momentum != 0.0:
+            d = self._buffer(self.decay_momenta, key, aggregate)
+            d.mul_(self.momentum).add_(decay)
+            decay = decay.add_(d, alpha=self.momentum) if self.nesterov else d
+        aggregate.add_(decay.view_as(aggregate))
 
     # -- decoding --------------------------------------------------------------------------------
     def decompress(self, payload: Payload) -> Tensor:
@@ -614,6 +688,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             "momenta": cpu(self.momenta),
             "velocities": cpu(self.velocities),
             "dense_momenta": cpu(self.dense_momenta),
+            "decay_momenta": cpu(self.decay_momenta),
             "rng": self._rng.getstate(),
             "epoch": self.epoch,
         }
@@ -622,15 +697,18 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self.momenta = {key: t.clone() for key, t in state["momenta"].items()}
         self.velocities = {key: t.clone() for key, t in state["velocities"].items()}
         self.dense_momenta = {key: t.clone() for key, t in state.get("dense_momenta", {}).items()}
+        self.decay_momenta = {key: t.clone() for key, t in state.get("decay_momenta", {}).items()}
         self._rng.setstate(state["rng"])
-        self.set_epoch(state["epoch"])
+        # Restored, not told: a resumed program must still advance the schedule itself.
+        self._schedule(state["epoch"])
 
     def __repr__(self) -> str:
         return (
             f"DGCCompressor(density={self.density}, momentum={self.momentum}, nesterov={self.nesterov}, "
             f"momentum_masking={self.momentum_masking}, clip_norm={self.clip_norm}, "
             f"weight_decay={self.weight_decay}, "
-            f"warmup_densities={list(self.warmup_densities)}, sample_fraction={self.sample_fraction})"
+            f"warmup_densities={list(self.warmup_densities)}, steps_per_epoch={self.steps_per_epoch}, "
+            f"sample_fraction={self.sample_fraction})"
         )
 
 
@@ -643,8 +721,8 @@ def check_optimizer_momentum(compressor: Any, optimizer_momentum: float, *, weig
     """Refuse DGC combined with optimizer momentum or optimizer weight decay, or DGC inside error feedback.
 
     DGC's momentum correction already sends heavy-ball updates; momentum in the optimizer as well
-    would apply it twice. A DGC with ``weight_decay > 0`` adds the decay before its momentum
-    correction; decay in the optimizer as well would apply it twice. Its accumulator is the
+    would apply it twice. A DGC with ``weight_decay > 0`` adds the decay (with its own momentum) to
+    the averaged update; decay in the optimizer as well would apply it twice. Its accumulator is the
     error-feedback residual, so :class:`~lgc.compressors.ErrorFeedback` around it would feed the
     error back twice. Anything that is not (and does not wrap, via ``.compressor``) a
     :class:`DGCCompressor` passes.
@@ -673,7 +751,7 @@ def check_optimizer_momentum(compressor: Any, optimizer_momentum: float, *, weig
             f"optimizer weight_decay is {weight_decay!r} but DGC applies weight decay itself "
             f"(compressor.weight_decay={dgc.weight_decay!r}), so it would be applied twice; set "
             "optimizer.weight_decay=0 and give the decay to the compressor (compressor.weight_decay=...), "
-            "where it acts before momentum correction as in torch.optim.SGD(momentum, weight_decay)"
+            "which gives it a momentum of its own as torch.optim.SGD(momentum, weight_decay) and DGC's authors do"
         )
     if any(isinstance(c, ErrorFeedback) for c in chain):
         raise ValueError("DGC keeps its own error feedback (its accumulator v); set compressor.error_feedback=false")

@@ -31,6 +31,10 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    payloads, or an allgather of one packed byte buffer (sizes exchanged first when they may
    differ) for gatherable ones. Collectives are issued inside the hook, never from ``Future.then``
    callbacks, so every rank issues them in the same order; callbacks only decode.
+7. Once a parameter's sum is in the bucket, :meth:`~lgc.compressors.Compressor.finish_aggregate`
+   may complete it with a term every rank computes alike and nobody sends (DGC's weight decay
+   momentum, which the authors keep in their optimizer). It follows the step guard: a skipped
+   step or an unused parameter does not reach it.
 
 Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
 for an fp32 model, 2 for a model in fp16 or bf16).
@@ -638,10 +642,13 @@ class PayloadExchange:
                     decoded = compressor.decompress(compressor.payload_from_sum(summed, payload)).reshape(-1)
                 if decoded.data_ptr() != target.data_ptr():
                     target.copy_(decoded)
+                compressor.finish_aggregate(target, s.name)
             return buffer
         if self.dense_flat is not None:
             for s, piece in zip(self.dense, self.dense_flat.split([s.numel for s in self.dense]), strict=True):
-                buffer[s.offset : s.offset + s.numel].copy_(piece)
+                target = buffer[s.offset : s.offset + s.numel]
+                target.copy_(piece)
+                compressor.finish_aggregate(target, s.name)
         if self.own:
             per_rank = [
                 iter(g.split(row.tolist() + [g.numel() - int(row.sum())]))
@@ -652,7 +659,9 @@ class PayloadExchange:
                 received = [compressor.payload_from_wire(next(wires_of_rank), s.numel) for wires_of_rank in per_rank]
                 _check_round_trip(compressor, own, received[rank])
                 self.received[s.name] = received
-                compressor.aggregate_into(received, buffer[s.offset : s.offset + s.numel])
+                target = buffer[s.offset : s.offset + s.numel]
+                compressor.aggregate_into(received, target)
+                compressor.finish_aggregate(target, s.name)
         return buffer
 
 

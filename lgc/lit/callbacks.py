@@ -129,6 +129,10 @@ class CompressionCallback(pl.Callback):
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._state is not None
+        # The epoch every run starts in: a run resumed mid-epoch gets no on_train_epoch_start for
+        # it from Lightning, and schedules that follow set_epoch (DGC's warm-up) must hear of it.
+        self._state.set_epoch(trainer.current_epoch)
         # With fp16 AMP, compressors must see unscaled gradients (lgc.ddp.hook: CompressionHookState.unscale).
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and isinstance(self._state, CompressionHookState):
