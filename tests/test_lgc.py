@@ -342,10 +342,11 @@ def _identity_autoencoder(state) -> None:
     ae.latent_shape = lambda rows: (rows, 1, state.ae_config.chunk)
 
 
-def _one_compressed_step(rank: int, world: int, variant: str, index_coding: str) -> dict:
+def _compressed_steps(rank: int, world: int, variant: str, index_coding: str, rotate_leader: bool, steps: int) -> list:
+    """``steps`` compressed steps of LGC with an identity code, each observed (:func:`observe_step`)."""
     cls = LGCRingAllreduceState if variant == "rar" else LGCParameterServerState
     kwargs = dict(density=0.05, warmup_steps=1, ae_steps=1, ae_updates_per_step=0, min_numel=MIN_NUMEL)
-    kwargs.update(index_coding=index_coding, value_order="value")
+    kwargs.update(index_coding=index_coding, value_order="value", rotate_leader=rotate_leader)
     kwargs.update(autoencoder=dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2))
     if variant == "ps":
         kwargs["innovation_density"] = 0.01
@@ -354,7 +355,11 @@ def _one_compressed_step(rank: int, world: int, variant: str, index_coding: str)
     state.register(model)
     _identity_autoencoder(state)
     _train(model, state, 2)  # warm-up, then autoencoder training (which fills the residuals)
-    return observe_step(model, state, 2, rank, world)
+    observed = []
+    for step in range(2, 2 + steps):
+        observed.append(observe_step(model, state, step, rank, world))
+        torch.optim.SGD(model.parameters(), lr=0.05).step()
+    return observed
 
 
 def observe_step(model: DDP, state, step: int, rank: int, world: int) -> dict:
@@ -381,10 +386,10 @@ def observe_step(model: DDP, state, step: int, rank: int, world: int) -> dict:
     }
 
 
-def per_parameter(result: dict, rank: int, density: float):
+def per_parameter(result: dict, rank: int, density: float, leader: int = 0):
     """Per compressed parameter of an :func:`observe_step` result: its name, every worker's ``v``,
-    the leader's (rank 0's) top-k positions and this worker's ``v``. Dense parameters are checked
-    here to arrive as the workers' mean."""
+    the leader's top-k positions and this worker's ``v``. Dense parameters are checked here to
+    arrive as the workers' mean."""
     everyone, world = result["everyone"], len(result["everyone"])
     for name in result["names"]:
         grads = [g[name] for _, g in everyone]
@@ -392,7 +397,28 @@ def per_parameter(result: dict, rank: int, density: float):
             torch.testing.assert_close(result["grads"][name], sum(grads) / world)
             continue
         v = [r[name] + g[name] / world for r, g in everyone]
-        yield name, v, topk_indices(v[0], num_selected(v[0].numel(), density)), v[rank]
+        yield name, v, topk_indices(v[leader], num_selected(v[leader].numel(), density)), v[rank]
+
+
+def _check_compressed_step(variant: str, result: dict, rank: int, leader_rank: int) -> None:
+    """One observed compressed step of :func:`_compressed_steps` against what the identity code must deliver."""
+    assert result["stage"] == LGCStage.COMPRESSED
+    for name, v, leader, own in per_parameter(result, rank, 0.05, leader=leader_rank):
+        expected = torch.zeros_like(own)
+        cleared = own.clone()
+        cleared[leader] = 0.0
+        if variant == "rar":
+            expected[leader] = sum(vj[leader] for vj in v)
+        else:
+            for vj in v:
+                innovation = topk_indices(vj, num_selected(vj.numel(), 0.01))
+                estimate = torch.zeros_like(vj)
+                estimate[leader] = v[leader_rank][leader]
+                estimate[innovation] = vj[innovation]
+                expected += estimate
+            cleared[topk_indices(own, num_selected(own.numel(), 0.01))] = 0.0
+        torch.testing.assert_close(result["grads"][name], expected, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(result["residuals_after"][name], cleared, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.multiprocess
@@ -405,25 +431,23 @@ def test_compressed_stage_delivers_exactly_what_its_code_carries(variant, index_
     * LGC-PS: at the leader's positions, for every worker, the leader's value (the decoder's input)
       replaced by the worker's own where its innovation knows it; plus the innovations outside.
     """
-    results = run_workers(_one_compressed_step, 2, variant, index_coding)
-    for rank, result in enumerate(results):
-        assert result["stage"] == LGCStage.COMPRESSED
-        for name, v, leader, own in per_parameter(result, rank, 0.05):
-            expected = torch.zeros_like(own)
-            cleared = own.clone()
-            cleared[leader] = 0.0
-            if variant == "rar":
-                expected[leader] = sum(vj[leader] for vj in v)
-            else:
-                for vj in v:
-                    innovation = topk_indices(vj, num_selected(vj.numel(), 0.01))
-                    estimate = torch.zeros_like(vj)
-                    estimate[leader] = v[0][leader]
-                    estimate[innovation] = vj[innovation]
-                    expected += estimate
-                cleared[topk_indices(own, num_selected(own.numel(), 0.01))] = 0.0
-            torch.testing.assert_close(result["grads"][name], expected, rtol=1e-5, atol=1e-7)
-            torch.testing.assert_close(result["residuals_after"][name], cleared, rtol=1e-5, atol=1e-7)
+    for rank, (result,) in enumerate(run_workers(_compressed_steps, 2, variant, index_coding, False, 1)):
+        _check_compressed_step(variant, result, rank, leader_rank=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["rar", "ps"])
+def test_a_rotating_leader_hands_the_positions_to_every_worker_in_turn(variant):
+    """``rotate_leader``: step ``t``'s positions are worker ``t % P``'s top-k, for both topologies.
+
+    Three workers, three compressed steps (steps 2, 3, 4: leaders 2, 0, 1), each checked exactly as
+    with a fixed leader. LGC-PS: the server decodes whichever worker leads (its decoders were trained
+    with a random worker's latent standing in for the leader's) and the leader's message reaches it
+    from that worker, point to point (nothing travels when the server itself leads).
+    """
+    for rank, observed in enumerate(run_workers(_compressed_steps, 3, variant, "golomb", True, 3)):
+        for step, result in enumerate(observed, start=2):
+            _check_compressed_step(variant, result, rank, leader_rank=step % 3)
 
 
 def _decode_calls(rank: int, world: int, kwargs: dict) -> list[int]:

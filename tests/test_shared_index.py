@@ -92,6 +92,45 @@ def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_roun
             torch.testing.assert_close(result["residuals_after"][name][outside], own[outside], rtol=0, atol=0)
 
 
+def _rotating_steps(rank: int, world: int, kwargs: dict) -> list[dict]:
+    model = DDP(_net(), bucket_cap_mb=0.01)
+    state = _state(rotate_leader=True, **kwargs)
+    state.register(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(2):
+        _step(model, step, optimizer)
+    observed = []
+    for step in range(2, 2 + world):
+        observed.append(observe_step(model, state, step, rank, world))
+        optimizer.step()
+    return observed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("leader_only", [False, True], ids=["shared_topk", "leader_scaled"])
+def test_a_rotating_leader_gives_every_worker_its_turn(leader_only):
+    """``rotate_leader``: step ``t`` uses worker ``t % P``'s top-k positions (three workers, steps 2, 3, 4).
+
+    shared-index fp32 delivers the exact sum there; leader-scaled delivers ``P`` times that step's
+    leader's values, and every worker keeps ``v - v_leader`` there, the leader itself nothing.
+    """
+    results = run_workers(_rotating_steps, 3, dict(leader_only=leader_only))
+    for rank, observed in enumerate(results):
+        for step, result in enumerate(observed, start=2):
+            leader_rank = step % 3
+            for name, v, leader, own in per_parameter(result, rank, DENSITY, leader=leader_rank):
+                expected = torch.zeros_like(own)
+                kept = own.clone()
+                if leader_only:
+                    expected[leader] = 3 * v[leader_rank][leader]
+                    kept[leader] = own[leader] - v[leader_rank][leader]
+                else:
+                    expected[leader] = sum(vj[leader] for vj in v)
+                    kept[leader] = 0.0
+                torch.testing.assert_close(result["grads"][name], expected, rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(result["residuals_after"][name], kept, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.multiprocess
 def test_leader_scaled_applies_world_size_times_the_leaders_values_and_feeds_back_the_difference():
     results = run_workers(_one_compressed_step, 2, dict(leader_only=True))

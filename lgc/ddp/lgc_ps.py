@@ -18,6 +18,12 @@ step and bucket:
    already divided by the world size) is the averaged update.
 4. The server broadcasts the update: ``I``, the extra innovation positions and their values.
 
+A rotating leader (``rotate_leader``, the leader of step ``t`` is worker ``t % P``, as ScaleCom's
+cyclic leader) changes only who encodes: that step's leader sends its message to the server point to
+point (nothing travels when the server leads), and the server decodes it with the same decoders,
+which were trained with a random worker's latent standing in for the leader's, so they expect any
+worker's latent. Every worker therefore holds the encoder (its weights go to all of them once).
+
 Error feedback: a worker cannot see what the server reconstructed for it (that would cost
 another download), so its residual is cleared at ``I`` and at its own innovation positions, as
 if those values had been sent exactly; everything else stays in the residual.
