@@ -49,7 +49,7 @@ from lgc.compressors import (
     TernGradCompressor,
     TopKCompressor,
 )
-from lgc.compressors.base import compressor_chain
+from lgc.compressors.base import DEFAULT_MIN_NUMEL, compressor_chain
 from lgc.compressors.demo import DeMoCompressor, check_demo_optimizer
 from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, check_optimizer_momentum
 from lgc.ddp.hook import CompressionHookState
@@ -195,11 +195,13 @@ METHODS: Mapping[str, Method] = MappingProxyType(
         ),
         "leader_scaled": Method(SharedIndexState, dict(_SHARED, leader_only=True)),
         "chunked_topk": Method(
-            ChunkedTopKCompressor, dict(chunk=4096, k=64, value_dtype="float32"), error_feedback=True
+            ChunkedTopKCompressor,
+            dict(chunk=64, k=64, tiling="shape", aggregate="sender_mean", value_dtype="float32"),
+            error_feedback=True,
         ),
         "demo": Method(
             DeMoCompressor,
-            dict(chunk=64, k=32, sign=True, value_dtype="float32"),
+            dict(chunk=64, k=32, sign=True, tiling="shape", aggregate="sender_mean", value_dtype="float32"),
             error_feedback=True,
             error_decay=0.999,
         ),
@@ -208,8 +210,10 @@ METHODS: Mapping[str, Method] = MappingProxyType(
             dict(
                 sparsifier={
                     "_target_": "lgc.compressors.ChunkedTopKCompressor",
-                    "chunk": 4096,
+                    "chunk": 64,
                     "k": 64,
+                    "tiling": "shape",
+                    "aggregate": "sender_mean",
                     "value_dtype": "float32",
                 },
                 bits=2,
@@ -276,7 +280,10 @@ def compress(
             Nesterov momentum on the pseudo-gradient; lr 0.7 and momentum 0.9 unless given).
         fragments: with ``delay``, Streaming DiLoCo's fragments of the parameters, exchanged on
             staggered steps (default 1: all at once).
-        min_numel: parameters with fewer elements go dense (default 1024: biases, norm layers).
+        min_numel: parameters with fewer elements go dense. ``None`` (default): the method's own,
+            part of its definition (:attr:`~lgc.compressors.Compressor.default_min_numel`): every
+            parameter for ``demo``, ``sparseloco`` and ``chunked_topk``, as their references send;
+            1,024 for the others (biases and norm layers dense).
         start_iter: plain-allreduce iterations before compressing (lgc compressors only; default 1).
         process_group: the group to communicate in (default: the world).
         optimizer_momentum / optimizer_weight_decay: what the optimizer will apply, for DGC when the
@@ -455,7 +462,7 @@ def _build(
                 if min_numel is not None:
                     raise ValueError(f"min_numel does not apply to {what}: PyTorch's hook compresses every parameter")
                 return entry.cls(**kwargs)
-            return entry.cls(**kwargs, min_numel=_or(min_numel, 1024), process_group=process_group)
+            return entry.cls(**kwargs, min_numel=_or(min_numel, DEFAULT_MIN_NUMEL), process_group=process_group)
         compressor: Compressor = entry.cls(**kwargs)
         wrap = entry.error_feedback if error_feedback is None else error_feedback
     elif isinstance(method, Compressor):
@@ -487,7 +494,7 @@ def _build(
         return CommunicationDelayState(
             compressor,
             delay=delay,
-            min_numel=_or(min_numel, 1024),
+            min_numel=min_numel,
             process_group=process_group,
             outer=_or(outer, "average"),
             outer_lr=outer_lr,
@@ -495,7 +502,7 @@ def _build(
             fragments=_or(fragments, 1),
         )
     return CompressionHookState(
-        compressor, min_numel=_or(min_numel, 1024), start_iter=_or(start_iter, 1), process_group=process_group
+        compressor, min_numel=min_numel, start_iter=_or(start_iter, 1), process_group=process_group
     )
 
 

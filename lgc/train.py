@@ -362,10 +362,13 @@ def _check_types(cfg: DictConfig) -> None:
     for what, node in groups.items():
         if node:
             check_node_types(node, what, ignore=ERROR_FEEDBACK_KEYS if what == "compressor" else ())
-    for key, default in (("min_numel", None), ("start_iter", None), ("fragments", 1)):
+    for key, default in (("start_iter", None), ("fragments", 1)):
         value = cfg.comm.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"comm.{key}={value!r} must be an int")
+    min_numel = cfg.comm.get("min_numel")
+    if min_numel is not None and (isinstance(min_numel, bool) or not isinstance(min_numel, int)):
+        raise TypeError(f"comm.min_numel={min_numel!r} must be an int or null (the method's own)")
     delay = cfg.comm.get("delay")
     if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int)):
         raise TypeError(f"comm.delay={delay!r} must be an int or null")
@@ -424,6 +427,10 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
         except ValueError as err:
             raise ValueError(f"comm.fragments: {err}") from None
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    # comm.min_numel: null follows the method; the summary and the checkpoint record the number it is.
+    effective_min_numel = getattr(getattr(hook_state, "exchange_state", hook_state), "min_numel", None)
+    if resolved["comm"].get("min_numel") is None and effective_min_numel is not None:
+        resolved["comm"]["min_numel"] = effective_min_numel
     if ckpt_path is not None:
         check_checkpoint(
             ckpt_path,

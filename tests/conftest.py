@@ -1,4 +1,4 @@
-"""Shared test setup: import path for worker functions, offline wandb, the no_workers and group fixtures."""
+"""Shared test setup: import path for worker functions, offline wandb, the no_workers, group and device fixtures."""
 
 import os
 import sys
@@ -32,3 +32,31 @@ def group(tmp_path):
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(
+    params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda_available(), reason="no CUDA device"))]
+)
+def reference_device(request):
+    """Where a comparison with a reference transcription runs: the CPU, and a GPU with TF32 off when there is one.
+
+    TF32 matmuls keep about three significant digits; the comparisons are to fp32 rounding.
+    """
+    import torch
+
+    if request.param == "cpu":
+        yield torch.device("cpu")
+        return
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.fp32_precision, cudnn.fp32_precision
+    matmul.fp32_precision = cudnn.fp32_precision = "ieee"
+    try:
+        yield torch.device("cuda")
+    finally:
+        matmul.fp32_precision, cudnn.fp32_precision = saved

@@ -29,6 +29,8 @@ from lgc import (
     TorchHookState,
 )
 from lgc.api import _build
+from lgc.compressors.base import compressor_chain
+from lgc.compressors.tiles import TiledCompressorMixin
 from lgc.ddp.lgc_base import LGCHookState, LGCStage
 from lgc.ddp.local_sgd import register_communication_delay
 from lgc.train import build_compressor
@@ -158,6 +160,67 @@ def test_every_method_registers_by_name_and_trains(group):
         for step in range(3):
             _step(model, optimizer, 0, step)
         assert state.stats.hook_calls == 3, name
+
+
+def _sent_through_the_method(state, model: DDP, optimizer: torch.optim.Optimizer, steps: int) -> dict[str, bool]:
+    """Train ``steps`` steps; each parameter's name -> whether the compressor (not a dense average) sent it."""
+    for step in range(steps):
+        _step(model, optimizer, 0, step)
+        if isinstance(state, CommunicationDelayState) and not isinstance(optimizer, _AutoStep):
+            state.after_optimizer_step()
+    exchange = getattr(state, "exchange_state", state)
+    tiled = next(c for c in compressor_chain(exchange) if isinstance(c, TiledCompressorMixin))
+    # the compressor tiles every parameter by its shape (the hook attached them, under delay too)
+    assert tiled.layout("0.weight", 2048).tile_shape == (32, 64)
+    return {name: exchange.layer_stats[name].compressed for name, _ in model.module.named_parameters()}
+
+
+class _AutoStep(torch.optim.SGD):
+    """An optimizer lgc.compress was given (it calls after_optimizer_step itself)."""
+
+
+@pytest.mark.parametrize(
+    "name,delay", [("demo", None), ("sparseloco", None), ("sparseloco", 2), ("chunked_topk", None)]
+)
+def test_demo_and_sparseloco_send_every_parameter_through_the_method_by_name(group, name, delay):
+    """The method's own ``min_numel`` (every tensor, as the references) holds for ``lgc.compress`` by name.
+
+    ``lgc-bench network`` and ``lgc-bench step`` build their methods with ``lgc.compress`` by name too.
+    """
+    model = DDP(_net())  # 2048- and 128-entry weights, 32- and 4-entry biases
+    optimizer = _AutoStep(model.parameters(), lr=0.01)
+    state = lgc.compress(model, name, optimizer=optimizer, **({} if delay is None else {"delay": delay}))
+    assert getattr(state, "exchange_state", state).min_numel == 1
+    assert all(_sent_through_the_method(state, model, optimizer, 4).values())
+    # an explicit min_numel still sends the small tensors dense
+    model = DDP(_net())
+    optimizer = _AutoStep(model.parameters(), lr=0.01)
+    state = lgc.compress(
+        model, name, optimizer=optimizer, min_numel=1024, **({} if delay is None else {"delay": delay})
+    )
+    assert _sent_through_the_method(state, model, optimizer, 4) == {
+        "0.weight": True,
+        "0.bias": False,
+        "2.weight": False,
+        "2.bias": False,
+    }
+
+
+@pytest.mark.parametrize("overrides", [["compressor=demo"], ["experiment=sparseloco", "comm.delay=2"]])
+def test_demo_and_sparseloco_send_every_parameter_through_the_method_under_lgc_train(group, overrides):
+    """``lgc-train``'s ``comm.min_numel: null`` follows the method (every parameter); a number overrides it."""
+    from lgc.train import build_hook_state
+
+    for extra, expected in (([], 1), (["comm.min_numel=1024"], 1024)):
+        with initialize_config_module("lgc.conf", version_base="1.3"):
+            cfg = compose("train", overrides=[*overrides, *extra])
+        state = build_hook_state(cfg.compressor, cfg.comm)
+        assert getattr(state, "exchange_state", state).min_numel == expected
+        model = DDP(_net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        state.register(model)
+        sent = _sent_through_the_method(state, model, optimizer, 4)
+        assert all(sent.values()) if expected == 1 else sum(sent.values()) == 1
 
 
 def test_knobs_override_the_defaults_and_dict_knobs_merge(model):

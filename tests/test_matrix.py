@@ -131,6 +131,8 @@ METHODS = (
             "compressor.sparsifier._target_=lgc.compressors.TopKCompressor",
             "~compressor.sparsifier.chunk",
             "~compressor.sparsifier.k",
+            "~compressor.sparsifier.tiling",
+            "~compressor.sparsifier.aggregate",
             "+compressor.sparsifier.density=0.05",
         ),
     ),

@@ -1,4 +1,4 @@
-"""SparseLoCo's parts: chunked top-k, quantized values on any sparsifier, error feedback that decays."""
+"""SparseLoCo's parts: chunked top-k, its aggregation, quantized values, error feedback that decays."""
 
 from __future__ import annotations
 
@@ -6,26 +6,41 @@ import math
 
 import pytest
 import torch
+from references import get_smaller_split
 
 import lgc
 from lgc.compressors import ChunkedTopKCompressor, ErrorFeedback, QuantizedValues, TopKCompressor
 from lgc.compressors.chunked_topk import chunked_topk_count, chunked_topk_nbytes
 from lgc.compressors.quantized_values import quantize_values, quantized_values_nbytes
+from lgc.compressors.tiles import smaller_split
+from lgc.compressors.topk import sparse_mean
 
 NUMELS = (1, 100, 4096, 4096 * 3, 4096 * 3 + 1000)
+#: A matrix needing the divisor rule, a grid of 64 x 64 tiles, a conv weight, vectors.
+SHAPES = [(96, 40), (128, 192), (32, 16, 3, 3), (640,), (64,), (10,)]
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _shaped(compressor, shape: tuple[int, ...]):
+    """``compressor`` knowing the parameter ``"w"`` of ``shape``, as the DDP hook attaches the model's."""
+    compressor.attach_parameters({"w": torch.empty(shape)})
+    return compressor
 
 
 # -- chunked top-k ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("numel", NUMELS)
-def test_chunked_topk_keeps_each_chunks_largest_entries(numel):
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-    compressor = ChunkedTopKCompressor(chunk=4096, k=64)
+def test_flat_chunked_topk_keeps_each_chunks_largest_entries(numel):
+    x = _randn(numel, seed=numel)
+    compressor = ChunkedTopKCompressor(chunk=64, k=64, tiling="flat")
     payload = compressor.compress(x, "w")
     kept = torch.zeros(numel, dtype=torch.bool)
     kept[payload.indices] = True
-    assert int(kept.sum()) == payload.values.numel() == chunked_topk_count(numel, 4096, 64)
+    assert int(kept.sum()) == payload.values.numel() == chunked_topk_count(numel, 64, 64, "flat")
     for start in range(0, numel, 4096):
         piece, mask = x[start : start + 4096].abs(), kept[start : start + 4096]
         expected = min(piece.numel(), 64 if piece.numel() == 4096 else max(1, math.ceil(64 * piece.numel() / 4096)))
@@ -35,29 +50,58 @@ def test_chunked_topk_keeps_each_chunks_largest_entries(numel):
     assert torch.equal(payload.values, x[payload.indices])
 
 
-@pytest.mark.parametrize("numel", NUMELS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("k", [64, 5])
+def test_shape_chunked_topk_keeps_each_tiles_largest_entries(shape, k):
+    """Tiles of ``split(rows) x split(cols)`` (a vector: chunks of ``split(n)``), ``min(k, tile)`` kept in each."""
+    x = _randn(math.prod(shape), seed=len(shape))
+    payload = _shaped(ChunkedTopKCompressor(chunk=64, k=k), shape).compress(x, "w")
+    rows = shape[0] if len(shape) > 1 else 1
+    cols = x.numel() // rows
+    h, w = smaller_split(rows, 64), smaller_split(cols, 64)
+    kept = torch.zeros(x.numel(), dtype=torch.bool)
+    kept[payload.indices] = True
+    # "(y h) (x w) -> y x (h w)": one row per tile
+    tiles = x.view(rows // h, h, cols // w, w).permute(0, 2, 1, 3).reshape(-1, h * w).abs()
+    mask = kept.view(rows // h, h, cols // w, w).permute(0, 2, 1, 3).reshape(-1, h * w)
+    keep = min(k, h * w)
+    assert bool((mask.sum(dim=1) == keep).all())
+    assert payload.values.numel() == tiles.shape[0] * keep == chunked_topk_count(shape, 64, k)
+    if keep < h * w:
+        low = torch.where(mask, tiles, torch.inf).amin(dim=1)
+        high = torch.where(mask, -torch.inf, tiles).amax(dim=1)
+        assert bool((low >= high).all())
+    assert torch.equal(payload.values, x[payload.indices])
+
+
+@pytest.mark.parametrize("shape,tiling", [*((s, "shape") for s in SHAPES), *(((n,), "flat") for n in NUMELS)], ids=str)
 @pytest.mark.parametrize("value_dtype", ["float32", "float16"])
-def test_chunked_topk_wire_size_is_the_formula_and_round_trips(numel, value_dtype):
-    compressor = ChunkedTopKCompressor(chunk=4096, k=64, value_dtype=value_dtype)
-    payload = compressor.compress(torch.randn(numel), "w")
-    count = chunked_topk_count(numel, 4096, 64)
+def test_chunked_topk_wire_size_is_the_formula_and_round_trips(shape, tiling, value_dtype):
+    compressor = _shaped(ChunkedTopKCompressor(chunk=64, k=64, tiling=tiling, value_dtype=value_dtype), shape)
+    numel = math.prod(shape)
+    payload = compressor.compress(_randn(numel), "w")
+    layout = compressor.layout("w", numel)
+    tile = 4096 if tiling == "flat" else math.prod(layout.tile_shape)
+    count = chunked_topk_count(shape, 64, 64, tiling)
     value_size = 4 if value_dtype == "float32" else 2
     assert (
         payload.nbytes
-        == chunked_topk_nbytes(numel, 4096, 64, value_dtype)
-        == count * value_size + math.ceil(count * 12 / 8)
+        == chunked_topk_nbytes(shape, 64, 64, tiling, value_dtype)
+        == count * value_size + math.ceil(count * (tile - 1).bit_length() / 8)
     )
-    parsed = compressor.payload_from_wire(payload.to_wire(), numel)
+    parsed = compressor.payload_from_wire(payload.to_wire(), numel, key="w")
     assert torch.equal(parsed.indices.long(), payload.indices.long())
     assert torch.equal(compressor.decompress(parsed), compressor.decompress(payload))
 
 
-def test_chunked_topk_sends_positions_in_log2_chunk_bits():
-    assert ChunkedTopKCompressor(chunk=4096, k=64).bits == 12
-    assert ChunkedTopKCompressor(chunk=4097, k=64).bits == 13
-    assert ChunkedTopKCompressor(chunk=2, k=1).bits == 1
-    # density 1.56 %: 44 bits (4 + 1.5 bytes) per kept fp32 entry against 64 for top-k's int32 indices
-    assert chunked_topk_nbytes(4096 * 10, 4096, 64) == 640 * 4 + 640 * 12 // 8
+def test_chunked_topk_sends_positions_in_log2_tile_bits():
+    assert chunked_topk_count((4096, 4096)) == 4096 * 64  # SparseLoCo's 64 of every 64 x 64 tile: 1.56 %
+    # 44 bits (4 + 1.5 bytes) per kept fp32 entry against 64 for top-k's int32 indices
+    assert chunked_topk_nbytes((640, 64)) == chunked_topk_nbytes(4096 * 10, tiling="flat") == 640 * 4 + 640 * 12 // 8
+    assert chunked_topk_nbytes((96, 40)) == 128 * 4 + 128 * 11 // 8  # two 48 x 40 tiles: 11-bit positions
+    assert chunked_topk_nbytes((64,)) == 64 * 4 + 64 * 6 // 8  # a vector of 64 goes whole, 6-bit positions
+    assert chunked_topk_nbytes((67, 67)) == 67 * 67 * 4  # prime sides: 1-entry tiles, no position bits
+    assert ChunkedTopKCompressor().density == 64 / 4096
 
 
 @pytest.mark.parametrize(
@@ -65,9 +109,11 @@ def test_chunked_topk_sends_positions_in_log2_chunk_bits():
     [
         (dict(chunk=1), "chunk"),
         (dict(chunk=64, k=0), "k must"),
-        (dict(chunk=64, k=65), "k must"),
+        (dict(chunk=64, k=4097), "k must"),
         (dict(chunk=64, k=2.5), "k must"),
         (dict(value_dtype="int8"), "value_dtype"),
+        (dict(tiling="rows"), "tiling must be one of shape, flat, got 'rows'"),
+        (dict(aggregate="sum"), "aggregate must be one of sender_mean, mean, got 'sum'"),
     ],
 )
 def test_chunked_topk_refuses_bad_knobs(kwargs, bad):
@@ -75,11 +121,207 @@ def test_chunked_topk_refuses_bad_knobs(kwargs, bad):
         ChunkedTopKCompressor(**kwargs)
 
 
+# -- the aggregation -------------------------------------------------------------------------------
+
+
+def _shares(workers: int, numel: int, seed: int) -> list[torch.Tensor]:
+    return [_randn(numel, seed=seed + w) for w in range(workers)]
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 8])
+def test_sender_mean_averages_each_position_over_its_senders_and_mean_over_all_workers(workers):
+    """``sender_mean`` delivers the senders' mean of the workers' own values; ``mean`` the zero-filled mean."""
+    numel = 4 * 640
+    values = _shares(workers, numel, seed=10)
+    own = ChunkedTopKCompressor(chunk=64, k=8)  # a vector: chunks of 64 keeping 8
+    payloads = [own.compress(v / workers, "w") for v in values]  # the hook divides by the world size first
+    sums, counts = torch.zeros(numel, dtype=torch.float64), torch.zeros(numel, dtype=torch.float64)
+    for v, payload in zip(values, payloads, strict=True):
+        sums[payload.indices] += v[payload.indices].double()
+        counts[payload.indices] += 1
+    assert (counts > 1).any() and (counts == 1).any() and (counts == 0).any()
+    for aggregate, expected in (
+        ("sender_mean", torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)),
+        ("mean", sums / workers),
+    ):
+        compressor = ChunkedTopKCompressor(chunk=64, k=8, aggregate=aggregate)
+        compressor.set_world_size(workers)
+        parsed = [compressor.payload_from_wire(p.to_wire(), numel, key="w") for p in payloads]
+        out = compressor.aggregate(parsed)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
+        if aggregate == "sender_mean" and workers in (2, 4, 8):
+            # Dividing by a power of two and multiplying back is exact: the fp32 sum of the
+            # workers' own values in rank order, divided by the count, as the reference computes it.
+            own_sums = torch.zeros(numel)
+            for v, payload in zip(values, payloads, strict=True):
+                own_sums.index_add_(0, payload.indices, v[payload.indices])
+            assert torch.equal(out, own_sums / counts.float().clamp(min=1))
+        bucket = torch.full((numel + 4,), float("nan"), dtype=torch.float16)
+        compressor.aggregate_into(parsed, bucket[2:-2])
+        assert torch.equal(bucket[2:-2], out.half()) and bucket[:2].isnan().all() and bucket[-2:].isnan().all()
+    # Wire bytes do not depend on the aggregation.
+    assert [p.nbytes for p in payloads] == [
+        ChunkedTopKCompressor(chunk=64, k=8, aggregate="mean").compress(v / workers, "w").nbytes for v in values
+    ]
+
+
+def test_the_aggregate_adds_payloads_in_rank_order_on_every_rank():
+    """Every rank decodes the same bits: payloads are added one at a time in the order given, not in one scatter."""
+    payloads = [ChunkedTopKCompressor(chunk=64, k=32).compress(v, "w") for v in _shares(4, 640, seed=3)]
+    expected = torch.zeros(640)
+    for payload in payloads:
+        expected.index_add_(0, payload.indices, payload.values)
+    assert torch.equal(sparse_mean(payloads, "mean"), expected)
+    counts = torch.zeros(640)
+    for payload in payloads:
+        counts.index_add_(0, payload.indices, torch.ones(payload.values.numel()))
+    assert torch.equal(sparse_mean(payloads, "sender_mean", world_size=4), expected.mul(4).div(counts.clamp(min=1)))
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_with_disjoint_selections_the_sender_mean_is_world_size_times_the_mean(workers):
+    """Where every position has one sender, the sender mean's outer step is ``P`` times the zero-filled mean's."""
+    numel = 64 * workers
+    values = []
+    for w in range(workers):  # worker w's largest entries are the w-th of P equal parts of every chunk
+        v = torch.full((numel,), 0.01)
+        v.view(-1, 64)[:, w * (64 // workers) : (w + 1) * (64 // workers)] = 1.0 + w
+        values.append(v)
+    k = 64 // workers
+    sender = ChunkedTopKCompressor(chunk=64, k=k)
+    mean = ChunkedTopKCompressor(chunk=64, k=k, aggregate="mean")
+    for compressor in (sender, mean):
+        compressor.set_world_size(workers)
+    payloads = [sender.compress(v / workers, "w") for v in values]
+    assert torch.equal(sender.aggregate(payloads), mean.aggregate(payloads) * workers)
+
+
+# -- the step against a transcription of the reference -----------------------------------------------
+
+
+class _Templar:
+    """tplr-ai/templar ``src/tplr/compress.py``: ``ChunkingTransformer`` (``use_dct=False``) and ``TopKCompressor``.
+
+    A transcription (einops patterns written as reshape/permute) of ``encode``, ``compress`` with
+    ``use_quantization=True`` (``_clamp_topk``, ``_quantize_values``), ``_dequantize_values``,
+    ``batch_decompress`` (``clip_norm=False``: the median-norm clipping is templar's defence
+    against untrusted peers, not SparseLoCo's algorithm; CCLoco's decode has none) and ``decode``.
+    SparseLoCo's settings (``hparams/hparams.json``): ``target_chunk=64``, ``topk_compression=64``,
+    ``quantization_bins=4``, ``quantization_range=6``.
+    """
+
+    def __init__(self, topk: int = 64, bins: int = 4, sigmas: float = 6.0) -> None:
+        self.topk, self.bins, self.sigmas = topk, bins, sigmas
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() > 1:
+            h, w = get_smaller_split(x.shape[0], 64), get_smaller_split(x.shape[1], 64)
+            return x.reshape(x.shape[0] // h, h, x.shape[1] // w, w).permute(0, 2, 1, 3)  # "(y h) (x w) -> y x h w"
+        return x.reshape(-1, get_smaller_split(x.shape[0], 64))  # "(x w) -> x w"
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() > 2:
+            y, across, h, w = x.shape
+            return x.permute(0, 2, 1, 3).reshape(y * h, across * w)  # "y x h w -> (y h) (x w)"
+        return x.reshape(-1)
+
+    def compress(self, x: torch.Tensor):
+        shape = x.shape
+        if x.dim() > 2:
+            x = x.reshape(*shape[:2], -1)  # "y x h w -> y x (h w)"
+        topk = max(min(self.topk, x.shape[-1]), 2)
+        topk -= topk % 2  # even, for the 12-bit index pairs
+        idx = torch.topk(x.abs(), k=topk, dim=-1, largest=True, sorted=False).indices
+        val, qparams = self.quantize(torch.gather(x, -1, idx))
+        return idx, val, shape, qparams
+
+    def quantize(self, val: torch.Tensor):
+        offset, shift = self.bins // 2, val.mean()
+        centered = val - shift
+        std = centered.norm() / math.sqrt(centered.numel() - 1)
+        scale = self.sigmas * std / self.bins
+        if scale == 0 or torch.isnan(scale) or torch.isinf(scale):
+            scale = torch.tensor(1.0, dtype=centered.dtype, device=val.device)
+        qval = (centered.float() / scale + offset).round().clamp(0, self.bins - 1).to(torch.uint8)
+        codes = qval.flatten().long()
+        sums = torch.zeros(self.bins, device=val.device).scatter_add_(0, codes, centered.float().flatten())
+        counts = torch.zeros(self.bins, device=val.device).scatter_add_(0, codes, torch.ones_like(codes).float())
+        lookup = torch.where(counts > 0, sums / counts, torch.zeros_like(sums))
+        return qval, (shift, float(scale), offset, lookup, val.dtype)
+
+    @staticmethod
+    def dequantize(val: torch.Tensor, qparams) -> torch.Tensor:
+        shift, _, _, lookup, dtype = qparams
+        return (lookup[val.long()] + shift).to(dtype)
+
+    @staticmethod
+    def batch_decompress(idx: list[torch.Tensor], val: list[torch.Tensor], shape) -> torch.Tensor:
+        x = torch.zeros(shape, device=val[0].device)
+        rows = x.reshape(*shape[:2], -1) if len(shape) > 2 else x
+        rows.scatter_reduce_(-1, torch.cat(idx, -1), torch.cat(val, -1), reduce="mean", include_self=False)
+        return rows.reshape(shape)
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+@pytest.mark.parametrize(
+    "shape,k", [((96, 40), 64), ((128, 192), 64), ((640,), 64), ((640,), 16), ((64,), 64), ((10,), 64)], ids=str
+)
+def test_sparseloco_aggregate_matches_a_transcription_of_the_reference(workers, shape, k, reference_device):
+    """lgc's SparseLoCo exchange, as the DDP hook runs it, against tplr-ai/templar's compress / decompress.
+
+    Each worker's tensor (its pseudo-gradient plus error buffer) is divided by the world size (the
+    hook's bucket division) and compressed under the parameter's name by
+    ``QuantizedValues(ChunkedTopKCompressor())``; every rank parses the wire payloads and
+    aggregates. The reference compresses the undivided tensors, dequantizes every peer's values
+    and decodes their ``batch_decompress`` sender mean. Equal to float rounding: the quantizer's
+    table is the centroids here, the centred centroids plus the mean there (measured: at most
+    about 1e-6 of the largest entry). With SparseLoCo's ``k = 64`` a vector of at most 64 entries
+    goes whole; ``k = 16`` on a 640-entry vector exercises a vector's selection.
+    """
+    device, numel = reference_device, math.prod(shape)
+    reference = _Templar(topk=k)
+    tensors = [(_randn(numel, seed=100 * workers + w) * (1 + w)).to(device) for w in range(workers)]
+    gathered = [reference.compress(reference.encode(t.view(shape))) for t in tensors]
+    idx = [g[0] for g in gathered]
+    val = [reference.dequantize(g[1], g[3]) for g in gathered]
+    expected = reference.decode(reference.batch_decompress(idx, val, gathered[0][2])).reshape(-1)
+    zero_filled = sum(
+        reference.decode(reference.batch_decompress([i], [v], gathered[0][2])) for i, v in zip(idx, val, strict=True)
+    )
+
+    for aggregate, want in (("sender_mean", expected), ("mean", zero_filled.reshape(-1) / workers)):
+        ranks = []
+        for _ in range(workers):
+            sparsifier = {"_target_": "lgc.compressors.ChunkedTopKCompressor", "k": k, "aggregate": aggregate}
+            rank = ErrorFeedback(QuantizedValues(sparsifier, bits=2), decay=0.95)
+            rank.attach_parameters({"w": torch.empty(shape)})
+            rank.set_world_size(workers)
+            ranks.append(rank)
+        wires = [rank.compress(t / workers, "w").to_wire() for rank, t in zip(ranks, tensors, strict=True)]
+        decoded = [rank.aggregate([rank.payload_from_wire(w, numel, key="w") for w in wires]) for rank in ranks]
+        assert all(torch.equal(d, decoded[0]) for d in decoded), "every rank decodes the same bits"
+        torch.testing.assert_close(decoded[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_sparseloco_on_resnet8_sends_the_references_entries_through_every_parameter():
+    """lgc's CIFAR ResNet-8 (digits: 1 input channel, 10 classes): the reference's tiles, 2,538 entries per exchange."""
+    from lgc.models import CifarResNet
+
+    shapes = [tuple(p.shape) for p in CifarResNet(depth=8, num_classes=10, in_channels=1).parameters()]
+    counts = [chunked_topk_count(shape) for shape in shapes]
+    reference = _Templar()
+    for shape, count in zip(shapes, counts, strict=True):
+        matrix = _randn(shape[0], math.prod(shape[1:])) if len(shape) > 1 else _randn(*shape)  # conv: (out, in*kh*kw)
+        assert reference.compress(reference.encode(matrix))[0].numel() == count, shape
+    assert sum(counts) == 2538
+
+
 # -- quantized values ------------------------------------------------------------------------------
 
 
 def test_quantizer_decodes_each_code_to_its_bins_centroid():
-    values = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3
+    values = _randn(1000) * 3
     codes, table = quantize_values(values, bits=2, range_sigmas=6.0)
     assert codes.min() >= 0 and codes.max() <= 3
     for code in codes.unique():
@@ -89,28 +331,34 @@ def test_quantizer_decodes_each_code_to_its_bins_centroid():
     assert torch.equal(table[codes], torch.full((5,), 0.25))
 
 
-@pytest.mark.parametrize("numel", NUMELS)
+@pytest.mark.parametrize("shape,tiling", [*((s, "shape") for s in SHAPES), *(((n,), "flat") for n in NUMELS)], ids=str)
 @pytest.mark.parametrize("bits", [1, 2, 4])
-def test_sparseloco_payload_size_equals_its_formula(numel, bits):
-    """SparseLoCo's payload: ceil(K bits / 8) code bytes + 4 * 2^bits table bytes + ceil(12 K / 8) position bytes."""
-    compressor = QuantizedValues(ChunkedTopKCompressor(chunk=4096, k=64), bits=bits)
-    payload = compressor.compress(torch.randn(numel), "w")
-    count = chunked_topk_count(numel, 4096, 64)
-    formula = math.ceil(count * bits / 8) + 4 * 2**bits + math.ceil(count * 12 / 8)
-    assert payload.nbytes == quantized_values_nbytes(numel, 4096, 64, bits) == formula
+def test_sparseloco_payload_size_equals_its_formula(shape, tiling, bits):
+    """SparseLoCo's payload: ceil(K bits / 8) code bytes + 4 * 2^bits table bytes + ceil(p K / 8) position bytes."""
+    compressor = _shaped(QuantizedValues(ChunkedTopKCompressor(chunk=64, k=64, tiling=tiling), bits=bits), shape)
+    numel = math.prod(shape)
+    payload = compressor.compress(_randn(numel), "w")
+    layout = compressor.sparsifier.layout("w", numel)
+    count = chunked_topk_count(shape, 64, 64, tiling)
+    formula = math.ceil(count * bits / 8) + 4 * 2**bits + math.ceil(count * layout.bits / 8)
+    assert payload.nbytes == quantized_values_nbytes(shape, 64, 64, bits, tiling) == formula
     assert payload.to_wire().numel() == formula
+    parsed = compressor.payload_from_wire(payload.to_wire(), numel, key="w")
+    assert torch.equal(compressor.decompress(parsed), compressor.decompress(payload))
 
 
 def test_sparseloco_compresses_far_beyond_97x_on_large_tensors():
-    numel = 4096 * 256
-    ratio = 4 * numel / quantized_values_nbytes(numel, 4096, 64, 2)
+    ratio = 4 * 1024 * 1024 / quantized_values_nbytes((1024, 1024), 64, 64, 2)
     assert 140 < ratio < 147  # 14 bits per kept entry at 1.56 %: 32 / (0.015625 * 14) = 146x, less the table
 
 
-@pytest.mark.parametrize("sparsifier", [ChunkedTopKCompressor(chunk=256, k=8), TopKCompressor(density=0.02)])
+@pytest.mark.parametrize(
+    "sparsifier",
+    [ChunkedTopKCompressor(chunk=16, k=8, aggregate="mean"), TopKCompressor(density=0.02)],
+)
 def test_quantized_values_compose_with_any_fixed_count_sparsifier(sparsifier):
     numel = 5000
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    x = _randn(numel, seed=1)
     quantized = QuantizedValues(sparsifier, bits=2)
     payload = quantized.compress(x, "w")
     plain = sparsifier.compress(x, "w")
@@ -118,10 +366,10 @@ def test_quantized_values_compose_with_any_fixed_count_sparsifier(sparsifier):
     assert torch.equal(payload.inner.indices.long().sort().values, plain.indices.long().sort().values)
     codes, table = quantize_values(plain.values, 2, 6.0)
     assert torch.equal(payload.inner.values, table[codes])
-    parsed = quantized.payload_from_wire(payload.to_wire(), numel)
+    parsed = quantized.payload_from_wire(payload.to_wire(), numel, key="w")
     assert parsed.nbytes == payload.nbytes
     assert torch.equal(quantized.decompress(parsed), quantized.decompress(payload))
-    # the workers' payloads aggregate as the sparsifier's would with the decoded values
+    # the workers' payloads aggregate as the sparsifier's would with the decoded values (both sum here)
     other = quantized.compress(-2 * x, "w")
     total = quantized.aggregate([payload, other])
     assert torch.allclose(total, quantized.decompress(payload) + quantized.decompress(other))
@@ -151,6 +399,10 @@ def test_quantized_values_build_the_sparsifier_from_a_mapping():
         4,
     )
     assert repr(built) == "QuantizedValues(ChunkedTopKCompressor(chunk=128, k=4), bits=3)"
+    flat = QuantizedValues({"_target_": "lgc.compressors.ChunkedTopKCompressor", "tiling": "flat", "aggregate": "mean"})
+    assert (
+        repr(flat) == "QuantizedValues(ChunkedTopKCompressor(chunk=64, k=64, tiling='flat', aggregate='mean'), bits=2)"
+    )
 
 
 # -- error feedback with decay ---------------------------------------------------------------------
@@ -159,7 +411,8 @@ def test_quantized_values_build_the_sparsifier_from_a_mapping():
 @pytest.mark.parametrize("decay", [1.0, 0.95])
 def test_error_feedback_with_decay_keeps_its_invariant(decay):
     """``v = decay * r + g`` is sent in part and kept in part: ``v == decode(payload) + r`` exactly."""
-    ef = ErrorFeedback(QuantizedValues(ChunkedTopKCompressor(chunk=512, k=8), bits=2), decay=decay)
+    ef = ErrorFeedback(QuantizedValues(ChunkedTopKCompressor(chunk=16, k=8), bits=2), decay=decay)
+    ef.attach_parameters({"w": torch.empty(60, 50)})
     generator = torch.Generator().manual_seed(2)
     residual = torch.zeros(3000)
     for _ in range(4):
@@ -184,7 +437,14 @@ def test_sparseloco_by_name_has_its_papers_settings(group):
     ef = state.compressor
     assert isinstance(ef, ErrorFeedback) and ef.decay == 0.95
     assert isinstance(ef.compressor, QuantizedValues) and ef.compressor.bits == 2
-    assert (ef.compressor.sparsifier.chunk, ef.compressor.sparsifier.k) == (4096, 32)
+    sparsifier = ef.compressor.sparsifier
+    assert (sparsifier.chunk, sparsifier.k, sparsifier.tiling, sparsifier.aggregation) == (
+        64,
+        32,
+        "shape",
+        "sender_mean",
+    )
+    assert state.min_numel == 1  # every tensor, as the reference
     state = lgc.compress(DDP(torch.nn.Linear(64, 64)), "sparseloco", error_decay=0.5)
     assert state.compressor.decay == 0.5
     with pytest.raises(ValueError, match="error_decay"):

@@ -3,7 +3,9 @@
 Every compressor configured in ``conf/compressor/`` (with its yaml's error-feedback setting and
 the requested density) compresses and decompresses a gradient with ResNet-50's parameter shapes
 (25,557,032 elements; all of them by default, ``--min-numel`` leaves small ones out as the hook's
-``min_numel`` does), tensor by tensor as the DDP hook sees them: one flat tensor per parameter.
+``min_numel`` does), tensor by tensor as the DDP hook sees them: one flat tensor per parameter,
+with the parameters' shapes attached as the hook attaches them (DeMo and chunked top-k tile by
+shape; ``--numel`` sizes are vectors).
 DGC is timed past its warm-up epochs, at the requested density.
 
 The reference every time is divided by ("x fp16") is the cheapest honest thing a DDP fp16 hook
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -57,7 +60,7 @@ from omegaconf import OmegaConf
 
 from lgc.compressors import Compressor
 
-__all__ = ["benchmark_compressors", "golomb_bits", "interleaved_schedule", "resnet50_numels"]
+__all__ = ["benchmark_compressors", "golomb_bits", "interleaved_schedule", "resnet50_numels", "resnet50_shapes"]
 
 _CONF = Path(__file__).resolve().parents[1] / "conf" / "compressor"
 
@@ -65,12 +68,17 @@ _CONF = Path(__file__).resolve().parents[1] / "conf" / "compressor"
 REFERENCE = "fp16_per_layer"
 
 
-def resnet50_numels() -> list[int]:
-    """Parameter sizes of torchvision's ResNet-50 (25,557,032 in all)."""
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """Parameter shapes of torchvision's ResNet-50."""
     from torchvision.models import resnet50
 
     with torch.device("meta"):
-        return [p.numel() for p in resnet50().parameters()]
+        return [tuple(p.shape) for p in resnet50().parameters()]
+
+
+def resnet50_numels() -> list[int]:
+    """Parameter sizes of torchvision's ResNet-50 (25,557,032 in all)."""
+    return [math.prod(shape) for shape in resnet50_shapes()]
 
 
 def interleaved_schedule(names: list[str], repeats: int) -> list[list[str]]:
@@ -220,7 +228,7 @@ def _row(
 
 
 def benchmark_compressors(
-    numels: list[int],
+    numels: list[int] | list[tuple[int, ...]],
     density: float = 0.001,
     device: str = "cpu",
     repeats: int = 5,
@@ -231,7 +239,8 @@ def benchmark_compressors(
     """Time every configured compressor and the references on a random gradient of ``numels`` tensors.
 
     Args:
-        numels: sizes of the gradient's tensors (one per parameter, as the hook sees them).
+        numels: sizes (vectors) or shapes of the gradient's tensors, one per parameter; each is
+            compressed flat, as the hook sees it, with its shape attached.
         density: fraction of elements the sparsifiers send.
         device: ``"cpu"`` or ``"cuda"``.
         repeats: interleaved timed rounds (after one untimed warm-up run of every candidate).
@@ -246,12 +255,17 @@ def benchmark_compressors(
     load_start = os.getloadavg()
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    grads = {f"t{i}": torch.randn(n, device=dev, generator=gen) for i, n in enumerate(numels) if n >= min_numel}
+    shapes = {f"t{i}": (n,) if isinstance(n, int) else tuple(n) for i, n in enumerate(numels)}
+    grads = {
+        key: torch.randn(math.prod(shape), device=dev, generator=gen)
+        for key, shape in shapes.items()
+        if math.prod(shape) >= min_numel
+    }
     if not grads:
         raise ValueError(f"no tensor has at least min_numel={min_numel} elements")
     total = sum(grad.numel() for grad in grads.values())
     k = max(1, round(density * total))
-    weights = {key: torch.randn(grad.shape, device=dev, generator=gen) for key, grad in grads.items()}
+    weights = {key: torch.randn(shapes[key], device=dev, generator=gen) for key in grads}
     configured = _configured_compressors(density)
     if unknown := sorted(set(only or ()) - set(configured)):
         raise ValueError(f"no compressor config named {unknown}; configured: {sorted(configured)}")
@@ -399,7 +413,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.min_numel < 0:
         raise SystemExit(f"--min-numel must be >= 0, got {args.min_numel}")
-    numels = args.numel or resnet50_numels()
+    numels = args.numel or resnet50_shapes()
     result = benchmark_compressors(numels, args.density, args.device, args.repeats, args.min_numel, only=args.only)
     print(format_table(result))
     if args.json:

@@ -17,7 +17,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CombineMode", "Compressor", "ForwardsHookCalls", "Payload", "compressor_chain", "view_bytes_as"]
+__all__ = [
+    "DEFAULT_MIN_NUMEL",
+    "CombineMode",
+    "Compressor",
+    "ForwardsHookCalls",
+    "Payload",
+    "compressor_chain",
+    "method_min_numel",
+    "view_bytes_as",
+]
+
+#: The hook's ``min_numel`` for a method that does not define its own (:attr:`Compressor.default_min_numel`):
+#: biases and norm layers are a negligible share of the bytes but sensitive to compression, so they go dense.
+DEFAULT_MIN_NUMEL = 1024
 
 
 class CombineMode(enum.Enum):
@@ -39,6 +52,20 @@ def view_bytes_as(buffer: Tensor, dtype: torch.dtype) -> Tensor:
     if buffer.storage_offset() % itemsize:
         buffer = buffer.clone()
     return buffer.view(dtype)
+
+
+def method_min_numel(compressor: Any) -> int:
+    """The hook's ``min_numel`` a compressor's method defines: the first ``default_min_numel`` set along its chain.
+
+    ``ErrorFeedback(DeMoCompressor())`` and ``ErrorFeedback(QuantizedValues(ChunkedTopKCompressor()))``
+    give 1 (every tensor through the method, as the references do); a compressor that sets none
+    gives :data:`DEFAULT_MIN_NUMEL`.
+    """
+    for inner in compressor_chain(compressor):
+        value = getattr(type(inner), "default_min_numel", None)
+        if value is not None:
+            return int(value)
+    return DEFAULT_MIN_NUMEL
 
 
 def compressor_chain(obj: Any) -> list[Any]:
@@ -102,6 +129,10 @@ class Compressor(abc.ABC):
     #: hook then broadcasts rank 0's :attr:`shared_seed` once and calls :meth:`set_shared_seed`.
     needs_shared_seed: bool = False
     shared_seed: int = 0
+    #: The hook's ``min_numel`` that is part of this method's definition (tensors with fewer
+    #: elements are sent dense), used wherever no ``min_numel`` is given (:func:`method_min_numel`);
+    #: ``None``: :data:`DEFAULT_MIN_NUMEL`. DeMo and SparseLoCo's chunked top-k send every tensor (1).
+    default_min_numel: int | None = None
 
     @abc.abstractmethod
     def compress(self, tensor: Tensor, key: str) -> Payload:
@@ -112,8 +143,13 @@ class Compressor(abc.ABC):
         """Decode a payload (or, for :attr:`CombineMode.SUM`, a sum of payloads) to a flat tensor."""
 
     @abc.abstractmethod
-    def payload_from_wire(self, wire: Tensor, numel: int) -> Payload:
-        """Rebuild a payload from the ``uint8`` buffer written by :meth:`Payload.to_wire`."""
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> Payload:
+        """Rebuild a payload from the ``uint8`` buffer written by :meth:`Payload.to_wire`.
+
+        ``key`` names the tensor as :meth:`compress`'s did (the hook passes the parameter's name):
+        compressors whose payload layout follows the parameter's shape (chunked top-k, DeMo) read
+        it from there; the others ignore it.
+        """
 
     def payload_from_sum(self, summed: Tensor, own: Payload) -> Payload:
         """Rebuild a payload from the allreduced sum of every worker's wire tensor (:attr:`CombineMode.SUM`).

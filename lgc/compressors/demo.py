@@ -4,10 +4,11 @@ Peng, Quesnelle & Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19
 reference code bloc97/DeMo (``demo.py``). Per step and per parameter the reference
 
 1. accumulates a momentum ``delta = decay * delta + lr * grad``;
-2. transforms ``delta`` with a chunked orthonormal DCT-II (a matrix: a 2-D DCT over tiles of
-   ``chunk x chunk`` entries; a vector: a 1-D DCT over chunks);
-3. keeps the ``k`` largest-magnitude coefficients of every tile and subtracts what they decode to
-   from ``delta`` (the rest stays in the momentum);
+2. transforms ``delta`` with a tiled orthonormal DCT-II: each dimension is cut by its largest
+   divisor not above ``chunk`` (``_get_smaller_split``), a matrix gets a 2-D DCT of every
+   ``h x w`` tile, a vector a 1-D DCT of every chunk;
+3. keeps the ``k`` largest-magnitude coefficients of every tile (``k`` clamped to the tile's
+   size) and subtracts what they decode to from ``delta`` (the rest stays in the momentum);
 4. allgathers the (index, value) pairs and averages every coefficient over the workers that sent
    it (``scatter_reduce(reduce="mean", include_self=False)``; zero where none did);
 5. inverts the DCT and takes a plain SGD step with ``sign()`` of the result.
@@ -18,41 +19,45 @@ In lgc, steps 1 and 3's subtraction are error feedback with a decay, so the comp
 
 Knobs (reference defaults: ``compression_chunk=64``, ``compression_topk=32``,
 ``compression_decay=0.999``, the last being :class:`~lgc.compressors.ErrorFeedback`'s ``decay``):
-``chunk`` (tile side; a tile holds ``chunk**2`` entries), ``k`` (coefficients kept per tile, so
-the density is ``k / chunk**2``, 0.78 % by default), ``sign`` and ``value_dtype``.
+``chunk`` (the target tile side), ``k`` (coefficients kept per tile), ``tiling``, ``aggregate``,
+``sign`` and ``value_dtype``.
 
-Wire cost, with ``K`` kept coefficients: ``K * value_size + ceil(K * ceil(log2(chunk**2)) / 8)``
-bytes (:func:`demo_payload_nbytes`): the values, then every coefficient's position within its tile
-in 12 bits (for ``chunk=64``) instead of the reference's int64 index. A tensor of ``n`` entries
-has ``n // chunk**2`` full tiles keeping ``k`` each and, if ``L = n % chunk**2 > 0``, one partial
-tile keeping ``ceil(k * L / chunk**2)`` (at least one), so ``K = (n // chunk**2) * k +
-ceil(k * L / chunk**2)``: a small tensor is not sent denser than a big one.
+Tiles (:mod:`lgc.compressors.tiles`). ``tiling="shape"`` (default) is the reference's: a
+``96 x 40`` matrix gets two ``48 x 40`` tiles, a ``10 x 64`` classifier one tile of 640 keeping
+32, a 64-entry BatchNorm vector one chunk keeping 32 (half of it), a 10-entry bias all 10. On
+lgc's CIFAR ResNet-8 (10 classes, 1 input channel) that is 1,386 coefficients per step, the
+reference's count. ``tiling="flat"`` cuts the flat tensor into tiles of ``chunk**2`` consecutive
+entries viewed as ``chunk x chunk`` matrices (one per 4,096 entries): a partial last tile of ``L``
+entries keeps ``ceil(k * L / chunk**2)`` (at least one), so vectors keep one coefficient and the
+ResNet-8 598; its ``q = L // chunk`` whole rows get the 2-D DCT of a ``(q, chunk)`` matrix and its
+last ``L % chunk`` entries a 1-D DCT, orthonormal with exactly ``L`` coefficients (zero padding
+would leak energy into every frequency). Flat tiles mix the rows of a wider matrix: where the rows'
+scales differ they keep less of its energy than the reference's tiles.
 
-The partial tile (the last ``L`` entries, or the whole of a tensor smaller than one tile) is not
-zero-padded: its ``q = L // chunk`` whole rows get the 2-D DCT of a ``(q, chunk)`` matrix and its
-last ``L % chunk`` entries a 1-D DCT, which is orthonormal with exactly ``L`` coefficients. Padding
-to a full tile would give ``chunk**2`` dense coefficients for ``L`` entries (the padding's edge
-leaks energy into every frequency), so keeping ``ceil(k * L / chunk**2)`` of them would capture
-less of the tile than ``k`` captures of a full one, and even ``k = chunk**2`` would not be lossless.
-The coefficients of a tensor therefore number exactly ``n``, laid out like the tensor (tile ``t``
-holds coefficients ``t * chunk**2`` onwards), and every DCT matrix is at most ``chunk x chunk``.
+Wire cost, with ``K`` kept coefficients: ``K * value_size + ceil(K * b / 8)`` bytes
+(:func:`~lgc.compressors.chunked_topk.chunked_topk_nbytes` with DeMo's ``chunk``, ``k`` and
+``tiling``): the values, then every coefficient's position within its tile in
+``b = ceil(log2(tile size))`` bits (11 for a ``48 x 40`` tile, 6 for a 64-entry vector, 12 for a
+64 x 64 or flat tile) instead of the reference's int64 index. Every worker knows the shapes, so
+the payload's size and layout follow from them.
+
+The workers' payloads combine by the ``aggregate`` knob, shared with chunked top-k
+(:func:`~lgc.compressors.topk.sparse_mean`): ``"sender_mean"`` (default, the reference) or
+``"mean"`` (the zero-filled mean ``sum / P``); then the inverse DCT and the sign.
 
 What is verified (``tests/test_demo.py``): the DCT matrix is orthonormal and equals
 ``scipy.fft.dct`` / ``dctn`` with ``norm="ortho"``; keeping every coefficient round-trips to float
-precision (and to 1e-12 in float64) for tensors below one tile, of one tile and of many tiles plus
-a remainder; the kept coefficients are each tile's largest; wire size equals the formula; error
-feedback's invariant ``v == decompress(payload) + r`` holds; the aggregate is the per-coefficient
-mean over senders, then the sign.
+precision for every tiling; the kept coefficients are each tile's largest; wire size equals the
+formula; error feedback's invariant ``v == decompress(payload) + r`` holds; and, for 2 and 4
+workers over several steps on a ``96 x 40`` matrix, a 64-vector and a ``10 x 64`` classifier,
+``ErrorFeedback(DeMoCompressor(), 0.999)`` behind the hook's ``1 / P`` plus ``torch.optim.SGD``
+gives the same parameters, bit for bit, as a transcription of bloc97/DeMo's ``DeMo.step``.
 
 Deviations from the reference, and what they mean for training:
 
-* **Flat tiles.** lgc's compressors see flat tensors, not shapes, so a tile is ``chunk**2``
-  *consecutive* entries viewed as a ``chunk x chunk`` matrix; the reference tiles a matrix's rows
-  and columns (with the largest divisor of each dimension not above ``chunk``) and uses a 1-D DCT
-  over chunks of at most 64 for vectors (keeping ``k`` of 64, half of a bias). A row-major
-  matrix with exactly ``chunk`` columns (and a multiple of ``chunk`` rows) gets the reference's
-  tiles (tested); a wider one gets each row folded into ``chunk``-entry rows instead. Conv
-  weights are not matrices in the reference at all. The partial tile is transformed as above.
+* **Conv weights.** The reference handles matrices and vectors only (it trains transformers); a
+  tensor of more dimensions (a conv weight ``(out, in, kh, kw)``) is tiled here as the matrix
+  ``(out, in * kh * kw)``.
 * **No learning rate inside.** The reference accumulates ``lr * grad``; the compressor never
   sees the lr, so the momentum here accumulates ``grad`` (divided by the world size, as the DDP
   hook does for every compressor). Under a constant lr the two are the same update, since
@@ -65,16 +70,18 @@ Deviations from the reference, and what they mean for training:
   scale. The reference's decoupled ``weight_decay`` is ``torch.optim.SGD(weight_decay=wd)``:
   the optimizer adds ``wd * p`` to the aggregated (signed) gradient after the hook, so
   ``p -= lr * (sign + wd * p)``, which is the reference's ``p *= 1 - lr * wd`` and its step.
-* **Small tensors.** The hook sends tensors below its ``min_numel`` dense (plain average, no
-  momentum, no sign); set ``min_numel=1`` for every parameter to take DeMo's path.
+* **Every tensor, unless told otherwise.** The reference sends every parameter through DeMo; so
+  does the DDP hook by default (:attr:`DeMoCompressor.default_min_numel` is 1, on every entry
+  point). A ``min_numel`` given to the hook or ``lgc.compress`` (``comm.min_numel``) sends the
+  smaller tensors as a plain average instead: no momentum, no sign.
 * **Determinism.** The aggregate adds the workers' payloads one at a time in rank order (each
   payload's positions are distinct), so every rank decodes bitwise the same gradient; the
   reference's ``scatter_reduce`` over all workers' indices at once is flagged nondeterministic
   on CUDA in its own code, and a sign flip of a near-zero entry would make replicas drift.
-* **``sign=False``** returns the per-coefficient sender mean multiplied by the world size (from
-  :meth:`set_world_size`, 1 outside the hook): the hook divides each gradient by the world size
-  before compressing, so this undoes it, and a coefficient every worker sent decodes to the
-  average gradient, as every other lgc compressor's aggregate does.
+* **The transform** is a matrix product with the closed-form DCT matrix, the reference's an
+  einsum with a basis built by FFT: equal up to float rounding.
+* **``sign=False``** returns the aggregate itself (for a plain SGD step): the sender mean of the
+  workers' own momenta, the hook's division by the world size undone (:meth:`set_world_size`).
 
 Non-finite inputs are not special-cased: the hook skips such steps before compressing. An inf
 does not crash the compressor; it turns its tile's coefficients into inf/NaN, which pass through.
@@ -85,9 +92,10 @@ is computed with the same decoder), but the round trip is then no longer exact t
 Example::
 
     >>> compressor = ErrorFeedback(DeMoCompressor(chunk=64, k=32), decay=0.999)
-    >>> payload = compressor.compress(torch.randn(10_000), key="w")  # 2 full tiles + 1 partial
-    >>> payload.values.numel(), payload.nbytes  # 32 + 32 + ceil(32 * 1808 / 4096) = 79 values, 12-bit positions
-    (79, 435)
+    >>> compressor.attach_parameters({"w": torch.empty(96, 40)})  # the hook attaches the model's parameters
+    >>> payload = compressor.compress(torch.randn(96 * 40), key="w")  # two 48 x 40 tiles
+    >>> payload.values.numel(), payload.nbytes  # 2 * 32 coefficients, 4 bytes + 11 bits each
+    (64, 344)
 """
 
 from __future__ import annotations
@@ -99,17 +107,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.coding.bitpack import pack_uint
 from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
-from lgc.compressors.chunked_topk import (
-    chunk_starts,
-    chunked_topk_count,
-    chunked_topk_nbytes,
-    parse_values_and_positions,
-    position_bits,
-    topk_per_chunk,
-)
-from lgc.compressors.topk import wire_float_dtype
+from lgc.compressors.tiles import TiledCompressorMixin, TileLayout
+from lgc.compressors.topk import SparseMeanAggregation, check_aggregation, wire_float_dtype
 
 __all__ = [
     "DCTPayload",
@@ -117,8 +117,6 @@ __all__ = [
     "check_demo_optimizer",
     "dct_matrix",
     "dct_tiles",
-    "demo_coefficient_count",
-    "demo_payload_nbytes",
     "idct_tiles",
 ]
 
@@ -146,98 +144,87 @@ def idct_tiles(coefficients: Tensor, basis: Tensor) -> Tensor:
     return basis.T @ coefficients @ basis
 
 
-def demo_coefficient_count(numel: int, chunk: int, k: int) -> int:
-    """Coefficients ``K`` a payload of ``numel`` entries carries: ``k`` per full tile, fewer for a partial one.
-
-    A partial tile of ``L`` entries keeps ``ceil(k * L / chunk**2)``, at least one: chunked top-k's
-    count with tiles of ``chunk**2`` coefficients as its chunks.
-    """
-    return chunked_topk_count(numel, chunk * chunk, k)
-
-
-def demo_payload_nbytes(numel: int, chunk: int, k: int, value_dtype: str | torch.dtype = "float32") -> int:
-    """Exact wire bytes of a :class:`DeMoCompressor` payload.
-
-    ``K * value_size + ceil(K * ceil(log2(chunk**2)) / 8)`` with ``K`` from :func:`demo_coefficient_count`.
-    """
-    return chunked_topk_nbytes(numel, chunk * chunk, k, value_dtype)
-
-
 @dataclass
 class DCTPayload(Payload):
-    """``values[i]`` is the DCT coefficient at flat coefficient index ``indices[i]`` (tile * chunk**2 + position).
+    """``values[i]`` is the DCT coefficient at tile-order index ``indices[i]`` (tile start + position in the tile).
 
     On the wire: ``values``, then ``positions`` (every coefficient's position within its tile,
-    packed at ``ceil(log2(chunk**2))`` bits). ``indices`` are rebuilt by every receiver and not sent.
-    Not a :class:`~lgc.compressors.SparsePayload`: its entries live in coefficient space, so error
-    feedback must subtract the decoded tensor, not the values at their indices.
+    packed at the layout's bits). ``indices`` and ``layout`` follow from the tensor's shape, which
+    every receiver knows, and are not sent. Not a :class:`~lgc.compressors.SparsePayload`: its
+    entries live in coefficient space, so error feedback must subtract the decoded tensor, not the
+    values at their indices.
     """
 
     values: Tensor
     positions: Tensor
-    #: Global coefficient indices (int64); implied by the tile order and ``positions``, not sent.
+    #: Coefficient indices in tile order (int64); implied by the layout and ``positions``, not sent.
     indices: Tensor
+    #: The tensor's tiles (its shape, DeMo's chunk, k and tiling): how to invert the coefficients.
+    layout: TileLayout
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.values, self.positions)
 
 
-class DeMoCompressor(Compressor):
-    """DeMo: the ``k`` largest DCT coefficients of every ``chunk x chunk`` tile, aggregated by sender mean and sign.
+class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
+    """DeMo: the ``k`` largest DCT coefficients of every tile, aggregated by sender mean and sign.
 
     Wrap it in :class:`~lgc.compressors.ErrorFeedback` with DeMo's ``decay=0.999`` (the residual is
     DeMo's momentum) and train with plain SGD (no momentum); see the module docstring for the
     deviations from the reference.
 
     Args:
-        chunk: tile side, at least 2; a tile is ``chunk**2`` consecutive entries (reference: 64).
-            Larger tiles select over more coefficients (a more global frequency decomposition) at
-            ``ceil(log2(chunk**2))`` bits per position and ``O(chunk)`` flops per entry.
-        k: coefficients kept per tile, in ``[1, chunk**2]`` (reference: 32, density 0.78 %). More
-            ``k`` sends more of the momentum per step, at ``value_size + 1.5`` bytes per
-            coefficient (chunk 64).
-        sign: whether the aggregate is the ``sign()`` of the decoded sender mean (default, as the
-            reference's sign-SGD). ``False`` returns the decoded sender mean itself (scaled back by
-            the world size; see the module docstring), for a plain SGD step.
+        chunk: the target tile side, at least 2 (reference: 64). ``tiling="shape"``: a matrix's
+            tiles are at most ``chunk x chunk`` (largest divisors of its dimensions), a vector's
+            chunks at most ``chunk``; ``"flat"``: ``chunk**2`` consecutive entries. Larger tiles
+            select over more coefficients (a more global frequency decomposition) at
+            ``ceil(log2(tile size))`` bits per position and ``O(chunk)`` flops per entry.
+        k: coefficients kept per tile, in ``[1, chunk**2]``, clamped to a smaller tile's size
+            (reference: 32, density 0.78 % of a 64 x 64 tile, half of a 64-entry vector). More
+            ``k`` sends more of the momentum per step, at ``value_size`` plus the position's bits
+            per coefficient.
+        sign: whether the aggregate is the ``sign()`` of the decoded mean (default, as the
+            reference's sign-SGD). ``False`` returns the decoded mean itself, for a plain SGD step.
+        tiling: ``"shape"`` (default, the reference's tiles) or ``"flat"`` (see the module docstring).
+        aggregate: ``"sender_mean"`` (default, the reference: each coefficient averaged over the
+            workers that sent it) or ``"mean"`` (zero-filled, ``sum / P``).
         value_dtype: dtype of the coefficients on the wire: ``"float32"`` (default), ``"float16"``
             or ``"bfloat16"`` (the rounding stays in error feedback's residual).
 
     Example::
 
         >>> payload = DeMoCompressor(chunk=2, k=1).compress(torch.tensor([1.0, 1.0, 1.0, 1.0]), "w")
-        >>> payload.indices.tolist(), round(payload.values.item(), 4), payload.nbytes  # only the DC coefficient
-        ([0], 2.0, 5)
+        >>> payload.indices.tolist(), round(payload.values[0].item(), 4), payload.nbytes  # DC of each chunk of 2
+        ([0, 2], 1.4142, 9)
     """
 
     combine = CombineMode.GATHER
     # The momentum lives in ErrorFeedback; the compressor keeps only cached DCT matrices.
     stateless = True
+    # The reference sends every parameter through DeMo; a plain average would leave small tensors
+    # without momentum and sign, stepping at a sign-SGD lr: effectively frozen.
+    default_min_numel = 1
 
-    def __init__(self, chunk: int = 64, k: int = 32, sign: bool = True, value_dtype: str | torch.dtype = "float32"):
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
-            raise ValueError(f"chunk must be an integer >= 2, got {chunk!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= chunk * chunk:
-            raise ValueError(f"k must be an integer in [1, chunk**2={chunk * chunk}], got {k!r}")
-        self.chunk = chunk
-        self.k = k
+    def __init__(
+        self,
+        chunk: int = 64,
+        k: int = 32,
+        sign: bool = True,
+        tiling: str = "shape",
+        aggregate: str = "sender_mean",
+        value_dtype: str | torch.dtype = "float32",
+    ):
+        self._init_tiles(chunk, k, tiling)
         self.sign = bool(sign)
+        self.aggregation = check_aggregation(aggregate)
         self.value_dtype = wire_float_dtype(value_dtype, "value_dtype")
-        #: Coefficients per tile.
-        self.tile = chunk * chunk
-        #: Bits of a within-tile position on the wire.
-        self.bits = position_bits(self.tile)
-        #: Workers the hook divides gradients by (:meth:`set_world_size`); rescales ``sign=False``.
-        self.world_size = 1
         # DCT matrices by (size, device, dtype), built on first use (not state: pure functions of the size).
         self._bases: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
 
     @property
     def density(self) -> float:
-        """Fraction of a full tile's coefficients that is sent."""
-        return self.k / self.tile
-
-    def set_world_size(self, world_size: int) -> None:
-        self.world_size = int(world_size)
+        """Fraction of a full ``chunk x chunk`` tile's coefficients that is sent."""
+        return self.k / (self.chunk * self.chunk)
 
     def _basis(self, n: int, like: Tensor) -> Tensor:
         """The ``(n, n)`` DCT matrix on ``like``'s device, in fp32 (float64 for float64 input)."""
@@ -248,24 +235,43 @@ class DeMoCompressor(Compressor):
             basis = self._bases[key] = dct_matrix(n, dtype, like.device)
         return basis
 
-    def transform(self, tensor: Tensor) -> Tensor:
-        """The flat tensor's DCT coefficients, as many as its entries (fp32; float64 stays float64).
+    def transform(self, tensor: Tensor, layout: TileLayout | None = None) -> Tensor:
+        """The tensor's DCT coefficients in tile order, as many as its entries (fp32; float64 stays float64).
 
-        Full tiles: the 2-D DCT of each ``chunk x chunk`` tile, row-major. The partial tile of
-        ``L`` entries: the 2-D DCT of its ``(L // chunk, chunk)`` whole rows, then the 1-D DCT of
-        its last ``L % chunk`` entries. Always a new tensor.
+        ``layout`` (default: the tensor as a vector, :meth:`layout`) gives the tiles: each tile's
+        2-D DCT (a vector chunk's 1-D DCT), tile after tile, each row-major. Always a new tensor.
         """
         flat = tensor.reshape(-1)
         if flat.dtype not in (torch.float32, torch.float64):
             flat = flat.float()
-        return self._apply(flat, inverse=False)
+        return self._apply(flat, layout or self.layout(None, flat.numel()), inverse=False)
 
-    def inverse_transform(self, coefficients: Tensor) -> Tensor:
-        """Inverse of :meth:`transform` (the transform is orthonormal)."""
-        return self._apply(coefficients.reshape(-1), inverse=True)
+    def inverse_transform(self, coefficients: Tensor, layout: TileLayout | None = None) -> Tensor:
+        """Inverse of :meth:`transform` (the transform is orthonormal): the flat tensor."""
+        flat = coefficients.reshape(-1)
+        return self._apply(flat, layout or self.layout(None, flat.numel()), inverse=True)
 
-    def _apply(self, flat: Tensor, inverse: bool) -> Tensor:
-        chunk, tile = self.chunk, self.tile
+    def _apply(self, flat: Tensor, layout: TileLayout, inverse: bool) -> Tensor:
+        if layout.tile_shape is None:
+            return self._apply_flat(flat, inverse)
+        if not layout.groups:
+            return flat.clone()
+        (h, w), tiles = layout.tile_shape, layout.groups[0].tiles
+        right = self._basis(w, flat)
+        if inverse:
+            blocks = flat.view(tiles, h, w) @ right
+            if h > 1:
+                blocks = self._basis(h, flat).T @ blocks
+            return layout.unorder(blocks.reshape(-1))
+        blocks = layout.order(flat).view(tiles, h, w) @ right.T
+        if h > 1:
+            blocks = self._basis(h, flat) @ blocks
+        return blocks.reshape(-1)
+
+    def _apply_flat(self, flat: Tensor, inverse: bool) -> Tensor:
+        """Flat tiles: each ``chunk**2`` run's 2-D DCT, then the partial tile's rows and tail (module docstring)."""
+        chunk = self.chunk
+        tile = chunk * chunk
         full, rest = divmod(flat.numel(), tile)
         rows, tail = divmod(rest, chunk)
         two_d = idct_tiles if inverse else dct_tiles
@@ -288,55 +294,42 @@ class DeMoCompressor(Compressor):
     # ----------------------------------------------------------------------------------------
 
     def compress(self, tensor: Tensor, key: str) -> DCTPayload:
+        layout = self.layout_of(tensor, key)
         flat = tensor.reshape(-1).float()  # the transform writes a new tensor: nothing aliases ``tensor``
-        numel = flat.numel()
-        coefficients = self.transform(flat)
-        local = topk_per_chunk(coefficients, self.tile, self.k)
-        indices = chunk_starts(numel, self.tile, self.k, flat.device).add_(local)
+        coefficients = self._apply(flat, layout, inverse=False)
+        local = layout.select(coefficients)
+        indices = layout.starts(flat.device).add_(local)
         return DCTPayload(
-            numel=numel,
+            numel=flat.numel(),
             values=coefficients[indices].to(self.value_dtype),
-            positions=pack_uint(local, self.bits),
+            positions=layout.pack(local),
             indices=indices,
+            layout=layout,
         )
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, DCTPayload)
         coefficients = torch.zeros(payload.numel, dtype=torch.float32, device=payload.values.device)
         coefficients[payload.indices] = payload.values.float()
-        return self.inverse_transform(coefficients)
+        return self._apply(coefficients, payload.layout, inverse=True)
 
     def aggregate(self, payloads: list[Payload]) -> Tensor:
-        """DeMo's aggregate: every coefficient averaged over the workers that sent it, inverse DCT, then ``sign()``."""
+        """DeMo's aggregate: the coefficients' mean (:attr:`aggregation`), inverse DCT, then ``sign()``."""
         first = payloads[0]
         assert isinstance(first, DCTPayload)
-        sums = torch.zeros(first.numel, dtype=torch.float32, device=first.values.device)
-        counts = torch.zeros_like(sums)
-        ones = torch.ones(first.values.numel(), dtype=torch.float32, device=sums.device)
-        for payload in payloads:  # one at a time, in rank order: the same bits on every rank
-            assert isinstance(payload, DCTPayload)
-            sums.index_add_(0, payload.indices, payload.values.float())
-            counts.index_add_(0, payload.indices, ones)
-        mean = sums.div_(counts.clamp_(min=1.0))  # sums are zero where nobody sent: the mean is 0 there
-        decoded = self.inverse_transform(mean)
-        if self.sign:
-            return decoded.sign_()
-        return decoded.mul_(self.world_size) if self.world_size != 1 else decoded
+        decoded = self._apply(self.sparse_mean(payloads), first.layout, inverse=True)
+        return decoded.sign_() if self.sign else decoded
 
-    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
-        """:meth:`aggregate` computed in fp32, cast into ``out`` (a half-precision bucket slice is fine)."""
-        out.copy_(self.aggregate(payloads))
-
-    def payload_from_wire(self, wire: Tensor, numel: int) -> DCTPayload:
-        count = demo_coefficient_count(numel, self.chunk, self.k)
-        values, positions, local = parse_values_and_positions(
-            wire, count, self.value_dtype, self.bits, f"a DeMo payload of {numel} entries"
-        )
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> DCTPayload:
+        layout = self.layout(key, numel)
+        what = f"the DeMo payload of {key!r} ({numel} entries)"
+        values, positions, local = layout.parse(wire, self.value_dtype, what)
         return DCTPayload(
             numel=numel,
             values=values,
             positions=positions,
-            indices=chunk_starts(numel, self.tile, self.k, local.device).add_(local),
+            indices=layout.starts(local.device).add_(local),
+            layout=layout,
         )
 
     # ----------------------------------------------------------------------------------------
@@ -348,10 +341,11 @@ class DeMoCompressor(Compressor):
         return state
 
     def __repr__(self) -> str:
-        dtype = (
-            "" if self.value_dtype == torch.float32 else f", value_dtype={str(self.value_dtype).removeprefix('torch.')}"
-        )
-        return f"DeMoCompressor(chunk={self.chunk}, k={self.k}, sign={self.sign}{dtype})"
+        extra = "" if self.tiling == "shape" else f", tiling={self.tiling!r}"
+        extra += "" if self.aggregation == "sender_mean" else f", aggregate={self.aggregation!r}"
+        if self.value_dtype != torch.float32:
+            extra += f", value_dtype={str(self.value_dtype).removeprefix('torch.')}"
+        return f"DeMoCompressor(chunk={self.chunk}, k={self.k}, sign={self.sign}{extra})"
 
 
 def check_demo_optimizer(compressor: Any, optimizer_momentum: float) -> None:

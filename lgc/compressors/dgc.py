@@ -669,7 +669,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         dense = torch.zeros(payload.numel, dtype=torch.float32, device=payload.values.device)
         return dense.index_copy_(0, payload.indices.long(), payload.values.float())
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SparsePayload:
         return SparsePayload.from_wire(wire, numel)
 
     # -- health and checkpoints ------------------------------------------------------------------

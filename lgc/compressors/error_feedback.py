@@ -94,8 +94,8 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
     def payload_from_sum(self, summed: Tensor, own: Payload) -> Payload:
         return self.compressor.payload_from_sum(summed, own)
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> Payload:
-        return self.compressor.payload_from_wire(wire, numel)
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> Payload:
+        return self.compressor.payload_from_wire(wire, numel, key=key)
 
     @property
     def shared_seed(self) -> int:  # type: ignore[override]

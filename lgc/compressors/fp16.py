@@ -44,7 +44,7 @@ class FP16Compressor(Compressor):
         assert isinstance(payload, DensePayload)
         return payload.values.float()
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> DensePayload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> DensePayload:
         return DensePayload(numel=numel, values=view_bytes_as(wire, self.dtype))
 
     def __repr__(self) -> str:

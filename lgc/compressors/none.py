@@ -43,6 +43,8 @@ class NoneCompressor(Compressor):
     def payload_from_sum(self, summed: Tensor, own: Payload) -> DensePayload:
         return DensePayload(numel=own.numel, values=summed)
 
-    def payload_from_wire(self, wire: Tensor, numel: int, dtype: torch.dtype = torch.float32) -> DensePayload:
+    def payload_from_wire(
+        self, wire: Tensor, numel: int, dtype: torch.dtype = torch.float32, *, key: str | None = None
+    ) -> DensePayload:
         """The wire carries the gradient's dtype, which every worker knows from its model (``dtype``)."""
         return DensePayload(numel=numel, values=view_bytes_as(wire, dtype))

@@ -273,7 +273,7 @@ class StochasticQuantizer(Compressor):
             self._tables[name] = table
         return table
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> QuantizedPayload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> QuantizedPayload:
         scale_bytes = 4 * Buckets(numel, self.bucket_size).count
         expected = scale_bytes + packed_nbytes(numel * self.code_bits)
         if wire.numel() != expected:

@@ -21,16 +21,19 @@ own positions; with :class:`~lgc.compressors.ChunkedTopKCompressor` that is
 :func:`quantized_values_nbytes`.
 
 Verified: codes and table reproduce the centroids exactly; the payload size equals the formula;
-error feedback keeps ``v == decode(payload) + r`` exactly. Not verified: that this is the exact
-quantizer of the SparseLoCo paper (its text says 2-bit quantization; the table quantizer is from
-the team's public CCLoco code, whose default is 8 bits).
+error feedback keeps ``v == decode(payload) + r`` exactly; with SparseLoCo's production settings
+(tplr-ai/templar ``hparams/hparams.json``: ``quantization_bins=4``, ``quantization_range=6``) the
+decoded values equal templar's ``_quantize_values`` / ``_dequantize_values``
+(``src/tplr/compress.py``) to float rounding (``tests/test_sparseloco.py``). The reference's table
+holds the centroids of the centred values and the mean beside them (20 bytes for 2 bits); lgc's
+holds the centroids themselves (16 bytes), the same numbers up to rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +42,7 @@ from torch import Tensor
 
 from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import CombineMode, Compressor, ForwardsHookCalls, Payload, view_bytes_as
-from lgc.compressors.chunked_topk import chunked_topk_count, position_bits
+from lgc.compressors.tiles import tile_layout
 from lgc.compressors.topk import SparsePayload
 
 __all__ = ["QuantizedPayload", "QuantizedValues", "quantize_values", "quantized_values_nbytes"]
@@ -48,14 +51,17 @@ __all__ = ["QuantizedPayload", "QuantizedValues", "quantize_values", "quantized_
 _BITS = range(1, 9)
 
 
-def quantized_values_nbytes(numel: int, chunk: int, k: int, bits: int) -> int:
-    """Exact wire bytes of ``QuantizedValues(ChunkedTopKCompressor(chunk, k), bits)`` for ``numel`` entries.
+def quantized_values_nbytes(
+    shape: int | Sequence[int], chunk: int = 64, k: int = 64, bits: int = 2, tiling: str = "shape"
+) -> int:
+    """Exact wire bytes of ``QuantizedValues(ChunkedTopKCompressor(chunk, k, tiling), bits)`` for a tensor of ``shape``.
 
-    ``ceil(K * bits / 8)`` code bytes + ``4 * 2**bits`` table bytes + ``ceil(K * ceil(log2 chunk) / 8)``
-    position bytes, with ``K`` the kept count (:func:`~lgc.compressors.chunked_topk.chunked_topk_count`).
+    ``ceil(K * bits / 8)`` code bytes + ``4 * 2**bits`` table bytes + ``ceil(K * p / 8)`` position
+    bytes, with ``K`` the kept count and ``p`` the bits of a position in the tensor's tiles
+    (:func:`~lgc.compressors.tiles.tile_layout`). An int ``shape`` is a vector.
     """
-    count = chunked_topk_count(numel, chunk, k)
-    return packed_nbytes(count * bits) + 4 * (1 << bits) + packed_nbytes(count * position_bits(chunk))
+    layout = tile_layout(shape, chunk, k, tiling)
+    return packed_nbytes(layout.count * bits) + 4 * (1 << bits) + packed_nbytes(layout.count * layout.bits)
 
 
 def quantize_values(values: Tensor, bits: int, range_sigmas: float) -> tuple[Tensor, Tensor]:
@@ -107,8 +113,9 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
 
     Example::
 
-        >>> q = QuantizedValues(ChunkedTopKCompressor(chunk=4096, k=64), bits=2)
-        >>> q.compress(torch.randn(8192), "w").nbytes  # 128 entries: 32 code + 16 table + 192 position bytes
+        >>> q = QuantizedValues(ChunkedTopKCompressor(chunk=64, k=64), bits=2)
+        >>> q.attach_parameters({"w": torch.empty(128, 64)})  # what the DDP hook does with the model's parameters
+        >>> q.compress(torch.randn(128 * 64), "w").nbytes  # 2 tiles of 64 x 64 keep 64 each: 32 + 16 + 192 bytes
         240
     """
 
@@ -160,8 +167,8 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
     def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
         self.sparsifier.aggregate_into([p.inner for p in payloads], out)  # type: ignore[attr-defined]
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> QuantizedPayload:
-        count = self.sparsifier.selected_count(numel)  # type: ignore[attr-defined]
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> QuantizedPayload:
+        count = self.sparsifier.selected_count(numel, key)  # type: ignore[attr-defined]
         code_bytes, table_bytes = packed_nbytes(count * self.bits), 4 * (1 << self.bits)
         codes = wire[:code_bytes]
         table = view_bytes_as(wire[code_bytes : code_bytes + table_bytes], torch.float32)
@@ -169,7 +176,9 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
         # The sparsifier parses its positions behind placeholder values of its own wire dtype.
         value_dtype = getattr(self.sparsifier, "value_dtype", torch.float32)
         placeholder = torch.zeros(count, dtype=value_dtype, device=wire.device).view(torch.uint8)
-        inner = self.sparsifier.payload_from_wire(torch.cat([placeholder, wire[code_bytes + table_bytes :]]), numel)
+        inner = self.sparsifier.payload_from_wire(
+            torch.cat([placeholder, wire[code_bytes + table_bytes :]]), numel, key=key
+        )
         assert isinstance(inner, SparsePayload)
         return QuantizedPayload(numel=numel, codes=codes, table=table, inner=dataclasses.replace(inner, values=values))
 

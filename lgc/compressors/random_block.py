@@ -235,7 +235,7 @@ class RandomBlockCompressor(Compressor):
         """Zero ``out`` (the tensor's slice of the bucket) and add each block at its offset: no dense temporary."""
         scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> BlockPayload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> BlockPayload:
         if self.shared:
             # The wire holds only values (possibly summed over workers): the offset is this step's.
             values = view_bytes_as(wire, torch.float32)

@@ -376,7 +376,7 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
         # Positions within one payload are distinct: a plain scatter, no accumulation needed.
         return dense.index_put_((payload.indices.long(),), payload.values.float())
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SparsePayload:
         if self.quantize:
             return SignMeanPayload.from_wire(wire, numel)
         return SparsePayload.from_wire(wire, numel)

@@ -413,7 +413,7 @@ class SBCCompressor(Compressor):
         values = torch.cat([p.values for p in payloads])  # type: ignore[attr-defined]
         return _zeros(payloads[0].numel, values.device).index_add_(0, indices, values)
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> SBCPayload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SBCPayload:
         return SBCPayload.from_wire(wire, numel)
 
     def __repr__(self) -> str:

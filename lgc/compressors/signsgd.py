@@ -124,7 +124,7 @@ class SignSGDCompressor(Compressor):
             out[full * 8 :].copy_(table[signs[full].long()][: numel - full * 8])
         return out
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> SignPayload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SignPayload:
         expected = self.payload_nbytes(numel)
         if wire.numel() != expected:
             raise ValueError(f"{self!r} payload for {numel} elements has {expected} bytes, got {wire.numel()}")

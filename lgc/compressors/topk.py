@@ -17,13 +17,17 @@ from torch import Tensor
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 
 __all__ = [
+    "AGGREGATIONS",
     "ScatterAddAggregation",
+    "SparseMeanAggregation",
     "SparsePayload",
     "TopKCompressor",
+    "check_aggregation",
     "index_dtype_for",
     "num_selected",
     "scatter_add_sparse",
     "scatter_add_sparse_into",
+    "sparse_mean",
     "topk_indices",
     "wire_float_dtype",
 ]
@@ -124,6 +128,76 @@ class ScatterAddAggregation:
         scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
 
+#: The values of the ``aggregate`` knob of :class:`SparseMeanAggregation` (see :func:`sparse_mean`).
+AGGREGATIONS = ("sender_mean", "mean")
+
+
+def sparse_mean(payloads: list[Payload], aggregation: str = "sender_mean", world_size: int = 1) -> Tensor:
+    """The workers' sparse payloads combined position by position (fp32), as ``aggregation`` says.
+
+    Every payload has ``indices`` (distinct within the payload) and ``values``; payloads are added
+    one at a time in the order given (the ranks' order), so every rank decodes the same bits (one
+    scatter over all workers' indices at once adds a position's values in an unspecified order on
+    a GPU).
+
+    * ``"mean"``: the sum of the payloads. The DDP hook divides every worker's tensor by the world
+      size ``P`` before compressing, so this is the zero-filled mean ``sum_w v_w / P`` of the
+      workers' own values, a position nobody sent counting as zero in every worker.
+    * ``"sender_mean"``: at each position, the mean over the workers that sent it (zero where
+      none did): ``P * sum / count``, the mean of the senders' own values (the hook's division
+      undone). The references' ``scatter_reduce(..., reduce="mean", include_self=False)``.
+
+    Where the workers' selections differ, the sender mean is up to ``P`` times the zero-filled mean.
+    """
+    first = payloads[0]
+    sums = torch.zeros(first.numel, dtype=torch.float32, device=first.values.device)  # type: ignore[attr-defined]
+    for payload in payloads:
+        sums.index_add_(0, payload.indices, payload.values.float())  # type: ignore[attr-defined]
+    if aggregation == "mean":
+        return sums
+    counts = torch.zeros_like(sums)
+    for payload in payloads:
+        values = payload.values  # type: ignore[attr-defined]
+        counts.index_add_(0, payload.indices, torch.ones(values.numel(), device=sums.device))  # type: ignore[attr-defined]
+    if world_size != 1:
+        sums.mul_(world_size)  # before the division: exact for a power-of-two world size
+    return sums.div_(counts.clamp_(min=1.0))
+
+
+def check_aggregation(aggregate: str) -> str:
+    """``aggregate`` if it is one of :data:`AGGREGATIONS`, else a ValueError naming it."""
+    if aggregate not in AGGREGATIONS:
+        raise ValueError(f"aggregate must be one of {', '.join(AGGREGATIONS)}, got {aggregate!r}")
+    return aggregate
+
+
+class SparseMeanAggregation:
+    """Mixin: payloads with ``indices`` and ``values`` aggregate by :func:`sparse_mean` (the ``aggregate`` knob).
+
+    Chunked top-k (SparseLoCo) and DeMo put it before :class:`~lgc.compressors.base.Compressor`
+    in their bases and set :attr:`aggregation` in ``__init__``; the hook tells it the world size.
+    """
+
+    #: ``"sender_mean"`` or ``"mean"`` (:func:`sparse_mean`).
+    aggregation: str = "sender_mean"
+    #: Workers the hook divides every tensor by (:meth:`set_world_size`); 1 outside the hook.
+    world_size: int = 1
+
+    def set_world_size(self, world_size: int) -> None:
+        self.world_size = int(world_size)
+
+    def sparse_mean(self, payloads: list[Payload]) -> Tensor:
+        """:func:`sparse_mean` with this compressor's aggregation and world size."""
+        return sparse_mean(payloads, self.aggregation, self.world_size)
+
+    def aggregate(self, payloads: list[Payload]) -> Tensor:
+        return self.sparse_mean(payloads)
+
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        """:meth:`aggregate` in fp32, cast once into ``out`` (a half-precision bucket slice is fine)."""
+        out.copy_(self.aggregate(payloads))
+
+
 #: Tensors at least this large use the block-maximum selection; smaller ones call torch.topk directly.
 _BLOCK_SELECTION_MIN_NUMEL = 1 << 15
 #: Largest block of the block-maximum selection (measured best for density 0.001 on ResNet-50's shapes).
@@ -210,7 +284,7 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
         self.density = float(density)
         self.value_dtype = wire_float_dtype(value_dtype, "value_dtype")
 
-    def selected_count(self, numel: int) -> int:
+    def selected_count(self, numel: int, key: str | None = None) -> int:
         """Entries every payload of a ``numel``-entry tensor carries: ``ceil(density * numel)``."""
         return num_selected(numel, self.density)
 
@@ -229,7 +303,7 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
         assert isinstance(payload, SparsePayload)
         return payload.to_dense()
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> SparsePayload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SparsePayload:
         return SparsePayload.from_wire(wire, numel, self.value_dtype)
 
     def __repr__(self) -> str:

@@ -24,7 +24,8 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    buckets become ready, overlapping communication with the backward pass, and an inf or NaN
    simply passes through their sum (the step is counted as skipped all the same).
 4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
-   in the gradient's dtype.
+   in the gradient's dtype (by default the method's own threshold: none for DeMo and SparseLoCo,
+   whose references compress every tensor).
 5. Every other parameter's gradient is compressed on its own, keyed by the parameter's name, so
    compressor state (residuals, momenta) is independent of DDP's bucketing and survives restarts.
 6. Payloads are combined as the compressor declares: one allreduce per dtype for summable
@@ -52,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors.base import CombineMode, Compressor, Payload
+from lgc.compressors.base import CombineMode, Compressor, Payload, method_min_numel
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 
@@ -134,8 +135,10 @@ class CompressionHookState:
     Args:
         compressor: what to apply to every parameter with at least ``min_numel`` elements,
             e.g. ``ErrorFeedback(TopKCompressor(density=0.01))``.
-        min_numel: parameters smaller than this are allreduced dense. Biases and norm layers are
-            a negligible share of the bytes but sensitive to compression.
+        min_numel: parameters smaller than this are allreduced dense. ``None`` (default): the
+            method's own (:func:`~lgc.compressors.base.method_min_numel`): every parameter for
+            DeMo and SparseLoCo's chunked top-k, as their references send; 1,024 otherwise, since
+            biases and norm layers are a negligible share of the bytes but sensitive to compression.
         start_iter: iterations of plain allreduce before compressing (at least 1 lets DDP rebuild
             its buckets first, as PyTorch's PowerSGD hook does).
         process_group: the group to communicate in (default: the world).
@@ -171,7 +174,7 @@ class CompressionHookState:
         self,
         compressor: Compressor,
         *,
-        min_numel: int = 1024,
+        min_numel: int | None = None,
         start_iter: int = 1,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -179,6 +182,8 @@ class CompressionHookState:
             raise TypeError(f"compressor must be an lgc Compressor, got {compressor!r}")
         if compressor.combine is CombineMode.SERVER:
             raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")
+        if min_numel is None:
+            min_numel = method_min_numel(compressor)
         if int(min_numel) < 0:
             raise ValueError(f"min_numel must be >= 0, got {min_numel!r}")
         if int(start_iter) < 0:
@@ -656,7 +661,9 @@ class PayloadExchange:
             ]
             rank = dist.get_rank(self.state.process_group)
             for s, own in zip(self.sparse, self.own, strict=True):
-                received = [compressor.payload_from_wire(next(wires_of_rank), s.numel) for wires_of_rank in per_rank]
+                received = [
+                    compressor.payload_from_wire(next(wires_of_rank), s.numel, key=s.name) for wires_of_rank in per_rank
+                ]
                 _check_round_trip(compressor, own, received[rank])
                 self.received[s.name] = received
                 target = buffer[s.offset : s.offset + s.numel]
@@ -700,7 +707,7 @@ def register_compression_hook(
     model: DistributedDataParallel,
     compressor: Compressor,
     *,
-    min_numel: int = 1024,
+    min_numel: int | None = None,
     start_iter: int = 1,
     process_group: dist.ProcessGroup | None = None,
 ) -> CompressionHookState:
@@ -709,7 +716,8 @@ def register_compression_hook(
     Args:
         model: a :class:`~torch.nn.parallel.DistributedDataParallel` model (any DDP program).
         compressor: e.g. ``ErrorFeedback(TopKCompressor(density=0.01))``.
-        min_numel: parameters with fewer elements go dense.
+        min_numel: parameters with fewer elements go dense (``None``: the method's own, see
+            :class:`CompressionHookState`).
         start_iter: plain-allreduce iterations before compression starts.
         process_group: group to communicate in (default: the world).
 

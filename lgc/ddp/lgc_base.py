@@ -87,7 +87,8 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
             (``lgc/true_error``; its run-wide value in the summary). Off by default.
         world_size: number of workers, if known before the workers start (checks ``leader_rank``
             early; LGC-PS builds one decoder per worker). Otherwise taken at :meth:`register`.
-        min_numel: parameters with fewer elements are allreduced dense.
+        min_numel: parameters with fewer elements are allreduced dense (``None``: 1,024, the
+            default of its top-k, :func:`~lgc.compressors.base.method_min_numel`).
         process_group: the group to communicate in (default: the world).
     """
 
@@ -148,7 +149,7 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         refresh_steps: int | None = None,
         measure_error: bool = False,
         world_size: int | None = None,
-        min_numel: int = 1024,
+        min_numel: int | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(

@@ -74,7 +74,8 @@ class CommunicationDelayState:
             ``ErrorFeedback(SBCCompressor(density=0.01))``.
         delay: local steps between exchanges (SBC: 1 to 100s; longer delays save bytes linearly
             but let workers drift apart, which costs accuracy on non-IID data).
-        min_numel: parameters with fewer elements exchange their update dense.
+        min_numel: parameters with fewer elements exchange their update dense (``None``: the
+            method's own, as :class:`~lgc.ddp.CompressionHookState`: every parameter for SparseLoCo).
         process_group: group to communicate in (default: the world).
         outer: ``"average"`` (SBC: ``W_sync += mean(dW)``) or ``"sgd"`` (DiLoCo: an outer SGD step
             with Nesterov momentum on the pseudo-gradient ``-mean(dW)``).
@@ -112,7 +113,7 @@ class CommunicationDelayState:
         compressor: Compressor,
         *,
         delay: int,
-        min_numel: int = 1024,
+        min_numel: int | None = None,
         process_group: dist.ProcessGroup | None = None,
         outer: str = "average",
         outer_lr: float | None = None,
@@ -205,6 +206,8 @@ class CommunicationDelayState:
     def register(self, model: DistributedDataParallel) -> None:
         """Register :func:`local_step_hook` on ``model`` and remember its synchronized weights."""
         self.module = model.module
+        # The compressor learns the parameters' names and shapes (DeMo and chunked top-k tile by shape).
+        self.exchange_state.attach(model)
         self.fragment_of = split_into_fragments(
             [(name, p.numel()) for name, p in self._named_parameters()], self.fragments
         )
@@ -381,7 +384,7 @@ def local_step_hook(state: CommunicationDelayState, bucket: dist.GradBucket) -> 
 
 
 def register_communication_delay(
-    model: DistributedDataParallel, compressor: Compressor, *, delay: int, min_numel: int = 1024
+    model: DistributedDataParallel, compressor: Compressor, *, delay: int, min_numel: int | None = None
 ) -> CommunicationDelayState:
     """Make ``model`` train with local steps and a compressed weight-update exchange every ``delay`` steps.
 
