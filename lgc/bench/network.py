@@ -289,6 +289,8 @@ def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str
         "time_to_target_s": None if reached is None else reached["training_s"],
         "steps_to_target": None if reached is None else reached["step"],
         "final_accuracy": evaluations[-1]["accuracy"],
+        # Which model rank 0 evaluated (global: the synchronized one; absent from older records).
+        "eval_model": ranks[0].get("eval_model"),
         "training_s": evaluations[-1]["training_s"],
         "steps": total_steps,
         "steady_from": first,
@@ -341,6 +343,23 @@ def _table(rows: list[dict[str, Any]], target: float) -> str:
             f"| {r['wire_bytes_per_worker'] / 1e6:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _eval_line(rows: list[dict[str, Any]]) -> str:
+    """Which model the accuracies are of, per method (the worker's ``eval_model``)."""
+    models: dict[str, list[str]] = {}
+    for row in rows:
+        models.setdefault(row.get("eval_model") or "not recorded", []).append(row["method"])
+    described = {
+        "global": "the synchronized (global) model: with local steps every fragment's last synchronized weights "
+        "and buffers, otherwise the weights every worker shares",
+        "not recorded": "a model the record does not name (rank 0's own weights)",
+    }
+    return (
+        "Accuracy evaluated on "
+        + "; ".join(f"{described.get(model, model)} ({', '.join(methods)})" for model, methods in models.items())
+        + "."
+    )
 
 
 def _equal_bytes_table(rows: list[dict[str, Any]]) -> str:
@@ -548,7 +567,8 @@ def _report(
     text = [f"# lgc-bench network: task {args.task}, {args.steps} steps, delay {args.delay}\n"]
     for setting, rows in results.items():
         fitted = calibrations[setting]
-        text.append(f"## {setting} per link\n\n{_table(rows, args.target)}\n\n{_equal_bytes_table(rows)}\n")
+        tables = f"{_table(rows, args.target)}\n\n{_eval_line(rows)}\n\n{_equal_bytes_table(rows)}"
+        text.append(f"## {setting} per link\n\n{tables}\n")
         text.append(
             f"Cost model, link fitted on plain allreduces and allgathers: alpha {1e6 * fitted['latency_s']:.0f} us, "
             f"{8 * fitted['bytes_per_s'] / 1e6:.1f} Mbit/s.\n\n{_validation_table(rows)}\n"
