@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14, part 6: per-step compression (DGC, LGC, the default shared-index int8) against
 # local-step methods (SBC with delay, DiLoCo H = 10 and 50, Streaming DiLoCo with 4-bit outer
-# gradients, SparseLoCo H = 10) and DeMo, at equal
-# steps, on two stages:
+# gradients, SparseLoCo H = 10) and DeMo, at equal steps, on two stages:
 #   1. lgc-bench network: 4 workers, each link shaped to 100 Mbit/s, digits ResNet-8, STEPS steps;
 #      time to the target accuracy, whole-run wire MB, accuracy at equal wire bytes, and the plots of
 #      accuracy against wall time and against wire bytes (OUT/network/accuracy_vs_time.png).

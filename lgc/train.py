@@ -110,10 +110,12 @@ def build_hook_state(
     outer_lr, outer_momentum = comm_node.get("outer_lr"), comm_node.get("outer_momentum")
     fragments = comm_node.get("fragments", 1)
     fragment_split = comm_node.get("fragment_split") or FRAGMENT_SPLITS[0]
-    if delay is None and (outer != "average" or outer_lr is not None or outer_momentum is not None or fragments != 1):
+    local_knobs = (outer != "average", outer_lr is not None, outer_momentum is not None, fragments != 1)
+    if delay is None and (any(local_knobs) or fragment_split != FRAGMENT_SPLITS[0]):
         raise ValueError(
-            f"comm.outer={outer!r}, comm.outer_lr={outer_lr!r}, comm.outer_momentum={outer_momentum!r} and "
-            f"comm.fragments={fragments!r} act on the exchanges of local steps: they need comm.delay"
+            f"comm.outer={outer!r}, comm.outer_lr={outer_lr!r}, comm.outer_momentum={outer_momentum!r}, "
+            f"comm.fragments={fragments!r} and comm.fragment_split={fragment_split!r} act on the exchanges of local "
+            "steps: they need comm.delay"
         )
     compressor = build_compressor(compressor_node)
     if isinstance(compressor, (TorchHookState, LGCHookState)):

@@ -232,6 +232,13 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
             "outer_lr must be a positive number, got 0",
         ),
         (["comm.outer_momentum=abc"], TypeError, "comm.outer_momentum='abc' must be a float or null"),
+        (["comm.fragment_split=contiguous"], ValueError, "comm.fragment_split='contiguous' act on the exchanges"),
+        (
+            ["comm.delay=4", "comm.fragments=2", "comm.fragment_split=layers"],
+            ValueError,
+            "fragment_split must be one of \\('strided', 'contiguous'\\), got 'layers'",
+        ),
+        (["comm.fragment_split=3"], TypeError, "comm.fragment_split=3 must be a string"),
         (
             ["compressor=lgc_rar", "compressor.autoencoder.init=/no/such/codec.pt"],
             FileNotFoundError,

@@ -77,7 +77,7 @@ class CommStats:
     #: Logical bytes this worker received from collectives.
     bytes_received: int = 0
     #: Logical bytes of the buckets DDP handed to the hook (a dense allreduce's tensors), and of
-    #: the module buffers DDP broadcasts from rank 0 before forward passes (:mod:`lgc.ddp.buffers`).
+    #: rank 0's module buffers, which plain DDP broadcasts too (once per step; :mod:`lgc.ddp.buffers`).
     dense_equivalent_bytes: int = 0
     #: Of ``bytes_sent``, the bytes sent while acting as a parameter server (downstream traffic of
     #: rank 0 in LGC-PS); the rest is this worker's upstream traffic.
@@ -95,8 +95,8 @@ class CommStats:
     #: What plain DDP would have sent from this worker: a dense ring allreduce of the same buckets,
     #: and its broadcasts of rank 0's module buffers.
     wire_dense_equivalent_bytes: int = 0
-    #: Of ``wire_bytes_sent``, the bytes of module buffers (BatchNorm statistics: DDP's broadcast
-    #: before forward passes, or communication delay's average at exchanges; :mod:`lgc.ddp.buffers`).
+    #: Of ``wire_bytes_sent``, the bytes of module buffers (BatchNorm statistics: rank 0's, sent once
+    #: per step, or communication delay's average at exchanges; :mod:`lgc.ddp.buffers`).
     wire_buffer_bytes_sent: int = 0
 
     @property
