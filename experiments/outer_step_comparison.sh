@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14, part 6: per-step compression (DGC, LGC, the default shared-index int8) against
-# local-step methods (SBC with delay, DiLoCo H = 10 and 50, SparseLoCo H = 10) and DeMo, at equal
-# steps, on two stages:
+# local-step methods (SBC with delay, DiLoCo H = 10 and 50, Streaming DiLoCo with 4-bit outer
+# gradients, SparseLoCo H = 10) and DeMo, at equal steps, on two stages:
 #   1. lgc-bench network: 4 workers, each link shaped to 100 Mbit/s, digits ResNet-8, STEPS steps;
 #      time to the target accuracy, whole-run wire MB, accuracy at equal wire bytes, and the plots of
 #      accuracy against wall time and against wire bytes (OUT/network/accuracy_vs_time.png).
@@ -14,7 +14,7 @@ out=${1:-outputs/outer_step_comparison}
 steps=${STEPS:-200}
 if [[ "${STAGES:-1 2}" == *1* ]]; then
   methods="none,dgc,sbc:delay=4,lgc_rar,shared_topk_int8,none:delay=10;outer=sgd,none:delay=50;outer=sgd"
-  methods+=",sparseloco:delay=10,demo:lr=0.003"
+  methods+=",sparseloco:delay=10,demo:lr=0.003,fp4:delay=10;outer=sgd;fragments=2;min_numel=1"
   lgc-bench network --workers 4 --bandwidth 100mbit --steps "$steps" --eval-every 10 --target 0.9 \
     --methods "$methods" --out "$out/network"
 fi
@@ -33,6 +33,7 @@ if [[ "${STAGES:-1 2}" == *2* ]]; then
   run diloco_h10 experiment=diloco
   run diloco_h50 experiment=diloco comm.delay=50
   run diloco_h10_streaming experiment=diloco comm.fragments=2
+  run streaming_diloco experiment=streaming_diloco
   run sparseloco_h10 experiment=sparseloco
   run sparseloco_h50 experiment=sparseloco comm.delay=50
   run demo experiment=demo

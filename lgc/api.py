@@ -38,6 +38,7 @@ from lgc.compressors import (
     Compressor,
     DGCCompressor,
     ErrorFeedback,
+    FP4Compressor,
     FP16Compressor,
     NoneCompressor,
     QSGDCompressor,
@@ -55,7 +56,7 @@ from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, check_optimizer_momentum
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.lgc_ps import LGCParameterServerState
 from lgc.ddp.lgc_rar import LGCRingAllreduceState
-from lgc.ddp.local_sgd import CommunicationDelayState, local_step_hook
+from lgc.ddp.local_sgd import FRAGMENT_SPLITS, CommunicationDelayState, local_step_hook
 from lgc.ddp.shared_index import SharedIndexState
 from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState
 
@@ -152,6 +153,7 @@ METHODS: Mapping[str, Method] = MappingProxyType(
     {
         "none": Method(NoneCompressor, {}),
         "fp16": Method(FP16Compressor, dict(dtype="float16")),
+        "fp4": Method(FP4Compressor, dict(bucket_size=256)),
         "topk": Method(TopKCompressor, dict(density=0.01, value_dtype="float32"), error_feedback=True),
         "dgc": Method(
             DGCCompressor,
@@ -242,6 +244,7 @@ def compress(
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
     fragments: int | None = None,
+    fragment_split: str | None = None,
     min_numel: int | None = None,
     start_iter: int | None = None,
     process_group: dist.ProcessGroup | None = None,
@@ -280,6 +283,8 @@ def compress(
             Nesterov momentum on the pseudo-gradient; lr 0.7 and momentum 0.9 unless given).
         fragments: with ``delay``, Streaming DiLoCo's fragments of the parameters, exchanged on
             staggered steps (default 1: all at once).
+        fragment_split: with ``fragments``, how they are cut to equal sizes: ``"strided"`` (default,
+            the paper's) or ``"contiguous"`` (:func:`lgc.ddp.local_sgd.split_into_fragments`).
         min_numel: parameters with fewer elements go dense. ``None`` (default): the method's own,
             part of its definition (:attr:`~lgc.compressors.Compressor.default_min_numel`): every
             parameter for ``demo``, ``sparseloco`` and ``chunked_topk``, as their references send;
@@ -319,11 +324,15 @@ def compress(
     _check_model(model, process_group)
     _check_optimizer(model, optimizer, optimizer_momentum, optimizer_weight_decay)
     if delay is None and (
-        outer is not None or outer_lr is not None or outer_momentum is not None or fragments is not None
+        outer is not None
+        or outer_lr is not None
+        or outer_momentum is not None
+        or fragments is not None
+        or fragment_split is not None
     ):
         raise ValueError(
-            f"outer={outer!r}, outer_lr={outer_lr!r}, outer_momentum={outer_momentum!r} and fragments={fragments!r} "
-            "act on the exchanges of local steps: they need delay="
+            f"outer={outer!r}, outer_lr={outer_lr!r}, outer_momentum={outer_momentum!r}, fragments={fragments!r} "
+            f"and fragment_split={fragment_split!r} act on the exchanges of local steps: they need delay="
         )
     config = dict(
         error_feedback=error_feedback,
@@ -333,6 +342,7 @@ def compress(
         outer_lr=outer_lr,
         outer_momentum=outer_momentum,
         fragments=fragments,
+        fragment_split=fragment_split,
         min_numel=min_numel,
         start_iter=start_iter,
         process_group=process_group,
@@ -442,6 +452,7 @@ def _build(
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
     fragments: int | None = None,
+    fragment_split: str | None = None,
 ) -> HookState:
     """The hook state for a method's name or a compressor (not yet registered)."""
     if isinstance(method, str):
@@ -500,6 +511,7 @@ def _build(
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             fragments=_or(fragments, 1),
+            fragment_split=_or(fragment_split, FRAGMENT_SPLITS[0]),
         )
     return CompressionHookState(
         compressor, min_numel=min_numel, start_iter=_or(start_iter, 1), process_group=process_group

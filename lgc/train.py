@@ -32,7 +32,7 @@ from lgc.compressors.dgc import check_optimizer_momentum
 from lgc.config_types import check_node_types
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.lgc_base import LGCHookState
-from lgc.ddp.local_sgd import CommunicationDelayState, split_into_fragments
+from lgc.ddp.local_sgd import FRAGMENT_SPLITS, CommunicationDelayState, split_into_fragments
 from lgc.ddp.torch_hooks import TorchHookState
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
 from lgc.lit.strategy import heartbeats, stalled_workers
@@ -109,10 +109,13 @@ def build_hook_state(
     outer = comm_node.get("outer") or "average"
     outer_lr, outer_momentum = comm_node.get("outer_lr"), comm_node.get("outer_momentum")
     fragments = comm_node.get("fragments", 1)
-    if delay is None and (outer != "average" or outer_lr is not None or outer_momentum is not None or fragments != 1):
+    fragment_split = comm_node.get("fragment_split") or FRAGMENT_SPLITS[0]
+    local_knobs = (outer != "average", outer_lr is not None, outer_momentum is not None, fragments != 1)
+    if delay is None and (any(local_knobs) or fragment_split != FRAGMENT_SPLITS[0]):
         raise ValueError(
-            f"comm.outer={outer!r}, comm.outer_lr={outer_lr!r}, comm.outer_momentum={outer_momentum!r} and "
-            f"comm.fragments={fragments!r} act on the exchanges of local steps: they need comm.delay"
+            f"comm.outer={outer!r}, comm.outer_lr={outer_lr!r}, comm.outer_momentum={outer_momentum!r}, "
+            f"comm.fragments={fragments!r} and comm.fragment_split={fragment_split!r} act on the exchanges of local "
+            "steps: they need comm.delay"
         )
     compressor = build_compressor(compressor_node)
     if isinstance(compressor, (TorchHookState, LGCHookState)):
@@ -129,6 +132,7 @@ def build_hook_state(
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             fragments=fragments,
+            fragment_split=fragment_split,
         )
     return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
 
@@ -374,6 +378,8 @@ def _check_types(cfg: DictConfig) -> None:
         raise TypeError(f"comm.delay={delay!r} must be an int or null")
     if not isinstance(cfg.comm.get("outer", "average"), str):
         raise TypeError(f"comm.outer={cfg.comm.get('outer')!r} must be a string (average or sgd)")
+    if not isinstance(cfg.comm.get("fragment_split", FRAGMENT_SPLITS[0]), str):
+        raise TypeError(f"comm.fragment_split={cfg.comm.get('fragment_split')!r} must be a string {FRAGMENT_SPLITS}")
     for key in ("outer_lr", "outer_momentum"):
         value = cfg.comm.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -422,7 +428,9 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
     if isinstance(hook_state, CommunicationDelayState):
         try:  # the fragments need the model's parameters: checked here, before any worker starts
             split_into_fragments(
-                [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad], hook_state.fragments
+                [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad],
+                hook_state.fragments,
+                hook_state.fragment_split,
             )
         except ValueError as err:
             raise ValueError(f"comm.fragments: {err}") from None

@@ -152,12 +152,16 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
 
     first = _load(stopped)["callbacks"]["CompressionCallback"]["per_rank"]
     assert first[0]["local_steps"] == 3
-    assert any(not torch.equal(first[0]["local_weights"][k], first[1]["local_weights"][k]) for k in first[0]["synced"])
+    # Between exchanges the ranks' weights and BatchNorm statistics differ: both are checkpointed per rank.
+    for key in ("local_weights", "local_buffers"):
+        local = [first[rank][key] for rank in range(2)]
+        assert any(not torch.equal(local[0][k], local[1][k]) for k in local[0] if local[0][k].is_floating_point())
     straight = _load(tmp_path / "straight" / "checkpoints" / "last.ckpt")["callbacks"]["CompressionCallback"]
     resumed = _load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["callbacks"]["CompressionCallback"]
     for a, b in zip(straight["per_rank"], resumed["per_rank"], strict=True):
         assert a["local_steps"] == b["local_steps"] == 6
-        for key in ("synced", "local_weights"):
+        for key in ("synced", "synced_buffers", "local_weights", "local_buffers"):
+            assert a[key].keys() == b[key].keys()
             for name, tensor in a[key].items():
                 assert torch.equal(tensor, b[key][name]), (key, name)
         if outer:
@@ -170,15 +174,90 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
 # -- Streaming DiLoCo's fragments ------------------------------------------------------------------
 
 
-def test_fragments_are_consecutive_balanced_and_never_empty():
+def _fragment_sizes(pieces, fragments: int) -> list[int]:
+    sizes = [0] * fragments
+    for piece in pieces:
+        sizes[piece.fragment] += piece.numel
+    return sizes
+
+
+def _covers_every_entry_once(numels, pieces) -> bool:
+    """Every parameter's pieces tile its entries: in order, without gaps or overlaps."""
+    reached = dict.fromkeys((name for name, _ in numels), 0)
+    for piece in pieces:  # in parameter order
+        if piece.start != reached[piece.name] or piece.stop <= piece.start and piece.stop != 0:
+            return False
+        reached[piece.name] = piece.stop
+    return all(reached[name] == numel for name, numel in numels)
+
+
+def _offsets(numels) -> dict[str, int]:
+    """Where each parameter starts in the flattened parameters."""
+    offsets, total = {}, 0
+    for name, numel in numels:
+        offsets[name], total = total, total + numel
+    return offsets
+
+
+def test_fragments_cut_the_flattened_parameters_into_equal_blocks():
     sizes = [("a", 10), ("b", 1000), ("c", 5), ("d", 1000), ("e", 3)]
-    assert split_into_fragments(sizes, 1) == dict.fromkeys("abcde", 0)
-    assert split_into_fragments(sizes, 2) == {"a": 0, "b": 0, "c": 1, "d": 1, "e": 1}
-    assert split_into_fragments(sizes, 5) == {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4}
-    # one huge parameter first: the small ones still fill the other fragments
-    assert split_into_fragments([("a", 1000), ("b", 1), ("c", 1), ("d", 1)], 3) == {"a": 0, "b": 1, "c": 2, "d": 2}
-    with pytest.raises(ValueError, match="fragments=6 is more than the model's 5 trainable parameters"):
-        split_into_fragments(sizes, 6)
+    whole = split_into_fragments(sizes, 1)
+    assert [(p.key, p.fragment) for p in whole] == [(name, 0) for name, _ in sizes]
+    # contiguous: two halves of the 2,018 entries, cut at 1,009, a boundary between parameters
+    # (1,010, after "b") is within a tenth of a block (100 entries): the cut moves onto it.
+    halves = split_into_fragments(sizes, 2, "contiguous")
+    assert [(p.key, p.fragment) for p in halves] == [("a", 0), ("b", 0), ("c", 1), ("d", 1), ("e", 1)]
+    assert _fragment_sizes(halves, 2) == [1010, 1008]
+    # strided: 2 * ceil(5 / 2) = 6 blocks of about 336 entries dealt out in turn (0, 1, 0, 1, 0, 1),
+    # the cut at 1,009 moved onto 1,010 again; the others fall inside "b" and "d", which are cut.
+    strided = split_into_fragments(sizes, 2)
+    assert [(p.key, p.fragment) for p in strided] == [
+        ("a", 0), ("b[0:326]", 0), ("b[326:662]", 1), ("b[662:1000]", 0), ("c", 1),
+        ("d[0:330]", 1), ("d[330:666]", 0), ("d[666:1000]", 1), ("e", 1),
+    ]  # fmt: skip
+    assert _fragment_sizes(strided, 2) == [1010, 1008]
+    for pieces in (whole, halves, strided):
+        assert _covers_every_entry_once(sizes, pieces)
+    with pytest.raises(ValueError, match="fragments=2019 is more than the model's 2018 trainable entries"):
+        split_into_fragments(sizes, 2019)
+    with pytest.raises(ValueError, match="fragment_split must be one of .*, got 'layers'"):
+        split_into_fragments(sizes, 2, "layers")
+
+
+def _model_numels(name: str) -> list[tuple[str, int]]:
+    from lgc.models import resnet8, resnet20
+    from lgc.models.torchvision_resnet import resnet50
+
+    build = {"resnet8": resnet8, "resnet20": resnet20, "resnet50": resnet50}[name]
+    with torch.device("meta"):  # shapes only: ResNet-50's 23.5 M weights are never allocated
+        model = build(num_classes=10)
+    return [(n, p.numel()) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+@pytest.mark.parametrize("fragments", [2, 4, 8])
+@pytest.mark.parametrize("model", ["resnet8", "resnet20", "resnet50"])
+def test_no_fragment_holds_more_than_a_quarter_above_an_equal_share(model, fragments, split):
+    """Streaming DiLoCo's peak bandwidth falls by F only if the fragments are of about equal size."""
+    numels = _model_numels(model)
+    total = sum(n for _, n in numels)
+    pieces = split_into_fragments(numels, fragments, split)
+    sizes = _fragment_sizes(pieces, fragments)
+    assert min(sizes) > 0 and max(sizes) <= 1.25 * total / fragments, sizes
+    assert _covers_every_entry_once(numels, pieces)
+    # A piece is a whole parameter, or a cut inside a tensor of at least a tenth of a block.
+    assert all(p.whole or p.numel * 10 * fragments >= total // len(numels) for p in pieces)
+
+
+def test_strided_fragments_span_the_whole_depth_of_the_network():
+    """The paper's strided pattern: every fragment holds entries in the first and in the last 15 % of the model."""
+    numels = _model_numels("resnet20")
+    starts, total = _offsets(numels), sum(n for _, n in numels)
+    for fragments in (2, 4, 8):
+        for f in range(fragments):
+            pieces = [p for p in split_into_fragments(numels, fragments) if p.fragment == f]
+            assert min(starts[p.name] + p.start for p in pieces) < 0.15 * total, (fragments, f)
+            assert max(starts[p.name] + p.stop for p in pieces) > 0.85 * total, (fragments, f)
 
 
 @pytest.mark.parametrize("fragments", [0, 5, 2.0, True])
@@ -187,37 +266,189 @@ def test_bad_fragment_counts_are_named(fragments):
         CommunicationDelayState(NoneCompressor(), delay=4, fragments=fragments)
 
 
+def test_an_unknown_fragment_split_is_named():
+    with pytest.raises(ValueError, match="fragment_split must be one of \\('strided', 'contiguous'\\), got 'layers'"):
+        CommunicationDelayState(NoneCompressor(), delay=4, fragments=2, fragment_split="layers")
+
+
+def _saved_state(**changes) -> dict:
+    state = CommunicationDelayState(NoneCompressor(), delay=4, fragments=2, fragment_split="contiguous")
+    return {**state.state_dict(), **changes}
+
+
+@pytest.mark.parametrize(
+    "saved,message",
+    [
+        ({}, "written with fragment_split='contiguous', this run has fragment_split='strided'"),
+        ({"fragment_split": None}, "written with no fragment_split .*whole parameters"),
+    ],
+)
+def test_a_checkpoint_cut_into_other_fragments_is_refused(saved, message):
+    state = _saved_state(**saved)
+    if saved.get("fragment_split", "") is None:
+        del state["fragment_split"]
+    with pytest.raises(ValueError, match=message):
+        CommunicationDelayState(NoneCompressor(), delay=4, fragments=2).load_state_dict(state)
+    # One fragment is never cut: any split loads.
+    CommunicationDelayState(NoneCompressor(), delay=4).load_state_dict({**state, "fragments": 1})
+
+
 def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
-    """H = 4, two fragments: the first layer's weight is exchanged at local steps 2, 6, the rest at 4, 8.
+    """H = 4, two fragments: fragment 0 is exchanged at local steps 2, 6, fragment 1 at 4, 8.
 
     Every fragment still waits H steps between exchanges, so over 8 steps the bytes equal those of
-    exchanging everything every 4 steps; each exchange makes exactly its fragment agree across ranks.
+    exchanging everything every 4 steps, in two bursts of about half; each exchange makes exactly
+    its fragment agree across ranks.
     """
     delay, steps = 4, 8
     whole = run_workers(_train, 2, NoneCompressor(), delay, steps)
     streamed = run_workers(_train, 2, NoneCompressor(), delay, steps, {"fragments": 2})
-    first = 16 * 32  # the first Linear's weight: fragment 0 (512 of the 676 entries)
+    numels = [(name, p.numel()) for name, p in _net().named_parameters()]
+    starts, total = _offsets(numels), sum(n for _, n in numels)
+    masks = [torch.zeros(total, dtype=torch.bool) for _ in range(2)]
+    for piece in split_into_fragments(numels, 2):
+        masks[piece.fragment][starts[piece.name] + piece.start : starts[piece.name] + piece.stop] = True
+    sizes = [int(mask.sum()) for mask in masks]
+    assert abs(sizes[0] - sizes[1]) <= 0.05 * total
     for result in streamed:
         sent = result["sent"]
         increments = [b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)]
         assert [step for step, inc in enumerate(increments) if inc] == [1, 3, 5, 7]
         assert increments[1] == increments[5] and increments[3] == increments[7]
-        assert increments[1] > increments[3]  # the 512-entry fragment against the 164-entry one
-    # The same payload bytes; each exchange adds the step guard's agreement on its own parameters
-    # (a flag and a bit per parameter: a few bytes, 4 exchanges against 2).
+    # The same payload bytes; each exchange adds the step guard's agreement on its own pieces
+    # (a flag and a byte per piece: a few bytes, 4 exchanges against 2).
     assert streamed[0]["payload"] == whole[0]["payload"] > 0
     for result, exchanges in ((whole, 2), (streamed, 4)):
         assert 0 < result[0]["sent"][-1] - result[0]["payload"] <= 8 * exchanges
     a, b = streamed[0]["weights"], streamed[1]["weights"]
     for step in range(steps):
-        assert torch.equal(a[step][:first], b[step][:first]) == (step in (1, 5)), step
-        assert torch.equal(a[step][first:], b[step][first:]) == (step in (3, 7)), step
+        for fragment, due in ((0, (1, 5)), (1, (3, 7))):
+            mask = masks[fragment]
+            assert torch.equal(a[step][mask], b[step][mask]) == (step in due), (step, fragment)
 
 
 def test_too_many_fragments_are_refused_before_workers_start(tmp_path):
     from lgc.train import train
 
-    cfg = compose_cfg(tmp_path, "comm.delay=1000", "comm.fragments=1000")
-    with pytest.raises(ValueError, match="comm.fragments: fragments=1000 is more than the model's"):
+    cfg = compose_cfg(tmp_path, "comm.delay=100000", "comm.fragments=100000")
+    with pytest.raises(ValueError, match="comm.fragments: fragments=100000 is more than the model's 75002 trainable"):
         train(cfg)
     assert not (tmp_path / ".workers").exists()
+
+
+# -- evaluation on the synchronized (global) model ----------------------------------------------------
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in (*module.named_parameters(), *module.named_buffers())}
+
+
+def _train_evaluating(rank: int, world: int, evaluate_after: tuple[int, ...], steps: int) -> dict:
+    model = DDP(_bn_net())
+    state = CommunicationDelayState(ErrorFeedback(TopKCompressor(0.5)), delay=4, min_numel=0, fragments=2, outer="sgd")
+    state.register(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    probe = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+    trace, evaluated, outputs = [], {}, {}
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        (model(x) - y).square().mean().backward()
+        optimizer.step()
+        state.after_optimizer_step()
+        trace.append(_snapshot(model.module))
+        if step in evaluate_after:
+            with state.global_model() as module:
+                evaluated[step] = _snapshot(module)
+                # As lgc-train validates: through the DDP wrapper, in eval mode, without gradients.
+                model.eval()
+                with torch.no_grad():
+                    outputs[step] = model(probe)
+                model.train()
+    return {"trace": trace, "evaluated": evaluated, "outputs": outputs}
+
+
+def test_the_global_model_is_every_fragments_last_synchronized_weights_and_training_goes_on_untouched():
+    """H = 4, two fragments (exchanged at local steps 2 and 4 of every 4), DiLoCo's outer SGD, BatchNorm.
+
+    Evaluated mid-interval (after local steps 3, 5 and 7), the module holds, on both ranks alike,
+    each fragment's weights as its last exchange left them (the initial ones before it had one) and
+    the buffers averaged at the last step-4 exchange; the local weights, buffers and optimizer state
+    come back, so training continues bit for bit as in a run that never evaluated.
+    """
+    steps, evaluate_after = 8, (2, 4, 6)
+    plain = run_workers(_train_evaluating, 2, (), steps)
+    evaluating = run_workers(_train_evaluating, 2, evaluate_after, steps)
+    for a, b in zip(plain, evaluating, strict=True):
+        for step, (x, y) in enumerate(zip(a["trace"], b["trace"], strict=True)):
+            assert all(torch.equal(x[k], y[k]) for k in x), f"training changed after evaluating, step {step}"
+    initial = _snapshot(_bn_net())
+    numels = [(name, p.numel()) for name, p in _bn_net().named_parameters()]
+    pieces = split_into_fragments(numels, 2)
+    # Step index of each fragment's last exchange before an evaluation (None: not exchanged yet).
+    last_exchange = {2: {0: 1, 1: None}, 4: {0: 1, 1: 3}, 6: {0: 5, 1: 3}}
+    for step in evaluate_after:
+        trace = evaluating[0]["trace"]
+        for rank in range(2):
+            evaluated = evaluating[rank]["evaluated"][step]
+            for piece in pieces:
+                source = last_exchange[step][piece.fragment]
+                expected = (initial if source is None else trace[source])[piece.name].reshape(-1)
+                got = evaluated[piece.name].reshape(-1)
+                assert torch.equal(got[piece.start : piece.stop], expected[piece.start : piece.stop]), (step, piece)
+            buffers = initial if step < 3 else trace[3]
+            for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+                expected = buffers[name]
+                assert torch.equal(evaluated[name], expected) or name.endswith("num_batches_tracked"), (step, name)
+            # The local model differs from it mid-interval: the evaluation did not see it.
+            assert not torch.equal(evaluated["0.weight"], evaluating[rank]["trace"][step]["0.weight"])
+        assert torch.equal(evaluating[0]["outputs"][step], evaluating[1]["outputs"][step])
+
+
+@pytest.mark.slow
+def test_lgc_train_validates_the_global_model_mid_interval_without_changing_training(tmp_path):
+    """experiment=streaming_diloco with H = 4: validating every 3 steps (between exchanges) evaluates the
+    synchronized model and leaves every rank's training exactly as in a run that never validates."""
+    from hydra import compose, initialize_config_module
+
+    from lgc.train import train
+
+    def run(folder, *overrides):
+        with initialize_config_module("lgc.conf", version_base="1.3"):
+            cfg = compose(
+                "train",
+                overrides=[
+                    "experiment=streaming_diloco",
+                    "logger=csv",
+                    f"output_dir={folder}",
+                    "comm.delay=4",
+                    "trainer.max_epochs=1",
+                    "trainer.limit_train_batches=7",
+                    *overrides,
+                ],
+            )
+        return train(cfg)
+
+    validating = run(tmp_path / "validating", "trainer.limit_val_batches=2", "+trainer.val_check_interval=3")
+    silent = run(tmp_path / "silent", "trainer.limit_val_batches=0")
+    assert "val/acc" in validating and "val/acc" not in silent
+    assert validating["eval_model"] == "global" and validating["buffer_sync"] == "average_at_exchange"
+    assert "FP4Compressor" in validating["compressor"] and "2 staggered strided fragments" in validating["compressor"]
+    states = [
+        _load(tmp_path / name / "checkpoints" / "last.ckpt")["callbacks"]["CompressionCallback"]["per_rank"]
+        for name in ("validating", "silent")
+    ]
+    for a, b in zip(*states, strict=True):
+        assert a["local_steps"] == b["local_steps"] == 7
+        for key in ("synced", "synced_buffers", "local_weights", "local_buffers"):
+            assert a[key].keys() == b[key].keys()
+            for name, tensor in a[key].items():
+                assert torch.equal(tensor, b[key][name]), (key, name)
+        for x, y in zip(a["optimizers"], b["optimizers"], strict=True):
+            for index, state in x["state"].items():
+                assert torch.equal(state["momentum_buffer"], y["state"][index]["momentum_buffer"])

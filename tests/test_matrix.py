@@ -100,6 +100,7 @@ METHODS = (
     Method("random_block_exact", "random_block", ("compressor.density=1.0",), exact=0.0),
     Method("random_block_unshared", "random_block", ("compressor.density=0.1", "compressor.shared=false")),
     Method("qsgd", "qsgd"),
+    Method("fp4", "fp4"),
     Method("terngrad", "terngrad"),
     Method("signsgd", "signsgd"),
     Method("torch_fp16", "torch_fp16", exact=2e-3),
@@ -140,10 +141,11 @@ METHODS = (
     Method("demo", "demo", ("compressor.chunk=4", "compressor.k=2")),
     Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm.delay=2"), inject_step=3, delay=2),
     Method("delay_none", "none", ("comm.delay=2",), inject_step=2, delay=2),
+    Method("delay_fp4", "fp4", ("comm.delay=2",), inject_step=3, delay=2),
 )
 
 #: Methods without state between steps (no step guard: an inf/NaN passes through their sum).
-_STATELESS = {"none", "fp16", "fp16_bf16", "torch_fp16", "torch_bf16"}
+_STATELESS = {"none", "fp16", "fp16_bf16", "fp4", "torch_fp16", "torch_bf16"}
 
 #: Configs that are variants of another one (``defaults:``), covered through it.
 _VARIANTS = {"lgc_rar_paper", "lgc_ps_paper"}

@@ -9,6 +9,7 @@ import pytest
 
 from lgc.bench import netns, network
 from lgc.bench.cli import main
+from lgc.bench.network_worker import build_model
 
 
 @pytest.fixture
@@ -138,10 +139,30 @@ def test_two_workers_over_a_shaped_link_report_every_method_and_leave_nothing_be
     assert 0 < fitted["bytes_per_s"] * 8 < 1.2e9 and fitted["latency_s"] >= 0
     for row in rows.values():
         assert row["predicted_step_s"] > row["predicted_comm_s"] > 0 and row["profile_compute_s"] > 0
-    # Dense's one bucket, a ring allreduce among 2: two rounds of half the model each, on the fitted link.
+    # Dense's one bucket, a ring allreduce among 2: two rounds of half the model each, on the fitted link;
+    # then rank 0's BatchNorm statistics, one broadcast (a round of its bytes among 2) per dtype.
     half = 4 * saved["raw"]["2 workers, 1gbit"]["none"][0]["ranks"][0]["parameters"] // 2
     ring = 2 * (fitted["latency_s"] + half / fitted["bytes_per_s"])
-    assert rows["none"]["predicted_comm_s"] == pytest.approx(ring, rel=1e-6)
+    per_dtype = {}
+    for buffer in build_model("digits").buffers():
+        per_dtype[buffer.dtype] = per_dtype.get(buffer.dtype, 0) + buffer.numel() * buffer.element_size()
+    buffers = sum(fitted["latency_s"] + nbytes / fitted["bytes_per_s"] for nbytes in per_dtype.values())
+    assert rows["none"]["predicted_comm_s"] == pytest.approx(ring + buffers, rel=1e-6)
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
     assert "| none |" in (tmp_path / "network.md").read_text()
     assert "lgc-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_the_report_names_the_model_every_accuracy_was_measured_on():
+    def row(method, eval_model):
+        ranks = [_rank(method, [0.1] * 4, 0.05, [0.5], 10) for _ in range(2)]
+        if eval_model is not None:
+            for rank in ranks:
+                rank["eval_model"] = eval_model
+        return network.summarize({"ranks": ranks, "interfaces": {}}, target=0.9, skip=0)
+
+    rows = [row("none", "global"), row("sparseloco:delay=10", "global"), row("old", None)]
+    assert [r["eval_model"] for r in rows] == ["global", "global", None]
+    line = network._eval_line(rows)
+    assert "synchronized (global) model" in line and "(none, sparseloco:delay=10)" in line
+    assert "does not name (rank 0's own weights) (old)" in line

@@ -42,17 +42,26 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
     assert summary["wall_time_s"] > summary["fit_time_s"] > 0
     assert len(summary["bytes_sent_per_worker"]) == len(summary["bytes_received_per_worker"]) == 2
 
-    numels = [p.numel() for p in resnet8(num_classes=10, in_channels=1).parameters()]
+    net = resnet8(num_classes=10, in_channels=1)
+    numels = [p.numel() for p in net.parameters()]
     dense = 4 * sum(numels)
     per_step = sum(8 * num_selected(n, density) if n >= min_numel else 4 * n for n in numels)
     per_step += 1 + len(numels)  # the step guard: a byte per parameter and the non-finite flag
+    # Rank 0's BatchNorm statistics go to the other rank once per step (plain DDP sends them too);
+    # with 2 workers gloo's binomial tree has rank 0 send them once and rank 1 nothing.
+    buffers = steps * sum(b.numel() * b.element_size() for b in net.buffers())
+    assert summary["buffer_sync"] == "broadcast" and summary["eval_model"] == "global"
+    assert summary["wire_buffer_bytes_sent"] == buffers
     # The first step is a plain allreduce while DDP rebuilds its buckets.
-    for sent, dense_equivalent in zip(
-        summary["bytes_sent_per_worker"], summary["dense_equivalent_bytes_per_worker"], strict=True
+    for rank, (sent, dense_equivalent) in enumerate(
+        zip(summary["bytes_sent_per_worker"], summary["dense_equivalent_bytes_per_worker"], strict=True)
     ):
-        assert dense_equivalent == steps * dense
-        assert sent == dense + (steps - 1) * per_step
-    assert summary["compression_ratio"] == pytest.approx(steps * dense / (dense + (steps - 1) * per_step))
+        own_buffers = buffers if rank == 0 else 0
+        assert dense_equivalent == steps * dense + own_buffers
+        assert sent == dense + (steps - 1) * per_step + own_buffers
+    assert summary["compression_ratio"] == pytest.approx(
+        (steps * dense + buffers / 2) / (dense + (steps - 1) * per_step + buffers / 2)
+    )
     # With 2 workers a ring allreduce and a ring allgather of L bytes both send L per worker:
     # wire and logical bytes agree (tests/test_wire.py covers 3 and 4 workers).
     assert summary["wire_bytes_sent_per_worker"] == summary["bytes_sent_per_worker"]
@@ -223,6 +232,13 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
             "outer_lr must be a positive number, got 0",
         ),
         (["comm.outer_momentum=abc"], TypeError, "comm.outer_momentum='abc' must be a float or null"),
+        (["comm.fragment_split=contiguous"], ValueError, "comm.fragment_split='contiguous' act on the exchanges"),
+        (
+            ["comm.delay=4", "comm.fragments=2", "comm.fragment_split=layers"],
+            ValueError,
+            "fragment_split must be one of \\('strided', 'contiguous'\\), got 'layers'",
+        ),
+        (["comm.fragment_split=3"], TypeError, "comm.fragment_split=3 must be a string"),
         (
             ["compressor=lgc_rar", "compressor.autoencoder.init=/no/such/codec.pt"],
             FileNotFoundError,

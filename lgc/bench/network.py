@@ -19,13 +19,17 @@ round, so slow drifts hit all alike) the workers train ``--steps`` steps of ``--
 * step time as a multiple of dense fp32's (``none``) and of PyTorch's fp16 hook (``torch_fp16``),
   measured in the same run;
 * training seconds until the validation accuracy first reaches ``--target`` (evaluated every
-  ``--eval-every`` steps; evaluation is off the clock) and the final accuracy;
+  ``--eval-every`` steps on the synchronized model, for local-step methods too; evaluation is off
+  the clock) and the final accuracy;
 * the cross-check: bytes the workers' interfaces sent during the training loops
   (``/sys/class/net``'s counters read by each worker, headers and retransmissions included) over
-  the wire bytes lgc counted. The rest is TCP/IP/Ethernet framing (66 bytes per frame of at most
-  1448 payload bytes: about 4.6 %), ACKs, gloo's own message headers, and the barriers around
-  evaluations, which lgc does not count. Measured here: 1.06-1.08 for dense and fp16, and about
-  1 KB more per gloo message for methods that send a few small messages per step;
+  the wire bytes lgc counted, module buffers included (:mod:`lgc.ddp.buffers`). The rest is
+  TCP/IP/Ethernet framing (66 bytes per frame of at most 1448 payload bytes: about 4.6 %), ACKs,
+  gloo's own message headers, and the barriers around evaluations, which lgc does not count.
+  Measured here (4 workers, 100 Mbit/s, 40 steps): 1.07 for dense; SparseLoCo with H = 10 sends
+  so little that the same overhead, about 70 KB per worker and alike on every rank, makes 2.05
+  (with DDP's own broadcast of rank 0's BatchNorm statistics before every forward, which no hook
+  sees, it reads 3.44: rank 0, the root of the broadcast tree, sends 185 KB more than a leaf);
 * the cost model's validation (:mod:`lgc.bench.cost_model`): before the methods, plain allreduces
   and allgathers of 256 B to 4 MB over the same network fit the link's latency and bandwidth;
   every worker measures each method alone in a group of its own before training; the model then
@@ -289,6 +293,8 @@ def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str
         "time_to_target_s": None if reached is None else reached["training_s"],
         "steps_to_target": None if reached is None else reached["step"],
         "final_accuracy": evaluations[-1]["accuracy"],
+        # Which model rank 0 evaluated (global: the synchronized one; absent from older records).
+        "eval_model": ranks[0].get("eval_model"),
         "training_s": evaluations[-1]["training_s"],
         "steps": total_steps,
         "steady_from": first,
@@ -341,6 +347,23 @@ def _table(rows: list[dict[str, Any]], target: float) -> str:
             f"| {r['wire_bytes_per_worker'] / 1e6:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _eval_line(rows: list[dict[str, Any]]) -> str:
+    """Which model the accuracies are of, per method (the worker's ``eval_model``)."""
+    models: dict[str, list[str]] = {}
+    for row in rows:
+        models.setdefault(row.get("eval_model") or "not recorded", []).append(row["method"])
+    described = {
+        "global": "the synchronized (global) model: with local steps every fragment's last synchronized weights "
+        "and buffers, otherwise the weights every worker shares",
+        "not recorded": "a model the record does not name (rank 0's own weights)",
+    }
+    return (
+        "Accuracy evaluated on "
+        + "; ".join(f"{described.get(model, model)} ({', '.join(methods)})" for model, methods in models.items())
+        + "."
+    )
 
 
 def _equal_bytes_table(rows: list[dict[str, Any]]) -> str:
@@ -548,7 +571,8 @@ def _report(
     text = [f"# lgc-bench network: task {args.task}, {args.steps} steps, delay {args.delay}\n"]
     for setting, rows in results.items():
         fitted = calibrations[setting]
-        text.append(f"## {setting} per link\n\n{_table(rows, args.target)}\n\n{_equal_bytes_table(rows)}\n")
+        tables = f"{_table(rows, args.target)}\n\n{_eval_line(rows)}\n\n{_equal_bytes_table(rows)}"
+        text.append(f"## {setting} per link\n\n{tables}\n")
         text.append(
             f"Cost model, link fitted on plain allreduces and allgathers: alpha {1e6 * fitted['latency_s']:.0f} us, "
             f"{8 * fitted['bytes_per_s'] / 1e6:.1f} Mbit/s.\n\n{_validation_table(rows)}\n"

@@ -16,7 +16,11 @@ registered by :func:`lgc.compress`, and writes one JSON record per rank:
 * epochs of ``len(train) // (batch_size * world)`` steps, announced with ``state.set_epoch``
   (DGC's density warm-up counts them);
 * evaluations every ``eval_every`` steps (rank 0 evaluates the validation split; the time spent
-  evaluating is left out of the training clock): training seconds so far and accuracy;
+  evaluating is left out of the training clock): training seconds so far and accuracy. With local
+  steps (``delay``) rank 0 evaluates the synchronized (global) model, as DiLoCo and its successors
+  report: every fragment's last synchronized weights and the buffers of the last exchange
+  (:meth:`lgc.ddp.local_sgd.CommunicationDelayState.global_model`), and trains on from its own
+  weights; ``eval_model`` records it;
 * ``profile``: the method measured in a group of this worker alone (:func:`lgc.bench.cost_model.profile_method`,
   run by all workers at once before training, so the CPU is shared as in training), with the
   collectives of the last training step (``trace``), for the cost model's validation.
@@ -30,6 +34,7 @@ With ``mode="collectives"`` it trains nothing and times allreduces and allgather
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -101,6 +106,12 @@ def _evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> f
         )
     model.train()
     return correct / len(labels)
+
+
+def _synchronized_model(state: Any, module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """The model every worker agrees on: the global one with local steps, else the module itself."""
+    global_model = getattr(state, "global_model", None)
+    return global_model() if global_model is not None else contextlib.nullcontext(module)
 
 
 def _interface_counters() -> Any:
@@ -225,7 +236,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             record["decode_s"] = codec["decode"] - codec_before["decode"]
         records.append(record)
         if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
-            accuracy = _evaluate(model.module, val_images, val_labels) if rank == 0 else None
+            accuracy = None
+            if rank == 0:
+                with _synchronized_model(state, model.module) as evaluated:
+                    accuracy = _evaluate(evaluated, val_images, val_labels)
             evaluations.append({"step": step + 1, "training_s": training_s, "accuracy": accuracy})
             dist.barrier()  # the others wait while rank 0 evaluates: off the training clock
     sent_at_end = interface()
@@ -240,6 +254,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "compute_s": compute_s,
         "steps": records,
         "evaluations": evaluations,
+        "eval_model": getattr(state, "eval_model", "global"),
         "stats": state.stats.as_dict(),
         "parameters": sum(p.numel() for p in model.parameters()),
     }

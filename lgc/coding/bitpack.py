@@ -20,7 +20,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_UINT_BITS", "pack_bits", "pack_uint", "packed_nbytes", "unpack_bits", "unpack_uint"]
+__all__ = [
+    "MAX_UINT_BITS",
+    "byte_table",
+    "decode_bytes",
+    "pack_bits",
+    "pack_uint",
+    "packed_nbytes",
+    "unpack_bits",
+    "unpack_uint",
+]
 
 #: Widest unsigned code :func:`pack_uint` accepts.
 MAX_UINT_BITS = 32
@@ -152,6 +161,35 @@ def unpack_uint(packed: Tensor, bits: int, n: int, dtype: torch.dtype = torch.in
     out = torch.zeros(n, dtype=dtype, device=packed.device)
     for j in range(bits):  # one vectorized pass per bit position, not per value
         out |= columns[:, j].to(dtype) << (bits - 1 - j)
+    return out
+
+
+def byte_table(values: Tensor, bits: int) -> Tensor:
+    """``values[code]`` for each of the ``8 // bits`` codes packed in every byte value: ``(256, 8 // bits)``.
+
+    For :func:`decode_bytes`; ``bits`` must divide 8 and ``values`` hold one entry per code.
+    Unpacking the 256 byte values with :func:`unpack_uint` keeps the layout in one place.
+    """
+    if 8 % bits:
+        raise ValueError(f"a byte holds whole codes only for widths dividing 8, got {bits}")
+    per_byte = 8 // bits
+    codes = unpack_uint(torch.arange(256, dtype=torch.uint8, device=values.device), bits, 256 * per_byte)
+    return values[codes].view(256, per_byte)
+
+
+def decode_bytes(packed: Tensor, table: Tensor, n: int, out: Tensor) -> Tensor:
+    """The values of the first ``n`` codes of ``packed``, looked up a byte at a time in ``table``, into ``out``.
+
+    ``table`` is :func:`byte_table`'s (on ``out``'s device and dtype): one lookup per byte gives all
+    its codes' values, several times faster than unpacking to codes and converting them.
+    """
+    per_byte = table.shape[1]
+    full = n // per_byte
+    packed = packed.contiguous()
+    if full:
+        torch.index_select(table, 0, packed[:full].int(), out=out[: full * per_byte].view(full, per_byte))
+    if n > full * per_byte:
+        out[full * per_byte : n].copy_(table[packed[full].long()][: n - full * per_byte])
     return out
 
 

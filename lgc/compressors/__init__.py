@@ -8,6 +8,7 @@ from lgc.compressors.chunked_topk import ChunkedTopKCompressor
 from lgc.compressors.demo import DeMoCompressor
 from lgc.compressors.dgc import DGCCompressor
 from lgc.compressors.error_feedback import ErrorFeedback
+from lgc.compressors.fp4 import FP4Compressor
 from lgc.compressors.fp16 import FP16Compressor
 from lgc.compressors.none import DensePayload, NoneCompressor
 from lgc.compressors.qsgd import QSGDCompressor
@@ -28,6 +29,7 @@ __all__ = [
     "DensePayload",
     "ErrorFeedback",
     "FP16Compressor",
+    "FP4Compressor",
     "NoneCompressor",
     "Payload",
     "QSGDCompressor",

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
+from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 
 __all__ = ["MAX_LEVELS", "Buckets", "QSGDCompressor", "QuantizedPayload", "StochasticQuantizer", "code_bits"]
@@ -127,6 +127,12 @@ class Buckets:
         if self.tail:
             parts.append(column[self.full :])
         return parts
+
+    def scale_(self, flat: Tensor, per_bucket: Tensor) -> Tensor:
+        """Multiply every bucket of ``flat`` (contiguous, ``numel`` entries) by its value, in place."""
+        for view, factor in zip(self.views(flat), self.columns(per_bucket), strict=True):
+            view.mul_(factor)
+        return flat
 
     def reduce(self, flat: Tensor, row_fn: Callable[[Tensor], Tensor]) -> Tensor:
         """``row_fn`` (a reduction over ``dim=1``) applied to every bucket: one value per bucket."""
@@ -241,35 +247,21 @@ class StochasticQuantizer(Compressor):
         """Decode into ``out`` (fp32, ``numel`` entries): ``(code - s) * scale / s`` per bucket."""
         numel, s, bits = payload.numel, self.levels, self.code_bits
         if 8 % bits == 0:
-            # Whole codes per byte (2, 4 or 8 bits): one table lookup per byte gives all its levels,
-            # several times faster than unpacking to codes and converting them.
-            per_byte = 8 // bits
-            full = numel // per_byte
-            table = self._level_table(out.device)
-            codes = payload.codes.contiguous()
-            if full:
-                torch.index_select(table, 0, codes[:full].int(), out=out[: full * per_byte].view(full, per_byte))
-            if numel > full * per_byte:
-                out[full * per_byte :].copy_(table[codes[full].long()][: numel - full * per_byte])
+            # Whole codes per byte (2, 4 or 8 bits): one table lookup per byte gives all its levels.
+            decode_bytes(payload.codes, self._level_table(out.device), numel, out)
         else:
             dtype = torch.uint8 if bits <= 8 else torch.int32
             out.copy_(unpack_uint(payload.codes, bits, numel, dtype=dtype))
             out.sub_(s)
-        buckets = Buckets(numel, self.bucket_size)
-        steps = payload.scales.float() / s
-        for view, step in zip(buckets.views(out), buckets.columns(steps), strict=True):
-            view.mul_(step)
-        return out
+        return Buckets(numel, self.bucket_size).scale_(out, payload.scales.float() / s)
 
     def _level_table(self, device: torch.device) -> Tensor:
         """``(256, 8 // b)`` fp32: the signed levels ``code - s`` of the codes packed in each byte value."""
         name = str(device)
         table = self._tables.get(name)
         if table is None:
-            per_byte = 8 // self.code_bits
-            # Unpacking the 256 byte values with the wire format's own reader keeps the layout in one place.
-            codes = unpack_uint(torch.arange(256, dtype=torch.uint8), self.code_bits, 256 * per_byte)
-            table = (codes.view(256, per_byte) - self.levels).float().to(device)
+            levels = torch.arange(2**self.code_bits, dtype=torch.float32) - self.levels
+            table = byte_table(levels, self.code_bits).to(device)
             self._tables[name] = table
         return table
 

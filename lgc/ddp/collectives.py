@@ -40,6 +40,7 @@ __all__ = [
     "book_all_gather",
     "book_all_reduce",
     "book_broadcast",
+    "book_dense_broadcast",
     "book_dense_equivalent",
     "book_gather",
     "book_local_upstream",
@@ -75,7 +76,8 @@ class CommStats:
     bytes_sent: int = 0
     #: Logical bytes this worker received from collectives.
     bytes_received: int = 0
-    #: Logical bytes of the buckets DDP handed to the hook (a dense allreduce's tensors).
+    #: Logical bytes of the buckets DDP handed to the hook (a dense allreduce's tensors), and of
+    #: rank 0's module buffers, which plain DDP broadcasts too (once per step; :mod:`lgc.ddp.buffers`).
     dense_equivalent_bytes: int = 0
     #: Of ``bytes_sent``, the bytes sent while acting as a parameter server (downstream traffic of
     #: rank 0 in LGC-PS); the rest is this worker's upstream traffic.
@@ -90,8 +92,12 @@ class CommStats:
     wire_bytes_received: int = 0
     #: Of ``wire_bytes_sent``, the bytes sent as a parameter server.
     wire_server_bytes_sent: int = 0
-    #: What a dense ring allreduce of the same buckets would have sent from this worker (plain DDP).
+    #: What plain DDP would have sent from this worker: a dense ring allreduce of the same buckets,
+    #: and its broadcasts of rank 0's module buffers.
     wire_dense_equivalent_bytes: int = 0
+    #: Of ``wire_bytes_sent``, the bytes of module buffers (BatchNorm statistics: rank 0's, sent once
+    #: per step, or communication delay's average at exchanges; :mod:`lgc.ddp.buffers`).
+    wire_buffer_bytes_sent: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -203,6 +209,13 @@ def book_dense_equivalent(stats: CommStats, tensor: Tensor, group: dist.ProcessG
     stats.wire_dense_equivalent_bytes += wire.ring_allreduce(tensor.numel(), tensor.element_size(), world, rank).sent
 
 
+def book_dense_broadcast(stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | None) -> None:
+    """What plain DDP sends broadcasting ``tensor`` from ``src`` (its module buffers), in the dense equivalent."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    stats.dense_equivalent_bytes += wire.point_to_point(nbytes(tensor), sender=rank == src).sent
+    stats.wire_dense_equivalent_bytes += _broadcast_algorithm(tensor, group)(nbytes(tensor), world, rank, src).sent
+
+
 def book_all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
     """An allgather of ``tensor`` from every rank (same size everywhere)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -218,8 +231,7 @@ def book_broadcast(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     _record("broadcast", tensor, group, src)
     logical = wire.point_to_point(nbytes(tensor), sender=rank == src)
-    algorithm = wire.pipeline_broadcast if tensor.is_cuda and _on_nccl(group) else wire.tree_broadcast
-    _book(stats, logical, algorithm(nbytes(tensor), world, rank, src), as_server=as_server)
+    _book(stats, logical, _broadcast_algorithm(tensor, group)(nbytes(tensor), world, rank, src), as_server=as_server)
 
 
 def book_gather(stats: CommStats, tensor: Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
@@ -248,6 +260,11 @@ def book_local_upstream(stats: CommStats, tensor: Tensor) -> None:
 
 def _on_nccl(group: dist.ProcessGroup | None) -> bool:
     return "nccl" in str(dist.get_backend(group))
+
+
+def _broadcast_algorithm(tensor: Tensor, group: dist.ProcessGroup | None) -> Any:
+    """The wire model of a broadcast of ``tensor``: NCCL's ring for CUDA tensors on NCCL, else gloo's tree."""
+    return wire.pipeline_broadcast if tensor.is_cuda and _on_nccl(group) else wire.tree_broadcast
 
 
 # -- the collectives ------------------------------------------------------------------------------

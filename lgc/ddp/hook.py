@@ -54,6 +54,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, method_min_numel
+from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 
@@ -264,9 +265,13 @@ class CompressionHookState:
         return {"layers": self.layer_table()}
 
     def register(self, model: DistributedDataParallel) -> None:
-        """Attach to ``model`` and register :func:`compression_hook` with this state."""
+        """Attach to ``model`` and register :func:`compression_hook` with this state.
+
+        Module buffers (BatchNorm statistics) go from rank 0 to every rank once per step, counted,
+        instead of DDP's broadcast before forward passes (:func:`lgc.ddp.buffers.register_comm_hook`).
+        """
         self.attach(model)
-        model.register_comm_hook(self, compression_hook)
+        module_buffers.register_comm_hook(model, self, compression_hook)
 
     def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[_Segment, ...]:
         """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed."""

@@ -41,6 +41,7 @@ from lgc.autoencoder import (
 from lgc.autoencoder.saved import load_codec_into, read_codec, save_codec
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.topk import TopKCompressor
+from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.hook import CompressionHookState, PendingBucket
@@ -297,7 +298,7 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
             self.world_size = world_size
             self._build_trainer()
         self.attach(model)
-        model.register_comm_hook(self, lgc_hook)
+        module_buffers.register_comm_hook(model, self, lgc_hook)
 
     @property
     def ef(self) -> ErrorFeedback:

@@ -16,14 +16,45 @@ step with Nesterov momentum on ``W_sync`` (``torch.optim.SGD``; DiLoCo's default
 the same weights bit for bit.
 
 Streaming (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025): with
-``fragments = F > 1`` the parameters are cut into ``F`` fragments of consecutive parameters of
-about equal size (in :meth:`torch.nn.Module.named_parameters` order, every fragment at least one
-parameter), and fragment ``f`` is exchanged on the local steps ``t`` with
-``t % delay == (f + 1) * delay // F % delay``: every fragment still waits ``delay`` steps between
-its exchanges, so the bytes per ``delay`` steps are unchanged, but they are spread over ``F``
-exchanges instead of one burst, and the peak bandwidth falls by ``F``. The outer optimizer steps
-only the exchanged fragment. The exchange is blocking: Streaming DiLoCo's overlap of an exchange
-with the next local steps (``tau > 0``) is not implemented, on gloo or NCCL.
+``fragments = F > 1`` the parameters are cut into ``F`` fragments of equal size (by element count,
+:func:`split_into_fragments`), and fragment ``f`` is exchanged on the local steps ``t`` with
+``t % delay == (f + 1) * delay // F % delay`` (torchft's ``fragment_sync_offset``): every fragment
+still waits ``delay`` steps between its exchanges, so the bytes per ``delay`` steps are unchanged,
+but they are spread over ``F`` exchanges instead of one burst, and the peak bandwidth falls by
+``F``. The outer optimizer steps only the exchanged fragment. ``fragment_split`` says how the
+parameters are cut:
+
+* ``"strided"`` (default; the paper's strided pattern): the parameters, flattened in
+  :meth:`torch.nn.Module.named_parameters` order, are cut into ``F * ceil(N / F)`` blocks of equal
+  size (``N`` trainable parameter tensors, so a block is about an average tensor), and block ``b``
+  goes to fragment ``b % F``: every fragment holds pieces from every depth of the network, as the
+  paper's fragments hold every ``F``-th transformer block.
+* ``"contiguous"``: ``F`` consecutive ranges of equal size (the paper's sequential pattern).
+
+Either way a cut that falls near a boundary between parameters moves onto it, so small tensors
+stay whole; every fragment holds at most ``1.2 * total / F`` entries (up to one more per block; 1.00
+to 1.12 times ``total / F`` on ResNet-8, -20 and -50 at 2 to 16 fragments), none is empty, and a
+parameter that straddles a cut is exchanged in pieces (keyed ``name[start:stop]`` in the
+compressor's state and the per-layer table; whole parameters keep their names). Where this departs
+from the paper and torchft: they assign whole transformer blocks (torchft: the modules the user
+passes), which are of equal size; a CNN's layers are not (ResNet-8's two largest convolutions
+hold 98 % of its weights), so equal fragments must cut inside tensors. The exchange is blocking:
+Streaming DiLoCo's overlap of an exchange with the next local steps (``tau > 0``) and its mixing
+of local and synchronized weights (``alpha``) are not implemented, on gloo or NCCL. The paper's
+4-bit outer gradients are a compressor (:class:`lgc.compressors.FP4Compressor`,
+``experiment=streaming_diloco``).
+
+Module buffers (BatchNorm's running statistics; :mod:`lgc.ddp.buffers`): DDP's broadcast of rank
+0's buffers before every forward is turned off, so each worker's statistics follow its own local
+weights, and the workers average their floating-point buffers at the end of every ``delay`` steps,
+with the exchange of the last fragment (all of them when ``F = 1``), counted as a dense allreduce;
+every worker continues from the average.
+
+Evaluation (:meth:`CommunicationDelayState.global_model`): DiLoCo, Streaming DiLoCo, SparseLoCo
+and DeMo report the synchronized (global) model, not a worker's local weights. Inside
+``global_model()`` the module holds every fragment's last synchronized weights and the buffers of
+the last exchange; on leaving it, the local weights and buffers are back bit for bit (optimizer
+state is never touched). ``lgc-train`` and ``lgc-bench network`` validate inside it.
 
 Steps:
 1. The DDP hook :func:`local_step_hook` returns each worker's own gradient untouched (no bytes).
@@ -35,12 +66,17 @@ Steps:
 Non-finite values: a local step whose gradient overflows is the optimizer's (or GradScaler's)
 to skip, as without lgc. If a rank's weight update is nevertheless inf/NaN at an exchange, every
 rank skips that exchange (counted in ``stats.skipped_steps``), returns to the last synchronized
-weights and keeps its residuals as they were. Parameters whose update is zero on every rank are
-not sent.
+weights (and, with the last fragment, buffers) and keeps its residuals as they were. Parameters
+whose update is zero on every rank are not sent.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
-from typing import Any
+import bisect
+import contextlib
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,12 +84,15 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors.base import Compressor, compressor_chain
+from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CommStats, CompressionHookState, PendingBucket
 
 __all__ = [
+    "FRAGMENT_SPLITS",
     "OUTER_OPTIMIZERS",
     "CommunicationDelayState",
+    "FragmentSlice",
     "local_step_hook",
     "register_communication_delay",
     "split_into_fragments",
@@ -64,6 +103,28 @@ OUTER_OPTIMIZERS = ("average", "sgd")
 #: DiLoCo's outer learning rate and Nesterov momentum (Douillard et al. 2023, Sec. 3).
 DILOCO_OUTER_LR = 0.7
 DILOCO_OUTER_MOMENTUM = 0.9
+#: ``fragment_split`` choices (the module docstring); the first is the default.
+FRAGMENT_SPLITS = ("strided", "contiguous")
+
+
+class FragmentSlice(NamedTuple):
+    """Entries ``start:stop`` of parameter ``name`` (flattened), exchanged with fragment ``fragment``."""
+
+    name: str
+    start: int
+    stop: int
+    fragment: int
+    #: Whether the slice is the whole parameter (its key is then the parameter's name).
+    whole: bool
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def key(self) -> str:
+        """The slice's name in the compressor's state, the synchronized weights and the per-layer table."""
+        return self.name if self.whole else f"{self.name}[{self.start}:{self.stop}]"
 
 
 class CommunicationDelayState:
@@ -74,8 +135,9 @@ class CommunicationDelayState:
             ``ErrorFeedback(SBCCompressor(density=0.01))``.
         delay: local steps between exchanges (SBC: 1 to 100s; longer delays save bytes linearly
             but let workers drift apart, which costs accuracy on non-IID data).
-        min_numel: parameters with fewer elements exchange their update dense (``None``: the
-            method's own, as :class:`~lgc.ddp.CompressionHookState`: every parameter for SparseLoCo).
+        min_numel: parameters (or fragment pieces) with fewer elements exchange their update dense
+            (``None``: the method's own, as :class:`~lgc.ddp.CompressionHookState`: every parameter
+            for SparseLoCo).
         process_group: group to communicate in (default: the world).
         outer: ``"average"`` (SBC: ``W_sync += mean(dW)``) or ``"sgd"`` (DiLoCo: an outer SGD step
             with Nesterov momentum on the pseudo-gradient ``-mean(dW)``).
@@ -84,12 +146,19 @@ class CommunicationDelayState:
             0.9, DiLoCo's; 0 is plain SGD).
         fragments: Streaming DiLoCo's fragments, exchanged on staggered steps (1: every parameter at
             once, every ``delay`` steps). At most ``delay`` (each fragment its own step) and at most
-            the number of trainable parameters (checked at :meth:`register`).
+            the number of trainable entries (checked at :meth:`register`).
+        fragment_split: how the parameters are cut into fragments of equal size: ``"strided"``
+            (default, the paper's) or ``"contiguous"`` (see the module docstring).
 
     Call :meth:`after_optimizer_step` after every ``optimizer.step()`` (the Lightning callback
     does). Checkpoints must hold every rank's :meth:`state_dict`: between exchanges the workers'
-    weights differ.
+    weights and buffers differ. Evaluate inside :meth:`global_model`.
     """
+
+    #: Which model evaluation sees (``summary.json``'s ``eval_model``): the synchronized one.
+    eval_model = "global"
+    #: How module buffers are kept in step (``summary.json``'s ``buffer_sync``; :mod:`lgc.ddp.buffers`).
+    buffer_sync = module_buffers.AVERAGE_AT_EXCHANGE
 
     __slots__ = (
         # hyperparameters
@@ -98,11 +167,13 @@ class CommunicationDelayState:
         "outer_lr",
         "outer_momentum",
         "fragments",
+        "fragment_split",
         # internal state
         "exchange_state",  # compressor, byte statistics and collectives, shared with the gradient hook
         "local_steps",  # optimizer steps taken; an exchange follows every delay-th
-        "fragment_of",  # name -> its fragment (built at register())
-        "synced",  # name -> weights after the last exchange (identical on every rank)
+        "slices",  # the fragments' pieces of the parameters, in parameter order (built at register())
+        "synced",  # slice key -> weights after its last exchange (identical on every rank)
+        "synced_buffers",  # buffer name -> value after the last buffer average (identical on every rank)
         "module",  # the wrapped model (per process, not saved)
         "pending",  # a loaded state waiting for register()
         "outer_optimizer",  # torch.optim.SGD over the synchronized weights (outer="sgd"), built at register()
@@ -119,6 +190,7 @@ class CommunicationDelayState:
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
         fragments: int = 1,
+        fragment_split: str = FRAGMENT_SPLITS[0],
     ) -> None:
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
             raise ValueError(f"delay must be a positive number of local steps, got {delay!r}")
@@ -127,6 +199,8 @@ class CommunicationDelayState:
                 f"fragments must be an integer from 1 to delay={delay} (each fragment is exchanged on a step of its "
                 f"own), got {fragments!r}"
             )
+        if fragment_split not in FRAGMENT_SPLITS:
+            raise ValueError(f"fragment_split must be one of {FRAGMENT_SPLITS}, got {fragment_split!r}")
         if outer not in OUTER_OPTIMIZERS:
             raise ValueError(f"outer must be one of {OUTER_OPTIMIZERS}, got {outer!r}")
         if outer == "average" and (outer_lr is not None or outer_momentum is not None):
@@ -152,13 +226,15 @@ class CommunicationDelayState:
         self.outer_lr = float(lr)
         self.outer_momentum = float(momentum)
         self.fragments = fragments
-        self.fragment_of: dict[str, int] = {}
+        self.fragment_split = fragment_split
+        self.slices: tuple[FragmentSlice, ...] = ()
         self.outer_optimizer: torch.optim.SGD | None = None
         self.exchange_state = CompressionHookState(
             compressor, min_numel=min_numel, start_iter=0, process_group=process_group
         )
         self.local_steps = 0
         self.synced: dict[str, Tensor] = {}
+        self.synced_buffers: dict[str, Tensor] = {}
         self.module: nn.Module | None = None
         self.pending: dict[str, Any] | None = None
 
@@ -182,7 +258,7 @@ class CommunicationDelayState:
     def describe(self) -> str:
         text = f"{self.exchange_state.describe()} every {self.delay} local step(s)"
         if self.fragments > 1:
-            text += f" in {self.fragments} staggered fragments"
+            text += f" in {self.fragments} staggered {self.fragment_split} fragments"
         if self.outer == "sgd":
             text += f", outer SGD (lr {self.outer_lr:g}, Nesterov momentum {self.outer_momentum:g})"
         return text
@@ -204,21 +280,28 @@ class CommunicationDelayState:
         return [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
 
     def register(self, model: DistributedDataParallel) -> None:
-        """Register :func:`local_step_hook` on ``model`` and remember its synchronized weights."""
+        """Register :func:`local_step_hook` on ``model`` and remember its synchronized weights and buffers.
+
+        DDP's broadcast of rank 0's buffers before forward passes is turned off
+        (:func:`lgc.ddp.buffers.keep_buffers_local`): the buffers are averaged at exchanges instead.
+        """
         self.module = model.module
         # The compressor learns the parameters' names and shapes (DeMo and chunked top-k tile by shape).
         self.exchange_state.attach(model)
-        self.fragment_of = split_into_fragments(
-            [(name, p.numel()) for name, p in self._named_parameters()], self.fragments
+        self.slices = split_into_fragments(
+            [(name, p.numel()) for name, p in self._named_parameters()], self.fragments, self.fragment_split
         )
         with torch.no_grad():
             if self.pending is not None:
                 self._restore(self.pending)
                 self.pending = None
             else:
-                self.synced = {name: p.detach().clone() for name, p in self._named_parameters()}
+                params = dict(self._named_parameters())
+                self.synced = {s.key: _read(params[s.name], s).clone() for s in self.slices}
+                self.synced_buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
                 self._build_outer_optimizer()
         model.register_comm_hook(self, local_step_hook)
+        module_buffers.keep_buffers_local(model, self)
 
     def _build_outer_optimizer(self) -> None:
         """DiLoCo's outer SGD over the synchronized weights (``outer="sgd"``)."""
@@ -252,14 +335,18 @@ class CommunicationDelayState:
         # Exchanges are numbered in schedule order (the compressor's step counter).
         first = self.exchanges_through(self.local_steps - 1)
         for number, fragment in enumerate(due, start=first):
-            self._exchange([(n, p) for n, p in self._named_parameters() if self.fragment_of[n] == fragment], number)
+            # The buffers go with the fragment exchanged at the end of every delay steps (the last one).
+            with_buffers = self.fragment_step(fragment) == 0
+            self._exchange([s for s in self.slices if s.fragment == fragment], number, with_buffers)
         return bool(due)
 
-    def _exchange(self, named: list[tuple[str, nn.Parameter]], exchange: int) -> None:
-        """Average the weight updates of ``named`` (a fragment, or every parameter) and apply the outer step."""
+    def _exchange(self, pieces: list[FragmentSlice], exchange: int, with_buffers: bool) -> None:
+        """Average the weight updates of ``pieces`` (a fragment, or every parameter) and apply the outer step."""
         world_size = dist.get_world_size(self.process_group)
-        update = torch.cat([(p - self.synced[name]).reshape(-1) for name, p in named]).div_(world_size)
-        segments = self.exchange_state.segments([(name, p.numel()) for name, p in named])
+        params = dict(self._named_parameters())
+        update = torch.cat([(_read(params[s.name], s) - self.synced[s.key]).reshape(-1) for s in pieces])
+        update.div_(world_size)
+        segments = self.exchange_state.segments([(s.key, s.numel) for s in pieces])
         # The hook's step guard, applied to the weight update: every rank agrees whether some
         # rank's weights went non-finite (a local step without a GradScaler to skip it) and which
         # parameters did not move anywhere.
@@ -267,14 +354,16 @@ class CommunicationDelayState:
         verdict = self.exchange_state.agree(pending)
         if verdict.skip:
             # A rank's update is inf/NaN: no average can use it. Every rank returns to the last
-            # synchronized weights, and the residuals stay as they were.
-            for name, param in named:
-                param.copy_(self.synced[name])
+            # synchronized weights (and buffers), and the residuals stay as they were.
+            for s in pieces:
+                _write(params[s.name], s, self.synced[s.key])
+            if with_buffers:
+                self._restore_synced_buffers()
             self.stats.skipped_steps += 1
             return
         self.exchange_state.compress_step(pending, verdict.used, exchange)
-        for (name, _), segment in zip(named, segments, strict=True):
-            synced = self.synced[name]
+        for s, segment in zip(pieces, segments, strict=True):
+            synced = self.synced[s.key]
             averaged = update[segment.offset : segment.offset + segment.numel].view_as(synced)
             if self.outer_optimizer is None:
                 synced += averaged
@@ -283,19 +372,78 @@ class CommunicationDelayState:
         if self.outer_optimizer is not None:
             self.outer_optimizer.step()
             self.outer_optimizer.zero_grad(set_to_none=True)
-        for name, param in named:
-            param.copy_(self.synced[name])
+        for s in pieces:
+            _write(params[s.name], s, self.synced[s.key])
+        if with_buffers:
+            self._average_buffers(world_size)
+
+    def _average_buffers(self, world_size: int) -> None:
+        """Every worker's floating-point buffers averaged (a counted allreduce); all continue from the average.
+
+        Integer buffers (BatchNorm's ``num_batches_tracked``) count forward passes, the same on every
+        rank: they stay as they are. An average that is not finite (a rank's statistics overflowed)
+        is not taken: every rank returns to the last averaged buffers instead.
+        """
+        assert self.module is not None
+        floating = [b for _, b in self.module.named_buffers() if b.is_floating_point()]
+        finite = module_buffers.average_buffers(self.stats, floating, world_size, self.process_group)
+        if not finite:
+            self._restore_synced_buffers()
+            return
+        self.synced_buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+
+    def _restore_synced_buffers(self) -> None:
+        assert self.module is not None
+        for name, buffer in self.module.named_buffers():
+            buffer.copy_(self.synced_buffers[name])
+
+    @contextlib.contextmanager
+    def global_model(self) -> Iterator[nn.Module]:
+        """The synchronized model in the wrapped module for the ``with`` block; the local one back after it.
+
+        Inside, every parameter holds its fragments' last synchronized weights and every buffer the
+        value of the last buffer average (the initial ones before any exchange): the model all
+        workers agree on, which DiLoCo and its successors evaluate. On leaving, this worker's local
+        weights and buffers are copied back bit for bit; the optimizer's state and the random
+        generators are not touched, so training continues as if nothing had been evaluated.
+
+        Example::
+
+            >>> with state.global_model() as model:
+            ...     accuracy = evaluate(model)
+        """
+        assert self.module is not None, "call register(model) first"
+        params = dict(self._named_parameters())
+        local = {name: p.detach().clone() for name, p in params.items()}
+        local_buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        try:
+            with torch.no_grad():
+                for s in self.slices:
+                    _write(params[s.name], s, self.synced[s.key])
+                self._restore_synced_buffers()
+            yield self.module
+        finally:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(local[name])
+                for name, buffer in self.module.named_buffers():
+                    buffer.copy_(local_buffers[name])
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: compressor state, counters, synchronized and local weights."""
-        local = {name: p.detach().cpu().clone() for name, p in self._named_parameters()} if self.module else {}
+        """This rank's state: compressor state, counters, synchronized and local weights and buffers."""
+        module = self.module
+        local = {name: p.detach().cpu().clone() for name, p in self._named_parameters()} if module else {}
+        buffers = {name: b.detach().cpu().clone() for name, b in module.named_buffers()} if module else {}
         return {
             "exchange": self.exchange_state.state_dict(),
             "local_steps": self.local_steps,
             "fragments": self.fragments,
-            "synced": {name: t.detach().cpu().clone() for name, t in self.synced.items()},
-            # Between exchanges every rank has its own weights; the model checkpoint holds rank 0's.
+            "fragment_split": self.fragment_split,
+            "synced": {key: t.detach().cpu().clone() for key, t in self.synced.items()},
+            "synced_buffers": {name: t.detach().cpu().clone() for name, t in self.synced_buffers.items()},
+            # Between exchanges every rank has its own weights and buffers; the model checkpoint holds rank 0's.
             "local_weights": local,
+            "local_buffers": buffers,
             "outer_optimizer": None if self.outer_optimizer is None else self.outer_optimizer.state_dict(),
         }
 
@@ -307,6 +455,18 @@ class CommunicationDelayState:
                 f"the checkpoint was written with fragments={saved_fragments}, this run has "
                 f"fragments={self.fragments}: the fragments' schedule would change mid-run"
             )
+        # One fragment is never cut, whatever the rule; more are cut by the recorded rule only.
+        saved_split = state.get("fragment_split")
+        if self.fragments > 1 and saved_split != self.fragment_split:
+            recorded = (
+                f"fragment_split={saved_split!r}"
+                if saved_split is not None
+                else "no fragment_split (its fragments held whole parameters, cut where their first entry fell)"
+            )
+            raise ValueError(
+                f"the checkpoint was written with {recorded}, this run has fragment_split={self.fragment_split!r}: "
+                "its synchronized weights, outer momentum and residuals belong to other fragments"
+            )
         self.local_steps = int(state["local_steps"])
         if self.module is None:
             self.pending = state
@@ -315,19 +475,36 @@ class CommunicationDelayState:
                 self._restore(state)
 
     def _restore(self, state: dict[str, Any]) -> None:
+        assert self.module is not None
         params = dict(self._named_parameters())
-        self.synced = {name: t.to(params[name].device).clone() for name, t in state["synced"].items()}
+        keys = [s.key for s in self.slices]
+        if sorted(state["synced"]) != sorted(keys):
+            missing = sorted(set(keys) - set(state["synced"]))
+            extra = sorted(set(state["synced"]) - set(keys))
+            raise ValueError(
+                f"the checkpoint's synchronized weights are cut otherwise than this run's fragments "
+                f"(missing: {missing[:3]}, not in this run: {extra[:3]})"
+            )
+        self.synced = {s.key: state["synced"][s.key].to(params[s.name].device).clone() for s in self.slices}
         for name, weights in state["local_weights"].items():
             params[name].copy_(weights)
+        # Absent from checkpoints written while DDP broadcast rank 0's buffers before every forward:
+        # every rank then held the buffers the model checkpoint restored, the best value for both.
+        buffers = dict(self.module.named_buffers())
+        for name, value in state.get("local_buffers", {}).items():
+            buffers[name].copy_(value)
+        saved = state.get("synced_buffers")
+        source = buffers if saved is None else saved
+        self.synced_buffers = {name: source[name].to(b.device).clone() for name, b in buffers.items()}
         self._build_outer_optimizer()
-        saved = state.get("outer_optimizer")  # absent before the outer optimizer existed
-        if (saved is None) != (self.outer_optimizer is None):
+        saved_outer = state.get("outer_optimizer")  # absent before the outer optimizer existed
+        if (saved_outer is None) != (self.outer_optimizer is None):
             raise ValueError(
-                f"the checkpoint was written with outer={'average' if saved is None else 'sgd'!r}, "
+                f"the checkpoint was written with outer={'average' if saved_outer is None else 'sgd'!r}, "
                 f"this run has outer={self.outer!r}"
             )
         if self.outer_optimizer is not None:
-            self.outer_optimizer.load_state_dict(saved)
+            self.outer_optimizer.load_state_dict(saved_outer)
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -336,11 +513,13 @@ class CommunicationDelayState:
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
             "fragments": self.fragments,
-            "fragment_of": {},
+            "fragment_split": self.fragment_split,
+            "slices": (),
             "outer_optimizer": None,
             "exchange_state": self.exchange_state,
             "local_steps": self.local_steps,
             "synced": {},
+            "synced_buffers": {},
             "module": None,
             "pending": self.pending,
         }
@@ -350,34 +529,92 @@ class CommunicationDelayState:
             setattr(self, slot, value)
 
 
-def split_into_fragments(numels: list[tuple[str, int]], fragments: int) -> dict[str, int]:
-    """Each parameter's fragment: consecutive parameters, fragments of about equal size, none empty.
+def _read(param: Tensor, piece: FragmentSlice) -> Tensor:
+    """The weights of ``piece`` (a view where possible): the parameter, or entries of it flattened."""
+    if piece.whole:
+        return param.detach()
+    return param.detach().reshape(-1)[piece.start : piece.stop]
 
-    A parameter goes to the fragment its first element falls in when the total is cut into
-    ``fragments`` equal parts, moved up or down so that every fragment keeps at least one parameter.
+
+def _write(param: Tensor, piece: FragmentSlice, values: Tensor) -> None:
+    """Copy ``values`` into the entries of ``param`` that ``piece`` covers."""
+    if piece.whole:
+        param.copy_(values)
+    elif param.is_contiguous():
+        param.view(-1)[piece.start : piece.stop].copy_(values.reshape(-1))
+    else:  # channels_last and other strided layouts: no flat view to write through
+        flat = param.detach().reshape(-1).clone()
+        flat[piece.start : piece.stop] = values.reshape(-1)
+        param.copy_(flat.view_as(param))
+
+
+def split_into_fragments(
+    numels: list[tuple[str, int]], fragments: int, split: str = FRAGMENT_SPLITS[0]
+) -> tuple[FragmentSlice, ...]:
+    """Cut parameters (name, numel; in model order) into ``fragments`` fragments of equal size.
+
+    The parameters, flattened one after the other, are cut into blocks of equal size (whole
+    entries: sizes differ by at most one) and block ``b`` goes to fragment ``b % fragments``:
+    ``fragments`` blocks for ``split="contiguous"``, ``fragments * ceil(N / fragments)`` for
+    ``"strided"`` (``N = len(numels)``; fewer when the model has fewer entries). A cut that falls
+    within a tenth of a block of a boundary between parameters moves onto it, so small tensors
+    (biases, norm layers) stay whole. A fragment then holds at most ``1.2 * total / fragments``
+    entries (1.00 to 1.12 times it on ResNet-8, -20 and -50 at 2 to 16 fragments), and none is empty.
+
+    Returns:
+        The pieces in parameter order; a parameter inside one block is one whole piece.
+
+    Raises:
+        ValueError: an unknown ``split``, or fewer trainable entries than ``fragments``.
     """
-    if fragments > len(numels):
+    if split not in FRAGMENT_SPLITS:
+        raise ValueError(f"fragment_split must be one of {FRAGMENT_SPLITS}, got {split!r}")
+    total = sum(numel for _, numel in numels)
+    if fragments > total:
         raise ValueError(
-            f"fragments={fragments} is more than the model's {len(numels)} trainable parameters: "
-            "every fragment needs at least one"
+            f"fragments={fragments} is more than the model's {total} trainable entries: every fragment needs "
+            "at least one"
         )
-    total = max(1, sum(numel for _, numel in numels))
-    assigned: dict[str, int] = {}
-    before, previous = 0, 0
-    for index, (name, numel) in enumerate(numels):
-        share = min(fragments - 1, before * fragments // total)
-        # never skip a fragment, and leave one parameter for each fragment still to come
-        fragment = max(min(share, previous + 1), previous, fragments - (len(numels) - index))
-        assigned[name] = previous = fragment
-        before += numel
-    return assigned
+    per_fragment = 1 if split == "contiguous" else math.ceil(len(numels) / fragments)
+    blocks = min(fragments * per_fragment, fragments * (total // fragments))
+    # Block b holds the entries bounds[b]:bounds[b + 1] of the flattened parameters. A cut within a
+    # tenth of a block of a boundary between parameters moves onto it (small tensors stay whole);
+    # blocks then differ from total / blocks by at most a fifth, and none becomes empty.
+    bounds = [block * total // blocks for block in range(blocks + 1)]
+    edges = list(itertools.accumulate(numel for _, numel in numels))
+    slack = total // (10 * blocks)
+    for block in range(1, blocks):
+        cut = bounds[block]
+        index = bisect.bisect_left(edges, cut)
+        nearest = min(edges[max(0, index - 1) : index + 1], key=lambda edge: abs(edge - cut))
+        if abs(nearest - cut) <= slack and bounds[block - 1] < nearest < bounds[block + 1]:
+            bounds[block] = nearest
+    pieces: list[FragmentSlice] = []
+    offset = 0
+    for name, numel in numels:
+        end, position = offset + numel, offset
+        while True:
+            block = min(bisect.bisect_right(bounds, position) - 1, blocks - 1)
+            stop = min(end, bounds[block + 1])
+            start, fragment = position - offset, block % fragments
+            if pieces and pieces[-1].name == name and pieces[-1].fragment == fragment:
+                start = pieces.pop().start  # consecutive blocks of one fragment (fragments == 1): one piece
+            pieces.append(FragmentSlice(name, start, stop - offset, fragment, start == 0 and stop == end))
+            if stop >= end:
+                break
+            position = stop
+        offset = end
+    return tuple(pieces)
 
 
 def local_step_hook(state: CommunicationDelayState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Leave each worker's gradient local (the delay's local steps); count what dense DDP would send."""
+    """Leave each worker's gradient local (the delay's local steps); count what plain DDP would send."""
     buffer = bucket.buffer()
     state.stats.hook_calls += 1
     counted.book_dense_equivalent(state.stats, buffer, state.process_group)
+    if bucket.is_last() and state.module is not None:
+        # Plain DDP would also broadcast rank 0's buffers once per step (lgc.ddp.buffers).
+        module_buffers.book_dense_broadcast(state.stats, list(state.module.buffers()), state.process_group)
     future: torch.futures.Future[Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future

@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CommStats, agree_flags, all_finite, allreduce_as_they_are, finite_flag, run_holding
 
@@ -165,7 +166,8 @@ class TorchHookState:
         """Called once the inner hook has finished ``bucket`` (all of its collectives done)."""
 
     def register(self, model: DistributedDataParallel) -> None:
-        model.register_comm_hook(self, _wrapped_torch_hook)
+        """Register the wrapped hook; module buffers go from rank 0 once per step, counted (:mod:`lgc.ddp.buffers`)."""
+        module_buffers.register_comm_hook(model, self, _wrapped_torch_hook)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stats": vars(self.stats).copy()}

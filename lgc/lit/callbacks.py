@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -13,6 +14,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
+from lgc.ddp.buffers import BROADCAST
 from lgc.ddp.hook import CommStats, CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
@@ -118,6 +120,8 @@ class CompressionCallback(pl.Callback):
         self._pending_optimizer_states: list[dict[str, Any]] | None = None
         # This rank's random generators from a checkpoint, restored once training starts.
         self._pending_rng: dict[str, Any] | None = None
+        # With communication delay, during validation: the synchronized model swapped in (global_model()).
+        self._evaluating: contextlib.ExitStack | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._state = _hook_state(trainer)
@@ -145,6 +149,18 @@ class CompressionCallback(pl.Callback):
         if self._pending_rng is not None:
             set_rng_state(self._pending_rng)
             self._pending_rng = None
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Local steps: validate the synchronized (global) model, as DiLoCo and its successors report,
+        # and give every rank its own weights and buffers back afterwards (on_validation_end).
+        if isinstance(self._state, CommunicationDelayState) and self._state.module is not None:
+            self._evaluating = contextlib.ExitStack()
+            self._evaluating.enter_context(self._state.global_model())
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._evaluating is not None:
+            self._evaluating.close()
+            self._evaluating = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._state is not None
@@ -202,7 +218,12 @@ class RunSummary(pl.Callback):
     the collectives' algorithms put on the network, :mod:`lgc.ddp.wire`) and logical bytes (the
     tensors handed to them) sent/received, their dense equivalents, ``compression_ratio`` (wire
     bytes of a dense ring allreduce over wire bytes sent), ``logical_compression_ratio``,
-    ``payload_compression_ratio``, ``hook_calls``, ``fit_time_s`` and the resolved config. An
+    ``payload_compression_ratio``, ``hook_calls``, ``fit_time_s``, ``eval_model`` (``global``:
+    validation saw the synchronized model; with communication delay every fragment's last
+    synchronized weights and the buffers of the last exchange, otherwise the model every rank
+    shares), ``buffer_sync`` (how module buffers were kept in step: ``broadcast``, rank 0's sent
+    to every rank once per step, or ``average_at_exchange``; :mod:`lgc.ddp.buffers`) with
+    ``wire_buffer_bytes_sent`` (their bytes, part of ``wire_bytes_sent``), and the resolved config. An
     LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
     start from with ``compressor.autoencoder.init=PATH``.
     ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
@@ -246,6 +267,10 @@ class RunSummary(pl.Callback):
             "wire_bytes_sent": total["wire_bytes_sent"],
             "wire_dense_equivalent_bytes": total["wire_dense_equivalent_bytes"],
             "hook_calls": total["hook_calls"],
+            # Which model validation saw, and how module buffers (BatchNorm statistics) were kept in step.
+            "eval_model": getattr(_hook_state(trainer), "eval_model", "global"),
+            "buffer_sync": getattr(_hook_state(trainer), "buffer_sync", BROADCAST),
+            "wire_buffer_bytes_sent": total["wire_buffer_bytes_sent"],
             # Every rank skips the same steps (they agree on it); the count is rank 0's.
             "skipped_steps": workers[0].get("skipped_steps", 0),
             **_ratios(total),
