@@ -141,7 +141,7 @@ class FP4Compressor(Compressor):
             self._tables[name] = byte_table(e3m0_values(), _CODE_BITS).to(device)
         return self._tables[name]
 
-    def payload_from_wire(self, wire: Tensor, numel: int) -> FP4Payload:
+    def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> FP4Payload:
         scale_bytes = 4 * Buckets(numel, self.bucket_size).count
         expected = self.payload_nbytes(numel)
         if wire.numel() != expected:
