@@ -327,6 +327,85 @@ def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
             assert torch.equal(a[step][mask], b[step][mask]) == (step in due), (step, fragment)
 
 
+def _streaming_trace(rank: int, world: int, delay: int, fragments: int, split: str, steps: int) -> dict:
+    """Per local step: the weights before the exchange, after it, and those of :meth:`global_model`."""
+    model = DDP(_net())
+    state = CommunicationDelayState(
+        NoneCompressor(), delay=delay, min_numel=0, outer="sgd", fragments=fragments, fragment_split=split
+    )
+    state.register(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def flat(module: nn.Module) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+    trace = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        (model(x) - y).square().mean().backward()
+        optimizer.step()
+        before = flat(model.module)
+        state.after_optimizer_step()
+        with state.global_model() as module:
+            synced = flat(module)
+        trace.append((before, flat(model.module), synced))
+    return {"trace": trace, "due": [state.fragment_step(f) for f in range(fragments)]}
+
+
+@pytest.mark.parametrize("split", ["strided", pytest.param("contiguous", marks=pytest.mark.slow)])
+def test_streaming_diloco_matches_a_transcription_of_torchfts_fragment_sync(split):
+    """lgc's Streaming DiLoCo against meta-pytorch/torchft ``torchft/local_sgd.py``, ``_StreamingDiLoCoFragment``.
+
+    The transcription keeps, per fragment, the global weights (torchft's ``original_parameters``)
+    and an outer ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)`` of its own, as torchft
+    gives each fragment an outer optimizer. At a fragment's sync step it follows ``prepare_sync``
+    and ``perform_sync`` with ``fragment_update_alpha=0`` (no mixing of local weights): the
+    pseudo-gradient ``original - local`` of every worker, averaged (``_save_grads``,
+    ``_average_grads``); the weights restored to the original (``restore_parameters``); the average
+    set as the gradient (``_set_grads``) and the outer optimizer stepped; the result saved as the new
+    original (``save_parameters``) and kept by the model (``_merge_parameters`` at alpha 0). Which
+    entries form a fragment and when it syncs are lgc's (torchft takes module fragments and
+    ``fragment_sync_offset``s from the caller). Three workers, H = 4, two fragments, 12 steps: after
+    every step each worker's weights equal the transcription's, and :meth:`global_model` holds its
+    original weights (what torchft would restore and evaluate).
+    """
+    delay, fragments, steps, world = 4, 2, 12, 3
+    results = run_workers(_streaming_trace, world, delay, fragments, split, steps)
+    numels = [(name, p.numel()) for name, p in _net().named_parameters()]
+    starts, total = _offsets(numels), sum(n for _, n in numels)
+    members = [torch.zeros(total, dtype=torch.bool) for _ in range(fragments)]
+    for piece in split_into_fragments(numels, fragments, split):
+        members[piece.fragment][starts[piece.name] + piece.start : starts[piece.name] + piece.stop] = True
+    original = torch.cat([p.detach().reshape(-1) for p in _net().parameters()])
+    globals_ = [original[mask].clone() for mask in members]
+    outer = []
+    for weights in globals_:
+        weights.requires_grad_(True)
+        outer.append(torch.optim.SGD([weights], lr=0.7, momentum=0.9, nesterov=True))
+    due = results[0]["due"]
+    for step in range(steps):
+        local = [r["trace"][step][0] for r in results]
+        expected = [w.clone() for w in local]
+        for fragment, mask in enumerate(members):
+            if (step + 1) % delay != due[fragment]:
+                continue
+            weights = globals_[fragment]
+            pseudo = sum(weights.detach() - w[mask] for w in local) / world
+            weights.grad = pseudo
+            outer[fragment].step()
+            outer[fragment].zero_grad()
+            for w in expected:
+                w[mask] = weights.detach()
+        for rank, result in enumerate(results):
+            _, after, synced = result["trace"][step]
+            torch.testing.assert_close(after, expected[rank], rtol=1e-6, atol=1e-7)
+            transcribed = torch.empty(total)
+            for fragment, mask in enumerate(members):
+                transcribed[mask] = globals_[fragment].detach()
+            torch.testing.assert_close(synced, transcribed, rtol=1e-6, atol=1e-7)
+
+
 def test_too_many_fragments_are_refused_before_workers_start(tmp_path):
     from lgc.train import train
 
