@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14, part 6: per-step compression (DGC, LGC, the default shared-index int8) against
+# Per-step compression (DGC, LGC, the default shared-index int8) against
 # local-step methods (SBC with delay, DiLoCo H = 10 and 50, Streaming DiLoCo with 4-bit outer
 # gradients, SparseLoCo H = 10) and DeMo, at equal steps, on two stages:
 #   1. lgc-bench network: 4 workers, each link shaped to 100 Mbit/s, digits ResNet-8, STEPS steps;
@@ -14,7 +14,7 @@ out=${1:-outputs/outer_step_comparison}
 steps=${STEPS:-200}
 if [[ "${STAGES:-1 2}" == *1* ]]; then
   methods="none,dgc,sbc:delay=4,lgc_rar,shared_topk_int8,none:delay=10;outer=sgd,none:delay=50;outer=sgd"
-  methods+=",sparseloco:delay=10,demo:lr=0.003,fp4:delay=10;outer=sgd;fragments=2;min_numel=1"
+  methods+=",sparseloco:delay=10,demo:lr=0.003,fp4:delay=10;outer=sgd;fragments=2"
   lgc-bench network --workers 4 --bandwidth 100mbit --steps "$steps" --eval-every 10 --target 0.9 \
     --methods "$methods" --out "$out/network"
 fi

@@ -32,13 +32,19 @@ def _step(model: DDP, step: int, optimizer: torch.optim.Optimizer | None = None)
         optimizer.step()
 
 
-def _one_compressed_step(rank: int, world: int, kwargs: dict) -> dict:
+def _warmed_up(kwargs: dict) -> tuple[DDP, SharedIndexState, torch.optim.Optimizer]:
+    """A model with the shared-index hook, past its two warm-up steps (the next step is compressed)."""
     model = DDP(_net(), bucket_cap_mb=0.01)
     state = _state(measure_error=True, **kwargs)
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(2):
         _step(model, step, optimizer)
+    return model, state, optimizer
+
+
+def _one_compressed_step(rank: int, world: int, kwargs: dict) -> dict:
+    model, state, _ = _warmed_up(kwargs)
     payload_before = state.stats.payload_bytes
     observed = observe_step(model, state, 2, rank, world)
     return {
@@ -93,12 +99,7 @@ def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_roun
 
 
 def _rotating_steps(rank: int, world: int, kwargs: dict) -> list[dict]:
-    model = DDP(_net(), bucket_cap_mb=0.01)
-    state = _state(rotate_leader=True, **kwargs)
-    state.register(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(2):
-        _step(model, step, optimizer)
+    model, state, optimizer = _warmed_up({**kwargs, "rotate_leader": True})
     observed = []
     for step in range(2, 2 + world):
         observed.append(observe_step(model, state, step, rank, world))
