@@ -50,7 +50,7 @@ from lgc.compressors import (
     TernGradCompressor,
     TopKCompressor,
 )
-from lgc.compressors.base import DEFAULT_MIN_NUMEL, compressor_chain
+from lgc.compressors.base import compressor_chain
 from lgc.compressors.demo import DeMoCompressor, check_demo_optimizer
 from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, check_optimizer_momentum
 from lgc.ddp.hook import CompressionHookState
@@ -286,9 +286,9 @@ def compress(
         fragment_split: with ``fragments``, how they are cut to equal sizes: ``"strided"`` (default,
             the paper's) or ``"contiguous"`` (:func:`lgc.ddp.local_sgd.split_into_fragments`).
         min_numel: parameters with fewer elements go dense. ``None`` (default): the method's own,
-            part of its definition (:attr:`~lgc.compressors.Compressor.default_min_numel`): every
-            parameter for ``demo``, ``sparseloco`` and ``chunked_topk``, as their references send;
-            1,024 for the others (biases and norm layers dense).
+            part of its definition (:attr:`~lgc.compressors.Compressor.default_min_numel`): 1 (every
+            parameter) for the methods whose reference sends every tensor, 1,024 for the others
+            (biases and norm layers dense).
         start_iter: plain-allreduce iterations before compressing (lgc compressors only; default 1).
         process_group: the group to communicate in (default: the world).
         optimizer_momentum / optimizer_weight_decay: what the optimizer will apply, for DGC when the
@@ -473,7 +473,7 @@ def _build(
                 if min_numel is not None:
                     raise ValueError(f"min_numel does not apply to {what}: PyTorch's hook compresses every parameter")
                 return entry.cls(**kwargs)
-            return entry.cls(**kwargs, min_numel=_or(min_numel, DEFAULT_MIN_NUMEL), process_group=process_group)
+            return entry.cls(**kwargs, min_numel=min_numel, process_group=process_group)
         compressor: Compressor = entry.cls(**kwargs)
         wrap = entry.error_feedback if error_feedback is None else error_feedback
     elif isinstance(method, Compressor):

@@ -54,9 +54,14 @@ def reference_device(request):
         yield torch.device("cpu")
         return
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.fp32_precision, cudnn.fp32_precision
-    matmul.fp32_precision = cudnn.fp32_precision = "ieee"
+    # fp32_precision replaced allow_tf32 in torch 2.9; the project admits older releases too.
+    setting = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    off = "ieee" if setting == "fp32_precision" else False
+    saved = getattr(matmul, setting), getattr(cudnn, setting)
+    setattr(matmul, setting, off)
+    setattr(cudnn, setting, off)
     try:
         yield torch.device("cuda")
     finally:
-        matmul.fp32_precision, cudnn.fp32_precision = saved
+        setattr(matmul, setting, saved[0])
+        setattr(cudnn, setting, saved[1])

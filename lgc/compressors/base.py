@@ -131,7 +131,8 @@ class Compressor(abc.ABC):
     shared_seed: int = 0
     #: The hook's ``min_numel`` that is part of this method's definition (tensors with fewer
     #: elements are sent dense), used wherever no ``min_numel`` is given (:func:`method_min_numel`);
-    #: ``None``: :data:`DEFAULT_MIN_NUMEL`. DeMo and SparseLoCo's chunked top-k send every tensor (1).
+    #: ``None``: :data:`DEFAULT_MIN_NUMEL`. 1 where the reference sends every tensor (DeMo, SparseLoCo's
+    #: chunked top-k, Streaming DiLoCo's fp4).
     default_min_numel: int | None = None
 
     @abc.abstractmethod
