@@ -7,9 +7,10 @@
 #   fp32, fp16 and int8 (30 warm-up steps, raw positions), lgc-train's default (shared-index int8,
 #   1 warm-up step, Golomb positions) and leader-scaled; and dense for reference.
 # Every leader-index run measures the relative error of the sums it delivers at the leader's
-# positions (measure_error: one uncounted allreduce more). Density 1 % first, then 0.1 %. One seed.
+# positions (measure_error: one uncounted allreduce more). Density 1 % first, then 0.1 %, one seed;
+# then seeds 1 and 2 of the default and LGC-RAR at 1 %.
 # Resumable: a run with a summary.json is skipped. Then lgc-report writes OUT/report/.
-#   DENSITIES="0.01 0.001" LEADERS="rotating fixed" EPOCHS=46 experiments/lgc_rotation.sh [OUT]
+#   DENSITIES="0.01 0.001" LEADERS="rotating fixed" SEEDS="1 2" EPOCHS=46 experiments/lgc_rotation.sh [OUT]
 set -euo pipefail
 out=${1:-outputs/lgc_rotation}
 epochs=${EPOCHS:-46}
@@ -32,7 +33,8 @@ codec() {  # codec NAME DENSITY ARGS...: the codec with each leader
     run "${name}_${density}_$leader" compressor.density="$density" compressor.rotate_leader=$rotate "$@"
   done
 }
-for density in ${DENSITIES:-0.01 0.001}; do
+codecs() {  # codecs DENSITY: every leader-index codec with each leader
+  local density=$1
   codec lgc_rar "$density" experiment=embedded/lgc_rar compressor.measure_error=true
   codec shared_int8_w1_golomb "$density" experiment=embedded/shared_topk_int8 compressor.warmup_steps=1 \
     compressor.index_coding=golomb compressor.value_order=position
@@ -44,5 +46,17 @@ for density in ${DENSITIES:-0.01 0.001}; do
   codec shared_fp32 "$density" experiment=embedded/shared_topk
   codec leader_scaled "$density" experiment=embedded/leader_scaled
   codec lgc_rar_w1 "$density" experiment=embedded/lgc_rar compressor.measure_error=true compressor.warmup_steps=1
+}
+seeds() {  # more seeds (model initialization and data order) of the default and LGC-RAR at 1 %
+  for seed in ${SEEDS:-1 2}; do
+    codec "shared_int8_w1_golomb_seed$seed" 0.01 experiment=embedded/shared_topk_int8 compressor.warmup_steps=1 \
+      compressor.index_coding=golomb compressor.value_order=position seed="$seed"
+    codec "lgc_rar_seed$seed" 0.01 experiment=embedded/lgc_rar compressor.measure_error=true seed="$seed"
+  done
+}
+for density in ${DENSITIES:-0.01 0.001}; do
+  codecs "$density"
+  # The seeds follow the 1 % rows, so a sweep stopped early has the interval before the 0.1 % rows.
+  if [ "$density" = 0.01 ]; then seeds; fi
 done
 lgc-report "$out" --out "$out/report"
