@@ -428,7 +428,7 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
     if isinstance(hook_state, CommunicationDelayState):
         try:  # the fragments need the model's parameters: checked here, before any worker starts
             split_into_fragments(
-                [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad],
+                [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad],
                 hook_state.fragments,
                 hook_state.fragment_split,
             )

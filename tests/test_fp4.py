@@ -132,9 +132,9 @@ def test_two_workers_exchange_4_bit_outer_gradients_per_fragment_and_count_their
     piece, and the allgathered bytes are the payloads' (with 2 workers a ring allgather sends one)."""
     steps = 8
     results = run_workers(_streaming, 2, steps)
-    numels = [(name, p.numel()) for name, p in _net().named_parameters()]
-    pieces = split_into_fragments(numels, 2)
-    offsets = {name: sum(n for _, n in numels[:i]) for i, (name, _) in enumerate(numels)}
+    shapes = [(name, p.shape) for name, p in _net().named_parameters()]
+    pieces = split_into_fragments(shapes, 2)
+    offsets = {name: sum(math.prod(s) for _, s in shapes[:i]) for i, (name, _) in enumerate(shapes)}
     fp4 = FP4Compressor(64)
     synced = torch.cat([p.detach().reshape(-1) for p in _net().parameters()])
     payload = 0
@@ -143,7 +143,7 @@ def test_two_workers_exchange_4_bit_outer_gradients_per_fragment_and_count_their
         if fragment is None:
             continue
         for piece in (p for p in pieces if p.fragment == fragment):
-            where = slice(offsets[piece.name] + piece.start, offsets[piece.name] + piece.stop)
+            where = slice(offsets[piece.name] + piece.entries.start, offsets[piece.name] + piece.entries.stop)
             update = sum(
                 fp4.decompress(fp4.compress((r["flat"][step][0][where] - synced[where]) / 2, piece.key))
                 for r in results

@@ -1,5 +1,7 @@
 """SBC's communication delay: local steps, then a compressed weight-update exchange."""
 
+import math
+
 import pytest
 import torch
 from distributed import run_workers
@@ -7,6 +9,7 @@ from test_train import _load, compose_cfg
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import lgc
 from lgc import ErrorFeedback, NoneCompressor, TopKCompressor
 from lgc.ddp.local_sgd import CommunicationDelayState, split_into_fragments
 
@@ -181,57 +184,84 @@ def _fragment_sizes(pieces, fragments: int) -> list[int]:
     return sizes
 
 
-def _covers_every_entry_once(numels, pieces) -> bool:
-    """Every parameter's pieces tile its entries: in order, without gaps or overlaps."""
-    reached = dict.fromkeys((name for name, _ in numels), 0)
+def _covers_every_row_once(shapes, pieces) -> bool:
+    """Every parameter's pieces are its rows in order, without gaps or overlaps, each of its own shape."""
+    dims = dict(shapes)
+    reached = dict.fromkeys(dims, 0)
     for piece in pieces:  # in parameter order
-        if piece.start != reached[piece.name] or piece.stop <= piece.start and piece.stop != 0:
+        shape = tuple(dims[piece.name])
+        if piece.start != reached[piece.name] or piece.stop <= piece.start:
+            return False
+        if piece.shape != ((piece.stop - piece.start, *shape[1:]) if shape else ()):
             return False
         reached[piece.name] = piece.stop
-    return all(reached[name] == numel for name, numel in numels)
+    return all(reached[name] == (shape[0] if shape else 1) for name, shape in dims.items())
 
 
-def _offsets(numels) -> dict[str, int]:
-    """Where each parameter starts in the flattened parameters."""
-    offsets, total = {}, 0
-    for name, numel in numels:
-        offsets[name], total = total, total + numel
-    return offsets
+def _fragment_masks(module: nn.Module, fragments: int, split: str = "strided") -> list[torch.Tensor]:
+    """Per fragment, which entries of the flattened parameters it holds."""
+    shapes = [(name, p.shape) for name, p in module.named_parameters()]
+    starts, total = {}, 0
+    for name, p in module.named_parameters():
+        starts[name], total = total, total + p.numel()
+    masks = [torch.zeros(total, dtype=torch.bool) for _ in range(fragments)]
+    for piece in split_into_fragments(shapes, fragments, split):
+        entries = piece.entries
+        masks[piece.fragment][starts[piece.name] + entries.start : starts[piece.name] + entries.stop] = True
+    return masks
 
 
-def test_fragments_cut_the_flattened_parameters_into_equal_blocks():
-    sizes = [("a", 10), ("b", 1000), ("c", 5), ("d", 1000), ("e", 3)]
+def test_fragments_cut_parameters_only_where_balance_needs_it_and_only_between_rows():
+    sizes = [("a", (10,)), ("b", (40, 25)), ("c", (5,)), ("d", (40, 25)), ("e", (3,))]
     whole = split_into_fragments(sizes, 1)
     assert [(p.key, p.fragment) for p in whole] == [(name, 0) for name, _ in sizes]
-    # contiguous: two halves of the 2,018 entries, cut at 1,009, a boundary between parameters
-    # (1,010, after "b") is within a tenth of a block (100 entries): the cut moves onto it.
-    halves = split_into_fragments(sizes, 2, "contiguous")
-    assert [(p.key, p.fragment) for p in halves] == [("a", 0), ("b", 0), ("c", 1), ("d", 1), ("e", 1)]
-    assert _fragment_sizes(halves, 2) == [1010, 1008]
-    # strided: 2 * ceil(5 / 2) = 6 blocks of about 336 entries dealt out in turn (0, 1, 0, 1, 0, 1),
-    # the cut at 1,009 moved onto 1,010 again; the others fall inside "b" and "d", which are cut.
-    strided = split_into_fragments(sizes, 2)
-    assert [(p.key, p.fragment) for p in strided] == [
-        ("a", 0), ("b[0:326]", 0), ("b[326:662]", 1), ("b[662:1000]", 0), ("c", 1),
-        ("d[0:330]", 1), ("d[330:666]", 0), ("d[666:1000]", 1), ("e", 1),
+    # Two fragments of the 2,018 entries: no tensor needs cutting. contiguous: the cut at 1,009 moves
+    # onto the boundary after "b" (1,010); strided deals the two matrices to fragments 0 and 1, then
+    # the vectors to the emptier one (a: 0, tied at 1,000; c and e: 1).
+    for split in ("contiguous", "strided"):
+        halves = split_into_fragments(sizes, 2, split)
+        assert [(p.key, p.fragment) for p in halves] == [("a", 0), ("b", 0), ("c", 1), ("d", 1), ("e", 1)]
+        assert _fragment_sizes(halves, 2) == [1010, 1008]
+    # Four: a share is 504.5 entries, and each matrix is cut into its rows 0:20 and 20:40 (500 entries).
+    # strided deals them out in turn, then a (10), c (5) and e (3) to fragments 0, 1, 2.
+    strided = split_into_fragments(sizes, 4)
+    assert [(p.key, p.fragment, p.shape) for p in strided] == [
+        ("a", 0, (10,)), ("b[0:20]", 0, (20, 25)), ("b[20:40]", 1, (20, 25)), ("c", 1, (5,)),
+        ("d[0:20]", 2, (20, 25)), ("d[20:40]", 3, (20, 25)), ("e", 2, (3,)),
     ]  # fmt: skip
-    assert _fragment_sizes(strided, 2) == [1010, 1008]
-    for pieces in (whole, halves, strided):
-        assert _covers_every_entry_once(sizes, pieces)
-    with pytest.raises(ValueError, match="fragments=2019 is more than the model's 2018 trainable entries"):
-        split_into_fragments(sizes, 2019)
+    assert _fragment_sizes(strided, 4) == [510, 505, 503, 500]
+    # contiguous cuts at 504.5, 1009 and 1513.5: the middle one onto the boundary after "b", the
+    # others onto row 20 of a matrix (entry 510 and 1,515).
+    contiguous = split_into_fragments(sizes, 4, "contiguous")
+    assert [(p.key, p.fragment) for p in contiguous] == [
+        ("a", 0), ("b[0:20]", 0), ("b[20:40]", 1), ("c", 2), ("d[0:20]", 2), ("d[20:40]", 3), ("e", 3),
+    ]  # fmt: skip
+    # Three: halves of a matrix (500 entries) leave one fragment with two (1,000, 1.49 shares), so
+    # the matrices are cut in quarters (rows 0:10, 10:20, ...), dealt out as 0, 1, 2, 0, 1, 2, 0, 1.
+    thirds = split_into_fragments(sizes, 3)
+    assert [(p.key, p.fragment) for p in thirds][1:5] == [
+        ("b[0:10]", 0),
+        ("b[10:20]", 1),
+        ("b[20:30]", 2),
+        ("b[30:40]", 0),
+    ]
+    assert _fragment_sizes(thirds, 3) == [750, 750, 518]
+    for pieces in (whole, halves, strided, contiguous, thirds):
+        assert _covers_every_row_once(sizes, pieces)
+    with pytest.raises(ValueError, match=r"fragments=99 is more than the model's 98 rows of trainable weights"):
+        split_into_fragments(sizes, 99)  # 10 + 40 + 5 + 40 + 3 rows
     with pytest.raises(ValueError, match="fragment_split must be one of .*, got 'layers'"):
         split_into_fragments(sizes, 2, "layers")
 
 
-def _model_numels(name: str) -> list[tuple[str, int]]:
+def _model_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
     from lgc.models import resnet8, resnet20
     from lgc.models.torchvision_resnet import resnet50
 
     build = {"resnet8": resnet8, "resnet20": resnet20, "resnet50": resnet50}[name]
     with torch.device("meta"):  # shapes only: ResNet-50's 23.5 M weights are never allocated
         model = build(num_classes=10)
-    return [(n, p.numel()) for n, p in model.named_parameters()]
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
 @pytest.mark.parametrize("split", ["strided", "contiguous"])
@@ -239,25 +269,85 @@ def _model_numels(name: str) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("model", ["resnet8", "resnet20", "resnet50"])
 def test_no_fragment_holds_more_than_a_quarter_above_an_equal_share(model, fragments, split):
     """Streaming DiLoCo's peak bandwidth falls by F only if the fragments are of about equal size."""
-    numels = _model_numels(model)
-    total = sum(n for _, n in numels)
-    pieces = split_into_fragments(numels, fragments, split)
+    shapes = _model_shapes(model)
+    total = sum(math.prod(shape) for _, shape in shapes)
+    pieces = split_into_fragments(shapes, fragments, split)
     sizes = _fragment_sizes(pieces, fragments)
     assert min(sizes) > 0 and max(sizes) <= 1.25 * total / fragments, sizes
-    assert _covers_every_entry_once(numels, pieces)
-    # A piece is a whole parameter, or a cut inside a tensor of at least a tenth of a block.
-    assert all(p.whole or p.numel * 10 * fragments >= total // len(numels) for p in pieces)
+    # Every piece is rows of a parameter, of the parameter's dimensions.
+    assert _covers_every_row_once(shapes, pieces)
 
 
-def test_strided_fragments_span_the_whole_depth_of_the_network():
-    """The paper's strided pattern: every fragment holds entries in the first and in the last 15 % of the model."""
-    numels = _model_numels("resnet20")
-    starts, total = _offsets(numels), sum(n for _, n in numels)
-    for fragments in (2, 4, 8):
-        for f in range(fragments):
-            pieces = [p for p in split_into_fragments(numels, fragments) if p.fragment == f]
-            assert min(starts[p.name] + p.start for p in pieces) < 0.15 * total, (fragments, f)
-            assert max(starts[p.name] + p.stop for p in pieces) > 0.85 * total, (fragments, f)
+def test_strided_fragments_deal_equal_blocks_round_robin_as_the_paper():
+    """Twelve equal blocks (a weight and a bias each, as a transformer's): block b in fragment b % F."""
+    shapes = [
+        (f"{block}.{kind}", shape) for block in range(12) for kind, shape in (("weight", (32, 32)), ("bias", (32,)))
+    ]
+    for fragments in (2, 3, 4, 6):
+        pieces = split_into_fragments(shapes, fragments)
+        assert all(p.whole for p in pieces)
+        assert [p.fragment for p in pieces] == [int(p.name.split(".")[0]) % fragments for p in pieces]
+
+
+def _resnet8_exchanges(method: str, fragments: int, delay: int = 4) -> CommunicationDelayState:
+    """ResNet-8 trained for ``delay`` local steps in a group of one under ``method`` with ``fragments``."""
+    from lgc.models import resnet8
+
+    torch.manual_seed(0)
+    model = DDP(resnet8(num_classes=10))
+    state = lgc.compress(model, method, delay=delay, fragments=fragments)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(delay):
+        x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        state.after_optimizer_step()
+    return state
+
+
+@pytest.mark.parametrize("method", ["sparseloco", "demo"])
+def test_tiled_compressors_send_as_much_per_delay_steps_in_fragments_as_at_once(group, method):
+    """SparseLoCo and DeMo keep ``k`` entries (coefficients) of every tile. ResNet-8's two fragments
+    cut no tensor, so their payloads over H steps are those of one exchange of everything; four cut
+    its 64-channel convolution in two matrices of 32 rows, a row of tiles each (a quarter more)."""
+    at_once, halves, quarters = (_resnet8_exchanges(method, f).stats.payload_bytes for f in (1, 2, 4))
+    assert halves == at_once > 0
+    assert at_once < quarters <= 1.25 * at_once
+
+
+def test_a_tiled_compressor_tiles_each_piece_of_a_cut_parameter_as_the_matrix_of_its_rows(group):
+    """Every piece of a cut parameter is attached to the compressor by its key, as a view of its rows:
+    chunked top-k tiles it ``split(rows) x split(cols)`` (the references' rule on the piece's matrix)
+    and reads the piece's own entries."""
+    from references import get_smaller_split
+
+    from lgc.compressors import ChunkedTopKCompressor
+    from lgc.models import resnet8
+
+    class Recording(ChunkedTopKCompressor):
+        def attach_parameters(self, parameters):
+            super().attach_parameters(parameters)
+            self.attached = dict(parameters)
+
+    compressor = Recording(chunk=64, k=64)
+    model = DDP(resnet8(num_classes=10))
+    state = CommunicationDelayState(ErrorFeedback(compressor), delay=4, fragments=4)
+    state.register(model)
+    params = dict(model.module.named_parameters())
+    pieces = [s for s in state.slices if not s.whole]
+    assert [s.key for s in pieces] == ["layers.2.conv2.weight[0:32]", "layers.2.conv2.weight[32:64]"]
+    for piece in pieces:
+        rows, cols = piece.stop - piece.start, math.prod(piece.shape[1:])
+        h, w = get_smaller_split(rows, 64), get_smaller_split(cols, 64)
+        layout = compressor.layout(piece.key, piece.numel)
+        assert layout.tile_shape == (h, w) == (32, 64)
+        assert layout.count == (rows // h) * (cols // w) * 64 == 9 * 64
+        view = compressor.attached[piece.key]
+        with torch.no_grad():
+            params[piece.name].mul_(2)  # an optimizer step in place: the view follows it
+        assert view.shape == piece.shape and torch.equal(view, params[piece.name][piece.start : piece.stop])
 
 
 @pytest.mark.parametrize("fragments", [0, 5, 2.0, True])
@@ -303,13 +393,9 @@ def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
     delay, steps = 4, 8
     whole = run_workers(_train, 2, NoneCompressor(), delay, steps)
     streamed = run_workers(_train, 2, NoneCompressor(), delay, steps, {"fragments": 2})
-    numels = [(name, p.numel()) for name, p in _net().named_parameters()]
-    starts, total = _offsets(numels), sum(n for _, n in numels)
-    masks = [torch.zeros(total, dtype=torch.bool) for _ in range(2)]
-    for piece in split_into_fragments(numels, 2):
-        masks[piece.fragment][starts[piece.name] + piece.start : starts[piece.name] + piece.stop] = True
+    masks = _fragment_masks(_net(), 2)
     sizes = [int(mask.sum()) for mask in masks]
-    assert abs(sizes[0] - sizes[1]) <= 0.05 * total
+    assert 0 < min(sizes) and max(sizes) <= 1.25 * sum(sizes) / 2
     for result in streamed:
         sent = result["sent"]
         increments = [b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)]
@@ -350,7 +436,7 @@ def _streaming_trace(rank: int, world: int, delay: int, fragments: int, split: s
         with state.global_model() as module:
             synced = flat(module)
         trace.append((before, flat(model.module), synced))
-    return {"trace": trace, "due": [state.fragment_step(f) for f in range(fragments)]}
+    return {"trace": trace}
 
 
 @pytest.mark.parametrize("split", ["strided", pytest.param("contiguous", marks=pytest.mark.slow)])
@@ -364,39 +450,45 @@ def test_streaming_diloco_matches_a_transcription_of_torchfts_fragment_sync(spli
     pseudo-gradient ``original - local`` of every worker, averaged (``_save_grads``,
     ``_average_grads``); the weights restored to the original (``restore_parameters``); the average
     set as the gradient (``_set_grads``) and the outer optimizer stepped; the result saved as the new
-    original (``save_parameters``) and kept by the model (``_merge_parameters`` at alpha 0). Which
-    entries form a fragment and when it syncs are lgc's (torchft takes module fragments and
-    ``fragment_sync_offset``s from the caller). Three workers, H = 4, two fragments, 12 steps: after
-    every step each worker's weights equal the transcription's, and :meth:`global_model` holds its
-    original weights (what torchft would restore and evaluate).
+    original (``save_parameters``) and kept by the model (``_merge_parameters`` at alpha 0). Three
+    workers, H = 4, two fragments, 12 steps: after every step each worker's weights equal the
+    transcription's, and :meth:`global_model` holds its original weights (what torchft would
+    restore and evaluate).
+
+    When a fragment syncs is torchft's too, transcribed from ``DiLoCo._step_post_hook`` (with
+    ``fragment_sync_delay=0`` and every commit succeeding): a local step counter that reaches
+    ``sync_every // len(model_fragments)`` syncs fragment ``manager.current_step() % len(self._fragments)``
+    (``_current_fragment``), the manager's step grows by one per commit (``Manager.should_commit``)
+    and the counter restarts. Which entries form a fragment is lgc's (torchft takes module fragments
+    from the caller).
     """
     delay, fragments, steps, world = 4, 2, 12, 3
     results = run_workers(_streaming_trace, world, delay, fragments, split, steps)
-    numels = [(name, p.numel()) for name, p in _net().named_parameters()]
-    starts, total = _offsets(numels), sum(n for _, n in numels)
-    members = [torch.zeros(total, dtype=torch.bool) for _ in range(fragments)]
-    for piece in split_into_fragments(numels, fragments, split):
-        members[piece.fragment][starts[piece.name] + piece.start : starts[piece.name] + piece.stop] = True
+    members = _fragment_masks(_net(), fragments, split)
+    total = members[0].numel()
     original = torch.cat([p.detach().reshape(-1) for p in _net().parameters()])
     globals_ = [original[mask].clone() for mask in members]
     outer = []
     for weights in globals_:
         weights.requires_grad_(True)
         outer.append(torch.optim.SGD([weights], lr=0.7, momentum=0.9, nesterov=True))
-    due = results[0]["due"]
+    sync_every = delay // fragments  # torchft: DiLoCo.__init__ divides sync_every by the fragments
+    local_step = manager_step = 0
     for step in range(steps):
         local = [r["trace"][step][0] for r in results]
         expected = [w.clone() for w in local]
-        for fragment, mask in enumerate(members):
-            if (step + 1) % delay != due[fragment]:
-                continue
-            weights = globals_[fragment]
+        local_step += 1
+        if local_step == sync_every:
+            fragment = manager_step % fragments
+            mask, weights = members[fragment], globals_[fragment]
             pseudo = sum(weights.detach() - w[mask] for w in local) / world
             weights.grad = pseudo
             outer[fragment].step()
             outer[fragment].zero_grad()
             for w in expected:
                 w[mask] = weights.detach()
+            manager_step += 1
+            local_step = 0
         for rank, result in enumerate(results):
             _, after, synced = result["trace"][step]
             torch.testing.assert_close(after, expected[rank], rtol=1e-6, atol=1e-7)
@@ -409,8 +501,10 @@ def test_streaming_diloco_matches_a_transcription_of_torchfts_fragment_sync(spli
 def test_too_many_fragments_are_refused_before_workers_start(tmp_path):
     from lgc.train import train
 
-    cfg = compose_cfg(tmp_path, "comm.delay=100000", "comm.fragments=100000")
-    with pytest.raises(ValueError, match="comm.fragments: fragments=100000 is more than the model's 75002 trainable"):
+    cfg = compose_cfg(tmp_path, "comm.delay=100000", "comm.fragments=741")
+    with pytest.raises(
+        ValueError, match="comm.fragments: fragments=741 is more than the model's 740 rows of trainable"
+    ):
         train(cfg)
     assert not (tmp_path / ".workers").exists()
 
@@ -457,7 +551,8 @@ def test_the_global_model_is_every_fragments_last_synchronized_weights_and_train
 
     Evaluated mid-interval (after local steps 3, 5 and 7), the module holds, on both ranks alike,
     each fragment's weights as its last exchange left them (the initial ones before it had one) and
-    the buffers averaged at the last step-4 exchange; the local weights, buffers and optimizer state
+    the floating-point buffers averaged at the last step-4 exchange (BatchNorm's counter of forward
+    passes stays the worker's own); the local weights, buffers and optimizer state
     come back, so training continues bit for bit as in a run that never evaluated.
     """
     steps, evaluate_after = 8, (2, 4, 6)
@@ -467,8 +562,7 @@ def test_the_global_model_is_every_fragments_last_synchronized_weights_and_train
         for step, (x, y) in enumerate(zip(a["trace"], b["trace"], strict=True)):
             assert all(torch.equal(x[k], y[k]) for k in x), f"training changed after evaluating, step {step}"
     initial = _snapshot(_bn_net())
-    numels = [(name, p.numel()) for name, p in _bn_net().named_parameters()]
-    pieces = split_into_fragments(numels, 2)
+    pieces = split_into_fragments([(name, p.shape) for name, p in _bn_net().named_parameters()], 2)
     # Step index of each fragment's last exchange before an evaluation (None: not exchanged yet).
     last_exchange = {2: {0: 1, 1: None}, 4: {0: 1, 1: 3}, 6: {0: 5, 1: 3}}
     for step in evaluate_after:
@@ -479,14 +573,90 @@ def test_the_global_model_is_every_fragments_last_synchronized_weights_and_train
                 source = last_exchange[step][piece.fragment]
                 expected = (initial if source is None else trace[source])[piece.name].reshape(-1)
                 got = evaluated[piece.name].reshape(-1)
-                assert torch.equal(got[piece.start : piece.stop], expected[piece.start : piece.stop]), (step, piece)
+                assert torch.equal(got[piece.entries], expected[piece.entries]), (step, piece)
             buffers = initial if step < 3 else trace[3]
-            for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
-                expected = buffers[name]
-                assert torch.equal(evaluated[name], expected) or name.endswith("num_batches_tracked"), (step, name)
+            for name in ("1.running_mean", "1.running_var"):
+                assert torch.equal(evaluated[name], buffers[name]), (step, name)
+            # The counter of forward passes is never averaged: it stays this worker's, one per local step.
+            assert int(evaluated["1.num_batches_tracked"]) == int(trace[step]["1.num_batches_tracked"]) == step + 1
             # The local model differs from it mid-interval: the evaluation did not see it.
             assert not torch.equal(evaluated["0.weight"], evaluating[rank]["trace"][step]["0.weight"])
         assert torch.equal(evaluating[0]["outputs"][step], evaluating[1]["outputs"][step])
+
+
+def _one_local_step(state: CommunicationDelayState, model: DDP) -> None:
+    """A local SGD step on a batch of this rank's (with H = 4 and two fragments: no exchange yet)."""
+    x, y = _batch(0, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    (model(x) - y).square().mean().backward()
+    optimizer.step()
+    state.after_optimizer_step()
+
+
+def _registered_bn_state() -> tuple[CommunicationDelayState, DDP]:
+    model = DDP(_bn_net())
+    state = CommunicationDelayState(NoneCompressor(), delay=4, min_numel=0, fragments=2)
+    state.register(model)
+    _one_local_step(state, model)
+    return state, model
+
+
+def test_global_model_is_not_nested_and_a_checkpoint_taken_inside_it_keeps_the_local_weights(group):
+    """Inside ``global_model()`` the module holds the synchronized weights: ``state_dict()`` saves the
+    local ones held aside, and a nested ``global_model()`` (which would hold the global weights as
+    local ones and never give the local ones back), an exchange or a load raise."""
+    state, model = _registered_bn_state()
+    local = _snapshot(model.module)
+    outside = state.state_dict()
+    with state.global_model() as module:
+        assert not torch.equal(module[0].weight, local["0.weight"])  # the synchronized (initial) weights
+        inside = state.state_dict()
+        with pytest.raises(RuntimeError, match=r"global_model\(\) inside global_model\(\)"):
+            with state.global_model():
+                pass
+        with pytest.raises(RuntimeError, match=r"after_optimizer_step\(\) inside global_model\(\)"):
+            state.after_optimizer_step()
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(\) inside global_model\(\)"):
+            state.load_state_dict(outside)
+    for key in ("local_weights", "local_buffers", "synced", "synced_buffers"):
+        assert inside[key].keys() == outside[key].keys()
+        assert all(torch.equal(inside[key][name], outside[key][name]) for name in outside[key]), key
+    assert inside["local_steps"] == state.local_steps == 1
+    after = _snapshot(model.module)
+    assert all(torch.equal(after[name], local[name]) for name in local)
+
+
+def test_the_lightning_callback_gives_the_local_model_back_when_validation_does_not_end(group):
+    """``on_validation_start`` swaps the global model in; an exception or the end of the run (no
+    ``on_validation_end``) puts the local one back, and a second start without an end is refused
+    without losing the first."""
+    from lgc.lit.callbacks import CompressionCallback
+
+    state, model = _registered_bn_state()
+    local = _snapshot(model.module)
+
+    def holds_local() -> bool:
+        now = _snapshot(model.module)
+        return all(torch.equal(now[name], local[name]) for name in local)
+
+    callback = CompressionCallback()
+    callback._state = state  # what setup() finds on the trainer's strategy
+    for end in ("on_exception", "teardown", "on_validation_end"):
+        callback.on_validation_start(None, model)
+        assert not holds_local()
+        if end == "on_validation_end":
+            with pytest.raises(RuntimeError, match=r"global_model\(\) inside global_model\(\)"):
+                callback.on_validation_start(None, model)
+            assert not holds_local()
+        {
+            "on_exception": lambda: callback.on_exception(None, model, RuntimeError("a failed validation step")),
+            "teardown": lambda: callback.teardown(None, model, "fit"),
+            "on_validation_end": lambda: callback.on_validation_end(None, model),
+        }[end]()
+        assert holds_local(), end
+        assert state.held_local is None
+    callback.teardown(None, model, "fit")  # nothing held: nothing to do
+    assert holds_local()
 
 
 @pytest.mark.slow

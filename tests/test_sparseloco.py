@@ -12,7 +12,6 @@ import lgc
 from lgc.compressors import ChunkedTopKCompressor, ErrorFeedback, QuantizedValues, TopKCompressor
 from lgc.compressors.chunked_topk import chunked_topk_count, chunked_topk_nbytes
 from lgc.compressors.quantized_values import quantize_values, quantized_values_nbytes
-from lgc.compressors.tiles import smaller_split
 from lgc.compressors.topk import sparse_mean
 
 NUMELS = (1, 100, 4096, 4096 * 3, 4096 * 3 + 1000)
@@ -58,7 +57,7 @@ def test_shape_chunked_topk_keeps_each_tiles_largest_entries(shape, k):
     payload = _shaped(ChunkedTopKCompressor(chunk=64, k=k), shape).compress(x, "w")
     rows = shape[0] if len(shape) > 1 else 1
     cols = x.numel() // rows
-    h, w = smaller_split(rows, 64), smaller_split(cols, 64)
+    h, w = get_smaller_split(rows, 64), get_smaller_split(cols, 64)  # the references' rule, transcribed
     kept = torch.zeros(x.numel(), dtype=torch.bool)
     kept[payload.indices] = True
     # "(y h) (x w) -> y x (h w)": one row per tile

@@ -152,15 +152,28 @@ class CompressionCallback(pl.Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Local steps: validate the synchronized (global) model, as DiLoCo and its successors report,
-        # and give every rank its own weights and buffers back afterwards (on_validation_end).
+        # and give every rank its own weights and buffers back afterwards (on_validation_end, or
+        # on_exception / teardown when validation does not end). A second start without an end
+        # raises in global_model() and leaves the first one held, to be closed as usual.
         if isinstance(self._state, CommunicationDelayState) and self._state.module is not None:
-            self._evaluating = contextlib.ExitStack()
-            self._evaluating.enter_context(self._state.global_model())
+            evaluating = contextlib.ExitStack()
+            evaluating.enter_context(self._state.global_model())
+            self._evaluating = evaluating
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_evaluation()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._end_evaluation()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._end_evaluation()
+
+    def _end_evaluation(self) -> None:
+        """Put this rank's local weights and buffers back if validation left the global model in."""
         if self._evaluating is not None:
-            self._evaluating.close()
-            self._evaluating = None
+            evaluating, self._evaluating = self._evaluating, None
+            evaluating.close()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._state is not None
