@@ -34,8 +34,12 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    callbacks, so every rank issues them in the same order; callbacks only decode.
 7. Once a parameter's sum is in the bucket, :meth:`~lgc.compressors.Compressor.finish_aggregate`
    may complete it with a term every rank computes alike and nobody sends (DGC's weight decay
-   momentum, which the authors keep in their optimizer). It follows the step guard: a skipped
-   step or an unused parameter does not reach it.
+   momentum, which the authors keep in their optimizer). Behind the step guard (compressors with
+   state, DGC among them, and every exchange of communication delay) a skipped step or an unused
+   parameter does not reach it. Stateless compressors run without the guard, so it is called for
+   every parameter of every step, unused ones and non-finite steps included: a stateless
+   compressor's ``finish_aggregate`` must keep no state. (Filtering there would need the guard's
+   collective, which the stateless path leaves out so that it overlaps the backward pass.)
 
 Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
 for an fp32 model, 2 for a model in fp16 or bf16).
