@@ -173,6 +173,7 @@ class CompressionHookState:
         "stats",
         "layer_stats",  # parameter name -> LayerStats (bytes per parameter, for the per-layer table)
         "codec_seconds",  # "encode" / "decode" -> wall seconds spent compressing / decoding; per process
+        "buffer_sync",  # the module buffers kept in step (lgc.ddp.buffers.BufferSync), set by register(); per process
     )
 
     def __init__(
@@ -212,6 +213,7 @@ class CompressionHookState:
         #: Wall seconds this process spent compressing (``encode``) and decoding (``decode``)
         #: payloads, for benchmarks (``lgc-bench network``); not saved in checkpoints.
         self.codec_seconds = {"encode": 0.0, "decode": 0.0}
+        self.buffer_sync: module_buffers.BufferSync | None = None
 
     def book_layer(self, name: str, numel: int, compressed: bool, nbytes: int) -> None:
         """Count ``nbytes`` of payload (logical bytes) for one parameter in one step."""
@@ -275,7 +277,7 @@ class CompressionHookState:
         instead of DDP's broadcast before forward passes (:func:`lgc.ddp.buffers.register_comm_hook`).
         """
         self.attach(model)
-        module_buffers.register_comm_hook(model, self, compression_hook)
+        self.buffer_sync = module_buffers.register_comm_hook(model, self, compression_hook)
 
     def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[_Segment, ...]:
         """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed."""
@@ -309,7 +311,7 @@ class CompressionHookState:
         state = {slot: getattr(self, slot) for slot in slots}
         state.update(process_group=None, param_names={}, bucket_layouts={}, begun_step=-1, seed_shared=False)
         state.update(pending=[], nonfinite_lock=None, nonfinite_step=-1, loss_scale=None, step_scale=1.0)
-        state.update(codec_seconds={"encode": 0.0, "decode": 0.0})
+        state.update(codec_seconds={"encode": 0.0, "decode": 0.0}, buffer_sync=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
