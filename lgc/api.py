@@ -697,11 +697,15 @@ class _RegisteringThrough:
     """``model`` as :meth:`CommunicationDelayState.register` sees it: its hook is registered with the check."""
 
     def __init__(self, model: DistributedDataParallel, check: _LocalStepCheck) -> None:
-        self._model = model
-        self._check = check
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_check", check)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Flags the state sets on the model (DDP's buffer broadcast, lgc.ddp.buffers) reach the model.
+        setattr(self._model, name, value)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         if state is not self._check.state or hook is not local_step_hook:

@@ -203,11 +203,15 @@ class Compressor(abc.ABC):
         The hook calls it on every rank for every parameter of a compressed step, compressed or
         sent dense, right after that parameter's sum is written into its slice of the DDP bucket
         (``aggregate``, in the bucket's dtype and in the units the compressor sees: divided by any
-        AMP loss scale). It is not called for a parameter whose gradient is zero on every rank
-        (unused), in a step the step guard passes through (inf/NaN), nor in the hook's
-        plain-allreduce iterations. What it adds is never sent, so it must be the same on every
-        rank: a function of state every rank shares, such as the synchronized weights. A no-op by
-        default; DGC adds its weight decay's momentum here, as the authors' optimizer does.
+        AMP loss scale); never in the hook's plain-allreduce iterations. A compressor with state
+        (``stateless = False``) runs behind the step guard (:mod:`lgc.ddp.hook`), and so does every
+        exchange of communication delay: then it is not called for a parameter whose gradient is
+        zero on every rank (unused), nor in a step the guard passes through (inf/NaN). A stateless
+        compressor runs without the guard: it is called for every parameter of every step, unused
+        parameters and non-finite steps included, so a stateless compressor's override must keep
+        no state. What it adds is never sent, so it must be the same on every rank: a function of
+        state every rank shares, such as the synchronized weights. A no-op by default; DGC (which
+        keeps state) adds its weight decay's momentum here, as the authors' optimizer does.
         """
 
     def begin_step(self, step: int) -> None:

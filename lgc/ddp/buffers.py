@@ -1,44 +1,55 @@
 """Module buffers (BatchNorm's running statistics) across workers, once per step, with every byte counted.
 
-DDP keeps buffers in step itself (``broadcast_buffers``, ``forward_sync_buffers`` in newer torch;
-on by default): it broadcasts rank 0's buffers before a forward pass, every training forward and
-the first forward after one (an evaluation's first batch), one coalesced broadcast per dtype that
-no gradient hook sees, so lgc would not count it. Its schedule also follows the process's history
-(no broadcast before the first training forward after an evaluation, one before a restarted
-run's first forward), so a resumed run would not send what the run it continues would have.
-lgc therefore turns DDP's broadcast off (a buffer hook that does nothing, DDP's
-``_register_buffer_comm_hook``) and keeps the buffers in step itself, by method family:
+DDP keeps buffers in step itself (its ``broadcast_buffers`` flag, on by default): it broadcasts
+rank 0's buffers before a forward pass, every training forward and the first forward after one
+(an evaluation's first batch), one coalesced broadcast per dtype that no gradient hook sees, so
+lgc would not count it. Its schedule also follows the process's history (no broadcast before the
+first training forward after an evaluation, one before a restarted run's first forward), so a
+resumed run would not send what the run it continues would have.
 
-* per-step methods (every lgc compressor, LGC, PyTorch's hooks; :func:`register_comm_hook`): at
-  the end of every synchronized backward pass (the step's last bucket, after the gradient
-  hook's own collectives) rank 0's buffers go to every rank, one broadcast per dtype of the
-  flattened buffers through :func:`lgc.ddp.collectives.broadcast` (gloo: a binomial tree; NCCL:
-  a ring; :mod:`lgc.ddp.wire`). Every forward then sees exactly the buffers DDP's broadcast would
-  have given it (a BatchNorm forward only adds its batch's statistics to them, and backward
-  passes leave them alone), evaluation included, and the bytes are counted per step in
-  ``wire_bytes_sent`` and ``wire_buffer_bytes_sent``. The dense equivalent holds the same
+lgc therefore turns DDP's broadcast off when it registers its hook, by the flag every DDP forward
+reads (``model.broadcast_buffers = False``; ``forward_sync_buffers`` in torch versions that have
+it, where ``broadcast_buffers`` is a property over it), and keeps the buffers in step itself. Which
+buffers, and whether any, follows DDP's own rule, the same for every method
+(:class:`BufferSync`): every buffer of the module but those DDP was told to ignore
+(``parameters_to_ignore``), and none at all for a model built with ``broadcast_buffers=False``
+(``forward_sync_buffers=False``), whose workers keep their own buffers: nothing is sent or booked
+then, and ``summary.json``'s ``buffer_sync`` says ``none``. How, by method family:
+
+* per-step methods (every lgc compressor, LGC, PyTorch's hooks; :func:`register_comm_hook`): with
+  every synchronized backward pass (the step's last bucket, before the gradient hook's call for
+  it) rank 0's buffers go to every rank, one broadcast per dtype of the flattened buffers through
+  :func:`lgc.ddp.collectives.broadcast` (gloo: a binomial tree; NCCL: a ring;
+  :mod:`lgc.ddp.wire`). Every forward then sees exactly the buffers DDP's broadcast would have
+  given it (a BatchNorm forward only adds its batch's statistics to them, and backward passes
+  leave them alone), evaluation included, and the bytes are counted per step in
+  ``wire_bytes_sent`` and ``wire_buffer_bytes_sent``, within the step they belong to (LGC's stage
+  statistics book them with the step's gradients). The dense equivalent holds the same
   broadcast: plain DDP sends it once per training step too (and once more before each
-  evaluation). A model built with ``broadcast_buffers=False`` keeps its buffers local: nothing is
-  sent or booked.
+  evaluation). ``buffer_sync``: ``broadcast``.
 * communication delay (:mod:`lgc.ddp.local_sgd`, :func:`keep_buffers_local`): nothing is sent
   between exchanges, so each worker's statistics follow its own local weights (DDP's broadcast
   would overwrite them with rank 0's before every local step); the method averages the
   floating-point buffers at its exchanges (:func:`average_buffers`, a counted allreduce). The
-  dense equivalent books plain DDP's broadcast once per local step (:func:`book_dense_broadcast`).
+  dense equivalent books plain DDP's broadcast once per local step
+  (:func:`book_dense_buffer_broadcast`). ``buffer_sync``: ``average_at_exchange``.
+
+A buffer communication hook registered on the model (DDP's ``_register_buffer_comm_hook``) is
+refused while DDP's broadcast is on: lgc's registration would silently stop it.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
@@ -46,18 +57,74 @@ from lgc.ddp.collectives import CommStats
 __all__ = [
     "AVERAGE_AT_EXCHANGE",
     "BROADCAST",
+    "NO_SYNC",
+    "BufferSync",
     "average_buffers",
-    "book_dense_broadcast",
+    "book_dense_buffer_broadcast",
     "broadcast_buffers",
     "keep_buffers_local",
     "register_comm_hook",
-    "synchronized_buffers",
 ]
 
 #: ``summary.json``'s ``buffer_sync`` for the per-step methods: rank 0's buffers broadcast every step, counted.
 BROADCAST = "broadcast"
 #: ``buffer_sync`` for communication delay: local between exchanges, averaged at them, counted.
 AVERAGE_AT_EXCHANGE = "average_at_exchange"
+#: ``buffer_sync`` of a model built with ``broadcast_buffers=False``: every worker keeps its own buffers.
+NO_SYNC = "none"
+
+#: The attributes DDP's forward reads to decide whether to broadcast rank 0's buffers, newest first.
+_SYNC_FLAGS = ("forward_sync_buffers", "broadcast_buffers")
+
+
+class BufferSync(NamedTuple):
+    """Which module buffers lgc keeps in step for one DDP model, and how; decided when its hook is registered."""
+
+    #: ``summary.json``'s ``buffer_sync``: :data:`BROADCAST`, :data:`AVERAGE_AT_EXCHANGE` or :data:`NO_SYNC`.
+    mode: str
+    #: The names of the buffers kept in step, in the module's order (empty for :data:`NO_SYNC`).
+    names: tuple[str, ...]
+
+    def buffers(self, module: nn.Module) -> list[Tensor]:
+        """The module's buffers kept in step, looked up by name (a module may replace a buffer's tensor)."""
+        if not self.names:
+            return []
+        named = dict(module.named_buffers())
+        return [named[name] for name in self.names]
+
+
+def _sync_flag(model: DistributedDataParallel) -> str:
+    """The name of the flag this torch's DDP forward reads (``forward_sync_buffers`` where it exists)."""
+    return next((name for name in _SYNC_FLAGS if hasattr(model, name)), _SYNC_FLAGS[-1])
+
+
+def _buffer_sync(model: DistributedDataParallel, mode: str) -> BufferSync:
+    """DDP's rule for ``model``: every buffer but those it was told to ignore, none when it was built not to sync.
+
+    Raises:
+        ValueError: ``model`` has a buffer communication hook that taking over the buffers would stop.
+    """
+    if not bool(getattr(model, _sync_flag(model), True)):
+        return BufferSync(NO_SYNC, ())
+    if getattr(model, "buffer_hook", None) is not None:
+        raise ValueError(
+            "the model has a buffer communication hook (DDP's _register_buffer_comm_hook); lgc keeps module buffers "
+            "in step itself and turns DDP's buffer broadcast off, which would stop that hook without a word: build "
+            "the model without it, or with broadcast_buffers=False to keep every worker's buffers local"
+        )
+    ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
+    return BufferSync(mode, tuple(name for name, _ in model.module.named_buffers() if name not in ignored))
+
+
+def _turn_off_forward_broadcast(model: DistributedDataParallel) -> None:
+    """Set DDP's public flag off, so no forward broadcasts the buffers; refuse a torch whose DDP ignores it."""
+    setattr(model, _sync_flag(model), False)
+    will_sync = getattr(model, "will_sync_module_buffers", None)
+    if will_sync is not None and will_sync():
+        raise RuntimeError(
+            f"DDP still broadcasts module buffers before forward passes after {_sync_flag(model)}=False "
+            f"(torch {torch.__version__}); lgc cannot keep them in step and count them on this version"
+        )
 
 
 def _by_dtype(buffers: list[Tensor]) -> list[list[Tensor]]:
@@ -68,14 +135,8 @@ def _by_dtype(buffers: list[Tensor]) -> list[list[Tensor]]:
     return list(groups.values())
 
 
-def synchronized_buffers(model: DistributedDataParallel) -> list[Tensor]:
-    """The buffers DDP would broadcast: every buffer of the module but those it was told to ignore."""
-    ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
-    return [buffer for name, buffer in model.module.named_buffers() if name not in ignored]
-
-
-def book_dense_broadcast(stats: CommStats, buffers: list[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Plain DDP's broadcast of ``buffers`` from rank 0 (one per dtype), in the dense-equivalent figures."""
+def book_dense_buffer_broadcast(stats: CommStats, buffers: list[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Plain DDP's broadcast of module ``buffers`` from rank 0 (one per dtype), in the dense-equivalent figures."""
     for tensors in _by_dtype(buffers):
         numel = sum(t.numel() for t in tensors)
         first = tensors[0]
@@ -91,55 +152,61 @@ def broadcast_buffers(stats: CommStats, buffers: list[Tensor], group: dist.Proce
         stats.wire_buffer_bytes_sent += stats.wire_bytes_sent - before
         for buffer, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
             buffer.copy_(synced)
-    book_dense_broadcast(stats, buffers, group)
+    book_dense_buffer_broadcast(stats, buffers, group)
 
 
-def _no_forward_broadcast(state: Any, named_buffers: dict[str, Tensor]) -> None:
-    """DDP's buffer hook: nothing before forward passes (lgc keeps the buffers in step itself)."""
-
-
-def _turn_off_forward_broadcast(model: DistributedDataParallel, state: Any) -> None:
-    model._register_buffer_comm_hook(
-        state, _no_forward_broadcast, comm_hook_location=_BufferCommHookLocation.PRE_FORWARD
-    )
-
-
-def _ddp_syncs_buffers(model: DistributedDataParallel) -> bool:
-    """Whether the model was built to keep its buffers in step (DDP's default); torch 2.13 renamed the flag."""
-    return bool(getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", True)))
-
-
-def register_comm_hook(model: DistributedDataParallel, state: Any, hook: Callable[..., Any]) -> None:
+def register_comm_hook(model: DistributedDataParallel, state: Any, hook: Callable[..., Any]) -> BufferSync:
     """``model.register_comm_hook(state, hook)``, and rank 0's buffers broadcast once per step, counted.
 
-    The broadcast follows ``hook``'s call for the step's last bucket, after every collective the
-    hook issued there (lgc's hooks issue theirs inside the call), so every rank issues it at the
-    same point. DDP's own broadcast before forward passes is turned off.
+    The broadcast comes with the step's last bucket, just before ``hook``'s call for it, so every
+    rank issues it at the same point and every byte of a step is spent within the hook calls of
+    that step (what per-step statistics, such as LGC's stages, book). DDP's own broadcast before
+    forward passes is turned off.
 
     Args:
         model: the DDP model.
         state: the hook state (``state.stats`` counts, ``state.process_group`` is the group).
         hook: the DDP communication hook.
+
+    Returns:
+        The buffers kept in step (none for a model built with ``broadcast_buffers=False``).
+
+    Raises:
+        ValueError: ``model`` has a buffer communication hook (see the module docstring).
     """
-    sync = _ddp_syncs_buffers(model)
+    sync = _buffer_sync(model, BROADCAST)
+    # Weakly: DDP's reducer (C++) holds this hook, so a strong reference to the model (or to
+    # anything that leads back to it, such as a Lightning module's trainer) would close a cycle
+    # through the reducer that the garbage collector cannot see, and the model would never be
+    # freed. The reducer lives as long as the model, so the reference is alive whenever it runs.
+    model_ref = weakref.ref(model)
 
     @functools.wraps(hook)
-    def hook_then_buffers(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        future = hook(state, bucket)
-        if sync and bucket.is_last():
-            buffers = synchronized_buffers(model)
-            if buffers:
-                with torch.no_grad():
-                    broadcast_buffers(state.stats, buffers, state.process_group)
-        return future
+    def buffers_then_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if sync.names and bucket.is_last():
+            ddp = model_ref()
+            assert ddp is not None, "DDP calls its hook only while the model lives"
+            with torch.no_grad():
+                broadcast_buffers(state.stats, sync.buffers(ddp.module), state.process_group)
+        return hook(state, bucket)
 
-    model.register_comm_hook(state, hook_then_buffers)
-    _turn_off_forward_broadcast(model, state)
+    model.register_comm_hook(state, buffers_then_hook)
+    _turn_off_forward_broadcast(model)
+    return sync
 
 
-def keep_buffers_local(model: DistributedDataParallel, state: Any) -> None:
-    """Turn DDP's broadcast of rank 0's buffers off: the method averages them itself (:func:`average_buffers`)."""
-    _turn_off_forward_broadcast(model, state)
+def keep_buffers_local(model: DistributedDataParallel) -> BufferSync:
+    """Turn DDP's broadcast of rank 0's buffers off: the method averages them itself (:func:`average_buffers`).
+
+    Returns:
+        The buffers to average at exchanges (none for a model built with ``broadcast_buffers=False``).
+
+    Raises:
+        ValueError: ``model`` has a buffer communication hook (see the module docstring).
+    """
+    sync = _buffer_sync(model, AVERAGE_AT_EXCHANGE)
+    _turn_off_forward_broadcast(model)
+    return sync
 
 
 def average_buffers(stats: CommStats, buffers: list[Tensor], world_size: int, group: dist.ProcessGroup | None) -> bool:

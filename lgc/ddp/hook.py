@@ -34,8 +34,12 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    callbacks, so every rank issues them in the same order; callbacks only decode.
 7. Once a parameter's sum is in the bucket, :meth:`~lgc.compressors.Compressor.finish_aggregate`
    may complete it with a term every rank computes alike and nobody sends (DGC's weight decay
-   momentum, which the authors keep in their optimizer). It follows the step guard: a skipped
-   step or an unused parameter does not reach it.
+   momentum, which the authors keep in their optimizer). Behind the step guard (compressors with
+   state, DGC among them, and every exchange of communication delay) a skipped step or an unused
+   parameter does not reach it. Stateless compressors run without the guard, so it is called for
+   every parameter of every step, unused ones and non-finite steps included: a stateless
+   compressor's ``finish_aggregate`` must keep no state. (Filtering there would need the guard's
+   collective, which the stateless path leaves out so that it overlaps the backward pass.)
 
 Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
 for an fp32 model, 2 for a model in fp16 or bf16).
@@ -169,6 +173,7 @@ class CompressionHookState:
         "stats",
         "layer_stats",  # parameter name -> LayerStats (bytes per parameter, for the per-layer table)
         "codec_seconds",  # "encode" / "decode" -> wall seconds spent compressing / decoding; per process
+        "buffer_sync",  # the module buffers kept in step (lgc.ddp.buffers.BufferSync), set by register(); per process
     )
 
     def __init__(
@@ -208,6 +213,7 @@ class CompressionHookState:
         #: Wall seconds this process spent compressing (``encode``) and decoding (``decode``)
         #: payloads, for benchmarks (``lgc-bench network``); not saved in checkpoints.
         self.codec_seconds = {"encode": 0.0, "decode": 0.0}
+        self.buffer_sync: module_buffers.BufferSync | None = None
 
     def book_layer(self, name: str, numel: int, compressed: bool, nbytes: int) -> None:
         """Count ``nbytes`` of payload (logical bytes) for one parameter in one step."""
@@ -271,7 +277,7 @@ class CompressionHookState:
         instead of DDP's broadcast before forward passes (:func:`lgc.ddp.buffers.register_comm_hook`).
         """
         self.attach(model)
-        module_buffers.register_comm_hook(model, self, compression_hook)
+        self.buffer_sync = module_buffers.register_comm_hook(model, self, compression_hook)
 
     def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[_Segment, ...]:
         """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed."""
@@ -305,7 +311,7 @@ class CompressionHookState:
         state = {slot: getattr(self, slot) for slot in slots}
         state.update(process_group=None, param_names={}, bucket_layouts={}, begun_step=-1, seed_shared=False)
         state.update(pending=[], nonfinite_lock=None, nonfinite_step=-1, loss_scale=None, step_scale=1.0)
-        state.update(codec_seconds={"encode": 0.0, "decode": 0.0})
+        state.update(codec_seconds={"encode": 0.0, "decode": 0.0}, buffer_sync=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -298,7 +298,7 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
             self.world_size = world_size
             self._build_trainer()
         self.attach(model)
-        module_buffers.register_comm_hook(model, self, lgc_hook)
+        self.buffer_sync = module_buffers.register_comm_hook(model, self, lgc_hook)
 
     @property
     def ef(self) -> ErrorFeedback:
@@ -333,7 +333,8 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         self.stage = self.schedule.next_stage(step, previous, self.step_error[0] / weight if weight > 0 else None)
         self.step_error = [0.0, 0.0]
         self.current_step = step
-        # The step guard's bytes (spent before the stage was known) belong to this step's stage.
+        # The step's bytes so far (its module buffers and the step guard, spent before the stage
+        # was known) belong to this step's stage.
         self._book_stage_bytes()
         self.leader = step % self.world_size if self.rotate_leader else self.leader_rank  # type: ignore[operator]
         codec_weight = next(self.trainer.autoencoder.parameters(), None)

@@ -53,7 +53,8 @@ Module buffers (BatchNorm's running statistics; :mod:`lgc.ddp.buffers`): DDP's b
 0's buffers before every forward is turned off, so each worker's statistics follow its own local
 weights, and the workers average their floating-point buffers at the end of every ``delay`` steps,
 with the exchange of the last fragment (all of them when ``F = 1``), counted as a dense allreduce;
-every worker continues from the average.
+every worker continues from the average (a model built with ``broadcast_buffers=False`` keeps
+every worker's buffers local: nothing is averaged).
 
 Evaluation (:meth:`CommunicationDelayState.global_model`): DiLoCo, Streaming DiLoCo, SparseLoCo
 and DeMo report the synchronized (global) model, not a worker's local weights. Inside
@@ -177,8 +178,6 @@ class CommunicationDelayState:
 
     #: Which model evaluation sees (``summary.json``'s ``eval_model``): the synchronized one.
     eval_model = "global"
-    #: How module buffers are kept in step (``summary.json``'s ``buffer_sync``; :mod:`lgc.ddp.buffers`).
-    buffer_sync = module_buffers.AVERAGE_AT_EXCHANGE
 
     __slots__ = (
         # hyperparameters
@@ -195,6 +194,7 @@ class CommunicationDelayState:
         "synced",  # slice key -> weights after its last exchange (identical on every rank)
         "synced_buffers",  # buffer name -> value after the last buffer average (identical on every rank)
         "module",  # the wrapped model (per process, not saved)
+        "buffer_sync",  # the buffers averaged at exchanges (lgc.ddp.buffers.BufferSync), set by register(); per process
         "pending",  # a loaded state waiting for register()
         "held_local",  # inside global_model(): this worker's (weights, buffers), put back on leaving it
         "outer_optimizer",  # torch.optim.SGD over the synchronized weights (outer="sgd"), built at register()
@@ -257,6 +257,7 @@ class CommunicationDelayState:
         self.synced: dict[str, Tensor] = {}
         self.synced_buffers: dict[str, Tensor] = {}
         self.module: nn.Module | None = None
+        self.buffer_sync: module_buffers.BufferSync | None = None
         self.pending: dict[str, Any] | None = None
         self.held_local: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
 
@@ -327,8 +328,8 @@ class CommunicationDelayState:
                 self.synced = {s.key: _read(params[s.name], s).clone() for s in self.slices}
                 self.synced_buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
                 self._build_outer_optimizer()
+        self.buffer_sync = module_buffers.keep_buffers_local(model)
         model.register_comm_hook(self, local_step_hook)
-        module_buffers.keep_buffers_local(model, self)
 
     def _build_outer_optimizer(self) -> None:
         """DiLoCo's outer SGD over the synchronized weights (``outer="sgd"``)."""
@@ -412,8 +413,8 @@ class CommunicationDelayState:
         rank: they stay as they are. An average that is not finite (a rank's statistics overflowed)
         is not taken: every rank returns to the last averaged buffers instead.
         """
-        assert self.module is not None
-        floating = [b for _, b in self.module.named_buffers() if b.is_floating_point()]
+        assert self.module is not None and self.buffer_sync is not None
+        floating = [b for b in self.buffer_sync.buffers(self.module) if b.is_floating_point()]
         finite = module_buffers.average_buffers(self.stats, floating, world_size, self.process_group)
         if not finite:
             self._restore_synced_buffers()
@@ -581,6 +582,7 @@ class CommunicationDelayState:
             "synced": {},
             "synced_buffers": {},
             "module": None,
+            "buffer_sync": None,
             "pending": self.pending,
             "held_local": None,
         }
@@ -786,9 +788,10 @@ def local_step_hook(state: CommunicationDelayState, bucket: dist.GradBucket) -> 
     buffer = bucket.buffer()
     state.stats.hook_calls += 1
     counted.book_dense_equivalent(state.stats, buffer, state.process_group)
-    if bucket.is_last() and state.module is not None:
+    if bucket.is_last() and state.module is not None and state.buffer_sync is not None:
         # Plain DDP would also broadcast rank 0's buffers once per step (lgc.ddp.buffers).
-        module_buffers.book_dense_broadcast(state.stats, list(state.module.buffers()), state.process_group)
+        buffers = state.buffer_sync.buffers(state.module)
+        module_buffers.book_dense_buffer_broadcast(state.stats, buffers, state.process_group)
     future: torch.futures.Future[Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future

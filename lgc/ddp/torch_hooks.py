@@ -121,6 +121,8 @@ class TorchHookState:
 
     #: Whether steps run behind the step guard (PowerSGD, which keeps state); see the module docstring.
     guards_steps = False
+    #: The module buffers kept in step (:class:`lgc.ddp.buffers.BufferSync`), set by :meth:`register`.
+    buffer_sync: module_buffers.BufferSync | None = None
 
     def __init__(self, hook: str = "fp16") -> None:
         if hook not in _HOOKS:
@@ -167,7 +169,7 @@ class TorchHookState:
 
     def register(self, model: DistributedDataParallel) -> None:
         """Register the wrapped hook; module buffers go from rank 0 once per step, counted (:mod:`lgc.ddp.buffers`)."""
-        module_buffers.register_comm_hook(model, self, _wrapped_torch_hook)
+        self.buffer_sync = module_buffers.register_comm_hook(model, self, _wrapped_torch_hook)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stats": vars(self.stats).copy()}

@@ -14,7 +14,6 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from lgc.ddp.buffers import BROADCAST
 from lgc.ddp.hook import CommStats, CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
@@ -235,7 +234,8 @@ class RunSummary(pl.Callback):
     validation saw the synchronized model; with communication delay every fragment's last
     synchronized weights and the buffers of the last exchange, otherwise the model every rank
     shares), ``buffer_sync`` (how module buffers were kept in step: ``broadcast``, rank 0's sent
-    to every rank once per step, or ``average_at_exchange``; :mod:`lgc.ddp.buffers`) with
+    to every rank once per step, ``average_at_exchange``, or ``none`` for a model built with
+    ``broadcast_buffers=False``; :mod:`lgc.ddp.buffers`) with
     ``wire_buffer_bytes_sent`` (their bytes, part of ``wire_bytes_sent``), and the resolved config. An
     LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
     start from with ``compressor.autoencoder.init=PATH``.
@@ -282,7 +282,7 @@ class RunSummary(pl.Callback):
             "hook_calls": total["hook_calls"],
             # Which model validation saw, and how module buffers (BatchNorm statistics) were kept in step.
             "eval_model": getattr(_hook_state(trainer), "eval_model", "global"),
-            "buffer_sync": getattr(_hook_state(trainer), "buffer_sync", BROADCAST),
+            "buffer_sync": _hook_state(trainer).buffer_sync.mode,
             "wire_buffer_bytes_sent": total["wire_buffer_bytes_sent"],
             # Every rank skips the same steps (they agree on it); the count is rank 0's.
             "skipped_steps": workers[0].get("skipped_steps", 0),
