@@ -245,11 +245,16 @@ def _train_with_ddps_rule(rank: int, world: int) -> dict:
             (model(x) - y).square().mean().backward()
             optimizer.step()
         bn = model.module[1]
+        seen = {}
+        if hasattr(state, "global_model"):  # the model a delay run evaluates: which buffers does it take?
+            with state.global_model() as module:
+                seen = {"global_mean": module[1].running_mean.clone(), "global_var": module[1].running_var.clone()}
         return {
             "mean": bn.running_mean.clone(),
             "var": bn.running_var.clone(),
             "stats": state.stats.as_dict(),
             "mode": state.buffer_sync.mode,
+            **seen,
         }
 
     def delay(model: DDP, optimizer: torch.optim.Optimizer) -> object:
@@ -263,7 +268,7 @@ def _train_with_ddps_rule(rank: int, world: int) -> dict:
     return {
         "gradients": gradients,
         "hooked_off": run(DDP(_bn_net(), broadcast_buffers=False), hooked, 2),
-        "delay_off": run(DDP(_bn_net(), broadcast_buffers=False), delay, 4),
+        "delay_off": run(DDP(_bn_net(), broadcast_buffers=False), delay, 5),  # ends a local step after an exchange
         "delay_ignoring": run(DDP(ignoring), delay, 4),
     }
 
@@ -272,10 +277,11 @@ def _train_with_ddps_rule(rank: int, world: int) -> dict:
 def test_both_paths_keep_in_step_only_the_buffers_ddp_would():
     """``broadcast_buffers=False``: every worker keeps its own buffers on both paths (nothing sent, nothing
     in the dense equivalent, ``buffer_sync`` ``none``); a buffer DDP ignores is neither averaged at
-    exchanges nor booked, while the others are."""
+    exchanges nor booked, while the others are. The global model a delay run evaluates takes the
+    averaged buffers and leaves the others the worker's own (not the values they had at registration)."""
     results = run_workers(_train_with_ddps_rule, 2)
     gradients = results[0]["gradients"]
-    for kind, steps in (("hooked_off", 2), ("delay_off", 4)):
+    for kind, steps in (("hooked_off", 2), ("delay_off", 5)):
         for result in results:
             run = result[kind]
             assert run["mode"] == NO_SYNC, kind
@@ -283,10 +289,16 @@ def test_both_paths_keep_in_step_only_the_buffers_ddp_would():
             assert run["stats"]["wire_dense_equivalent_bytes"] == steps * gradients, kind
         # Each worker's statistics of its own batches, never averaged.
         assert not torch.equal(results[0][kind]["mean"], results[1][kind]["mean"]), kind
+    for result in results:
+        run = result["delay_off"]
+        assert torch.equal(run["global_mean"], run["mean"]) and torch.equal(run["global_var"], run["var"])
     ignoring = [result["delay_ignoring"] for result in results]
     assert ignoring[0]["mode"] == AVERAGE_AT_EXCHANGE
     assert torch.equal(ignoring[0]["mean"], ignoring[1]["mean"])  # averaged at the exchange of step 4
     assert not torch.equal(ignoring[0]["var"], ignoring[1]["var"])  # ignored: each worker's own
+    for run in ignoring:
+        assert torch.equal(run["global_mean"], ignoring[0]["mean"])  # the average of the exchange at step 4
+        assert torch.equal(run["global_var"], run["var"])
     mean_bytes, counter_bytes = FLOAT_BUFFER_BYTES // 2, INT_BUFFER_BYTES
     for rank, run in enumerate(ignoring):
         # Two averages of the running mean (fp32); the dense equivalent broadcasts mean and counter.

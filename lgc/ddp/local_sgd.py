@@ -413,29 +413,40 @@ class CommunicationDelayState:
         rank: they stay as they are. An average that is not finite (a rank's statistics overflowed)
         is not taken: every rank returns to the last averaged buffers instead.
         """
-        assert self.module is not None and self.buffer_sync is not None
-        floating = [b for b in self.buffer_sync.buffers(self.module) if b.is_floating_point()]
+        assert self.module is not None
+        floating = list(self._averaged_buffers().values())
         finite = module_buffers.average_buffers(self.stats, floating, world_size, self.process_group)
         if not finite:
             self._restore_synced_buffers()
             return
-        self.synced_buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        self.synced_buffers.update({name: b.detach().clone() for name, b in self._averaged_buffers().items()})
+
+    def _averaged_buffers(self) -> dict[str, Tensor]:
+        """The buffers the exchanges average, by name: the floating-point ones DDP's rule keeps in step.
+
+        Integer buffers (BatchNorm's ``num_batches_tracked``) count this worker's forward passes,
+        buffers DDP ignores are the worker's own, and with ``broadcast_buffers=False`` there are none.
+        """
+        assert self.module is not None and self.buffer_sync is not None
+        named = dict(self.module.named_buffers())
+        return {name: named[name] for name in self.buffer_sync.names if named[name].is_floating_point()}
 
     def _restore_synced_buffers(self) -> None:
-        assert self.module is not None
-        for name, buffer in self.module.named_buffers():
+        """The averaged buffers back to their last average (an exchange or its average was not finite)."""
+        for name, buffer in self._averaged_buffers().items():
             buffer.copy_(self.synced_buffers[name])
 
     @contextlib.contextmanager
     def global_model(self) -> Iterator[nn.Module]:
         """The synchronized model in the wrapped module for the ``with`` block; the local one back after it.
 
-        Inside, every parameter holds its fragments' last synchronized weights and every
-        floating-point buffer the value of the last buffer average (the initial ones before any
-        exchange): the model all workers agree on, which DiLoCo and its successors evaluate. Integer
-        buffers (BatchNorm's ``num_batches_tracked``) are never averaged: they count this worker's
-        forward passes and stay as they are. On leaving, even by an exception, this worker's local
-        weights and buffers are copied back bit for bit; the optimizer's state and the random
+        Inside, every parameter holds its fragments' last synchronized weights and every averaged
+        buffer (:meth:`_averaged_buffers`) the value of the last buffer average (the initial ones
+        before any exchange): the model all workers agree on, which DiLoCo and its successors
+        evaluate. The other buffers stay this worker's own: integer ones (BatchNorm's
+        ``num_batches_tracked``) count its forward passes, and with ``broadcast_buffers=False`` (or
+        buffers DDP ignores) there is no agreed value to take. On leaving, even by an exception, this
+        worker's local weights and buffers are copied back bit for bit; the optimizer's state and the random
         generators are not touched, so training continues as if nothing had been evaluated. Inside,
         :meth:`state_dict` saves the local weights held aside, and a second ``global_model()``,
         :meth:`after_optimizer_step` and :meth:`load_state_dict` raise.
@@ -455,9 +466,8 @@ class CommunicationDelayState:
             with torch.no_grad():
                 for s in self.slices:
                     _write(params[s.name], s, self.synced[s.key])
-                for name, buffer in self.module.named_buffers():
-                    if buffer.is_floating_point():
-                        buffer.copy_(self.synced_buffers[name])
+                for name, buffer in self._averaged_buffers().items():
+                    buffer.copy_(self.synced_buffers[name])
             yield self.module
         finally:
             with torch.no_grad():
