@@ -314,14 +314,17 @@ def test_both_paths_keep_in_step_only_the_buffers_ddp_would():
         lambda: CompressionHookState(NoneCompressor()),
         lambda: LGCRingAllreduceState(),
         lambda: PowerSGDHookState(),
+        lambda: CommunicationDelayState(NoneCompressor(), delay=2),
     ],
-    ids=["compression_hook", "lgc", "powersgd"],
+    ids=["compression_hook", "lgc", "powersgd", "delay"],
 )
 def test_a_registered_model_is_freed(group, make_state):
     """The hook DDP's reducer (C++) holds must not lead back to the model: the garbage collector cannot
     see a cycle through the reducer, and such a model (and its gradients, buckets, optimizer views)
-    would live as long as the process."""
+    would live as long as the process. The wrapped module here holds the DDP model, as a
+    LightningModule does through its trainer and strategy."""
     model = DDP(_bn_net())
+    model.module.owner = [model]  # a list: not registered as a submodule, as Lightning's trainer is not
     make_state().register(model)
     freed = weakref.ref(model)
     del model

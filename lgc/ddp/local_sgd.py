@@ -82,6 +82,7 @@ import contextlib
 import heapq
 import itertools
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -193,7 +194,10 @@ class CommunicationDelayState:
         "slices",  # the fragments' pieces of the parameters, in parameter order (built at register())
         "synced",  # slice key -> weights after its last exchange (identical on every rank)
         "synced_buffers",  # buffer name -> value after the last buffer average (identical on every rank)
-        "module",  # the wrapped model (per process, not saved)
+        # The wrapped model, weakly (per process, not saved): DDP's reducer holds this state, and under
+        # Lightning the model reaches DDP again (module -> trainer -> strategy), a cycle through C++
+        # that the garbage collector cannot see, so a strong reference would keep every model alive.
+        "module_ref",
         "buffer_sync",  # the buffers averaged at exchanges (lgc.ddp.buffers.BufferSync), set by register(); per process
         "pending",  # a loaded state waiting for register()
         "held_local",  # inside global_model(): this worker's (weights, buffers), put back on leaving it
@@ -256,12 +260,17 @@ class CommunicationDelayState:
         self.local_steps = 0
         self.synced: dict[str, Tensor] = {}
         self.synced_buffers: dict[str, Tensor] = {}
-        self.module: nn.Module | None = None
+        self.module_ref: weakref.ReferenceType[nn.Module] | None = None
         self.buffer_sync: module_buffers.BufferSync | None = None
         self.pending: dict[str, Any] | None = None
         self.held_local: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
 
     # The interface lgc's strategy and callbacks use (shared with CompressionHookState).
+    @property
+    def module(self) -> nn.Module | None:
+        """The wrapped model registered with :meth:`register` (None before, or once the model is gone)."""
+        return None if self.module_ref is None else self.module_ref()
+
     @property
     def stats(self) -> CommStats:
         return self.exchange_state.stats
@@ -308,7 +317,7 @@ class CommunicationDelayState:
         DDP's broadcast of rank 0's buffers before forward passes is turned off
         (:func:`lgc.ddp.buffers.keep_buffers_local`): the buffers are averaged at exchanges instead.
         """
-        self.module = model.module
+        self.module_ref = weakref.ref(model.module)
         # The compressor learns the parameters' names and shapes (DeMo and chunked top-k tile by shape).
         self.exchange_state.attach(model)
         named = self._named_parameters()
@@ -591,7 +600,7 @@ class CommunicationDelayState:
             "local_steps": self.local_steps,
             "synced": {},
             "synced_buffers": {},
-            "module": None,
+            "module_ref": None,
             "buffer_sync": None,
             "pending": self.pending,
             "held_local": None,
