@@ -143,11 +143,6 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
         self.aggregation = check_aggregation(aggregate)
         self.value_dtype = wire_float_dtype(value_dtype, "value_dtype")
 
-    @property
-    def density(self) -> float:
-        """Fraction of the entries of a full ``chunk x chunk`` tile that is sent."""
-        return self.k / (self.chunk * self.chunk)
-
     def selected_count(self, numel: int, key: str | None = None) -> int:
         """Entries every payload of the ``numel``-entry tensor ``key`` carries."""
         return self.layout(key, numel).count
@@ -176,8 +171,4 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
         return ChunkedSparsePayload(numel=numel, values=values, indices=indices, positions=positions)
 
     def __repr__(self) -> str:
-        extra = "" if self.tiling == "shape" else f", tiling={self.tiling!r}"
-        extra += "" if self.aggregation == "sender_mean" else f", aggregate={self.aggregation!r}"
-        if self.value_dtype != torch.float32:
-            extra += f", value_dtype={str(self.value_dtype).removeprefix('torch.')}"
-        return f"ChunkedTopKCompressor(chunk={self.chunk}, k={self.k}{extra})"
+        return f"ChunkedTopKCompressor(chunk={self.chunk}, k={self.k}{self._knobs_repr()})"

@@ -221,11 +221,6 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
         # DCT matrices by (size, device, dtype), built on first use (not state: pure functions of the size).
         self._bases: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
 
-    @property
-    def density(self) -> float:
-        """Fraction of a full ``chunk x chunk`` tile's coefficients that is sent."""
-        return self.k / (self.chunk * self.chunk)
-
     def _basis(self, n: int, like: Tensor) -> Tensor:
         """The ``(n, n)`` DCT matrix on ``like``'s device, in fp32 (float64 for float64 input)."""
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
@@ -341,11 +336,7 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
         return state
 
     def __repr__(self) -> str:
-        extra = "" if self.tiling == "shape" else f", tiling={self.tiling!r}"
-        extra += "" if self.aggregation == "sender_mean" else f", aggregate={self.aggregation!r}"
-        if self.value_dtype != torch.float32:
-            extra += f", value_dtype={str(self.value_dtype).removeprefix('torch.')}"
-        return f"DeMoCompressor(chunk={self.chunk}, k={self.k}, sign={self.sign}{extra})"
+        return f"DeMoCompressor(chunk={self.chunk}, k={self.k}, sign={self.sign}{self._knobs_repr()})"
 
 
 def check_demo_optimizer(compressor: Any, optimizer_momentum: float) -> None:

@@ -252,6 +252,21 @@ class TiledCompressorMixin:
         # Shape -> its layout, built on first use.
         self._layouts: dict[tuple[int, ...], TileLayout] = {}
 
+    @property
+    def density(self) -> float:
+        """Fraction of a full ``chunk x chunk`` tile that is sent."""
+        return self.k / (self.chunk * self.chunk)
+
+    def _knobs_repr(self) -> str:
+        """The knobs shared with the other tiled compressor that differ from their defaults, for ``repr``."""
+        extra = "" if self.tiling == "shape" else f", tiling={self.tiling!r}"
+        aggregation = getattr(self, "aggregation", "sender_mean")
+        extra += "" if aggregation == "sender_mean" else f", aggregate={aggregation!r}"
+        value_dtype = getattr(self, "value_dtype", torch.float32)
+        if value_dtype != torch.float32:
+            extra += f", value_dtype={str(value_dtype).removeprefix('torch.')}"
+        return extra
+
     def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
         """Learn every parameter's shape by name (the hook calls this; the ``key`` of ``compress`` is the name)."""
         self._shapes = {name: tuple(p.shape) for name, p in parameters.items()}
