@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's ablation: does LGC's autoencoder beat simpler codecs that share its leader's positions?
+# LGC's ablation: does LGC's autoencoder beat simpler codecs that share its leader's positions?
 # On the embedded task made harder (non-IID: each class split among the workers in Dirichlet(0.3)
 # proportions) and longer (46 epochs, about 1,000 steps of 64 images in all, so warm-up is a small
 # part of the run), with 2 and 8 worker processes and two densities:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's comparison: dense, DGC (1 %), LGC-PS and LGC-RAR (leader top-k at 1 %) on the embedded
+# The comparison: dense, DGC (1 %), LGC-PS and LGC-RAR (leader top-k at 1 %) on the embedded
 # task with 2 and with 8 worker processes, the same seed and the same step budget: 64 images per
 # step in all (32 per worker with 2 workers, 8 per worker with 8), 22 steps per epoch, 15 epochs.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12: time, not just bytes. Needs root and iproute2 (network namespaces, veth, tc).
+# Time, not just bytes. Needs root and iproute2 (network namespaces, veth, tc).
 #  1. Every method over a real shaped network, 2 and 4 workers x 100 Mbit/s and 1 Gbit/s: step time
 #     split into compute / encode / decode / communication, wire bytes against the interfaces'
 #     counters, time to 95 % validation accuracy, and the cost model's prediction of every step

@@ -518,7 +518,7 @@ def _density(record: RunRecord) -> Any:
 
 
 def _dgc_reference(record: RunRecord, records: Sequence[RunRecord]) -> RunRecord | None:
-    """The DGC run with the same world size and density as ``record`` (issue 13's yardstick), if loaded."""
+    """The DGC run with the same world size and density as ``record`` (the ablation's yardstick), if loaded."""
     for other in records:
         if (
             other.compressor == "dgc"

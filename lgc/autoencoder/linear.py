@@ -1,6 +1,6 @@
 """A learned *linear* chunk codec: the top principal directions of the collected chunks.
 
-The middle ground between LGC's autoencoder and no learning at all (issue 13's ablation): the
+The middle ground between LGC's autoencoder and no learning at all (LGC's ablation): the
 GradiVeQ idea (Yu et al., "GradiVeQ: Vector Quantization for Bandwidth-Efficient Gradient
 Aggregation in Distributed CNN Training", NeurIPS 2018), that gradient chunks of a network live
 near a low-dimensional linear subspace, so a linear encoder ``z = x U`` (``U``: ``chunk x r``,

@@ -1,8 +1,8 @@
 """A trained codec on disk: written at the end of an LGC run, read by ``autoencoder.init`` to warm-start another.
 
-Issue 13 asks whether a codec trained on one run serves another (another number of workers, data
-split, model or task), which would spare the new run its codec-training stage and the samples it
-gathers. The file holds the codec's class, the shape that must match (an
+A codec trained on one run may serve another (another number of workers, data split, model or
+task), which spares the new run its codec-training stage and the samples it gathers; whether it
+serves well is measured, not assumed. The file holds the codec's class, the shape that must match (an
 :class:`~lgc.autoencoder.AutoencoderConfig`'s fields but its seed, or the linear codec's chunk and
 latent size) and its weights::
 

@@ -15,9 +15,9 @@ for nested knobs and YAML-valued; e.g. LGC-RAR with a narrower autoencoder::
     lgc-bench step --density 0.01 --methods \\
       'none,dgc,lgc_rar,lgc_rar:autoencoder.encoder_channels=[16,32,64,16];autoencoder.decoder_channels=[16,32,32,16]'
 
-Targets it measures: issue 12's (top-k 0.1 % and DGC at most 1.25x the no-communication step in
-CPU time, no more than PyTorch's fp16 and PowerSGD hooks) and issue 13's (LGC's compressed stage at
-most 1.5x at densities 1 % and 0.1 %).
+Targets it measures: top-k 0.1 % and DGC at most 1.25x the no-communication step in CPU time,
+no more than PyTorch's fp16 and PowerSGD hooks; LGC's compressed stage at most 1.5x at densities
+1 % and 0.1 %.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class LGCRingAllreduceState(LGCHookState):
         residual: ``"own_reconstruction"`` keeps what this worker's own latent does not carry;
             ``"zero"`` clears the residual at the leader's positions.
         codec: ``"autoencoder"`` (the paper's) or ``"linear"``: the top principal directions of the
-            same samples (:class:`~lgc.autoencoder.linear.LinearChunkCodec`, issue 13's learned but
+            same samples (:class:`~lgc.autoencoder.linear.LinearChunkCodec`, LGC's learned but
             linear ablation; exact for the sum, since decoding is linear).
         linear_latent: the linear codec's floats per chunk (default: the autoencoder's
             ``latent_numel``, so both send the same bytes).

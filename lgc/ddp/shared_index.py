@@ -1,4 +1,4 @@
-"""LGC's ablations: the leader's shared top-k positions without the autoencoder (issue 13).
+"""LGC's ablations: the leader's shared top-k positions without the autoencoder.
 
 LGC's compressed stage does two things: every worker sends values at the *same* positions (the
 leader's top-k, so values line up and can be summed by an allreduce, and no worker sends its own
