@@ -121,7 +121,12 @@ _LGC = dict(
     latent_dtype="float32",
     measure_error=False,
 )
-_LGC_RAR = dict(_LGC, loss_weights=dict(reconstruction=0.5, similarity=0.5, mean=1.0), residual="own_reconstruction")
+_LGC_RAR = dict(
+    _LGC,
+    rotate_leader=True,
+    loss_weights=dict(reconstruction=0.5, similarity=0.5, mean=1.0),
+    residual="own_reconstruction",
+)
 # shared_topk.yaml: LGC's stages and leader without the autoencoder.
 _SHARED = dict(
     density=0.01,
@@ -134,7 +139,7 @@ _SHARED = dict(
     chunk=64,
     seed=0,
     leader_rank=0,
-    rotate_leader=False,
+    rotate_leader=True,
     index_coding="raw",
     value_order="position",
     measure_error=False,

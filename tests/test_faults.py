@@ -97,6 +97,8 @@ def _finish(launcher: subprocess.Popen, beats: dict[int, dict], started: float, 
     return output, elapsed
 
 
+# Slow: torch's launcher waits 30 s for a stopped process to act on SIGTERM before it kills it.
+@pytest.mark.slow
 def test_a_frozen_worker_ends_the_run_after_the_timeout_naming_the_rank(tmp_path):
     timeout_s = 5
     launcher = _start_long_run(tmp_path, timeout_s)

@@ -145,7 +145,8 @@ def test_trainer_resumes_exactly_and_pickles():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(leader_rank=2, world_size=2), r"leader_rank=2 is outside the world of 2 worker\(s\)"),
+        (dict(leader_rank=2, rotate_leader=False, world_size=2), r"leader_rank=2 is outside the world of 2 worker"),
+        (dict(leader_rank=1, rotate_leader=True), r"leader_rank=1 fixes the leader, but rotate_leader=True"),
         (dict(autoencoder=dict(chunk=16)), r"chunk=16 is shorter than the encoder's receptive field"),
         (dict(value_order="random"), "value_order must be one of"),
         (dict(warmup_steps=0), "warmup_steps must be an integer >= 1, got 0"),
@@ -263,14 +264,13 @@ def test_stages_switch_at_the_configured_steps_and_bytes_match_the_payloads(vari
             per_step += 0 if rank == 0 else -(-k // 8)  # the innovation mask, one bit per value
         assert stages["autoencoder_training"]["bytes_sent"] == 4 * per_step
         if variant == "rar":
-            # Stage 3: the latent (fp32) and the dense part in one allreduce; the leader (rank 0)
-            # broadcasts its scales and raw positions.
+            # Stage 3: the latent (fp32) and the dense part in one allreduce; the step's leader
+            # (rotating by default: each of the 2 workers leads 3 of the 6 steps) broadcasts its
+            # scales and raw positions, which the other receives.
             latent = 4 * rows * 16
             leader = 4 * rows + 4 * k
-            assert stages["compressed"]["bytes_sent"] == 6 * (latent + 4 * dense + guard + (leader if rank == 0 else 0))
-            assert stages["compressed"]["bytes_received"] == 6 * (
-                latent + 4 * dense + guard + (0 if rank == 0 else leader)
-            )
+            assert stages["compressed"]["bytes_sent"] == 6 * (latent + 4 * dense + guard) + 3 * leader
+            assert stages["compressed"]["bytes_received"] == 6 * (latent + 4 * dense + guard) + 3 * leader
             small = AutoencoderConfig(chunk=32, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2)
             weights = sum(p.numel() for p in GradientAutoencoder(small).parameters())
         else:

@@ -99,7 +99,7 @@ def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_roun
 
 
 def _rotating_steps(rank: int, world: int, kwargs: dict) -> list[dict]:
-    model, state, optimizer = _warmed_up({**kwargs, "rotate_leader": True})
+    model, state, optimizer = _warmed_up(kwargs)  # the default: a rotating leader
     observed = []
     for step in range(2, 2 + world):
         observed.append(observe_step(model, state, step, rank, world))
@@ -110,7 +110,7 @@ def _rotating_steps(rank: int, world: int, kwargs: dict) -> list[dict]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("leader_only", [False, True], ids=["shared_topk", "leader_scaled"])
 def test_a_rotating_leader_gives_every_worker_its_turn(leader_only):
-    """``rotate_leader``: step ``t`` uses worker ``t % P``'s top-k positions (three workers, steps 2, 3, 4).
+    """By default (``rotate_leader``) step ``t`` uses worker ``t % P``'s top-k positions (three workers, steps 2, 3, 4).
 
     shared-index fp32 delivers the exact sum there; leader-scaled delivers ``P`` times that step's
     leader's values, and every worker keeps ``v - v_leader`` there, the leader itself nothing.

@@ -77,9 +77,13 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
             (:class:`~lgc.autoencoder.AutoencoderTrainer`).
         loss_weights: :class:`~lgc.autoencoder.LossWeights` fields (``reconstruction``,
             ``similarity``, ``mean``).
-        leader_rank: the worker whose top-k positions everyone uses.
-        rotate_leader: the leader is ``step % world_size`` instead (spreads the leader's extra
-            upload; every worker's big coordinates get their turn).
+        leader_rank: the worker whose top-k positions everyone uses (a fixed leader).
+        rotate_leader: the leader of step ``t`` is worker ``t % world_size`` instead (ScaleCom's
+            cyclic leader: spreads the leader's extra upload, and every worker's big coordinates
+            get their turn). A ``leader_rank`` other than 0 with it is refused. LGC-RAR and the
+            shared-index codecs rotate by default (:mod:`lgc.ddp.lgc_rar` and
+            :mod:`lgc.ddp.shared_index` say what it measured); LGC-PS keeps the server as its
+            fixed leader (:mod:`lgc.ddp.lgc_ps` says why).
         index_coding, value_order: the leader's wire layout (:class:`~lgc.ddp.lgc_codec.LeaderIndexCodec`).
         latent_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` latents on the wire.
         measure_error: diagnostics: every compressed step also sums the workers' exact values at the
@@ -182,6 +186,11 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
             raise ValueError(f"latent_dtype must be one of {sorted(LATENT_DTYPES)}, got {latent_dtype!r}")
         if isinstance(leader_rank, bool) or not isinstance(leader_rank, int) or leader_rank < 0:
             raise ValueError(f"leader_rank must be a rank (an integer >= 0), got {leader_rank!r}")
+        if rotate_leader and leader_rank != 0:
+            raise ValueError(
+                f"leader_rank={leader_rank} fixes the leader, but rotate_leader=True lets worker "
+                "step % world_size lead each step: set rotate_leader=false to keep that leader"
+            )
         if world_size is not None:
             self._check_world(int(world_size), leader_rank)
         if isinstance(autoencoder, AutoencoderConfig):
