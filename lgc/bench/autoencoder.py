@@ -256,6 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             updates=args.updates,
             architectures=architectures,
         )
+    if args.recording is None:
+        result["recording"] = None  # recorded for this run in a temporary folder, not kept
     print(format_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
