@@ -26,20 +26,13 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 import lgc.conf  # noqa: F401  (registers the resolvers the configs use, e.g. the run folder's lgc_run_id)
-from lgc.compressors import Compressor, ErrorFeedback
-from lgc.compressors.demo import check_demo_optimizer
-from lgc.compressors.dgc import check_optimizer_momentum
 from lgc.config_types import check_node_types
-from lgc.ddp.hook import CompressionHookState
-from lgc.ddp.lgc_base import LGCHookState
-from lgc.ddp.local_sgd import FRAGMENT_SPLITS, CommunicationDelayState, split_into_fragments
-from lgc.ddp.torch_hooks import TorchHookState
+from lgc.ddp.local_sgd import FRAGMENT_SPLITS
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
 from lgc.lit.strategy import heartbeats, stalled_workers
+from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state
 
 __all__ = [
-    "build_compressor",
-    "build_hook_state",
     "check_devices",
     "expected_optimizer_steps",
     "launched_externally",
@@ -57,84 +50,6 @@ def _instantiate(node: Any, what: str, **kwargs: Any) -> Any:
         if isinstance(cause, (ValueError, TypeError, FileNotFoundError)):
             raise type(cause)(f"{what}: {cause}") from err
         raise
-
-
-#: Keys of a ``compressor`` node that configure the ErrorFeedback wrapper, not the compressor (popped first).
-ERROR_FEEDBACK_KEYS = ("error_feedback", "error_decay")
-
-
-def build_compressor(node: DictConfig | dict[str, Any]) -> Compressor | TorchHookState | LGCHookState:
-    """Instantiate a ``compressor`` config node; ``error_feedback: true`` wraps it in :class:`ErrorFeedback`.
-
-    PyTorch's hooks (:mod:`lgc.ddp.torch_hooks`) and LGC (:mod:`lgc.ddp.lgc_rar`,
-    :mod:`lgc.ddp.lgc_ps`) are hook states of their own rather than compressors.
-    """
-    kwargs = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    with_error_feedback = bool(kwargs.pop("error_feedback", False))
-    error_decay = kwargs.pop("error_decay", None)
-    if error_decay is not None and not with_error_feedback:
-        raise ValueError(
-            f"compressor.error_decay={error_decay!r} is the decay of error feedback's residual: it needs "
-            "compressor.error_feedback=true"
-        )
-    built = _instantiate(kwargs, "compressor")
-    if isinstance(built, (TorchHookState, LGCHookState)):
-        if with_error_feedback:
-            raise ValueError(
-                f"compressor.error_feedback=true does not apply to {built.describe()}, which handles its own residuals"
-            )
-        return built
-    if not isinstance(built, Compressor):
-        raise TypeError(f"compressor._target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
-    if not with_error_feedback:
-        return built
-    try:
-        return ErrorFeedback(built, decay=1.0 if error_decay is None else error_decay)
-    except ValueError as err:
-        raise ValueError(f"compressor.error_decay: {err}") from None
-
-
-def build_hook_state(
-    compressor_node: DictConfig, comm_node: DictConfig
-) -> CompressionHookState | TorchHookState | CommunicationDelayState | LGCHookState:
-    """The hook state for ``cfg.compressor`` and ``cfg.comm``.
-
-    ``cfg.compressor`` builds either an lgc :class:`Compressor` (``error_feedback: true`` wraps it in
-    :class:`ErrorFeedback`; ``cfg.comm`` configures the hook) or one of PyTorch's hooks wrapped by
-    :mod:`lgc.ddp.torch_hooks`. ``comm.delay: n`` switches to SBC's communication delay: ``n``
-    local steps, then an exchange of the compressed weight update (:mod:`lgc.ddp.local_sgd`), which
-    ``comm.outer: sgd`` applies with DiLoCo's outer optimizer.
-    """
-    delay = comm_node.get("delay")
-    outer = comm_node.get("outer") or "average"
-    outer_lr, outer_momentum = comm_node.get("outer_lr"), comm_node.get("outer_momentum")
-    fragments = comm_node.get("fragments", 1)
-    fragment_split = comm_node.get("fragment_split") or FRAGMENT_SPLITS[0]
-    local_knobs = (outer != "average", outer_lr is not None, outer_momentum is not None, fragments != 1)
-    if delay is None and (any(local_knobs) or fragment_split != FRAGMENT_SPLITS[0]):
-        raise ValueError(
-            f"comm.outer={outer!r}, comm.outer_lr={outer_lr!r}, comm.outer_momentum={outer_momentum!r}, "
-            f"comm.fragments={fragments!r} and comm.fragment_split={fragment_split!r} act on the exchanges of local "
-            "steps: they need comm.delay"
-        )
-    compressor = build_compressor(compressor_node)
-    if isinstance(compressor, (TorchHookState, LGCHookState)):
-        if delay is not None:
-            raise ValueError(f"comm.delay={delay!r} needs an lgc compressor, not {compressor.describe()}")
-        return compressor
-    if delay is not None:
-        # It refuses a compressor that applies weight decay itself (DGC): the updates carry it already.
-        return CommunicationDelayState(
-            compressor,
-            delay=delay,
-            min_numel=comm_node.min_numel,
-            outer=outer,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            fragments=fragments,
-            fragment_split=fragment_split,
-        )
-    return CompressionHookState(compressor, min_numel=comm_node.min_numel, start_iter=comm_node.start_iter)
 
 
 def launched_externally() -> bool:
@@ -400,10 +315,7 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
 
     _check_types(cfg)
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
-    check_optimizer_momentum(
-        hook_state, cfg.optimizer.get("momentum", 0.0), weight_decay=cfg.optimizer.get("weight_decay", 0.0)
-    )
-    check_demo_optimizer(hook_state, cfg.optimizer.get("momentum", 0.0))
+    hook_state.check_optimizer(cfg.optimizer.get("momentum", 0.0), cfg.optimizer.get("weight_decay", 0.0))
     devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
     world_size = devices * int(cfg.trainer.get("num_nodes") or 1)
     timeout_s = _check_timeout(cfg.ddp.get("timeout", 300))
@@ -415,25 +327,13 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
     # The run's length, for the checks that need it (LGC's stages, a checkpoint with steps left).
     total_steps = (
         expected_optimizer_steps(cfg.trainer, datamodule, world_size)
-        if isinstance(hook_state, LGCHookState) or ckpt_path is not None
+        if hook_state.needs_total_steps or ckpt_path is not None
         else None
     )
-    if isinstance(hook_state, LGCHookState):
-        hook_state.set_world_size(world_size)
-        if total_steps is not None:
-            hook_state.check_total_steps(total_steps)
     model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
     module = _task_module(cfg, model, datamodule)
     _check_optimizer(module)
-    if isinstance(hook_state, CommunicationDelayState):
-        try:  # the fragments need the model's parameters: checked here, before any worker starts
-            split_into_fragments(
-                [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad],
-                hook_state.fragments,
-                hook_state.fragment_split,
-            )
-        except ValueError as err:
-            raise ValueError(f"comm.fragments: {err}") from None
+    hook_state.check_run(model, world_size, total_steps)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # comm.min_numel: null follows the method; the summary and the checkpoint record the number it is.
     effective_min_numel = getattr(getattr(hook_state, "exchange_state", hook_state), "min_numel", None)

@@ -1,7 +1,5 @@
 """``lgc.compress``: every method by name with its yaml's values, and the misuse it refuses."""
 
-import importlib
-import inspect
 import random
 import threading
 from pathlib import Path
@@ -11,7 +9,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_workers
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,7 +31,7 @@ from lgc.compressors.base import compressor_chain
 from lgc.compressors.tiles import TiledCompressorMixin
 from lgc.ddp.lgc_base import LGCHookState, LGCStage
 from lgc.ddp.local_sgd import register_communication_delay
-from lgc.train import build_compressor
+from lgc.methods import Comm, build_compressor
 
 CONF = Path(lgc.__file__).parent / "conf" / "compressor"
 YAML_NAMES = sorted(path.stem for path in CONF.glob("*.yaml"))
@@ -66,52 +64,26 @@ def model(group) -> DDP:
 # -- the registry and the yamls ------------------------------------------------------------------
 
 
-def _yaml(name: str) -> DictConfig:
-    """``conf/compressor/<name>.yaml`` as ``lgc-train compressor=<name>`` reads it (before interpolation)."""
-    node = OmegaConf.load(CONF / f"{name}.yaml")
-    if "defaults" in node:  # lgc_*_paper: the base config, then its changes
-        (base,) = node.pop("defaults")
-        node = OmegaConf.merge(_yaml(base), node)
-    # dgc.yaml is a global package: it sets the optimizer too, the compressor under `compressor`.
-    return node if "_target_" in node else node.compressor
-
-
-def _target(path: str) -> type:
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def _constructor_default(cls: type, name: str):
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is not None and name in inspect.signature(init).parameters:
-            return inspect.signature(init).parameters[name].default
-    raise KeyError(f"{cls.__name__} has no knob {name!r}")
-
-
 def test_the_registry_names_every_yaml():
     assert sorted(lgc.METHODS) == YAML_NAMES
 
 
 @pytest.mark.parametrize("name", YAML_NAMES)
-def test_registry_defaults_are_the_yamls_values(name):
+def test_the_registry_reads_each_yaml_as_hydra_composes_it(name):
+    """The registry's own reading of a yaml (its defaults list, a global package) is Hydra's composition."""
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[f"compressor={name}"])
     method = lgc.METHODS[name]
-    node = _yaml(name)
-    assert _target(node._target_) is method.cls
-    assert method.error_feedback == node.get("error_feedback", False)
-    assert method.error_decay == node.get("error_decay", 1.0)
-    knobs = {key for key in node if key not in ("_target_", "error_feedback", "error_decay")}
-    assert set(method.defaults) <= knobs, "the registry has knobs its yaml does not set"
-    for key in sorted(knobs):
-        if OmegaConf.is_interpolation(node, key):
-            # Set by the run (comm.min_numel, trainer.devices); where the registry has a value, it is the
-            # yaml's fallback (dgc's weight_decay: the run's regularization.weight_decay, else 5e-4).
-            if key in method.defaults:
-                assert method.defaults[key] == node[key], key
-            continue
-        value = OmegaConf.to_container(node, resolve=False)[key]
-        # A knob the registry leaves out (LGC's world_size: the process group's) keeps the class's default.
-        assert method.defaults.get(key, _constructor_default(method.cls, key)) == value, key
+    # Unresolved: the knobs that follow the run (${comm.min_numel}, dgc's world_size) are the same references.
+    assert OmegaConf.to_container(method.node) == OmegaConf.to_container(cfg.compressor, resolve=False)
+    # A global package's settings of other groups (dgc, demo: the optimizer's momentum off) are Hydra's too.
+    for group, settings in method.run_settings.items():
+        assert {key: cfg[group][key] for key in settings} == settings, group
+
+
+def test_the_registry_refuses_an_unknown_name_with_the_close_ones():
+    with pytest.raises(KeyError, match=r"unknown method 'lgc_rr' \(did you mean 'lgc_rar'"):
+        lgc.METHODS["lgc_rr"]
 
 
 def _fingerprint(obj, depth: int = 0):
@@ -136,7 +108,7 @@ def test_by_name_builds_what_lgc_train_builds_from_the_yaml(name):
     from_yaml = build_compressor(cfg.compressor)
     # The number of workers, which a run's config states and the hook tells a plain script's DGC.
     knobs = {"world_size": cfg.compressor.world_size} if name == "dgc" else {}
-    built = _build(name, knobs, error_feedback=None, delay=None, min_numel=None, start_iter=None, process_group=None)
+    built = _build(name, knobs, Comm(prefix=""), error_feedback=None, error_decay=None, process_group=None)
     if isinstance(built, CompressionHookState) and not isinstance(built, LGCHookState):
         built = built.compressor
     assert _fingerprint(built) == _fingerprint(from_yaml)
@@ -209,7 +181,7 @@ def test_demo_and_sparseloco_send_every_parameter_through_the_method_by_name(gro
 @pytest.mark.parametrize("overrides", [["compressor=demo"], ["experiment=sparseloco", "comm.delay=2"]])
 def test_demo_and_sparseloco_send_every_parameter_through_the_method_under_lgc_train(group, overrides):
     """``lgc-train``'s ``comm.min_numel: null`` follows the method (every parameter); a number overrides it."""
-    from lgc.train import build_hook_state
+    from lgc.methods import build_hook_state
 
     for extra, expected in (([], 1), (["comm.min_numel=1024"], 1024)):
         with initialize_config_module("lgc.conf", version_base="1.3"):
@@ -344,9 +316,9 @@ def test_hook_states_refuse_what_belongs_to_compressors(model):
         lgc.compress(model, "lgc_rar", error_feedback=True)
     with pytest.raises(ValueError, match=r"delay=2 needs an lgc compressor .* not 'powersgd'"):
         lgc.compress(model, "powersgd", delay=2)
-    with pytest.raises(ValueError, match=r"start_iter does not apply to 'lgc_ps'.*warmup_steps"):
+    with pytest.raises(ValueError, match=r"start_iter=3 does not apply to 'lgc_ps'.*warmup_steps"):
         lgc.compress(model, "lgc_ps", start_iter=3)
-    with pytest.raises(ValueError, match=r"min_numel does not apply to 'torch_fp16'"):
+    with pytest.raises(ValueError, match=r"min_numel=10 does not apply to 'torch_fp16'"):
         lgc.compress(model, "torch_fp16", min_numel=10)
     with pytest.raises(ValueError, match=r"TorchHookState is a hook state.*delay cannot change it"):
         lgc.compress(model, TorchHookState("fp16"), delay=2)
@@ -358,8 +330,8 @@ def test_delay_refuses_weight_decay_in_the_compressor(model):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"delay=2 exchanges weight updates.*weight_decay=0.0005 would decay them"):
         lgc.compress(model, "dgc", optimizer=optimizer, delay=2)
-    with pytest.raises(ValueError, match=r"start_iter does not apply with delay=2"):
-        lgc.compress(model, "sbc", delay=2, start_iter=1)
+    with pytest.raises(ValueError, match=r"start_iter=3 does not apply with delay=2"):
+        lgc.compress(model, "sbc", delay=2, start_iter=3)
 
 
 def test_a_grad_scaler_is_attached_to_lgc_compressors_and_refused_where_it_cannot_apply(group):
@@ -444,25 +416,22 @@ def _delay_modes(rank: int, world: int, delay: int, steps: int) -> dict:
         _step(model, optimizer, rank, step)
         out["automatic"].append((state.local_steps, _max_difference(model)))
 
-    # The old way, forgetting after_optimizer_step: the workers drift apart, silently.
-    model = DDP(_net())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    register_communication_delay(model, ErrorFeedback(TopKCompressor(0.1)), delay=delay)
-    for step in range(steps):
-        _step(model, optimizer, rank, step)
-    out["old_way_drift"] = _max_difference(model)
-
-    # Through compress, the same mistake raises before the second local step uses the weights.
-    model = DDP(_net())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    lgc.compress(model, "topk", delay=delay)
-    out["forgotten"] = None
-    for step in range(steps):
-        try:
-            _step(model, optimizer, rank, step)
-        except RuntimeError as err:
-            out["forgotten"] = (step, str(err))
-            break
+    # Forgetting after_optimizer_step raises before the second local step uses the weights, through
+    # compress and through the state's own registration alike.
+    for key, register in (
+        ("forgotten", lambda model: lgc.compress(model, "topk", delay=delay)),
+        ("forgotten_low_level", lambda model: register_communication_delay(model, TopKCompressor(0.1), delay=delay)),
+    ):
+        model = DDP(_net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        register(model)
+        out[key] = None
+        for step in range(steps):
+            try:
+                _step(model, optimizer, rank, step)
+            except RuntimeError as err:
+                out[key] = (step, str(err))
+                break
 
     # Called by hand as well as by the optimizer's post-hook: exchanges at the wrong steps, refused.
     model = DDP(_net())
@@ -502,11 +471,11 @@ def test_delay_mode_keeps_workers_in_sync_and_a_missed_step_cannot_drift_silentl
         assert all(differences[step] > 0.0 for step in range(steps) if step not in exchanges), differences
         assert all(result["manual"][step] == 0.0 for step in exchanges), result["manual"]
 
-        assert result["old_way_drift"] > 1e-3  # what the check prevents
-        step, message = result["forgotten"]
-        assert step == 1
-        assert "after_optimizer_step() was not called" in message and "drift apart" in message
-        assert "pass optimizer=your_optimizer" in message
+        for key in ("forgotten", "forgotten_low_level"):
+            step, message = result[key]
+            assert step == 1
+            assert "after_optimizer_step() was not called" in message and "drift apart" in message
+            assert "pass optimizer=your_optimizer" in message
         step, message = result["doubled"]
         assert step == 1
         assert "ran 2 times" in message and "remove your own call" in message

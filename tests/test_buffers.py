@@ -246,7 +246,7 @@ def _train_with_ddps_rule(rank: int, world: int) -> dict:
             optimizer.step()
         bn = model.module[1]
         seen = {}
-        if hasattr(state, "global_model"):  # the model a delay run evaluates: which buffers does it take?
+        if state.takes_local_steps:  # the model a delay run evaluates: which buffers does it take?
             with state.global_model() as module:
                 seen = {"global_mean": module[1].running_mean.clone(), "global_var": module[1].running_var.clone()}
         return {

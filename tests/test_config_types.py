@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
 from lgc.config_types import check_node_types
-from lgc.train import ERROR_FEEDBACK_KEYS
+from lgc.methods import ERROR_FEEDBACK_KEYS
 
 CONF = resources.files("lgc.conf")
 #: Config groups whose node is one ``_target_`` (logger and callbacks hold several).

@@ -234,7 +234,7 @@ def test_dgc_config_in_the_dense_limit_trains_like_the_dense_config():
     import hydra
     from hydra import compose, initialize_config_module
 
-    from lgc.train import build_compressor
+    from lgc.methods import build_compressor
 
     dense_limit = ["compressor.density=1.0", "compressor.momentum_masking=false", "compressor.warmup_densities=[]"]
     with initialize_config_module("lgc.conf", version_base="1.3"):
@@ -1004,7 +1004,7 @@ def test_bad_knobs_are_named(kwargs, message):
 def test_yaml_holds_the_paper_defaults_without_error_feedback():
     from hydra import compose, initialize_config_module
 
-    from lgc.train import build_hook_state
+    from lgc.methods import build_hook_state
 
     with initialize_config_module("lgc.conf", version_base="1.3"):
         cfg = compose("train", overrides=["compressor=dgc", "optimizer.momentum=0", "optimizer.nesterov=false"])
@@ -1029,7 +1029,7 @@ def test_yaml_holds_the_paper_defaults_without_error_feedback():
 def test_yaml_weight_decay_follows_the_runs_weight_decay_and_refuses_it_twice():
     from hydra import compose, initialize_config_module
 
-    from lgc.train import build_hook_state
+    from lgc.methods import build_hook_state
 
     with initialize_config_module("lgc.conf", version_base="1.3"):
         paper = compose("train", overrides=["experiment=paper/dgc_cifar10_resnet110"])

@@ -12,7 +12,8 @@ from fixtures import CIFAR_NAMES, cifar_checksums, write_camvid, write_cifar10
 from hydra import compose, initialize_config_module
 
 from lgc.ddp.lgc_base import LGCHookState
-from lgc.train import _check_model_fits_task, build_hook_state, train
+from lgc.methods import build_hook_state
+from lgc.train import _check_model_fits_task, train
 
 CONF = Path(__file__).resolve().parents[1] / "lgc" / "conf" / "experiment"
 EXPERIMENTS = sorted(str(p.relative_to(CONF).with_suffix("")) for p in CONF.rglob("*.yaml"))

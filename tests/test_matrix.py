@@ -217,7 +217,7 @@ def _hook_state(node: dict[str, Any], comm: dict[str, Any]) -> Any:
     from omegaconf import OmegaConf
 
     from lgc.ddp.lgc_base import LGCHookState
-    from lgc.train import build_hook_state
+    from lgc.methods import build_hook_state
 
     state = build_hook_state(OmegaConf.create(node), OmegaConf.create(comm))
     if isinstance(state, LGCHookState):

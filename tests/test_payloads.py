@@ -41,7 +41,7 @@ NODES = _compressor_nodes()
 
 
 def _build(name: str) -> Compressor:
-    from lgc.train import build_compressor
+    from lgc.methods import build_compressor
 
     built = build_compressor(dict(NODES[name]))
     assert isinstance(built, Compressor)

@@ -26,7 +26,7 @@ from lgc.compressors import CombineMode, ErrorFeedback
 from lgc.compressors.qsgd import Buckets, QSGDCompressor, QuantizedPayload, code_bits
 from lgc.compressors.signsgd import SignPayload, SignSGDCompressor
 from lgc.compressors.terngrad import TernGradCompressor
-from lgc.train import build_compressor
+from lgc.methods import build_compressor
 
 CONF = Path(lgc.__file__).parent / "conf" / "compressor"
 #: Draws per unbiasedness test; the tolerance below scales with 1 / sqrt(DRAWS).

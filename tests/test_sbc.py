@@ -22,7 +22,7 @@ from lgc.coding.golomb import (
 from lgc.compressors import CombineMode, ErrorFeedback
 from lgc.compressors.sbc import SBCCompressor, SBCPayload, _block_size, _side_numpy, _side_torch, sbc_select
 from lgc.compressors.topk import num_selected
-from lgc.train import build_compressor
+from lgc.methods import build_compressor
 
 
 def _randn(n: int, seed: int = 0) -> torch.Tensor:

@@ -56,13 +56,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from lgc.compressors import Compressor
 
 __all__ = ["benchmark_compressors", "golomb_bits", "interleaved_schedule", "resnet50_numels", "resnet50_shapes"]
 
-_CONF = Path(__file__).resolve().parents[1] / "conf" / "compressor"
 
 #: The reference every "x fp16" ratio divides by.
 REFERENCE = "fp16_per_layer"
@@ -122,24 +120,18 @@ def _time_once(fn: Callable[[], None], device: torch.device) -> tuple[float, flo
 
 
 def _configured_compressors(density: float) -> dict[str, Compressor]:
-    from lgc.train import build_compressor
+    from lgc.methods import METHODS, build_compressor
 
     compressors = {}
-    for path in sorted(_CONF.glob("*.yaml")):
-        node = OmegaConf.to_container(OmegaConf.load(path))
-        # Configs in the global package (dgc: it also turns the optimizer's momentum off).
-        node = node.get("compressor", node)
-        if "defaults" in node:
-            continue  # variants of another config (e.g. lgc_rar_paper extends lgc_rar), not new methods
-        if str(node.get("_target_", "")).startswith("lgc.ddp."):
+    for name, method in METHODS.items():
+        if not issubclass(method.cls, Compressor):
             continue  # whole hook states (PyTorch's hooks, LGC), not compressors of a tensor
+        node = method.resolve()
         if "density" in node:
             node["density"] = density
         if "warmup_densities" in node:
             node["warmup_densities"] = []  # DGC after its warm-up epochs: the density asked for
-        built = build_compressor(node)
-        if isinstance(built, Compressor):
-            compressors[path.stem] = built
+        compressors[name] = build_compressor(node)
     return compressors
 
 

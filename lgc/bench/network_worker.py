@@ -110,8 +110,7 @@ def _evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> f
 
 def _synchronized_model(state: Any, module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
     """The model every worker agrees on: the global one with local steps, else the module itself."""
-    global_model = getattr(state, "global_model", None)
-    return global_model() if global_model is not None else contextlib.nullcontext(module)
+    return state.global_model() if state.takes_local_steps else contextlib.nullcontext(module)
 
 
 def _interface_counters() -> Any:

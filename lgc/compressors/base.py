@@ -134,6 +134,15 @@ class Compressor(abc.ABC):
     #: ``None``: :data:`DEFAULT_MIN_NUMEL`. 1 where the reference sends every tensor (DeMo, SparseLoCo's
     #: chunked top-k, Streaming DiLoCo's fp4).
     default_min_numel: int | None = None
+    #: Whether what the compressor does not send is lost unless error feedback keeps it
+    #: (sparsifiers, EF-signSGD): ``lgc.compress`` refuses it without error feedback unless told.
+    needs_error_feedback: bool = False
+
+    def check_optimizer(self, momentum: float, weight_decay: float | None) -> None:
+        """Refuse an optimizer that applies what this method applies itself (``weight_decay=None``: unknown).
+
+        Nothing by default; DGC (momentum, weight decay) and DeMo (momentum) refuse theirs.
+        """
 
     @abc.abstractmethod
     def compress(self, tensor: Tensor, key: str) -> Payload:

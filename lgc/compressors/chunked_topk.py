@@ -126,6 +126,7 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
         ([1, 3, 5], 13)
     """
 
+    needs_error_feedback = True
     combine = CombineMode.GATHER
     stateless = True
     # The reference sends every parameter through SparseLoCo.

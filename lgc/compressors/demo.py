@@ -198,6 +198,7 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
         ([0, 2], 1.4142, 9)
     """
 
+    needs_error_feedback = True
     combine = CombineMode.GATHER
     # The momentum lives in ErrorFeedback; the compressor keeps only cached DCT matrices.
     stateless = True
@@ -220,6 +221,10 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
         self.value_dtype = wire_float_dtype(value_dtype, "value_dtype")
         # DCT matrices by (size, device, dtype), built on first use (not state: pure functions of the size).
         self._bases: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
+
+    def check_optimizer(self, momentum: float, weight_decay: float | None) -> None:
+        """No momentum in the optimizer: DeMo's is the error feedback's residual (:func:`check_demo_optimizer`)."""
+        check_demo_optimizer(self, momentum)
 
     def _basis(self, n: int, like: Tensor) -> Tensor:
         """The ``(n, n)`` DCT matrix on ``like``'s device, in fp32 (float64 for float64 input)."""

@@ -477,6 +477,10 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         #: Per process: never pickled (:meth:`__getstate__`) nor checkpointed (:meth:`state_dict`).
         self._parameters: Mapping[str, Tensor] | None = None
 
+    def check_optimizer(self, momentum: float, weight_decay: float | None) -> None:
+        """No momentum in the optimizer, nor decay there while DGC has its own (:func:`check_optimizer_momentum`)."""
+        check_optimizer_momentum(self, momentum, weight_decay=weight_decay)
+
     # -- what the hook tells the compressor ------------------------------------------------------
     def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
         """Keep the model's parameters by name (the ``key`` of :meth:`compress`) for the weight decay."""

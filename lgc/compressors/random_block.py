@@ -166,6 +166,8 @@ class RandomBlockCompressor(Compressor):
         400
     """
 
+    needs_error_feedback = True
+
     def __init__(self, density: float = 0.01, shared: bool = True, seed: int | None = 0) -> None:
         if not 0.0 < float(density) <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")

@@ -156,6 +156,7 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
         True
     """
 
+    needs_error_feedback = True
     combine = CombineMode.GATHER
     variable_size = True
 

@@ -363,6 +363,7 @@ class SBCCompressor(Compressor):
         ([2.75], [0, 7], 10)
     """
 
+    needs_error_feedback = True
     combine = CombineMode.GATHER
     variable_size = True
 

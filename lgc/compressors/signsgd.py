@@ -80,6 +80,7 @@ class SignSGDCompressor(Compressor):
         ([1.5, -1.5, 1.5, 1.5], 5)
     """
 
+    needs_error_feedback = True
     combine = CombineMode.GATHER
     variable_size = False
 

@@ -276,6 +276,7 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
         ([1], 8)
     """
 
+    needs_error_feedback = True
     combine = CombineMode.GATHER
 
     def __init__(self, density: float, value_dtype: str | torch.dtype = "float32") -> None:

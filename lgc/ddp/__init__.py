@@ -2,5 +2,6 @@
 
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.hook import CompressionHookState, compression_hook, register_compression_hook
+from lgc.ddp.protocol import HookState
 
-__all__ = ["CommStats", "CompressionHookState", "compression_hook", "register_compression_hook"]
+__all__ = ["CommStats", "CompressionHookState", "HookState", "compression_hook", "register_compression_hook"]

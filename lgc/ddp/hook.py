@@ -61,6 +61,7 @@ from lgc.compressors.base import CombineMode, Compressor, Payload, method_min_nu
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
+from lgc.ddp.protocol import HookState
 
 __all__ = [
     "CommStats",
@@ -134,7 +135,7 @@ class StepVerdict(NamedTuple):
     used: frozenset[str]
 
 
-class CompressionHookState:
+class CompressionHookState(HookState):
     """State of :func:`compression_hook` for one worker.
 
     Args:
@@ -151,6 +152,8 @@ class CompressionHookState:
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
     does): compressors then see unscaled gradients (see :meth:`unscale`).
     """
+
+    unscales_gradients = True
 
     __slots__ = (
         # hyperparameters
@@ -249,7 +252,7 @@ class CompressionHookState:
         self.param_names = {p.data_ptr(): name for name, p in model.module.named_parameters()}
         self.compressor.attach_parameters(dict(model.module.named_parameters()))
 
-    # The interface lgc's strategy and callbacks use (shared with lgc.ddp.torch_hooks).
+    # The HookState interface (lgc.ddp.protocol).
     def describe(self) -> str:
         """What this hook does, for summaries and logs."""
         return repr(self.compressor)
@@ -270,8 +273,8 @@ class CompressionHookState:
         """Method-specific fields for this worker's entry in ``summary.json`` (and its per-layer table)."""
         return {"layers": self.layer_table()}
 
-    def register(self, model: DistributedDataParallel) -> None:
-        """Attach to ``model`` and register :func:`compression_hook` with this state.
+    def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Attach to ``model`` and register :func:`compression_hook` with this state (``optimizer`` is not needed).
 
         Module buffers (BatchNorm statistics) go from rank 0 to every rank once per step, counted,
         instead of DDP's broadcast before forward passes (:func:`lgc.ddp.buffers.register_comm_hook`).

@@ -297,8 +297,16 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         super().attach(model)
         self.param_order = {name: i for i, (name, _) in enumerate(model.module.named_parameters())}
 
-    def register(self, model: DistributedDataParallel) -> None:
-        """Attach to ``model`` and register :func:`lgc_hook` with this state."""
+    needs_total_steps = True
+
+    def check_run(self, model: torch.nn.Module, world_size: int, total_steps: int | None) -> None:
+        """Fix the world size (checks the leader) and refuse stages that leave no compressed stage."""
+        self.set_world_size(world_size)
+        if total_steps is not None:
+            self.check_total_steps(total_steps)
+
+    def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Attach to ``model`` and register :func:`lgc_hook` with this state (``optimizer`` is not needed)."""
         world_size = dist.get_world_size(self.process_group)
         if self.world_size is not None and self.world_size != world_size:
             raise ValueError(f"LGC was configured for {self.world_size} workers but the group has {world_size}")

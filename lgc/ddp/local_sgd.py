@@ -95,6 +95,7 @@ from lgc.compressors.base import Compressor, compressor_chain
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CommStats, CompressionHookState, PendingBucket
+from lgc.ddp.protocol import HookState
 
 __all__ = [
     "FRAGMENT_SPLITS",
@@ -148,7 +149,7 @@ class FragmentSlice(NamedTuple):
         return self.name if self.whole else f"{self.name}[{self.start}:{self.stop}]"
 
 
-class CommunicationDelayState:
+class CommunicationDelayState(HookState):
     """Local SGD with compressed weight-update exchanges every ``delay`` steps.
 
     Args:
@@ -179,6 +180,7 @@ class CommunicationDelayState:
 
     #: Which model evaluation sees (``summary.json``'s ``eval_model``): the synchronized one.
     eval_model = "global"
+    takes_local_steps = True
 
     __slots__ = (
         # hyperparameters
@@ -311,11 +313,22 @@ class CommunicationDelayState:
         assert self.module is not None, "call register(model) first"
         return [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
 
-    def register(self, model: DistributedDataParallel) -> None:
+    def check_run(self, model: nn.Module, world_size: int, total_steps: int | None) -> None:
+        """Refuse more fragments than the model's trainable parameters can be cut into (before workers start)."""
+        split_into_fragments(
+            [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad],
+            self.fragments,
+            self.fragment_split,
+        )
+
+    def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Register :func:`local_step_hook` on ``model`` and remember its synchronized weights and buffers.
 
         DDP's broadcast of rank 0's buffers before forward passes is turned off
         (:func:`lgc.ddp.buffers.keep_buffers_local`): the buffers are averaged at exchanges instead.
+        With ``optimizer``, :meth:`after_optimizer_step` runs after each of its steps (a post-hook);
+        either way a missed or doubled call raises at the next forward pass with gradients
+        (:class:`_LocalStepCheck`), before the weights are used.
         """
         self.module_ref = weakref.ref(model.module)
         # The compressor learns the parameters' names and shapes (DeMo and chunked top-k tile by shape).
@@ -338,7 +351,11 @@ class CommunicationDelayState:
                 self.synced_buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
                 self._build_outer_optimizer()
         self.buffer_sync = module_buffers.keep_buffers_local(model)
-        model.register_comm_hook(self, local_step_hook)
+        check = _LocalStepCheck(self, automatic=optimizer is not None)
+        model.register_comm_hook(check, _checked_local_step_hook)
+        model.register_forward_pre_hook(check.before_forward)
+        if optimizer is not None:
+            optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
 
     def _build_outer_optimizer(self) -> None:
         """DiLoCo's outer SGD over the synchronized weights (``outer="sgd"``)."""
@@ -816,14 +833,82 @@ def local_step_hook(state: CommunicationDelayState, bucket: dist.GradBucket) -> 
     return future
 
 
+class _LocalStepCheck:
+    """Makes a forgotten or doubled ``after_optimizer_step()`` loud in communication-delay mode.
+
+    Between two synchronized backward passes (those that reach the DDP hook) the optimizer steps
+    once, so ``after_optimizer_step()`` must run exactly once: never, and the workers never
+    exchange and drift apart; twice, and they exchange at the wrong steps. The count is checked
+    at the next forward pass with gradients, before it uses the weights.
+    """
+
+    __slots__ = ("state", "automatic", "backward_passes", "checked_passes", "steps_at_backward")
+
+    def __init__(self, state: CommunicationDelayState, automatic: bool) -> None:
+        self.state = state
+        #: Whether an optimizer step post-hook calls after_optimizer_step (compress(optimizer=...)).
+        self.automatic = automatic
+        #: Synchronized backward passes finished, and how many of them the forward check has seen.
+        self.backward_passes = 0
+        self.checked_passes = 0
+        #: ``state.local_steps`` when the last backward pass finished.
+        self.steps_at_backward = 0
+
+    def backward_done(self) -> None:
+        self.backward_passes += 1
+        self.steps_at_backward = self.state.local_steps
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        if self.checked_passes == self.backward_passes or not torch.is_grad_enabled():
+            return
+        self.checked_passes = self.backward_passes
+        calls = self.state.local_steps - self.steps_at_backward
+        if calls == 1:
+            return
+        delay = self.state.delay
+        if calls == 0:
+            how = (
+                "the optimizer's step post-hook did not run: optimizer.step() was skipped (a GradScaler skips it "
+                "for an inf/NaN on this rank only); with a GradScaler, do not pass optimizer= and call "
+                "state.after_optimizer_step() after every scaler.step(optimizer)"
+                if self.automatic
+                else "pass optimizer=your_optimizer to lgc.compress (it then calls after_optimizer_step after every "
+                "optimizer.step()), or call state.after_optimizer_step() after every optimizer.step()"
+            )
+            raise RuntimeError(
+                f"communication delay (delay={delay}): a backward pass finished but state.after_optimizer_step() "
+                "was not called before this forward pass, so this local step is not counted and the workers would "
+                f"drift apart without exchanging their updates: {how}. (Accumulating gradients over several "
+                "backward passes per step? Run all but the last under model.no_sync().)"
+            )
+        fix = (
+            "lgc.compress(..., optimizer=...) already calls it after every optimizer.step(): remove your own call"
+            if self.automatic
+            else "call it once per optimizer step"
+        )
+        raise RuntimeError(
+            f"communication delay (delay={delay}): state.after_optimizer_step() ran {calls} times since the last "
+            f"backward pass, so the workers would exchange at the wrong steps: {fix}"
+        )
+
+
+def _checked_local_step_hook(check: _LocalStepCheck, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """:func:`lgc.ddp.local_sgd.local_step_hook`, counting finished backward passes for the check."""
+    future = local_step_hook(check.state, bucket)
+    if bucket.is_last():
+        check.backward_done()
+    return future
+
+
 def register_communication_delay(
     model: DistributedDataParallel, compressor: Compressor, *, delay: int, min_numel: int | None = None
 ) -> CommunicationDelayState:
     """Make ``model`` train with local steps and a compressed weight-update exchange every ``delay`` steps.
 
-    Prefer ``lgc.compress(model, "sbc", optimizer=optimizer, delay=4)``: it calls
-    :meth:`CommunicationDelayState.after_optimizer_step` after every ``optimizer.step()`` and
-    raises on a missed or doubled call, where this function leaves both to the caller.
+    Prefer ``lgc.compress(model, "sbc", optimizer=optimizer, delay=4)``: it checks the method
+    against the optimizer and calls :meth:`CommunicationDelayState.after_optimizer_step` after every
+    ``optimizer.step()``; here the caller calls it (a missed or doubled call raises at the next
+    forward pass either way).
 
     Example::
 

@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CommStats, agree_flags, all_finite, allreduce_as_they_are, finite_flag, run_holding
+from lgc.ddp.protocol import HookState
 
 __all__ = ["PowerSGDHookState", "TorchHookState"]
 
@@ -111,7 +112,7 @@ def _orthogonalize_with_epsilon(epsilon: float) -> Iterator[None]:
         powerSGD_hook._orthogonalize = original
 
 
-class TorchHookState:
+class TorchHookState(HookState):
     """Runs one of PyTorch's stateless hooks (``fp16``, ``bf16``, ``allreduce``) with lgc statistics.
 
     Args:
@@ -138,21 +139,9 @@ class TorchHookState:
         self._pending: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self._step_counted = False
 
-    # The interface lgc's strategy and callbacks use (shared with CompressionHookState).
+    # The HookState interface (lgc.ddp.protocol); the rest keeps the protocol's defaults.
     def describe(self) -> str:
         return f"torch:{self.hook_name}"
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-    def residual_norm(self) -> float | None:
-        return None
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def summary_extras(self) -> dict[str, Any]:
-        return {}
 
     def _inner_state(self) -> Any:
         return self.process_group
@@ -167,7 +156,7 @@ class TorchHookState:
     def _after_bucket(self, bucket: dist.GradBucket) -> None:
         """Called once the inner hook has finished ``bucket`` (all of its collectives done)."""
 
-    def register(self, model: DistributedDataParallel) -> None:
+    def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Register the wrapped hook; module buffers go from rank 0 once per step, counted (:mod:`lgc.ddp.buffers`)."""
         self.buffer_sync = module_buffers.register_comm_hook(model, self, _wrapped_torch_hook)
 
@@ -271,7 +260,7 @@ class PowerSGDHookState(TorchHookState):
         self._compressed = False
         self._reset_step()
 
-    def register(self, model: DistributedDataParallel) -> None:
+    def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
         # Built here, in the worker: PowerSGDState needs the default process group.
         self.powersgd = powerSGD_hook.PowerSGDState(process_group=self.process_group, **self.options)
         if self._pending_state is not None:

@@ -14,12 +14,9 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from lgc.ddp.hook import CommStats, CompressionHookState
-from lgc.ddp.local_sgd import CommunicationDelayState
-from lgc.ddp.torch_hooks import TorchHookState
+from lgc.ddp.collectives import CommStats
+from lgc.ddp.protocol import HookState
 from lgc.lit.checkpoint import rng_state, set_rng_state
-
-HookState = CompressionHookState | TorchHookState | CommunicationDelayState
 
 __all__ = ["LAYER_COLUMNS", "CompressionCallback", "RunSummary", "gather_worker_stats"]
 
@@ -29,7 +26,7 @@ _COUNTS = tuple(field.name for field in fields(CommStats))
 
 def _hook_state(trainer: pl.Trainer) -> HookState:
     state = getattr(trainer.strategy, "hook_state", None)
-    if not isinstance(state, (CompressionHookState, TorchHookState, CommunicationDelayState)):
+    if not isinstance(state, HookState):
         raise TypeError(f"expected lgc.lit.CompressedDDPStrategy, the trainer uses {type(trainer.strategy).__name__}")
     return state
 
@@ -125,7 +122,7 @@ class CompressionCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._state = _hook_state(trainer)
         self._trainer = trainer
-        if isinstance(self._state, CommunicationDelayState) and trainer.accumulate_grad_batches != 1:
+        if self._state.takes_local_steps and trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 f"communication delay counts optimizer steps; trainer.accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches} is not supported with it"
@@ -138,7 +135,7 @@ class CompressionCallback(pl.Callback):
         self._state.set_epoch(trainer.current_epoch)
         # With fp16 AMP, compressors must see unscaled gradients (lgc.ddp.hook: CompressionHookState.unscale).
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and isinstance(self._state, CompressionHookState):
+        if scaler is not None and self._state.unscales_gradients:
             self._state.loss_scale = scaler.get_scale
         # After Lightning restored rank 0's optimizer state on every rank: put back this rank's own.
         if self._pending_optimizer_states is not None:
@@ -154,10 +151,10 @@ class CompressionCallback(pl.Callback):
         # and give every rank its own weights and buffers back afterwards (on_validation_end, or
         # on_exception / teardown when validation does not end). A second start without an end
         # raises in global_model() and leaves the first one held, to be closed as usual.
-        if isinstance(self._state, CommunicationDelayState) and self._state.module is not None:
-            evaluating = contextlib.ExitStack()
-            evaluating.enter_context(self._state.global_model())
-            self._evaluating = evaluating
+        assert self._state is not None
+        evaluating = contextlib.ExitStack()
+        evaluating.enter_context(self._state.global_model())
+        self._evaluating = evaluating
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_evaluation()
@@ -180,8 +177,7 @@ class CompressionCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         assert self._state is not None
-        if isinstance(self._state, CommunicationDelayState):
-            self._state.after_optimizer_step()
+        self._state.after_optimizer_step()
         stats = self._state.stats
         metrics = {
             "comm/bytes_up": float(stats.bytes_sent - self._last.bytes_sent),
@@ -205,7 +201,7 @@ class CompressionCallback(pl.Callback):
         assert self._state is not None
         # The random generators too: augmentations and dropout draw from them on every rank.
         state = {**self._state.state_dict(), "rng": rng_state()}
-        if isinstance(self._state, CommunicationDelayState) and self._trainer is not None:
+        if self._state.takes_local_steps and self._trainer is not None:
             # Between exchanges the ranks' optimizer states (momenta) differ too.
             state = {**state, "optimizers": [opt.state_dict() for opt in self._trainer.optimizers]}
         return {"per_rank": _all_gather_object(state)}

@@ -1,0 +1,115 @@
+"""What every hook state offers the code that drives training: :class:`HookState`.
+
+A hook state is what :func:`lgc.compress` returns and what ``lgc-train``'s strategy registers:
+:class:`~lgc.ddp.CompressionHookState` (a compressor every step, LGC and the shared-index codecs
+among its subclasses), :class:`~lgc.ddp.local_sgd.CommunicationDelayState` (local steps, then an
+exchange of weight updates) and :class:`~lgc.ddp.torch_hooks.TorchHookState` (PyTorch's own hooks).
+The code around them (``lgc.compress``, ``lgc-train``, the Lightning callback, the benchmarks)
+asks a state what it needs through this interface instead of asking what class it is:
+
+* the class attributes say whether compressors see unscaled gradients under AMP
+  (:attr:`~HookState.unscales_gradients`), whether workers take local steps between exchanges
+  (:attr:`~HookState.takes_local_steps`) and whether the run's length must be known before it
+  starts (:attr:`~HookState.needs_total_steps`);
+* :meth:`~HookState.check_optimizer` and :meth:`~HookState.check_run` refuse, before any worker
+  starts, what the method would run wrongly;
+* :meth:`~HookState.after_optimizer_step` is called after every optimizer step (an exchange
+  under communication delay; nothing otherwise), and :meth:`~HookState.global_model` is entered
+  for evaluation (the synchronized weights under communication delay).
+
+The three classes subclass :class:`HookState`, which gives the optional parts their defaults; an
+object of another class is a hook state too if it has every member (``isinstance`` checks this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from lgc.compressors.base import Compressor, compressor_chain
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lgc.ddp.collectives import CommStats
+
+__all__ = ["HookState"]
+
+
+@runtime_checkable
+class HookState(Protocol):
+    """The interface of every hook state (see the module docstring)."""
+
+    __slots__ = ()
+
+    #: Bytes sent and received, steps skipped: this worker's communication counts.
+    stats: CommStats
+    #: Whether the compressors see unscaled gradients under AMP loss scaling: the caller then sets
+    #: ``state.loss_scale = scaler.get_scale``. PyTorch's hooks compress scaled gradients, and
+    #: communication delay exchanges weight updates, so neither takes it.
+    unscales_gradients: ClassVar[bool] = False
+    #: Whether workers take local optimizer steps between exchanges: their weights and optimizer
+    #: states differ between ranks (checkpoints keep every rank's), and an optimizer step must be
+    #: one backward pass (no gradient accumulation).
+    takes_local_steps: ClassVar[bool] = False
+    #: Whether :meth:`check_run` needs the run's length in optimizer steps (LGC's stages must fit).
+    needs_total_steps: ClassVar[bool] = False
+
+    def describe(self) -> str:
+        """What this hook does, for summaries and logs."""
+        ...
+
+    def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Register the hook on ``model``; ``optimizer`` lets a state that acts after optimizer steps hook them."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's state, for its share of a checkpoint (residuals differ between ranks)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s result."""
+        ...
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch that starts (per-epoch schedules such as DGC's warm-up follow it)."""
+
+    def after_optimizer_step(self) -> bool:
+        """Called after every optimizer step; whether the workers exchanged (communication delay)."""
+        return False
+
+    def residual_norm(self) -> float | None:
+        """Norm of the error-feedback residuals, or None without residuals."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Method-specific metrics to log every step besides ``comm/*`` (LGC: ``lgc/stage``, ...)."""
+        return {}
+
+    def summary_extras(self) -> dict[str, Any]:
+        """Method-specific fields for this worker's entry in ``summary.json``."""
+        return {}
+
+    def check_optimizer(self, momentum: float, weight_decay: float | None) -> None:
+        """Refuse an optimizer that applies what the method applies itself (DGC's momentum and decay, DeMo's momentum).
+
+        ``weight_decay=None``: not known, not checked. Each compressor along the chain applies its
+        own rules (:meth:`lgc.compressors.Compressor.check_optimizer`).
+        """
+        for compressor in _compressors(self):
+            compressor.check_optimizer(momentum, weight_decay)
+
+    def check_run(self, model: nn.Module, world_size: int, total_steps: int | None) -> None:
+        """Refuse a run the method cannot serve, before any worker starts (and learn its world size)."""
+
+    def global_model(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around evaluation: the model every worker agrees on (under local steps, the synchronized one)."""
+        return contextlib.nullcontext()
+
+
+def _compressors(state: Any) -> Iterator[Compressor]:
+    """The compressors along a hook state's chain (wrappers, then what they wrap)."""
+    return (c for c in compressor_chain(state) if isinstance(c, Compressor))

@@ -1,0 +1,419 @@
+"""Every method by name, and the one builder that turns a method into a hook state.
+
+A *method* is a compressor config of ``lgc/conf/compressor/`` (``lgc-train compressor=NAME``,
+``lgc.compress(model, NAME)``): its ``_target_`` class with the paper's values of its knobs, and
+whether error feedback wraps it (``error_feedback``, ``error_decay``). The yamls are the one source
+of these values: :data:`METHODS` reads them from the installed package, applying their
+``defaults:`` lists as Hydra does, without importing Hydra.
+
+:func:`build_hook_state` is the only place that wraps a compressor in error feedback and chooses
+between every-step communication (:class:`~lgc.ddp.CompressionHookState`) and local steps with
+exchanges of weight updates (:class:`~lgc.ddp.local_sgd.CommunicationDelayState`); ``lgc-train``
+(from ``cfg.compressor`` and ``cfg.comm``), :func:`lgc.compress` and ``lgc-bench`` all build through
+it, so a setting is refused, or means the same, wherever it is given. Names in its messages carry
+the caller's prefix (``comm.delay`` for a config, ``delay`` for a keyword argument).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+from collections.abc import Iterator, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from lgc.compressors import Compressor, ErrorFeedback
+from lgc.compressors.base import compressor_chain
+from lgc.compressors.dgc import DGCCompressor
+from lgc.ddp.hook import CompressionHookState
+from lgc.ddp.local_sgd import FRAGMENT_SPLITS, CommunicationDelayState
+from lgc.ddp.torch_hooks import TorchHookState
+
+__all__ = ["METHODS", "Comm", "Method", "build_compressor", "build_hook_state", "instantiate"]
+
+#: The packaged compressor configs, one per method.
+CONF = Path(__file__).parent / "conf" / "compressor"
+#: Keys of a compressor node that configure the ErrorFeedback wrapper, not the compressor.
+ERROR_FEEDBACK_KEYS = ("error_feedback", "error_decay")
+#: The first line of a config that sets other groups too (DGC's and DeMo's optimizer settings).
+_GLOBAL_PACKAGE = "# @package _global_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One method of ``lgc/conf/compressor/``: its yaml, composed as ``lgc-train compressor=NAME`` does."""
+
+    #: The yaml's name.
+    name: str
+    #: The compressor node (``_target_``, the knobs, ``error_feedback``/``error_decay``), unresolved:
+    #: some knobs follow the run (``${comm.min_numel}``, DGC's ``regularization.weight_decay``).
+    node: DictConfig
+    #: What a ``# @package _global_`` yaml sets besides the compressor (``optimizer: {momentum: 0}``).
+    run_settings: Mapping[str, Any]
+
+    @property
+    def target(self) -> str:
+        """The ``_target_``: the compressor or hook-state class, by its import path."""
+        return str(self.node._target_)
+
+    @property
+    def cls(self) -> type:
+        """The class the method builds (imported)."""
+        return _locate(self.target)
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether error feedback wraps the compressor (the yaml's ``error_feedback``)."""
+        return bool(self.node.get("error_feedback", False))
+
+    @property
+    def error_decay(self) -> float:
+        """Error feedback's residual decay (the yaml's ``error_decay``; 1 keeps everything)."""
+        return float(self.node.get("error_decay", 1.0))
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The knobs' values a script gets by name (run-dependent ones at their fallback, ``min_numel`` left out)."""
+        node = self.resolve()
+        return {key: value for key, value in node.items() if key not in ("_target_", "min_numel", *ERROR_FEEDBACK_KEYS)}
+
+    @property
+    def knobs(self) -> list[str]:
+        """The keyword arguments of the class's constructor (through ``**kwargs`` to its bases).
+
+        Left out: what the caller gives (``min_numel``, ``process_group``) and a hook state's
+        ``compressor``, which the method is.
+        """
+        names: list[str] = []
+        for klass in self.cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            params = list(inspect.signature(init).parameters.values())[1:]
+            names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            if not any(p.kind is p.VAR_KEYWORD for p in params):
+                break
+        return [name for name in dict.fromkeys(names) if name not in ("min_numel", "process_group", "compressor")]
+
+    def resolve(self, min_numel: int | None = None, **knobs: Any) -> dict[str, Any]:
+        """The node as a plain dict for a run that sets nothing but ``comm.min_numel``, with ``knobs`` applied.
+
+        A knob's value replaces the yaml's; a dict knob (LGC's ``autoencoder``, ``loss_weights``)
+        changes the keys it gives and keeps the rest.
+        """
+        run = OmegaConf.create({"compressor": self.node, "comm": {"min_numel": min_numel}})
+        node: dict[str, Any] = OmegaConf.to_container(run, resolve=True)["compressor"]  # type: ignore[index]
+        for key, value in knobs.items():
+            default = node.get(key)
+            node[key] = {**default, **value} if isinstance(default, dict) and isinstance(value, Mapping) else value
+        return node
+
+
+def _plain(node: Mapping[str, Any]) -> dict[str, Any]:
+    """A config node as a plain dict (interpolations resolved)."""
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)  # type: ignore[return-value]
+
+
+def _locate(path: str) -> Any:
+    """The object at an import path ``package.module.Name``."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name, None) if module_name else None
+    except ImportError as err:
+        raise ValueError(f"_target_={path!r}: cannot import {module_name!r} ({err})") from None
+    if found is None:
+        raise ValueError(f"_target_={path!r} names nothing importable")
+    return found
+
+
+def _load(name: str, seen: tuple[str, ...] = ()) -> tuple[DictConfig, dict[str, Any]]:
+    """A compressor yaml merged with its ``defaults:`` list (siblings in this folder, ``_self_`` last unless placed)."""
+    path = CONF / f"{name}.yaml"
+    if name in seen:
+        raise ValueError(f"{path.name}: its defaults list includes itself through {' -> '.join(seen)}")
+    text = path.read_text()
+    raw = OmegaConf.create(text)
+    defaults = list(raw.pop("defaults", []))
+    if "_self_" not in defaults:
+        defaults.append("_self_")
+    merged = OmegaConf.create()
+    for entry in defaults:
+        if entry == "_self_":
+            merged = OmegaConf.merge(merged, raw)
+        elif isinstance(entry, str) and (CONF / f"{entry}.yaml").is_file():
+            base, _ = _load(entry, (*seen, name))
+            merged = OmegaConf.merge(merged, base)
+        else:
+            raise ValueError(f"{path.name}: defaults entry {entry!r} is not a compressor config in {CONF.name}/")
+    run_settings: dict[str, Any] = {}
+    if text.startswith(_GLOBAL_PACKAGE):
+        run_settings = {k: v for k, v in OmegaConf.to_container(merged).items() if k != "compressor"}  # type: ignore[union-attr]
+        merged = merged.compressor
+    return merged, run_settings
+
+
+@cache
+def _read_methods() -> dict[str, Method]:
+    """Every packaged compressor yaml as a :class:`Method`, read once per process."""
+    methods = {}
+    for path in sorted(CONF.glob("*.yaml")):
+        node, run_settings = _load(path.stem)
+        methods[path.stem] = Method(path.stem, node, run_settings)
+    return methods
+
+
+class _Registry(Mapping[str, Method]):
+    """The methods by name, read from the packaged yamls on first use."""
+
+    def _methods(self) -> dict[str, Method]:
+        return _read_methods()
+
+    def __getitem__(self, name: str) -> Method:
+        methods = self._methods()
+        if name not in methods:
+            close = difflib.get_close_matches(name, methods, n=3)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+            raise KeyError(f"unknown method {name!r}{hint}; the methods are {', '.join(methods)}")
+        return methods[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._methods())
+
+    def __len__(self) -> int:
+        return len(self._methods())
+
+    def __repr__(self) -> str:
+        return f"METHODS({', '.join(self)})"
+
+
+#: Every method of ``lgc/conf/compressor/`` by the yaml's name (``lgc-train compressor=NAME``).
+METHODS: Mapping[str, Method] = _Registry()
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """How the DDP hook applies a compressor: ``cfg.comm`` of ``lgc-train``, keyword arguments of ``lgc.compress``.
+
+    Each value's meaning is documented at ``comm:`` in ``lgc/conf/train.yaml``; ``None`` for a
+    field that has a default means the default.
+    """
+
+    #: Parameters with fewer elements go dense; None: the method's own (``Compressor.default_min_numel``).
+    min_numel: int | None = None
+    #: Plain-allreduce iterations before compressing (DDP rebuilds its buckets after the first).
+    start_iter: int | None = 1
+    #: Local optimizer steps per exchange of weight updates (SBC's communication delay); None: every step.
+    delay: int | None = None
+    #: With ``delay``: ``average`` (SBC) or ``sgd`` (DiLoCo's outer Nesterov SGD).
+    outer: str | None = "average"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    #: With ``delay``: Streaming DiLoCo's fragments and how the parameters are dealt into them.
+    fragments: int | None = 1
+    fragment_split: str | None = FRAGMENT_SPLITS[0]
+    #: How messages name a field: ``comm.`` for a config node, empty for keyword arguments.
+    prefix: str = "comm."
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any]) -> Comm:
+        """From ``cfg.comm`` (absent keys take their defaults)."""
+        names = [field.name for field in dataclasses.fields(cls) if field.name != "prefix"]
+        unknown = sorted(set(node) - set(names))
+        if unknown:
+            raise ValueError(f"comm.{unknown[0]} is not a communication setting; they are {', '.join(names)}")
+        return cls(**node)
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if field.name != "prefix" and getattr(self, field.name) is None and field.default is not None:
+                object.__setattr__(self, field.name, field.default)
+
+    def changed(self, *names: str) -> dict[str, Any]:
+        """The fields among ``names`` that differ from their defaults."""
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in names if getattr(self, name) != defaults[name]}
+
+    def field(self, name: str) -> str:
+        """``name=value`` as the caller spells it."""
+        return f"{self.prefix}{name}={getattr(self, name)!r}"
+
+
+_LOCAL_STEP_FIELDS = ("outer", "outer_lr", "outer_momentum", "fragments", "fragment_split")
+
+
+def instantiate(node: Mapping[str, Any], where: str = "") -> Any:
+    """Build ``node``'s ``_target_`` with its other keys, nested ``_target_`` nodes first (Hydra's rule).
+
+    Hydra's other special keys (``_partial_``, ``_args_``, ...) are refused by name. A constructor's
+    own error keeps its type, its message prefixed with ``where`` (``compressor: ...``) if given.
+    """
+    special = sorted(key for key in node if key.startswith("_") and key != "_target_")
+    if special:
+        raise ValueError(f"{where or 'method'}: {', '.join(special)}: lgc builds a method from _target_ and knobs only")
+    target = node.get("_target_")
+    if not isinstance(target, str):
+        raise ValueError(f"{where or 'method'}: a node needs a _target_ (an import path), got {target!r}")
+    kwargs = {key: _instantiated(value, where) for key, value in node.items() if key != "_target_"}
+    cls = _locate(target)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        if not where:
+            raise
+        raise type(err)(f"{where}: {err}") from err
+
+
+def _instantiated(value: Any, where: str) -> Any:
+    if isinstance(value, Mapping):
+        if "_target_" in value:
+            return instantiate(value, where)
+        return {key: _instantiated(item, where) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_instantiated(item, where) for item in value]
+    return value
+
+
+def _is_hook_state(obj: Any) -> bool:
+    """A method that is a hook state of its own (LGC, shared-index, PyTorch's hooks), not a compressor."""
+    return not isinstance(obj, Compressor) and callable(getattr(obj, "register", None))
+
+
+def _what(built: Any, name: str | None) -> str:
+    return f"{name!r} ({type(built).__name__})" if name else built.describe()
+
+
+def build_compressor(
+    node: Mapping[str, Any] | Compressor,
+    *,
+    error_feedback: bool | None = None,
+    error_decay: float | None = None,
+    prefix: str = "compressor.",
+    name: str | None = None,
+) -> Any:
+    """The compressor (error feedback wrapped around it where asked) or the hook state a node builds.
+
+    Args:
+        node: a compressor node (``_target_``, knobs, and ``error_feedback``/``error_decay``) or a
+            compressor built already.
+        error_feedback: ``None`` follows the node (a built compressor: not wrapped); ``True`` wraps
+            (never twice), ``False`` does not.
+        error_decay: error feedback's residual decay; ``None`` follows the node (else 1).
+        prefix: how messages name the node's fields (``compressor.`` in a config, empty for keywords).
+        name: the method's name, for messages.
+    """
+    if isinstance(node, Compressor):
+        if error_feedback is False and isinstance(node, ErrorFeedback):
+            raise ValueError(f"{prefix}error_feedback=False, but the compressor is wrapped in ErrorFeedback")
+        built, wrap, decay = node, bool(error_feedback) and not isinstance(node, ErrorFeedback), error_decay
+    else:
+        kwargs = dict(node)
+        node_feedback = bool(kwargs.pop("error_feedback", False))
+        node_decay = kwargs.pop("error_decay", None)
+        wrap = node_feedback if error_feedback is None else error_feedback
+        decay = node_decay if error_decay is None else error_decay
+        built = instantiate(kwargs, prefix.rstrip("."))
+        if _is_hook_state(built):
+            if wrap or decay is not None:
+                raise ValueError(
+                    f"{prefix}error_feedback does not apply to {_what(built, name)}, which keeps its own residuals"
+                )
+            return built
+        if not isinstance(built, Compressor):
+            raise TypeError(f"{prefix}_target_={kwargs.get('_target_')!r} did not build an lgc Compressor")
+        if not wrap and error_feedback is None and node_decay is not None:
+            raise ValueError(
+                f"{prefix}error_decay={node_decay!r} is the decay of error feedback's residual: it needs "
+                f"{prefix}error_feedback=true"
+            )
+    if isinstance(built, ErrorFeedback):
+        _refuse_error_feedback_around_dgc(built)
+    if not wrap:
+        if error_decay is not None:
+            raise ValueError(
+                f"{prefix}error_decay={error_decay!r} is the decay of error feedback's residual, but {built!r} runs "
+                f"without error feedback: pass {prefix}error_feedback=True, or a method whose yaml has it"
+            )
+        return built
+    _refuse_error_feedback_around_dgc(built)
+    try:
+        return ErrorFeedback(built, decay=1.0 if decay is None else decay)
+    except ValueError as err:
+        raise ValueError(f"{prefix}error_decay: {err}") from None
+
+
+def _refuse_error_feedback_around_dgc(compressor: Any) -> None:
+    if any(isinstance(c, DGCCompressor) for c in compressor_chain(compressor)):
+        raise ValueError(
+            "DGC keeps its own error feedback (its accumulator holds what was not sent); ErrorFeedback around it "
+            "would feed the error back twice: pass DGCCompressor(...) itself, or 'dgc' without error_feedback=True"
+        )
+
+
+def build_hook_state(
+    method: Mapping[str, Any] | Compressor,
+    comm: Comm | Mapping[str, Any] | None = None,
+    *,
+    error_feedback: bool | None = None,
+    error_decay: float | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    prefix: str = "compressor.",
+    name: str | None = None,
+) -> CompressionHookState | CommunicationDelayState | Any:
+    """The hook state (not yet registered) of a compressor node or a built compressor, communicating as ``comm`` says.
+
+    A compressor is applied every step (:class:`~lgc.ddp.CompressionHookState`), or, with
+    ``comm.delay``, to the weight updates of ``delay`` local steps
+    (:class:`~lgc.ddp.local_sgd.CommunicationDelayState`). A node whose ``_target_`` is a hook
+    state (LGC, shared-index, PyTorch's hooks) is built as it is: it keeps its own residuals and
+    dense warm-up, so error feedback, ``delay``, ``start_iter`` (and, for PyTorch's hooks, which
+    compress every parameter, ``min_numel``) are refused for it.
+    """
+    comm = Comm.from_node(_plain(comm)) if isinstance(comm, Mapping) else comm or Comm()
+    method = _plain(method) if isinstance(method, Mapping) else method
+    local = comm.changed(*_LOCAL_STEP_FIELDS)
+    if comm.delay is None and local:
+        fields = ", ".join(comm.field(name) for name in _LOCAL_STEP_FIELDS)
+        raise ValueError(f"{fields} act on the exchanges of local steps: they need {comm.prefix}delay")
+    built = build_compressor(method, error_feedback=error_feedback, error_decay=error_decay, prefix=prefix, name=name)
+    if _is_hook_state(built):
+        what = _what(built, name)
+        if comm.delay is not None:
+            raise ValueError(f"{comm.field('delay')} needs an lgc compressor (e.g. 'sbc', 'topk'), not {what}")
+        if comm.changed("start_iter"):
+            raise ValueError(
+                f"{comm.field('start_iter')} does not apply to {what}: its own knob sets the dense warm-up "
+                "(LGC: warmup_steps; PowerSGD: start_powerSGD_iter)"
+            )
+        if isinstance(built, TorchHookState) and comm.min_numel is not None:
+            raise ValueError(
+                f"{comm.field('min_numel')} does not apply to {what}: PyTorch's hook compresses every parameter"
+            )
+        if process_group is not None:
+            built.process_group = process_group
+        return built
+    if comm.delay is not None:
+        if comm.changed("start_iter"):
+            raise ValueError(
+                f"{comm.field('start_iter')} does not apply with {comm.field('delay')}: the local steps start at once"
+            )
+        # It refuses a compressor that applies weight decay itself (DGC): the updates carry it already.
+        return CommunicationDelayState(
+            built,
+            delay=comm.delay,
+            min_numel=comm.min_numel,
+            process_group=process_group,
+            outer=comm.outer,
+            outer_lr=comm.outer_lr,
+            outer_momentum=comm.outer_momentum,
+            fragments=comm.fragments,
+            fragment_split=comm.fragment_split,
+        )
+    return CompressionHookState(
+        built, min_numel=comm.min_numel, start_iter=comm.start_iter, process_group=process_group
+    )

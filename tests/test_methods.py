@@ -1,0 +1,92 @@
+"""``lgc.methods``: the registry read from the yamls, and the one builder every entry point uses."""
+
+import pytest
+
+from lgc import CommunicationDelayState, CompressionHookState, ErrorFeedback, HookState, TopKCompressor
+from lgc.compressors import SBCCompressor
+from lgc.ddp.lgc_rar import LGCRingAllreduceState
+from lgc.ddp.torch_hooks import PowerSGDHookState
+from lgc.methods import METHODS, Comm, build_compressor, build_hook_state, instantiate
+
+
+def test_a_variant_is_its_base_yaml_with_its_own_changes():
+    base, variant = METHODS["shared_topk"].resolve(), METHODS["shared_topk_int8"].resolve()
+    changed = {key for key in base if base[key] != variant[key]}
+    assert changed == {"values", "warmup_steps", "index_coding"}
+    assert (variant["values"], variant["warmup_steps"], variant["index_coding"]) == ("int8", 1, "golomb")
+
+
+def test_knobs_that_follow_the_run_resolve_for_a_plain_script():
+    # DGC's decay follows the run's regularization.weight_decay, else the paper's 5e-4; LGC's min_numel is comm's.
+    assert METHODS["dgc"].defaults["weight_decay"] == 5e-4
+    assert METHODS["lgc_rar"].resolve(min_numel=77)["min_numel"] == 77
+    assert "min_numel" not in METHODS["lgc_rar"].defaults
+    # A global package's other settings stay apart from the compressor's knobs.
+    assert METHODS["dgc"].run_settings["optimizer"]["momentum"] == 0.0
+    assert "optimizer" not in METHODS["dgc"].defaults
+
+
+def test_dict_knobs_merge_key_by_key():
+    node = METHODS["lgc_rar"].resolve(autoencoder={"chunk": 32})
+    assert node["autoencoder"]["chunk"] == 32
+    assert node["autoencoder"]["latent_channels"] == METHODS["lgc_rar"].resolve()["autoencoder"]["latent_channels"]
+
+
+def test_error_feedback_follows_the_node_unless_told():
+    topk = METHODS["topk"].resolve(density=0.1)
+    built = build_compressor(topk)
+    assert isinstance(built, ErrorFeedback) and built.decay == 1.0 and built.compressor.density == 0.1
+    assert isinstance(build_compressor(topk, error_feedback=False), TopKCompressor)
+    assert build_compressor(METHODS["sparseloco"].resolve()).decay == 0.95
+    assert build_compressor(topk, error_decay=0.9).decay == 0.9
+    # A built compressor is wrapped when asked, never twice.
+    wrapped = build_compressor(SBCCompressor(0.01), error_feedback=True)
+    assert isinstance(wrapped, ErrorFeedback) and build_compressor(wrapped, error_feedback=True) is wrapped
+    with pytest.raises(ValueError, match=r"compressor.error_decay=0.9 is the decay .* needs compressor.error_feedback"):
+        build_compressor({"_target_": "lgc.compressors.TopKCompressor", "density": 0.1, "error_decay": 0.9})
+
+
+def test_every_step_or_local_steps_is_chosen_in_one_place():
+    node = METHODS["sbc"].resolve()
+    every_step = build_hook_state(node, Comm(min_numel=5, start_iter=2))
+    assert type(every_step) is CompressionHookState and (every_step.min_numel, every_step.start_iter) == (5, 2)
+    local = build_hook_state(node, {"delay": 4, "outer": "sgd", "min_numel": 5})
+    assert isinstance(local, CommunicationDelayState) and (local.delay, local.outer) == (4, "sgd")
+    assert isinstance(every_step, HookState) and isinstance(local, HookState)
+
+
+@pytest.mark.parametrize(
+    "method,comm,message",
+    [
+        ("lgc_rar", Comm(start_iter=3), r"comm.start_iter=3 does not apply to LGC"),
+        ("lgc_rar", Comm(start_iter=3, prefix=""), r"^start_iter=3 does not apply to"),
+        ("powersgd", Comm(delay=2), r"comm.delay=2 needs an lgc compressor"),
+        ("powersgd", Comm(min_numel=10), r"comm.min_numel=10 does not apply to .*every parameter"),
+        ("sbc", Comm(delay=2, start_iter=3), r"comm.start_iter=3 does not apply with comm.delay=2"),
+        ("topk", Comm(outer="sgd"), r"comm.outer='sgd', .* act on the exchanges of local steps: they need comm.delay"),
+        ("topk", {"delay": 2, "startiter": 3}, r"comm.startiter is not a communication setting"),
+    ],
+)
+def test_settings_that_do_not_apply_are_refused_naming_the_value(method, comm, message):
+    with pytest.raises(ValueError, match=message):
+        build_hook_state(METHODS[method].resolve(), comm)
+
+
+def test_hook_states_keep_their_own_residuals():
+    lgc_rar = build_hook_state(METHODS["lgc_rar"].resolve())
+    assert isinstance(lgc_rar, LGCRingAllreduceState) and lgc_rar.needs_total_steps
+    assert isinstance(build_hook_state(METHODS["powersgd"].resolve()), PowerSGDHookState)
+    with pytest.raises(ValueError, match=r"compressor.error_feedback does not apply to .*keeps its own residuals"):
+        build_hook_state(METHODS["lgc_rar"].resolve(), error_feedback=True)
+
+
+def test_instantiate_builds_nested_targets_and_refuses_what_it_does_not_do():
+    node = {key: value for key, value in METHODS["sparseloco"].resolve().items() if not key.startswith("error_")}
+    built = instantiate(node, "compressor")
+    assert type(built.sparsifier).__name__ == "ChunkedTopKCompressor"
+    with pytest.raises(ValueError, match=r"compressor: _partial_: lgc builds a method from _target_ and knobs only"):
+        instantiate({"_target_": "lgc.compressors.TopKCompressor", "_partial_": True}, "compressor")
+    with pytest.raises(ValueError, match=r"_target_='lgc.compressors.Nothing' names nothing importable"):
+        instantiate({"_target_": "lgc.compressors.Nothing"})
+    with pytest.raises(ValueError, match=r"^compressor: density must be in \(0, 1\], got 2"):
+        instantiate({"_target_": "lgc.compressors.TopKCompressor", "density": 2}, "compressor")
