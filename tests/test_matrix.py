@@ -377,11 +377,13 @@ def _compose(method: Method) -> tuple[dict, dict]:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
+    from lgc.ddp.torch_hooks import TorchHookState
+    from lgc.methods import METHODS
+
+    # PyTorch's hooks compress every parameter: a min_numel is refused for them.
+    min_numel = [] if issubclass(METHODS[method.config].cls, TorchHookState) else [f"comm.min_numel={MIN_NUMEL}"]
     with initialize_config_module("lgc.conf", version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[f"compressor={method.config}", "logger=none", f"comm.min_numel={MIN_NUMEL}", *method.overrides],
-        )
+        cfg = compose("train", overrides=[f"compressor={method.config}", "logger=none", *min_numel, *method.overrides])
     node = OmegaConf.to_container(cfg.compressor, resolve=True)
     comm = OmegaConf.to_container(cfg.comm, resolve=True)
     return node, comm  # type: ignore[return-value]
