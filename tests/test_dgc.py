@@ -154,7 +154,7 @@ def _train_regression(
 def _as_the_hook_averages(
     workers: list[DGCCompressor], grads: list[torch.Tensor], name: str, compressed: bool
 ) -> torch.Tensor:
-    """One parameter's averaged update as :class:`lgc.ddp.hook.PayloadExchange` forms it (worker r: ``grads[r]``).
+    """One parameter's averaged update as :class:`lgc.ddp.exchange.PayloadExchange` forms it (worker r: ``grads[r]``).
 
     Each worker's gradient is divided by the world size; a compressed parameter's payloads are
     summed with ``aggregate_into`` (the allgather's decoding), a dense one's ``transform_dense``

@@ -33,7 +33,7 @@ send / recv    point to point                             ``alpha + L / B`` (cou
   ``forward + max(backward, comm of the other buckets) + comm of the last bucket + overhead`` with
   ``backward = backward_share * compute`` (default 2/3). A model in one bucket gains nothing. lgc's
   stateful compressors, PowerSGD and LGC agree on the whole step at its last bucket
-  (:mod:`lgc.ddp.hook`'s step guard) and do not overlap.
+  (:mod:`lgc.ddp.step_guard`) and do not overlap.
 * Stragglers: a synchronous step waits for the slowest worker. Where the profile holds compute
   samples (:func:`profile_method` keeps them), ``compute`` is the expected maximum of ``P`` draws
   from them (:func:`expected_maximum`); a ``compute_s`` given as a knob has no jitter.

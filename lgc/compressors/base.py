@@ -213,7 +213,7 @@ class Compressor(abc.ABC):
         sent dense, right after that parameter's sum is written into its slice of the DDP bucket
         (``aggregate``, in the bucket's dtype and in the units the compressor sees: divided by any
         AMP loss scale); never in the hook's plain-allreduce iterations. A compressor with state
-        (``stateless = False``) runs behind the step guard (:mod:`lgc.ddp.hook`), and so does every
+        (``stateless = False``) runs behind the step guard (:mod:`lgc.ddp.step_guard`), and so does every
         exchange of communication delay: then it is not called for a parameter whose gradient is
         zero on every rank (unused), nor in a step the guard passes through (inf/NaN). A stateless
         compressor runs without the guard: it is called for every parameter of every step, unused

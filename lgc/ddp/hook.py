@@ -1,4 +1,4 @@
-"""A DDP communication hook that runs any :class:`~lgc.compressors.Compressor`.
+"""A DDP communication hook that runs any :class:`~lgc.compressors.Compressor`: the state and the hook.
 
 This module (with the other modules of :mod:`lgc.ddp`) is the only place that calls
 :mod:`torch.distributed`. It follows PyTorch's own hooks (``ddp_comm_hooks/powerSGD_hook.py``):
@@ -8,38 +8,23 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    while DDP rebuilds its buckets after the first iteration; the iteration counter is saved, so a
    resumed run does not repeat them.
 3. A stateful compressor (residuals, momenta, random generators) runs once per *step*, at the
-   step's last bucket, after one small allreduce in which the ranks agree on two facts (the
-   **step guard**, :meth:`CompressionHookState.agree`):
-
-   * **non-finite gradients**: if any rank has an inf or NaN anywhere in the step, every rank
-     allreduces its buckets dense and unchanged (what plain DDP does, so the optimizer or AMP's
-     GradScaler sees the inf/NaN on every rank and skips the step), touches no compressor state,
-     does not advance the step counter and counts the step in ``stats.skipped_steps``. Training
-     afterwards is that of a run in which the step never happened.
-   * **unused parameters**: a parameter whose gradient is exactly zero on every rank (unused with
-     ``find_unused_parameters=True``, where DDP discards the result anyway) is not compressed: its
-     residual and momentum stay as they are and nothing is sent for it.
-
-   Stateless compressors (``none``, ``fp16``) need neither: they run bucket by bucket as the
-   buckets become ready, overlapping communication with the backward pass, and an inf or NaN
-   simply passes through their sum (the step is counted as skipped all the same).
+   step's last bucket, after the ranks agree whether some rank's gradients are non-finite (then
+   the step passes through dense and unchanged, counted in ``stats.skipped_steps``, as if it never
+   happened) and which parameters are unused on every rank (left alone): the step guard,
+   :mod:`lgc.ddp.step_guard`. Stateless compressors (``none``, ``fp16``) need neither: they run
+   bucket by bucket as the buckets become ready, overlapping communication with the backward
+   pass, and an inf or NaN simply passes through their sum (the step is counted as skipped all the
+   same).
 4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
    in the gradient's dtype (by default the method's own threshold: none for DeMo and SparseLoCo,
    whose references compress every tensor).
 5. Every other parameter's gradient is compressed on its own, keyed by the parameter's name, so
    compressor state (residuals, momenta) is independent of DDP's bucketing and survives restarts.
-6. Payloads are combined as the compressor declares: one allreduce per dtype for summable
-   payloads, or an allgather of one packed byte buffer (sizes exchanged first when they may
-   differ) for gatherable ones. Collectives are issued inside the hook, never from ``Future.then``
-   callbacks, so every rank issues them in the same order; callbacks only decode.
-7. Once a parameter's sum is in the bucket, :meth:`~lgc.compressors.Compressor.finish_aggregate`
-   may complete it with a term every rank computes alike and nobody sends (DGC's weight decay
-   momentum, which the authors keep in their optimizer). Behind the step guard (compressors with
-   state, DGC among them, and every exchange of communication delay) a skipped step or an unused
-   parameter does not reach it. Stateless compressors run without the guard, so it is called for
-   every parameter of every step, unused ones and non-finite steps included: a stateless
-   compressor's ``finish_aggregate`` must keep no state. (Filtering there would need the guard's
-   collective, which the stateless path leaves out so that it overlaps the backward pass.)
+6. Payloads are combined as the compressor declares and decoded (:mod:`lgc.ddp.exchange`), with
+   every collective issued in the hook, in the same order on every rank. Behind the step guard a
+   skipped step or an unused parameter does not reach the compressor's ``finish_aggregate``;
+   without it (stateless compressors) it is called for every parameter of every step, so a
+   stateless compressor's ``finish_aggregate`` must keep no state.
 
 Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
 for an fp32 model, 2 for a model in fp16 or bf16).
@@ -47,7 +32,6 @@ for an fp32 model, 2 for a model in fp16 or bf16).
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -57,26 +41,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors.base import CombineMode, Compressor, Payload, method_min_numel
+from lgc.compressors.base import CombineMode, Compressor, method_min_numel
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
+from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed
 from lgc.ddp.protocol import HookState
+from lgc.ddp.step_guard import PendingBucket, StepVerdict, agree_flags, all_finite, allreduce_as_they_are, run_holding
 
-__all__ = [
-    "CommStats",
-    "agree_flags",
-    "all_finite",
-    "finite_flag",
-    "allreduce_as_they_are",
-    "run_holding",
-    "CompressionHookState",
-    "PayloadExchange",
-    "StepVerdict",
-    "average_compressed",
-    "compression_hook",
-    "register_compression_hook",
-]
+__all__ = ["CompressionHookState", "LayerStats", "compression_hook", "register_compression_hook"]
 
 
 @dataclass
@@ -102,37 +75,10 @@ def _residual_store(compressor: Compressor) -> dict[str, Tensor]:
     return _residual_store(inner) if isinstance(inner, Compressor) else {}
 
 
-class _Segment(NamedTuple):
-    """One parameter's gradient inside a bucket's flat buffer."""
-
-    name: str
-    offset: int
-    numel: int
-    compressed: bool
-
-
 class _BucketLayout(NamedTuple):
     #: Identifies the bucket's content, so a layout is rebuilt when DDP rebuilds its buckets.
     signature: tuple[int, ...]
-    segments: tuple[_Segment, ...]
-
-
-class PendingBucket(NamedTuple):
-    """A bucket of the current step, held until the step's last bucket (see the step guard)."""
-
-    buffer: Tensor
-    segments: tuple[_Segment, ...]
-    #: What the hook returned to DDP for this bucket; completed when the step has run.
-    future: torch.futures.Future
-
-
-class StepVerdict(NamedTuple):
-    """What every rank agreed on before a compressed step (:meth:`CompressionHookState.agree`)."""
-
-    #: Some rank has an inf or NaN in the step's gradients: pass the step through, change no state.
-    skip: bool
-    #: Names of the parameters whose gradient is nonzero on some rank (the others are left alone).
-    used: frozenset[str]
+    segments: tuple[Segment, ...]
 
 
 class CompressionHookState(HookState):
@@ -282,11 +228,11 @@ class CompressionHookState(HookState):
         self.attach(model)
         self.buffer_sync = module_buffers.register_comm_hook(model, self, compression_hook)
 
-    def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[_Segment, ...]:
+    def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[Segment, ...]:
         """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed."""
         segments, offset = [], 0
         for name, numel in names_and_numels:
-            segments.append(_Segment(name, offset, numel, numel >= self.min_numel))
+            segments.append(Segment(name, offset, numel, numel >= self.min_numel))
             offset += numel
         return tuple(segments)
 
@@ -328,7 +274,7 @@ class CompressionHookState(HookState):
         """Whether compressed steps run behind the step guard (every compressor with state)."""
         return not self.compressor.stateless
 
-    def defer(self, buffer: Tensor, segments: tuple[_Segment, ...], is_last: bool) -> torch.futures.Future[Tensor]:
+    def defer(self, buffer: Tensor, segments: tuple[Segment, ...], is_last: bool) -> torch.futures.Future[Tensor]:
         """Hold a bucket until the step's last bucket, then run the whole step (:meth:`run_step`)."""
         future: torch.futures.Future[Tensor] = torch.futures.Future()
         self.pending.append(PendingBucket(buffer, segments, future))
@@ -432,61 +378,6 @@ class CompressionHookState(HookState):
         self.layer_stats = {name: LayerStats(**layer) for name, layer in state["layers"].items()}
 
 
-def all_finite(tensor: Tensor) -> bool:
-    """Whether ``tensor`` holds no inf or NaN, in one pass and without a mask.
-
-    ``torch.aminmax`` propagates NaN and shows an inf at either end; ``torch.isfinite(t).all()``
-    writes a boolean mask of the whole tensor first and is about 25x slower on a 100 MB bucket.
-    """
-    return bool(finite_flag(tensor))
-
-
-def finite_flag(tensor: Tensor) -> Tensor:
-    """:func:`all_finite` as a 0-dim bool tensor on ``tensor``'s device (no device sync)."""
-    if tensor.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=tensor.device)
-    low, high = torch.aminmax(tensor)
-    return torch.isfinite(low) & torch.isfinite(high)
-
-
-def agree_flags(stats: CommStats, flags: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """The step guard's collective: the MAX of every rank's ``uint8`` flags, counted, on the CPU.
-
-    Shared by :meth:`CompressionHookState.agree` and the guard of PyTorch's stateful hooks
-    (:mod:`lgc.ddp.torch_hooks`), so both decide a step by the same reduction.
-    """
-    counted.all_reduce(stats, flags, group, op=dist.ReduceOp.MAX).wait()
-    return flags.cpu()
-
-
-def allreduce_as_they_are(stats: CommStats, buffers: list[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Sum every buffer dense and unchanged across the group (plain DDP's exchange), counted; blocking."""
-    torch.futures.wait_all([counted.all_reduce(stats, buffer, group) for buffer in buffers])
-
-
-def run_holding(futures: list[torch.futures.Future], run: Callable[[], None]) -> None:
-    """Run a step that completes ``futures``; if it raises, fail the ones it left, then re-raise.
-
-    DDP waits for every bucket's future at the end of the backward pass: one left pending would
-    hang it instead of reporting the error.
-    """
-    try:
-        run()
-    except BaseException as err:
-        for future in futures:
-            if not future.done():
-                future.set_exception(err)
-        raise
-
-
-def _allreduce(state: CompressionHookState, tensor: Tensor) -> torch.futures.Future:
-    return counted.all_reduce(state.stats, tensor, state.process_group)
-
-
-def _allgather(state: CompressionHookState, tensor: Tensor, world_size: int) -> tuple[list[Tensor], Any]:
-    return counted.all_gather(state.stats, tensor, state.process_group)
-
-
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Average one bucket of gradients across workers with ``state.compressor``.
 
@@ -506,7 +397,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
             state.iteration += 1
         for segment in segments:
             state.book_layer(segment.name, segment.numel, False, segment.numel * buffer.element_size())
-        return _allreduce(state, buffer).then(lambda fut: fut.value()[0])
+        return counted.all_reduce(state.stats, buffer, state.process_group).then(lambda fut: fut.value()[0])
 
     state.unscale(buffer, world_size)
     if state.guards_steps:
@@ -517,204 +408,6 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     return average_compressed(state, buffer, segments, iteration).then(
         lambda fut: state.note_result(iteration, fut.value() if scale == 1.0 else fut.value().mul_(scale))
     )
-
-
-def average_compressed(
-    state: CompressionHookState, buffer: Tensor, segments: tuple[_Segment, ...], step: int
-) -> torch.futures.Future[Tensor]:
-    """Sum ``buffer`` (each worker's share, already divided by the world size) across workers.
-
-    Dense segments are allreduced; the others go through ``state.compressor``. The result is
-    written into ``buffer``, which the returned future holds. All collectives are issued here, in
-    the same order on every rank; the future's callback only decodes. Used by the gradient hook
-    and by :mod:`lgc.ddp.local_sgd` for weight updates.
-    """
-    exchange = PayloadExchange(state, buffer, segments, step)
-    return torch.futures.collect_all(exchange.futures).then(lambda _: exchange.finish())
-
-
-class PayloadExchange:
-    """The collectives of one compressed step of one buffer, and the decoding of their results.
-
-    Constructing it compresses every segment and issues all collectives (in the same order on
-    every rank); once :attr:`futures` are done, :meth:`finish` writes the sum into ``buffer``.
-    For gathered payloads, :attr:`received` then holds every rank's payload of every compressed
-    segment (LGC reads the leader's top-k indices from it).
-    """
-
-    def __init__(
-        self,
-        state: CompressionHookState,
-        buffer: Tensor,
-        segments: tuple[_Segment, ...],
-        step: int,
-        *,
-        used: frozenset[str] | None = None,
-    ):
-        self.state = state
-        self.buffer = buffer
-        world_size = dist.get_world_size(state.process_group)
-        compressor = state.compressor
-        compressor.set_rank(dist.get_rank(state.process_group))
-        compressor.set_world_size(world_size)
-        if compressor.needs_shared_seed and not state.seed_shared:
-            # Once, on every rank at the same point: everyone adopts rank 0's seed.
-            seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
-            counted.broadcast(state.stats, seed, 0, state.process_group)
-            compressor.set_shared_seed(int(seed.item()))
-            state.seed_shared = True
-        if state.begun_step != step:
-            compressor.begin_step(step)
-            state.begun_step = step
-        if used is not None:
-            # Zero on every rank (unused parameters): the sum is the zero already in the buffer,
-            # and the compressor's state for them must not move.
-            segments = tuple(s for s in segments if s.name in used)
-        self.dense = [s for s in segments if not s.compressed]
-        self.sparse = [s for s in segments if s.compressed]
-        started = time.perf_counter()
-        for s in self.dense:
-            piece = buffer[s.offset : s.offset + s.numel]
-            sent = compressor.transform_dense(piece, s.name)
-            if sent is not piece:
-                piece.copy_(sent)
-        #: This worker's payload of every compressed segment, in segment order.
-        self.own = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
-        state.codec_seconds["encode"] += time.perf_counter() - started
-        #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
-        self.received: dict[str, list[Payload]] = {}
-        for s, payload in zip(self.sparse, self.own, strict=True):
-            state.book_layer(s.name, s.numel, True, payload.nbytes)
-        for s in self.dense:
-            state.book_layer(s.name, s.numel, False, s.numel * buffer.element_size())
-        state.stats.payload_bytes += sum(p.nbytes for p in self.own)
-        state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in self.sparse) * buffer.element_size()
-        if compressor.combine is CombineMode.SUM:
-            self.futures = self._issue_sum()
-        else:
-            self.futures = self._issue_gather(world_size)
-
-    def _issue_sum(self) -> list[torch.futures.Future]:
-        # One allreduce per dtype, the parts in buffer order: dense segments as they are, compressed
-        # ones as their payload's single wire tensor. Parts that tile one storage without gaps
-        # (``none``: the whole bucket) are allreduced in place, without a copy.
-        buffer = self.buffer
-        own = dict(zip((s.name for s in self.sparse), self.own, strict=True))
-        self.order: list[tuple[_Segment, Payload | None]] = []
-        self.groups: dict[torch.dtype, list[Tensor]] = {}
-        for s in sorted((*self.dense, *self.sparse), key=lambda s: s.offset):
-            payload = own.get(s.name) if s.compressed else None
-            part = buffer[s.offset : s.offset + s.numel] if payload is None else payload.tensors()[0].reshape(-1)
-            self.order.append((s, payload))
-            self.groups.setdefault(part.dtype, []).append(part)
-        self.flats = {dtype: _joined(parts) for dtype, parts in self.groups.items()}
-        return [_allreduce(self.state, flat) for flat in self.flats.values()]
-
-    def _issue_gather(self, world_size: int) -> list[torch.futures.Future]:
-        # Dense part by allreduce, payloads packed into one byte buffer each.
-        state, buffer = self.state, self.buffer
-        futures = []
-        self.dense_flat = None
-        if self.dense:
-            self.dense_flat = torch.cat([buffer[s.offset : s.offset + s.numel] for s in self.dense])
-            futures.append(_allreduce(state, self.dense_flat))
-        self.gathered: list[Tensor] = []
-        if self.own:
-            wires = [p.to_wire() for p in self.own]
-            local_sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64, device=buffer.device)
-            if state.compressor.variable_size:
-                size_lists, work = counted.all_gather(state.stats, local_sizes, state.process_group)
-                # Blocking on purpose: the payload allgather below needs the sizes.
-                work.wait()
-                self.sizes = torch.stack(size_lists).cpu()
-            else:
-                self.sizes = local_sizes.cpu().expand(world_size, -1)
-            max_total = int(self.sizes.sum(dim=1).max())
-            packed = torch.cat(wires)
-            if packed.numel() < max_total:
-                packed = torch.cat([packed, packed.new_zeros(max_total - packed.numel())])
-            self.gathered, work = _allgather(state, packed, world_size)
-            futures.append(work.get_future())
-        return futures
-
-    def finish(self) -> Tensor:
-        """Decode the finished collectives into ``buffer`` and return it."""
-        started = time.perf_counter()
-        try:
-            return self._decode()
-        finally:
-            self.state.codec_seconds["decode"] += time.perf_counter() - started
-
-    def _decode(self) -> Tensor:
-        compressor, buffer = self.state.compressor, self.buffer
-        if compressor.combine is CombineMode.SUM:
-            pieces = {
-                dtype: iter(flat.split([p.numel() for p in self.groups[dtype]])) for dtype, flat in self.flats.items()
-            }
-            for s, payload in self.order:
-                target = buffer[s.offset : s.offset + s.numel]
-                if payload is None:
-                    decoded = next(pieces[buffer.dtype])
-                else:
-                    (values,) = payload.tensors()
-                    summed = next(pieces[values.dtype]).view_as(values)
-                    decoded = compressor.decompress(compressor.payload_from_sum(summed, payload)).reshape(-1)
-                if decoded.data_ptr() != target.data_ptr():
-                    target.copy_(decoded)
-                compressor.finish_aggregate(target, s.name)
-            return buffer
-        if self.dense_flat is not None:
-            for s, piece in zip(self.dense, self.dense_flat.split([s.numel for s in self.dense]), strict=True):
-                target = buffer[s.offset : s.offset + s.numel]
-                target.copy_(piece)
-                compressor.finish_aggregate(target, s.name)
-        if self.own:
-            per_rank = [
-                iter(g.split(row.tolist() + [g.numel() - int(row.sum())]))
-                for g, row in zip(self.gathered, self.sizes, strict=True)
-            ]
-            rank = dist.get_rank(self.state.process_group)
-            for s, own in zip(self.sparse, self.own, strict=True):
-                received = [
-                    compressor.payload_from_wire(next(wires_of_rank), s.numel, key=s.name) for wires_of_rank in per_rank
-                ]
-                _check_round_trip(compressor, own, received[rank])
-                self.received[s.name] = received
-                target = buffer[s.offset : s.offset + s.numel]
-                compressor.aggregate_into(received, target)
-                compressor.finish_aggregate(target, s.name)
-        return buffer
-
-
-def _joined(parts: list[Tensor]) -> Tensor:
-    """``torch.cat(parts)``, or a view when the parts already lie back to back in one storage."""
-    first = parts[0]
-    end = first.data_ptr()
-    for part in parts:
-        if (
-            not part.is_contiguous()
-            or part.data_ptr() != end
-            or part.untyped_storage().data_ptr() != (first.untyped_storage().data_ptr())
-        ):
-            return torch.cat(parts)
-        end += part.numel() * part.element_size()
-    return first.as_strided((sum(p.numel() for p in parts),), (1,), first.storage_offset())
-
-
-def _check_round_trip(compressor: Compressor, own: Payload, parsed: Payload) -> None:
-    """Refuse a compressor whose wire format does not give back the dtypes it wrote.
-
-    Every rank parses every payload with :meth:`Compressor.payload_from_wire`; a payload written
-    in one dtype and parsed as another decodes to garbage without any error. Comparing this
-    rank's own payload with its parsed copy costs nothing (metadata only) and catches it.
-    """
-    written = [(t.dtype, t.numel()) for t in own.tensors()]
-    read = [(t.dtype, t.numel()) for t in parsed.tensors()]
-    if written != read:
-        raise RuntimeError(
-            f"{compressor!r} wrote a payload as {written} (dtype, numel) but parses it back as {read}: "
-            "its payload_from_wire does not match what compress() puts on the wire"
-        )
 
 
 def register_compression_hook(

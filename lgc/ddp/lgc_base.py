@@ -44,12 +44,13 @@ from lgc.compressors.topk import TopKCompressor
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
-from lgc.ddp.hook import CompressionHookState, PendingBucket
+from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.lgc_codec import LeaderIndexCodec
 from lgc.ddp.lgc_plan import StepPlan, plan_step
 from lgc.ddp.lgc_samples import CodecTrainingOps, Sample
 from lgc.ddp.lgc_schedule import LGCStage, StageSchedule
 from lgc.ddp.lgc_stage_ops import LATENT_DTYPES, CompressedStageOps
+from lgc.ddp.step_guard import PendingBucket
 
 __all__ = ["LGCHookState", "LGCStage", "StepPlan", "lgc_hook"]
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.topk import num_selected, topk_indices
-from lgc.ddp.hook import PendingBucket
+from lgc.ddp.step_guard import PendingBucket
 
 __all__ = ["Part", "StepPlan", "plan_step"]
 

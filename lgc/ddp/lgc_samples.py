@@ -22,8 +22,9 @@ from lgc.coding import pack_bits
 from lgc.compressors.topk import SparsePayload
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
-from lgc.ddp.hook import PayloadExchange, PendingBucket
+from lgc.ddp.exchange import PayloadExchange
 from lgc.ddp.lgc_codec import LeaderIndexCodec
+from lgc.ddp.step_guard import PendingBucket
 
 __all__ = ["CodecTrainingOps", "GatheredSamples", "Sample", "gather_samples"]
 

@@ -94,8 +94,10 @@ from torch.nn.parallel import DistributedDataParallel
 from lgc.compressors.base import Compressor, compressor_chain
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
-from lgc.ddp.hook import CommStats, CompressionHookState, PendingBucket
+from lgc.ddp.collectives import CommStats
+from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.protocol import HookState
+from lgc.ddp.step_guard import PendingBucket
 
 __all__ = [
     "FRAGMENT_SPLITS",

@@ -19,7 +19,7 @@ the rest of the run).
 
 Non-finite gradients: the stateless hooks (fp16, bf16, allreduce) pass an inf or NaN through their
 sum, and the wrapper counts the step in ``stats.skipped_steps``. PowerSGD keeps state (error
-feedback, warm-started ``Q``), so it runs behind lgc's step guard (:mod:`lgc.ddp.hook`): the buckets
+feedback, warm-started ``Q``), so it runs behind lgc's step guard (:mod:`lgc.ddp.step_guard`): the buckets
 are held until the step's last one; if any rank has an inf or NaN, every bucket is allreduced
 dense and unchanged (so the optimizer or GradScaler skips the step everywhere), PyTorch's hook is
 not called, and its state, step counter included, stays as it was.
@@ -44,8 +44,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
-from lgc.ddp.hook import CommStats, agree_flags, all_finite, allreduce_as_they_are, finite_flag, run_holding
+from lgc.ddp.collectives import CommStats
 from lgc.ddp.protocol import HookState
+from lgc.ddp.step_guard import agree_flags, all_finite, allreduce_as_they_are, finite_flag, run_holding
 
 __all__ = ["PowerSGDHookState", "TorchHookState"]
 

@@ -1,0 +1,251 @@
+"""The collectives of one compressed step of a buffer: pack, allreduce or allgather, decode.
+
+:class:`PayloadExchange` compresses every compressed segment of a flat buffer (one parameter's
+gradient or weight update each, keyed by the parameter's name), issues the collectives and, once
+they are done, decodes the sum into the buffer:
+
+* summable payloads (:attr:`~lgc.compressors.CombineMode.SUM`) go through one allreduce per wire
+  dtype; gatherable ones (:attr:`~lgc.compressors.CombineMode.GATHER`) through an allgather of one
+  packed byte buffer, with the sizes exchanged first when they may differ between workers;
+* segments below the hook's ``min_numel`` are allreduced dense in the buffer's own dtype;
+* collectives are issued in the constructor, in the same order on every rank, never from
+  ``Future.then`` callbacks (gloo would see them in a different order per rank); callbacks only
+  decode;
+* once a parameter's sum is in the buffer, :meth:`~lgc.compressors.Compressor.finish_aggregate`
+  may complete it with a term every rank computes alike (DGC's weight decay momentum).
+
+Used by the gradient hook (:mod:`lgc.ddp.hook`), communication delay's exchanges of weight updates
+(:mod:`lgc.ddp.local_sgd`) and LGC's stages (:mod:`lgc.ddp.lgc_samples`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lgc.compressors.base import CombineMode, Compressor, Payload
+from lgc.ddp import collectives as counted
+
+if TYPE_CHECKING:
+    from lgc.ddp.hook import CompressionHookState
+
+__all__ = ["PayloadExchange", "Segment", "average_compressed"]
+
+
+class Segment(NamedTuple):
+    """One parameter's gradient inside a bucket's flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    compressed: bool
+
+
+def _allreduce(state: CompressionHookState, tensor: Tensor) -> torch.futures.Future:
+    return counted.all_reduce(state.stats, tensor, state.process_group)
+
+
+def _allgather(state: CompressionHookState, tensor: Tensor, world_size: int) -> tuple[list[Tensor], Any]:
+    return counted.all_gather(state.stats, tensor, state.process_group)
+
+
+def average_compressed(
+    state: CompressionHookState, buffer: Tensor, segments: tuple[Segment, ...], step: int
+) -> torch.futures.Future[Tensor]:
+    """Sum ``buffer`` (each worker's share, already divided by the world size) across workers.
+
+    Dense segments are allreduced; the others go through ``state.compressor``. The result is
+    written into ``buffer``, which the returned future holds. All collectives are issued here, in
+    the same order on every rank; the future's callback only decodes. Used by the gradient hook
+    and by :mod:`lgc.ddp.local_sgd` for weight updates.
+    """
+    exchange = PayloadExchange(state, buffer, segments, step)
+    return torch.futures.collect_all(exchange.futures).then(lambda _: exchange.finish())
+
+
+class PayloadExchange:
+    """The collectives of one compressed step of one buffer, and the decoding of their results.
+
+    Constructing it compresses every segment and issues all collectives (in the same order on
+    every rank); once :attr:`futures` are done, :meth:`finish` writes the sum into ``buffer``.
+    For gathered payloads, :attr:`received` then holds every rank's payload of every compressed
+    segment (LGC reads the leader's top-k indices from it).
+    """
+
+    def __init__(
+        self,
+        state: CompressionHookState,
+        buffer: Tensor,
+        segments: tuple[Segment, ...],
+        step: int,
+        *,
+        used: frozenset[str] | None = None,
+    ):
+        self.state = state
+        self.buffer = buffer
+        world_size = dist.get_world_size(state.process_group)
+        compressor = state.compressor
+        compressor.set_rank(dist.get_rank(state.process_group))
+        compressor.set_world_size(world_size)
+        if compressor.needs_shared_seed and not state.seed_shared:
+            # Once, on every rank at the same point: everyone adopts rank 0's seed.
+            seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
+            counted.broadcast(state.stats, seed, 0, state.process_group)
+            compressor.set_shared_seed(int(seed.item()))
+            state.seed_shared = True
+        if state.begun_step != step:
+            compressor.begin_step(step)
+            state.begun_step = step
+        if used is not None:
+            # Zero on every rank (unused parameters): the sum is the zero already in the buffer,
+            # and the compressor's state for them must not move.
+            segments = tuple(s for s in segments if s.name in used)
+        self.dense = [s for s in segments if not s.compressed]
+        self.sparse = [s for s in segments if s.compressed]
+        started = time.perf_counter()
+        for s in self.dense:
+            piece = buffer[s.offset : s.offset + s.numel]
+            sent = compressor.transform_dense(piece, s.name)
+            if sent is not piece:
+                piece.copy_(sent)
+        #: This worker's payload of every compressed segment, in segment order.
+        self.own = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
+        state.codec_seconds["encode"] += time.perf_counter() - started
+        #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
+        self.received: dict[str, list[Payload]] = {}
+        for s, payload in zip(self.sparse, self.own, strict=True):
+            state.book_layer(s.name, s.numel, True, payload.nbytes)
+        for s in self.dense:
+            state.book_layer(s.name, s.numel, False, s.numel * buffer.element_size())
+        state.stats.payload_bytes += sum(p.nbytes for p in self.own)
+        state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in self.sparse) * buffer.element_size()
+        if compressor.combine is CombineMode.SUM:
+            self.futures = self._issue_sum()
+        else:
+            self.futures = self._issue_gather(world_size)
+
+    def _issue_sum(self) -> list[torch.futures.Future]:
+        # One allreduce per dtype, the parts in buffer order: dense segments as they are, compressed
+        # ones as their payload's single wire tensor. Parts that tile one storage without gaps
+        # (``none``: the whole bucket) are allreduced in place, without a copy.
+        buffer = self.buffer
+        own = dict(zip((s.name for s in self.sparse), self.own, strict=True))
+        self.order: list[tuple[Segment, Payload | None]] = []
+        self.groups: dict[torch.dtype, list[Tensor]] = {}
+        for s in sorted((*self.dense, *self.sparse), key=lambda s: s.offset):
+            payload = own.get(s.name) if s.compressed else None
+            part = buffer[s.offset : s.offset + s.numel] if payload is None else payload.tensors()[0].reshape(-1)
+            self.order.append((s, payload))
+            self.groups.setdefault(part.dtype, []).append(part)
+        self.flats = {dtype: _joined(parts) for dtype, parts in self.groups.items()}
+        return [_allreduce(self.state, flat) for flat in self.flats.values()]
+
+    def _issue_gather(self, world_size: int) -> list[torch.futures.Future]:
+        # Dense part by allreduce, payloads packed into one byte buffer each.
+        state, buffer = self.state, self.buffer
+        futures = []
+        self.dense_flat = None
+        if self.dense:
+            self.dense_flat = torch.cat([buffer[s.offset : s.offset + s.numel] for s in self.dense])
+            futures.append(_allreduce(state, self.dense_flat))
+        self.gathered: list[Tensor] = []
+        if self.own:
+            wires = [p.to_wire() for p in self.own]
+            local_sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64, device=buffer.device)
+            if state.compressor.variable_size:
+                size_lists, work = counted.all_gather(state.stats, local_sizes, state.process_group)
+                # Blocking on purpose: the payload allgather below needs the sizes.
+                work.wait()
+                self.sizes = torch.stack(size_lists).cpu()
+            else:
+                self.sizes = local_sizes.cpu().expand(world_size, -1)
+            max_total = int(self.sizes.sum(dim=1).max())
+            packed = torch.cat(wires)
+            if packed.numel() < max_total:
+                packed = torch.cat([packed, packed.new_zeros(max_total - packed.numel())])
+            self.gathered, work = _allgather(state, packed, world_size)
+            futures.append(work.get_future())
+        return futures
+
+    def finish(self) -> Tensor:
+        """Decode the finished collectives into ``buffer`` and return it."""
+        started = time.perf_counter()
+        try:
+            return self._decode()
+        finally:
+            self.state.codec_seconds["decode"] += time.perf_counter() - started
+
+    def _decode(self) -> Tensor:
+        compressor, buffer = self.state.compressor, self.buffer
+        if compressor.combine is CombineMode.SUM:
+            pieces = {
+                dtype: iter(flat.split([p.numel() for p in self.groups[dtype]])) for dtype, flat in self.flats.items()
+            }
+            for s, payload in self.order:
+                target = buffer[s.offset : s.offset + s.numel]
+                if payload is None:
+                    decoded = next(pieces[buffer.dtype])
+                else:
+                    (values,) = payload.tensors()
+                    summed = next(pieces[values.dtype]).view_as(values)
+                    decoded = compressor.decompress(compressor.payload_from_sum(summed, payload)).reshape(-1)
+                if decoded.data_ptr() != target.data_ptr():
+                    target.copy_(decoded)
+                compressor.finish_aggregate(target, s.name)
+            return buffer
+        if self.dense_flat is not None:
+            for s, piece in zip(self.dense, self.dense_flat.split([s.numel for s in self.dense]), strict=True):
+                target = buffer[s.offset : s.offset + s.numel]
+                target.copy_(piece)
+                compressor.finish_aggregate(target, s.name)
+        if self.own:
+            per_rank = [
+                iter(g.split(row.tolist() + [g.numel() - int(row.sum())]))
+                for g, row in zip(self.gathered, self.sizes, strict=True)
+            ]
+            rank = dist.get_rank(self.state.process_group)
+            for s, own in zip(self.sparse, self.own, strict=True):
+                received = [
+                    compressor.payload_from_wire(next(wires_of_rank), s.numel, key=s.name) for wires_of_rank in per_rank
+                ]
+                _check_round_trip(compressor, own, received[rank])
+                self.received[s.name] = received
+                target = buffer[s.offset : s.offset + s.numel]
+                compressor.aggregate_into(received, target)
+                compressor.finish_aggregate(target, s.name)
+        return buffer
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """``torch.cat(parts)``, or a view when the parts already lie back to back in one storage."""
+    first = parts[0]
+    end = first.data_ptr()
+    for part in parts:
+        if (
+            not part.is_contiguous()
+            or part.data_ptr() != end
+            or part.untyped_storage().data_ptr() != (first.untyped_storage().data_ptr())
+        ):
+            return torch.cat(parts)
+        end += part.numel() * part.element_size()
+    return first.as_strided((sum(p.numel() for p in parts),), (1,), first.storage_offset())
+
+
+def _check_round_trip(compressor: Compressor, own: Payload, parsed: Payload) -> None:
+    """Refuse a compressor whose wire format does not give back the dtypes it wrote.
+
+    Every rank parses every payload with :meth:`Compressor.payload_from_wire`; a payload written
+    in one dtype and parsed as another decodes to garbage without any error. Comparing this
+    rank's own payload with its parsed copy costs nothing (metadata only) and catches it.
+    """
+    written = [(t.dtype, t.numel()) for t in own.tensors()]
+    read = [(t.dtype, t.numel()) for t in parsed.tensors()]
+    if written != read:
+        raise RuntimeError(
+            f"{compressor!r} wrote a payload as {written} (dtype, numel) but parses it back as {read}: "
+            "its payload_from_wire does not match what compress() puts on the wire"
+        )
