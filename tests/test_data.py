@@ -107,7 +107,7 @@ def _batches(loader, count=None):
 
 
 def test_augmented_batches_do_not_depend_on_the_loading_process_and_resume_mid_epoch(cifar10_root):
-    """Issue 11: the training loader's augmentation is seeded by each sample's place in training."""
+    """The training loader's augmentation is seeded by each sample's place in training."""
     module = CIFAR10DataModule(str(cifar10_root), batch_size=4, augment=True, num_workers=0)
     module.setup("fit")
 

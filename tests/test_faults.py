@@ -1,4 +1,4 @@
-"""Faults a run must survive (issue 11): frozen and killed workers, bad checkpoints, concurrent runs.
+"""Faults a run must survive: frozen and killed workers, bad checkpoints, concurrent runs.
 
 * A frozen worker (SIGSTOP) makes the others time out after ``ddp.timeout``; the launcher exits
   with an error naming the frozen rank and leaves no worker process behind.

@@ -476,7 +476,7 @@ def _decode_calls(rank: int, world: int, kwargs: dict) -> list[int]:
     ],
 )
 def test_lgc_rar_decodes_once_per_bucket_unless_the_refresh_needs_its_error_first(kwargs, expected):
-    """Issue 13 part 3: the decoder is LGC-RAR's largest cost, so it runs once per bucket where it can."""
+    """The decoder is LGC-RAR's largest cost, so it runs once per bucket where it can."""
     for result in run_workers(_decode_calls, 2, kwargs):
         *calls, rows = result
         assert calls == [{"r": rows, "2r": 2 * rows}[name] for name in expected]

@@ -1,4 +1,4 @@
-"""Exact resume (issue 11): a run stopped at any step and resumed takes the steps of one never stopped.
+"""Exact resume: a run stopped at any step and resumed takes the steps of one never stopped.
 
 Every comparison is bit for bit: parameters, optimizer and LR-scheduler state, and every rank's
 compressor state (residuals, momenta, LGC's autoencoder and buffers, step counters, byte counts,
@@ -43,7 +43,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     "lgc_rar_linear": ("compressor=lgc_rar_linear", *LGC_STAGES),
     # Stochastic rounding (seeded by step and rank) and the shared-index stages (no codec training).
     "shared_topk_int8": ("compressor=shared_topk", "compressor.values=int8", "compressor.warmup_steps=2"),
-    # Issue 14: decaying error feedback on the pseudo-gradient, DiLoCo's outer momentum, three
+    # Decaying error feedback on the pseudo-gradient, DiLoCo's outer momentum, three
     # fragments exchanged on staggered steps (one per local step); and DeMo's momentum.
     "sparseloco_streaming": ("compressor=sparseloco", "comm.delay=3", "comm.outer=sgd", "comm.fragments=3"),
     "demo": ("compressor=demo",),

@@ -1,4 +1,4 @@
-"""LGC's ablations (issue 13): shared-index top-k, leader-scaled, and the linear codec."""
+"""LGC's ablations: shared-index top-k, leader-scaled, and the linear codec."""
 
 import pytest
 import torch

@@ -104,7 +104,7 @@ def _run_with_auxiliary_branch(rank: int, world: int, state: PowerSGDHookState, 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("batched", [False, True], ids=["per_tensor", "batched"])
 def test_powersgd_stays_finite_when_a_layer_is_unused_at_the_first_compressed_step(batched):
-    # Issue 10, defect 6: the branch's matrices are zero on both ranks at step 2, so Gram-Schmidt divided
+    # The branch's matrices are zero on both ranks at step 2, so Gram-Schmidt divided
     # 0 by 0; error feedback carried the NaN into step 3 (the batched hook ignored PyTorch's epsilon).
     steps = 8
     state = PowerSGDHookState(start_powerSGD_iter=2, min_compression_rate=1.1, batched=batched)

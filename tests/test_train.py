@@ -211,7 +211,7 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (["ckpt_path=/no/such.ckpt"], FileNotFoundError, "ckpt_path='/no/such.ckpt'"),
         (["compressor=dgc", "optimizer.momentum=0.9"], ValueError, "optimizer momentum is 0.9 but DGC applies"),
         (["compressor=dgc", "compressor.error_feedback=true"], ValueError, "DGC keeps its own error feedback"),
-        # Wrong types name the field (issue 11).
+        # Wrong types name the field.
         (["compressor.density=abc"], TypeError, "compressor.density='abc' must be a float"),
         (["compressor.density=[0.1]"], TypeError, r"compressor.density=\[0.1\] must be a float"),
         (["trainer.max_steps=abc"], TypeError, "trainer.max_steps='abc' must be an int"),

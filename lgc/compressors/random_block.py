@@ -257,9 +257,7 @@ class RandomBlockCompressor(Compressor):
         return {"step": self.step, "keys_this_step": sorted(self._keys_this_step), "shared_seed": self.shared_seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # "generator": checkpoints written before unshared offsets were derived from the rank
-        # (its state no longer determines anything).
-        unknown = set(state) - {"step", "keys_this_step", "shared_seed", "generator"}
+        unknown = set(state) - {"step", "keys_this_step", "shared_seed"}
         if unknown:
             raise ValueError(f"RandomBlockCompressor got unknown state keys {sorted(unknown)}")
         self.step = int(state["step"])

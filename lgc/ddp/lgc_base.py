@@ -466,7 +466,7 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
         self.current_step = int(state["current_step"])
         self.weights_sent = bool(state["weights_sent"])
         self.step_error = list(state["step_error"])
-        self.error_sums = list(state.get("error_sums", [0.0, 0.0]))  # older checkpoints lack it
+        self.error_sums = list(state["error_sums"])
         self.last_metrics = dict(state["last_metrics"])
         self.stage_stats = {name: CommStats(**s) for name, s in state["stage_stats"].items()}
         self.stats_mark = CommStats(**state["stats_mark"])

@@ -541,7 +541,7 @@ class CommunicationDelayState(HookState):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._refuse_inside_global_model("load_state_dict()")
         self.exchange_state.load_state_dict(state["exchange"])
-        saved_fragments = int(state.get("fragments", 1))  # absent before fragments existed
+        saved_fragments = int(state["fragments"])
         if saved_fragments != self.fragments:
             raise ValueError(
                 f"the checkpoint was written with fragments={saved_fragments}, this run has "
@@ -596,7 +596,7 @@ class CommunicationDelayState(HookState):
         source = buffers if saved is None else saved
         self.synced_buffers = {name: source[name].to(b.device).clone() for name, b in buffers.items()}
         self._build_outer_optimizer()
-        saved_outer = state.get("outer_optimizer")  # absent before the outer optimizer existed
+        saved_outer = state["outer_optimizer"]
         if (saved_outer is None) != (self.outer_optimizer is None):
             raise ValueError(
                 f"the checkpoint was written with outer={'average' if saved_outer is None else 'sgd'!r}, "

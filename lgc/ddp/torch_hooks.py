@@ -200,7 +200,7 @@ class PowerSGDHookState(TorchHookState):
     """
 
     # PowerSGDState slots that hold hyperparameters: they come from this constructor, never from a
-    # checkpoint (a checkpoint written before orthogonalization_epsilon was exposed holds 0).
+    # checkpoint (a checkpoint's values are checked against them where its buffers depend on them).
     _HYPERPARAMETERS = (
         "matrix_approximation_rank",
         "start_powerSGD_iter",
@@ -376,7 +376,7 @@ class PowerSGDHookState(TorchHookState):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["powersgd"] is not None:
-            saved_batched = state.get("batched", self.batched)
+            saved_batched = state["batched"]
             if saved_batched != self.batched:
                 raise ValueError(
                     f"checkpoint was written with batched={saved_batched!r}, this state has batched={self.batched!r}"
@@ -388,7 +388,7 @@ class PowerSGDHookState(TorchHookState):
                         f"{self.options[name]!r}: its P, Q and error buffers do not fit"
                     )
         super().load_state_dict(state)
-        held = state.get("bucket_shapes", {})  # absent from checkpoints written before it existed
+        held = state["bucket_shapes"]
         self._bucket_shapes = {int(i): tuple(tuple(shape) for shape in shapes) for i, shapes in held.items()}
         if state["powersgd"] is not None:
             if self.powersgd is None:
@@ -435,9 +435,7 @@ def _rng_state_dict(rng: np.random.RandomState) -> dict[str, Any]:
     }
 
 
-def _rng_from_state_dict(state: dict[str, Any] | np.random.RandomState) -> np.random.RandomState:
-    if isinstance(state, np.random.RandomState):  # a checkpoint written before the RNG was converted
-        return copy.deepcopy(state)
+def _rng_from_state_dict(state: dict[str, Any]) -> np.random.RandomState:
     rng = np.random.RandomState()
     keys = state["keys"].numpy().astype(np.uint32)
     rng.set_state((state["algorithm"], keys, state["pos"], state["has_gauss"], state["cached_gaussian"]))
