@@ -159,34 +159,33 @@ def _load(name: str, seen: tuple[str, ...] = ()) -> tuple[DictConfig, dict[str, 
 
 
 @cache
-def _read_methods() -> dict[str, Method]:
-    """Every packaged compressor yaml as a :class:`Method`, read once per process."""
-    methods = {}
-    for path in sorted(CONF.glob("*.yaml")):
-        node, run_settings = _load(path.stem)
-        methods[path.stem] = Method(path.stem, node, run_settings)
-    return methods
+def _method(name: str) -> Method:
+    """One packaged yaml as a :class:`Method`, read on first use (once per process)."""
+    node, run_settings = _load(name)
+    return Method(name, node, run_settings)
+
+
+@cache
+def _names() -> tuple[str, ...]:
+    return tuple(sorted(path.stem for path in CONF.glob("*.yaml")))
 
 
 class _Registry(Mapping[str, Method]):
-    """The methods by name, read from the packaged yamls on first use."""
-
-    def _methods(self) -> dict[str, Method]:
-        return _read_methods()
+    """The methods by name; each yaml is read when its method is first asked for."""
 
     def __getitem__(self, name: str) -> Method:
-        methods = self._methods()
-        if name not in methods:
-            close = difflib.get_close_matches(name, methods, n=3)
+        names = _names()
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3)
             hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-            raise KeyError(f"unknown method {name!r}{hint}; the methods are {', '.join(methods)}")
-        return methods[name]
+            raise KeyError(f"unknown method {name!r}{hint}; the methods are {', '.join(names)}")
+        return _method(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._methods())
+        return iter(_names())
 
     def __len__(self) -> int:
-        return len(self._methods())
+        return len(_names())
 
     def __repr__(self) -> str:
         return f"METHODS({', '.join(self)})"
