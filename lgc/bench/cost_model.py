@@ -339,7 +339,7 @@ def profile_method(
         step(model, optimizer)
     for _ in range(2):
         step(plain, plain_optimizer)
-    codec = getattr(state, "codec_seconds", None)
+    codec = state.codec_times()
     decode_before = dict(codec) if codec is not None else None
     # Pairs of a plain step and the method's step, alternating, so a change of load hits both.
     compute, extra = [], []

@@ -152,7 +152,6 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     import lgc
     from lgc.data.digits import load_digits_split
     from lgc.ddp.collectives import record_collectives
-    from lgc.ddp.lgc_base import LGCHookState
 
     rank, world = dist.get_rank(), dist.get_world_size()
     train_set, val_set = load_digits_split(0.2, spec.seed)
@@ -196,8 +195,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     dist.barrier()
 
     state = lgc.compress(model, spec.method, optimizer=optimizer, **spec.knobs)
-    # LGC codes inside its own step, between its collectives: no separate encode/decode figures.
-    codec = None if isinstance(state, LGCHookState) else getattr(state, "codec_seconds", None)
+    codec = state.codec_times()
     # Epochs drive DGC's density warm-up (and any compressor's set_epoch): one pass over the data.
     steps_per_epoch = max(1, len(labels) // (spec.batch_size * world))
     interface = _interface_counters()

@@ -219,6 +219,9 @@ class CompressionHookState(HookState):
         """Method-specific fields for this worker's entry in ``summary.json`` (and its per-layer table)."""
         return {"layers": self.layer_table()}
 
+    def codec_times(self) -> dict[str, float] | None:
+        return self.codec_seconds
+
     def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Attach to ``model`` and register :func:`compression_hook` with this state (``optimizer`` is not needed).
 

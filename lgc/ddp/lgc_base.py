@@ -300,6 +300,10 @@ class LGCHookState(CodecTrainingOps, CompressedStageOps, CompressionHookState):
 
     needs_total_steps = True
 
+    def codec_times(self) -> dict[str, float] | None:
+        """None: LGC codes inside its own step, between its collectives (no separate encode/decode figures)."""
+        return None
+
     def check_run(self, model: torch.nn.Module, world_size: int, total_steps: int | None) -> None:
         """Fix the world size (checks the leader) and refuse stages that leave no compressed stage."""
         self.set_world_size(world_size)

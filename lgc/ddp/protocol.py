@@ -105,6 +105,14 @@ class HookState(Protocol):
     def check_run(self, model: nn.Module, world_size: int, total_steps: int | None) -> None:
         """Refuse a run the method cannot serve, before any worker starts (and learn its world size)."""
 
+    def codec_times(self) -> dict[str, float] | None:
+        """Wall seconds this process spent encoding (``encode``) and decoding (``decode``), for benchmarks.
+
+        None where the method's coding is not separable from its collectives (LGC codes between
+        them, PyTorch's hooks inside them, communication delay at its exchanges).
+        """
+        return None
+
     def global_model(self) -> contextlib.AbstractContextManager[None]:
         """Entered around evaluation: the model every worker agrees on (under local steps, the synchronized one)."""
         return contextlib.nullcontext()
