@@ -330,7 +330,7 @@ def build_compressor(
                 f"{prefix}error_decay={node_decay!r} is the decay of error feedback's residual: it needs "
                 f"{prefix}error_feedback=true"
             )
-    if isinstance(built, ErrorFeedback):
+    if wrap or isinstance(built, ErrorFeedback):
         _refuse_error_feedback_around_dgc(built)
     if not wrap:
         if error_decay is not None:
@@ -339,7 +339,6 @@ def build_compressor(
                 f"without error feedback: pass {prefix}error_feedback=True, or a method whose yaml has it"
             )
         return built
-    _refuse_error_feedback_around_dgc(built)
     try:
         return ErrorFeedback(built, decay=1.0 if decay is None else decay)
     except ValueError as err:

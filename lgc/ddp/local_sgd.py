@@ -315,13 +315,14 @@ class CommunicationDelayState(HookState):
         assert self.module is not None, "call register(model) first"
         return [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
 
+    def _slices_of(self, module: nn.Module) -> tuple[FragmentSlice, ...]:
+        """The fragments' pieces of ``module``'s trainable parameters (:func:`split_into_fragments`)."""
+        trainable = [(name, p.shape) for name, p in module.named_parameters() if p.requires_grad]
+        return split_into_fragments(trainable, self.fragments, self.fragment_split)
+
     def check_run(self, model: nn.Module, world_size: int, total_steps: int | None) -> None:
         """Refuse more fragments than the model's trainable parameters can be cut into (before workers start)."""
-        split_into_fragments(
-            [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad],
-            self.fragments,
-            self.fragment_split,
-        )
+        self._slices_of(model)
 
     def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Register :func:`local_step_hook` on ``model`` and remember its synchronized weights and buffers.
@@ -336,7 +337,7 @@ class CommunicationDelayState(HookState):
         # The compressor learns the parameters' names and shapes (DeMo and chunked top-k tile by shape).
         self.exchange_state.attach(model)
         named = self._named_parameters()
-        self.slices = split_into_fragments([(name, p.shape) for name, p in named], self.fragments, self.fragment_split)
+        self.slices = self._slices_of(model.module)
         # And every piece of a cut parameter by its key, as a view of its rows: a tiled compressor sees
         # the piece's (rows, cols) matrix, and one that reads the weights reads the piece's.
         params = dict(named)
@@ -848,7 +849,7 @@ class _LocalStepCheck:
 
     def __init__(self, state: CommunicationDelayState, automatic: bool) -> None:
         self.state = state
-        #: Whether an optimizer step post-hook calls after_optimizer_step (compress(optimizer=...)).
+        #: Whether an optimizer step post-hook calls after_optimizer_step (register(model, optimizer)).
         self.automatic = automatic
         #: Synchronized backward passes finished, and how many of them the forward check has seen.
         self.backward_passes = 0
