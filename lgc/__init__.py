@@ -27,11 +27,10 @@ from lgc.compressors import (
     TopKCompressor,
 )
 from lgc.ddp import CompressionHookState, register_compression_hook
-from lgc.ddp.lgc_ps import LGCParameterServerState
-from lgc.ddp.lgc_rar import LGCRingAllreduceState
 from lgc.ddp.local_sgd import CommunicationDelayState
-from lgc.ddp.shared_index import SharedIndexState
-from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState
+from lgc.ddp.powersgd import PowerSGDHookState
+from lgc.ddp.torch_hooks import TorchHookState
+from lgc.learned import LGCParameterServerState, LGCRingAllreduceState, SharedIndexState
 
 __version__ = "0.1.0"
 

@@ -88,7 +88,7 @@ def compress(
         fragments: with ``delay``, Streaming DiLoCo's fragments of the parameters, exchanged on
             staggered steps (default 1: all at once).
         fragment_split: with ``fragments``, how they are balanced: ``"strided"`` (default,
-            the paper's) or ``"contiguous"`` (:func:`lgc.ddp.local_sgd.split_into_fragments`).
+            the paper's) or ``"contiguous"`` (:func:`lgc.ddp.fragments.split_into_fragments`).
         min_numel: parameters with fewer elements go dense. ``None`` (default): the method's own,
             part of its definition (:attr:`~lgc.compressors.Compressor.default_min_numel`): 1 (every
             parameter) for the methods whose reference sends every tensor, 1,024 for the others

@@ -31,8 +31,9 @@ from omegaconf import DictConfig, OmegaConf
 from lgc.compressors import Compressor, ErrorFeedback
 from lgc.compressors.base import compressor_chain
 from lgc.compressors.dgc import DGCCompressor
+from lgc.ddp.fragments import FRAGMENT_SPLITS
 from lgc.ddp.hook import CompressionHookState
-from lgc.ddp.local_sgd import FRAGMENT_SPLITS, CommunicationDelayState
+from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
 
 __all__ = ["METHODS", "Comm", "Method", "build_compressor", "build_hook_state", "instantiate"]

@@ -3,6 +3,8 @@
 ``lgc-train`` is a thin Hydra wrapper around :func:`train`. Every value is checked here, in the
 launching process, before any worker process starts; a bad value raises an error that names it,
 and ``lgc-train`` then removes the run folder Hydra made for it if it holds only Hydra's own files.
+
+Its length is the checks that refuse a run before any worker starts, each naming its field.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lgc.conf  # noqa: F401  (registers the resolvers the configs use, e.g. the run folder's lgc_run_id)
 from lgc.config_types import check_node_types
-from lgc.ddp.local_sgd import FRAGMENT_SPLITS
+from lgc.ddp.fragments import FRAGMENT_SPLITS
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
 from lgc.lit.strategy import heartbeats, stalled_workers
 from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state
@@ -307,8 +309,24 @@ def _check_timeout(value: Any) -> float:
     return float(value)
 
 
-def _prepare(cfg: DictConfig) -> _PreparedRun:
-    """Validate and build everything in this process; writes nothing, starts no worker."""
+def hydra_record(choices: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """What a run was asked for, as ``summary.json`` records it (``hydra``; ``lgc-report`` labels runs by it).
+
+    ``choices``: the option taken in every config group (``compressor: topk``, ``data: digits``;
+    Hydra's own ``hydra/*`` groups left out); ``overrides``: the command line's overrides as typed
+    (a multirun job's own values).
+    """
+    return {
+        "choices": {str(group): option for group, option in choices.items() if not str(group).startswith("hydra/")},
+        "overrides": [str(override) for override in overrides],
+    }
+
+
+def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _PreparedRun:
+    """Validate and build everything in this process; writes nothing, starts no worker.
+
+    ``hydra_run``: the run's :func:`hydra_record`, for its summary.
+    """
     import pytorch_lightning as pl
 
     from lgc.lit import CompressedDDPStrategy, CompressionCallback, RunSummary
@@ -361,7 +379,7 @@ def _prepare(cfg: DictConfig) -> _PreparedRun:
     checkpoint_node = cfg.get("checkpoint") or {}
     callbacks = [
         CompressionCallback(),
-        RunSummary(str(output_dir), resolved),
+        RunSummary(str(output_dir), resolved, hydra=hydra_run),
         ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=checkpoint_node.get("every_n_train_steps")),
         CheckpointRecord(resolved["compressor"], resolved["comm"]),
     ]
@@ -430,10 +448,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says and return the run summary (also written to ``output_dir/summary.json``).
 
     Every value is checked, and the model, data and trainer built, before anything is written or a
-    worker starts: a refused config leaves no trace.
+    worker starts: a refused config leaves no trace. A config composed with
+    ``compose(..., return_hydra_config=True)`` keeps its group choices and overrides in the summary
+    (``hydra``, as ``lgc-train`` records them); its ``hydra`` node is not part of the run's config.
     """
     start = time.perf_counter()
-    return _fit(_prepare(cfg), start)
+    hydra_run = None
+    if "hydra" in cfg:
+        hydra_run = hydra_record(cfg.hydra.runtime.choices, cfg.hydra.overrides.task)
+        cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    return _fit(_prepare(cfg, hydra_run), start)
 
 
 # What Hydra writes into a run folder before the job starts.
@@ -515,8 +539,9 @@ def _result_line(summary: dict[str, Any], output_dir: str) -> str:
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     start = time.perf_counter()
+    hydra_cfg = HydraConfig.get()
     try:
-        run = _prepare(cfg)
+        run = _prepare(cfg, hydra_record(hydra_cfg.runtime.choices, hydra_cfg.overrides.task))
     except Exception:
         _remove_refused_run_folder()
         raise

@@ -29,8 +29,8 @@ from lgc import (
 from lgc.api import _build
 from lgc.compressors.base import compressor_chain
 from lgc.compressors.tiles import TiledCompressorMixin
-from lgc.ddp.lgc_base import LGCHookState, LGCStage
 from lgc.ddp.local_sgd import register_communication_delay
+from lgc.learned.state import LGCHookState, LGCStage
 from lgc.methods import Comm, build_compressor
 
 CONF = Path(lgc.__file__).parent / "conf" / "compressor"

@@ -113,7 +113,7 @@ print("loaded:", sorted(name for name in heavy if name in sys.modules))
 
 
 def test_step_methods_take_nested_knobs_and_bad_ones_are_named():
-    from lgc.bench.step import parse_methods, parse_overrides
+    from lgc.bench.methods import parse_methods, parse_overrides
 
     specs = parse_methods("none,lgc_rar:density=0.001;autoencoder.encoder_channels=[16,32,64,16],dgc")
     assert [spec.name for spec in specs] == ["none", "lgc_rar", "dgc"]

@@ -15,12 +15,13 @@ import lgc
 from lgc import NoneCompressor
 from lgc.ddp.buffers import AVERAGE_AT_EXCHANGE, BROADCAST, NO_SYNC
 from lgc.ddp.hook import CompressionHookState
-from lgc.ddp.lgc_base import LGCStage
-from lgc.ddp.lgc_ps import LGCParameterServerState
-from lgc.ddp.lgc_rar import LGCRingAllreduceState
 from lgc.ddp.local_sgd import CommunicationDelayState
-from lgc.ddp.shared_index import SharedIndexState
-from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState
+from lgc.ddp.powersgd import PowerSGDHookState
+from lgc.ddp.torch_hooks import TorchHookState
+from lgc.learned.ps import LGCParameterServerState
+from lgc.learned.rar import LGCRingAllreduceState
+from lgc.learned.shared_index import SharedIndexState
+from lgc.learned.state import LGCStage
 
 #: The model's buffers: BatchNorm1d(32)'s running mean and variance (fp32) and its int64 batch counter.
 FLOAT_BUFFER_BYTES = 2 * 32 * 4

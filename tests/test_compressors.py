@@ -158,7 +158,7 @@ def test_double_error_feedback_is_refused():
     [(70_000, 1), (100_000, 100), (1_000_000, 1000), (1_000_000, 10_000), (300_000, 30_000), (200_000, 24_999)],
 )
 def test_block_maximum_topk_selection_is_exact(numel, k):
-    from lgc.compressors.topk import topk_indices
+    from lgc.compressors.selection import topk_indices
 
     g = _randn(numel, seed=numel + k) * torch.linspace(0.1, 3.0, numel)  # non-uniform scale along the tensor
     chosen = topk_indices(g, k)
@@ -168,7 +168,7 @@ def test_block_maximum_topk_selection_is_exact(numel, k):
 
 
 def test_block_maximum_topk_selection_with_ties_and_a_ragged_tail():
-    from lgc.compressors.topk import topk_indices
+    from lgc.compressors.selection import topk_indices
 
     g = torch.zeros(100_003)
     g[:10] = 1.0
@@ -180,7 +180,7 @@ def test_block_maximum_topk_selection_with_ties_and_a_ragged_tail():
 
 def test_block_maximum_topk_selection_finds_a_contiguous_run_of_large_entries():
     # Strided blocks spread a contiguous run over many blocks; the selection must still be exact.
-    from lgc.compressors.topk import topk_indices
+    from lgc.compressors.selection import topk_indices
 
     g = _randn(200_000, seed=7) * 1e-3
     g[50_000:50_200] = torch.linspace(1.0, 2.0, 200)

@@ -1,4 +1,4 @@
-"""The alpha-beta cost model (``lgc.bench.cost_model``, ``lgc-bench model``) and the collective recorder."""
+"""The alpha-beta cost model (``lgc.bench.cost_model``, ``lgc-bench model``), profiles and the collective recorder."""
 
 import json
 import re
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lgc.bench import cost_model
+from lgc.bench import profile as profiling
 from lgc.bench.cli import main
 from lgc.bench.cost_model import (
     Link,
@@ -19,6 +19,7 @@ from lgc.bench.cost_model import (
     fit_link,
     predict_step,
 )
+from lgc.bench.methods import steady_from
 from lgc.ddp import collectives as counted
 from lgc.ddp import wire
 from lgc.ddp.collectives import CollectiveCall, CommStats, record_collectives
@@ -168,7 +169,7 @@ def _batches():
 
 
 def test_a_profile_holds_the_methods_steady_collectives_and_its_own_cost(group):
-    topk = cost_model.profile_method(_net(), "topk", _batches(), knobs={"density": 0.01}, steps=3)
+    topk = profiling.profile_method(_net(), "topk", _batches(), knobs={"density": 0.01}, steps=3)
     # Guard flags, the tensors under min_numel=1024 dense (both biases and the 640-element second
     # weight), then the allgather of the first weight's ceil(0.01 * 4096) (value, index) pairs.
     assert [call.kind for call in topk.trace] == ["all_reduce", "all_reduce", "all_gather"]
@@ -177,11 +178,11 @@ def test_a_profile_holds_the_methods_steady_collectives_and_its_own_cost(group):
     assert topk.trace[2].nbytes == 8 * 41
     assert topk.decode_per_peer_s > 0 and topk.overhead_s >= 0 and not topk.overlaps_backward
     assert len(topk.compute_samples_s) == 3
-    dense = cost_model.profile_method(_net(), "none", _batches(), steps=3)
+    dense = profiling.profile_method(_net(), "none", _batches(), steps=3)
     assert dense.overlaps_backward and dense.decode_per_peer_s == 0
     assert [call.kind for call in dense.trace] == ["all_reduce"] and dense.trace[0].nbytes == 4 * 4810
     # PowerSGD past its dense iterations: rank-1 factors, far fewer bytes than the model.
-    powersgd = cost_model.profile_method(_net(), "powersgd", _batches(), steps=2)
+    powersgd = profiling.profile_method(_net(), "powersgd", _batches(), steps=2)
     assert sum(call.nbytes for call in powersgd.trace) < 4 * 4810 / 4
 
 
@@ -193,14 +194,14 @@ def test_steady_from_counts_each_methods_own_stages(group):
     model = DistributedDataParallel(_net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = lgc.compress(model, "lgc_rar", optimizer=optimizer, warmup_steps=7, ae_steps=11)
-    assert cost_model.steady_from(state) == 18
+    assert steady_from(state) == 18
     model = DistributedDataParallel(_net())
     state = lgc.compress(model, "powersgd", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert cost_model.steady_from(state) == 10
+    assert steady_from(state) == 10
     model = DistributedDataParallel(_net())
     state = lgc.compress(model, "dgc", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     epochs = len(state.compressor.warmup_densities)
-    assert epochs > 0 and cost_model.steady_from(state, steps_per_epoch=5) == 5 * epochs
+    assert epochs > 0 and steady_from(state, steps_per_epoch=5) == 5 * epochs
 
 
 # -- lgc-bench model ------------------------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_steady_from_counts_each_methods_own_stages(group):
     ],
 )
 def test_bad_values_are_named_before_anything_is_measured(monkeypatch, argv, message):
-    monkeypatch.setattr(cost_model, "profile_method", lambda *a, **k: pytest.fail("profiled before checking"))
+    monkeypatch.setattr(profiling, "profile_method", lambda *a, **k: pytest.fail("profiled before checking"))
     with pytest.raises(SystemExit) as exit_info:
         main(["model", *argv])
     assert re.search(message, str(exit_info.value.code))
@@ -235,7 +236,7 @@ def _cached_profiles(path):
 def test_the_model_command_reads_cached_profiles_and_prints_steps_and_crossovers(tmp_path, monkeypatch, capsys):
     cache = tmp_path / "profiles.json"
     _cached_profiles(cache)
-    monkeypatch.setattr(cost_model, "profile_method", lambda *a, **k: pytest.fail("re-profiled a cached method"))
+    monkeypatch.setattr(profiling, "profile_method", lambda *a, **k: pytest.fail("re-profiled a cached method"))
     main(
         [
             "model", "--model", "resnet50", "--methods", "none,torch_fp16,topk", "--workers", "8,512",

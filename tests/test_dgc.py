@@ -14,13 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc import ErrorFeedback, TopKCompressor, register_compression_hook
 from lgc.compressors import SparsePayload
-from lgc.compressors.dgc import (
-    PAPER_WARMUP_DENSITIES,
-    DGCCompressor,
-    _ColumnScan,
-    check_optimizer_momentum,
-    sampled_topk,
-)
+from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, DGCCompressor, check_optimizer_momentum
+from lgc.compressors.selection import ColumnScan, sampled_topk
 from lgc.compressors.topk import num_selected
 from lgc.ddp.hook import CompressionHookState
 
@@ -767,21 +762,21 @@ def test_after_ten_rounds_what_passes_is_sent():
 @pytest.mark.parametrize("numel", [15, 16, 1000, 65_543, 2 * (1 << 20) + 12_345])
 def test_column_scan_finds_exactly_the_entries_above_each_threshold(numel, chunk):
     x = _randn(numel, numel)
-    scan = _ColumnScan(x, chunk).scan_all()
+    scan = ColumnScan(x, chunk).scan_all()
     for q in (0.5, 0.9, 0.999, 0.99999):
         t = float(torch.quantile(x.abs(), q))
         assert torch.equal(scan(t).sort().values, torch.nonzero(x.abs() >= t).view(-1))
 
 
 def test_span_by_span_accumulation_equals_one_pass(monkeypatch):
-    import lgc.compressors.dgc as dgc_module
+    import lgc.compressors.selection as selection_module
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # spans are used on single-threaded CPUs
     try:
         results = []
         for chunk in (4096 + 16 * 7, 1 << 30):
-            monkeypatch.setattr(dgc_module, "_CPU_CHUNK", chunk)
+            monkeypatch.setattr(selection_module, "_CPU_CHUNK", chunk)
             dgc = DGCCompressor(0.003, warmup_densities=[], exact_below_numel=0)
             # Distinct magnitudes (no ties for top-k to break differently); spans are multiples of
             # 16 elements, so the vectorized arithmetic is the same, bit for bit.

@@ -11,7 +11,6 @@ import torch
 from fixtures import CIFAR_NAMES, cifar_checksums, write_camvid, write_cifar10
 from hydra import compose, initialize_config_module
 
-from lgc.ddp.lgc_base import LGCHookState
 from lgc.methods import build_hook_state
 from lgc.train import _check_model_fits_task, train
 
@@ -43,7 +42,7 @@ def test_smoke_variants_keep_their_papers_compressor_model_and_data(name):
 def test_the_default_run_is_the_ablations_best_codec_and_smoke_is_top_k_unless_told():
     with initialize_config_module("lgc.conf", version_base="1.3"):
         default = compose("train")["compressor"]
-        assert default._target_ == "lgc.ddp.shared_index.SharedIndexState"
+        assert default._target_ == "lgc.learned.SharedIndexState"
         assert (default["values"], default["warmup_steps"], default["index_coding"]) == ("int8", 1, "golomb")
         assert compose("train", ["experiment=smoke"])["compressor"]._target_ == "lgc.compressors.TopKCompressor"
         told = compose("train", ["experiment=smoke", "compressor=dgc"])
@@ -89,10 +88,9 @@ def test_every_experiment_builds_its_parts(name, tmp_path, data_roots):
     cfg = _compose(name, tmp_path, data_roots)
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
     world = cfg.trainer.devices if cfg.trainer.devices > 0 else 4
-    if isinstance(hook_state, LGCHookState):
-        hook_state.set_world_size(world * cfg.trainer.num_nodes)
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model, num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
+    hook_state.check_run(model, world * cfg.trainer.num_nodes, None)
     if "resnet110" in name or "resnet101" in name or "pspnet" in name:
         assert sum(p.numel() for p in model.parameters()) > 1_000_000
     else:

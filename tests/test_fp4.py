@@ -10,7 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc.compressors import CombineMode, FP4Compressor
 from lgc.compressors.fp4 import e3m0_values
-from lgc.ddp.local_sgd import CommunicationDelayState, split_into_fragments
+from lgc.ddp.fragments import split_into_fragments
+from lgc.ddp.local_sgd import CommunicationDelayState
 
 
 def _randn(n: int, seed: int = 0) -> torch.Tensor:

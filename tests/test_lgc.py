@@ -20,10 +20,11 @@ from lgc.autoencoder import (
     rar_losses,
     to_chunks,
 )
-from lgc.compressors.topk import num_selected, topk_indices
-from lgc.ddp.lgc_base import LGCStage
-from lgc.ddp.lgc_ps import LGCParameterServerState
-from lgc.ddp.lgc_rar import LGCRingAllreduceState
+from lgc.compressors.selection import topk_indices
+from lgc.compressors.topk import num_selected
+from lgc.learned.ps import LGCParameterServerState
+from lgc.learned.rar import LGCRingAllreduceState
+from lgc.learned.state import LGCStage
 
 # -- the autoencoder -------------------------------------------------------------------------------
 

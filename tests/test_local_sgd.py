@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lgc
 from lgc import ErrorFeedback, NoneCompressor, TopKCompressor
-from lgc.ddp.local_sgd import CommunicationDelayState, split_into_fragments
+from lgc.ddp.fragments import split_into_fragments
+from lgc.ddp.local_sgd import CommunicationDelayState
 
 pytestmark = pytest.mark.multiprocess
 

@@ -213,15 +213,14 @@ class _Net(nn.Module):
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "autocast": torch.float32}
 
 
-def _hook_state(node: dict[str, Any], comm: dict[str, Any]) -> Any:
+def _hook_state(node: dict[str, Any], comm: dict[str, Any], net: nn.Module) -> Any:
     from omegaconf import OmegaConf
 
-    from lgc.ddp.lgc_base import LGCHookState
     from lgc.methods import build_hook_state
 
     state = build_hook_state(OmegaConf.create(node), OmegaConf.create(comm))
-    if isinstance(state, LGCHookState):
-        state.set_world_size(dist.get_world_size())
+    # What lgc-train does before the workers train (LGC learns its world size here).
+    state.check_run(net, dist.get_world_size(), None)
     return state
 
 
@@ -313,7 +312,7 @@ def _train(case: Case, node: dict, comm: dict, rank: int, *, reference: bool, om
     method = case.method
     net, model = _ddp(case)
     plain = _ddp(case) if reference else None
-    state = _hook_state(node, comm)
+    state = _hook_state(node, comm, net)
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     grads, plain_grads, states, nonfinite = [], [], {}, []

@@ -4,8 +4,8 @@ import pytest
 
 from lgc import CommunicationDelayState, CompressionHookState, ErrorFeedback, HookState, TopKCompressor
 from lgc.compressors import SBCCompressor
-from lgc.ddp.lgc_rar import LGCRingAllreduceState
-from lgc.ddp.torch_hooks import PowerSGDHookState
+from lgc.ddp.powersgd import PowerSGDHookState
+from lgc.learned.rar import LGCRingAllreduceState
 from lgc.methods import METHODS, Comm, build_compressor, build_hook_state, instantiate
 
 

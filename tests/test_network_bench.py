@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from lgc.bench import netns, network
+from lgc.bench import netns, network_results
 from lgc.bench.cli import main
 from lgc.bench.network_worker import build_model
 
@@ -83,7 +83,7 @@ def test_summary_takes_medians_after_the_skipped_steps_and_the_first_evaluation_
         _rank("topk", [9.0, 0.20, 0.40, 0.30], 0.07, [None, None, None], 1000, encode=0.01),
     ]
     measurement = {"ranks": ranks, "interfaces": {0: {"tx_bytes": 4400}, 1: {"tx_bytes": 4200}}}
-    row = network.summarize(measurement, target=0.9, skip=1)
+    row = network_results.summarize(measurement, target=0.9, skip=1)
     assert row["step_s"] == pytest.approx(0.25)  # median of 0.1, 0.3, 0.2, 0.2, 0.4, 0.3
     assert row["compute_s"] == pytest.approx(0.06)
     assert row["encode_s"] == row["decode_s"] == pytest.approx(0.01)
@@ -91,7 +91,7 @@ def test_summary_takes_medians_after_the_skipped_steps_and_the_first_evaluation_
     assert row["time_to_target_s"] == 2.0 and row["steps_to_target"] == 20
     assert row["final_accuracy"] == 0.95
     assert row["interface_over_wire"] == pytest.approx(8600 / 8000)
-    table = network._table([row], 0.9)
+    table = network_results.step_table([row], 0.9)
     assert table.splitlines()[0].count("|") == table.splitlines()[2].count("|")
     assert "| topk | 250.0 |" in table
 
@@ -99,14 +99,14 @@ def test_summary_takes_medians_after_the_skipped_steps_and_the_first_evaluation_
 def test_accuracy_at_equal_wire_bytes_reads_every_curve_at_the_thriftiest_methods_total():
     def row(method, wire_per_step, accuracies):
         ranks = [_rank(method, [0.1] * 30, 0.05, accuracies, wire_per_step) for _ in range(2)]
-        return network.summarize({"ranks": ranks, "interfaces": {}}, target=0.9, skip=0)
+        return network_results.summarize({"ranks": ranks, "interfaces": {}}, target=0.9, skip=0)
 
     cheap, dear = row("cheap", 10, [0.5, 0.6, 0.7]), row("dear", 100, [0.8, 0.9, 0.95])
     assert cheap["byte_curve"] == [(100, 0.5), (200, 0.6), (300, 0.7)]
     assert dear["byte_curve"] == [(1000, 0.8), (2000, 0.9), (3000, 0.95)]
-    assert network.accuracy_at_bytes(dear, 2500) == 0.9 and network.accuracy_at_bytes(dear, 999) is None
+    assert network_results.accuracy_at_bytes(dear, 2500) == 0.9 and network_results.accuracy_at_bytes(dear, 999) is None
     assert cheap["mean_step_s"] == pytest.approx(3.0 / 30)  # the last evaluation's training seconds over the steps
-    table = network._equal_bytes_table([cheap, dear])
+    table = network_results.equal_bytes_table([cheap, dear])
     assert "at most 0.000 MB" in table and "| cheap | 0.7000 |" in table and "| dear | - |" in table
 
 
@@ -159,10 +159,10 @@ def test_the_report_names_the_model_every_accuracy_was_measured_on():
         if eval_model is not None:
             for rank in ranks:
                 rank["eval_model"] = eval_model
-        return network.summarize({"ranks": ranks, "interfaces": {}}, target=0.9, skip=0)
+        return network_results.summarize({"ranks": ranks, "interfaces": {}}, target=0.9, skip=0)
 
     rows = [row("none", "global"), row("sparseloco:delay=10", "global"), row("old", None)]
     assert [r["eval_model"] for r in rows] == ["global", "global", None]
-    line = network._eval_line(rows)
+    line = network_results.eval_line(rows)
     assert "synchronized (global) model" in line and "(none, sparseloco:delay=10)" in line
     assert "does not name (rank 0's own weights) (old)" in line

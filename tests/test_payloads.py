@@ -121,3 +121,24 @@ def test_error_feedback_keeps_fp32_residuals_and_the_rounding_of_half_values(dty
         total_in += g.float()
         total_sent += sent
     torch.testing.assert_close(total_sent + ef.residuals["w"], total_in)
+
+
+def test_every_compressor_rebuilds_its_payload_from_the_wire_with_one_signature():
+    import inspect
+
+    import lgc.compressors as compressors
+    from lgc.compressors import NoneCompressor
+
+    classes = [c for c in vars(compressors).values() if isinstance(c, type) and issubclass(c, Compressor)]
+    assert len(classes) >= 14
+    for cls in classes:
+        parameters = inspect.signature(cls.payload_from_wire).parameters
+        assert list(parameters) == ["self", "wire", "numel", "key"], cls.__name__
+        assert parameters["key"].kind is inspect.Parameter.KEYWORD_ONLY and parameters["key"].default is None
+    # The dense wire says its dtype by its length, except where two dtypes share one.
+    none = NoneCompressor()
+    for dtype in (torch.float32, torch.float64):
+        x = torch.arange(5, dtype=dtype)
+        assert torch.equal(none.payload_from_wire(none.compress(x, "w").to_wire(), 5).values, x)
+    with pytest.raises(ValueError, match="2 bytes per entry does not say its dtype"):
+        none.payload_from_wire(none.compress(torch.ones(5, dtype=torch.bfloat16), "w").to_wire(), 5)

@@ -22,6 +22,7 @@ from lgc.report import (
     report_table,
     table_rows,
 )
+from lgc.train import hydra_record
 
 # ----------------------------------------------------------------------------------------------
 # Fake runs: the real composed config, and the summary lgc.lit.RunSummary + lgc.train.train write.
@@ -32,15 +33,22 @@ LARGE = 295_000
 
 
 @cache
-def _resolved_config(overrides: tuple[str, ...]) -> dict[str, Any]:
+def _composed(overrides: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The resolved config and the Hydra record (choices and overrides) that lgc-train stores."""
     with initialize_config_module("lgc.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["experiment=smoke", "logger=none", "output_dir=OUT", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
+        cfg = compose(
+            "train",
+            overrides=["experiment=smoke", "logger=none", "output_dir=OUT", *overrides],
+            return_hydra_config=True,
+        )
+    record = hydra_record(cfg.hydra.runtime.choices, cfg.hydra.overrides.task)
+    config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
+    return config, record
 
 
 def _config(output_dir: Path, *overrides: str) -> dict[str, Any]:
     """The resolved config that lgc.train.train stores in the summary."""
-    config = copy.deepcopy(_resolved_config(overrides))
+    config = copy.deepcopy(_composed(overrides)[0])
     config["output_dir"] = str(output_dir)
     return config
 
@@ -115,6 +123,7 @@ def _write_run(
         ),
         "fit_time_s": wall_time_s - 20.0,
         "config": _config(folder, *overrides),
+        "hydra": copy.deepcopy(_composed(overrides)[1]),
     }
     if all("lgc" in w for w in workers):
         totals: dict[str, dict[str, Any]] = {}
@@ -291,15 +300,15 @@ def test_runs_alike_in_every_setting_are_told_apart_by_their_folders(tmp_path):
     assert [record.label for record in load_runs([tmp_path])] == ["topk (first/0)", "topk (second/0)"]
 
 
-def test_the_model_or_data_class_labels_a_run_rather_than_its_settings(tmp_path):
+def test_the_model_or_data_option_labels_a_run_rather_than_its_settings(tmp_path):
     classification = ("compressor=topk",)
     segmentation = ("compressor=topk", "data=camvid", "model=pspnet_r18")
     _write_run(tmp_path / "0", classification, "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
     _write_run(tmp_path / "1", segmentation, "?", [_worker(STEP, 0)] * 2, {"val/mIoU": 0.25, "val/pixel_acc": 0.6})
     records = load_runs([tmp_path])
     assert [record.label for record in records] == [
-        "topk model=CifarResNet data=DigitsDataModule",
-        "topk model=PSPNet data=CamVidDataModule",
+        "topk model=resnet8 data=digits",
+        "topk model=pspnet_r18 data=camvid",
     ]
     assert [record.metric_key for record in records] == ["val/acc", "val/mIoU"]
     header = report_table(records).splitlines()[0]
@@ -308,6 +317,25 @@ def test_the_model_or_data_class_labels_a_run_rather_than_its_settings(tmp_path)
     assert (rows[0]["val/acc"], rows[0]["val/mIoU"], rows[1]["val/acc"], rows[1]["val/mIoU"]) == (0.5, None, None, 0.25)
     figure = plot_tradeoff(records)
     assert [axis.get_ylabel() for axis in figure.axes] == ["val/acc", "val/mIoU"]
+
+
+def test_a_summary_without_hydras_record_is_labelled_by_its_class_and_what_differs(tmp_path):
+    """``train(cfg)`` on a config composed without ``return_hydra_config`` records no choices or overrides."""
+    for name, overrides in (("a", ("compressor=topk",)), ("b", ("compressor=topk", "compressor.density=0.001"))):
+        summary = _write_run(tmp_path / name, overrides, "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+        del summary["hydra"]
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    records = load_runs([tmp_path])
+    assert [record.label for record in records] == ["TopKCompressor density=0.01", "TopKCompressor density=0.001"]
+    assert [record.compressor for record in records] == ["TopKCompressor"] * 2
+
+
+def test_a_node_set_whole_labels_a_run_by_each_value_it_changes(tmp_path):
+    chunks = ("compressor=lgc_rar", "compressor.autoencoder={chunk:32}")
+    _write_run(tmp_path / "0", ("compressor=lgc_rar",), "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    _write_run(tmp_path / "1", chunks, "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    labels = [record.label for record in load_runs([tmp_path])]
+    assert labels == ["lgc_rar autoencoder.chunk=64", "lgc_rar autoencoder.chunk=32"]
 
 
 def test_multirun_subfolders_in_natural_order(tmp_path):
@@ -460,10 +488,10 @@ def test_plot_has_a_labelled_marker_per_run_and_the_dense_baseline(tmp_path):
 
 def test_many_runs_get_numbered_markers_and_a_key_that_names_them(tmp_path, monkeypatch):
     """Above MAX_LABELLED_RUNS the labels would overlap: numbers on the markers, labels in a key."""
-    import lgc.report
+    import lgc.report.plot
 
     records = load_runs(_classification_sweep(tmp_path))
-    monkeypatch.setattr(lgc.report, "MAX_LABELLED_RUNS", 2)
+    monkeypatch.setattr(lgc.report.plot, "MAX_LABELLED_RUNS", 2)
     axis, key = plot_tradeoff(records).axes
     assert len(axis.collections) == len(records)
     numbers = sorted(int(n) for text in axis.texts for n in text.get_text().split(","))
@@ -476,7 +504,7 @@ def test_many_runs_get_numbered_markers_and_a_key_that_names_them(tmp_path, monk
 
 
 def test_numbered_markers_close_together_share_one_annotation():
-    from lgc.report import NEAR_DECADES, _numbered_groups
+    from lgc.report.plot import NEAR_DECADES, _numbered_groups
 
     step = NEAR_DECADES / 2
     # 1 and 3 on the same spot, 2 just right of them (chained), 4 far right at the same y, 5 above.

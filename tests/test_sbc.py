@@ -20,7 +20,8 @@ from lgc.coding.golomb import (
     optimal_golomb_parameter,
 )
 from lgc.compressors import CombineMode, ErrorFeedback
-from lgc.compressors.sbc import SBCCompressor, SBCPayload, _block_size, _side_numpy, _side_torch, sbc_select
+from lgc.compressors.sbc import SBCCompressor, SBCPayload, sbc_select
+from lgc.compressors.selection import sbc_block_size, side_numpy, side_torch
 from lgc.compressors.topk import num_selected
 from lgc.methods import build_compressor
 
@@ -106,9 +107,9 @@ def test_numpy_and_torch_paths_agree_bit_for_bit(largest, ties, numel, k):
     v = _randn(numel, seed=7)
     if ties:
         v = v.round()  # many equal block maxima and entries around the bound
-    block = _block_size(numel, k)
+    block = sbc_block_size(numel, k)
     assert block == (64 if numel > 100_000 else 1)
-    from_numpy, from_torch = _side_numpy(v, k, block, largest), _side_torch(v, k, block, largest)
+    from_numpy, from_torch = side_numpy(v, k, block, largest), side_torch(v, k, block, largest)
     assert from_numpy.total == pytest.approx(from_torch.total, rel=1e-14)  # float64 sums, any order
     assert torch.equal(from_numpy.positions(), from_torch.positions())
     reference = torch.topk(v, k, largest=largest).values

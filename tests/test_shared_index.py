@@ -8,9 +8,9 @@ from test_lgc import MIN_NUMEL, _batch, _net, observe_step, per_parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
-from lgc.ddp.lgc_base import LGCStage
-from lgc.ddp.lgc_rar import LGCRingAllreduceState
-from lgc.ddp.shared_index import SharedIndexState, quantization_levels
+from lgc.learned.rar import LGCRingAllreduceState
+from lgc.learned.shared_index import SharedIndexState, quantization_levels
+from lgc.learned.state import LGCStage
 
 DENSITY = 0.05
 CHUNK = 32
@@ -151,7 +151,7 @@ def test_leader_scaled_applies_world_size_times_the_leaders_values_and_feeds_bac
 def test_bad_values_are_refused_before_workers_start():
     with pytest.raises(ValueError, match=r"values must be one of .*got 'int2'"):
         SharedIndexState(values="int2")
-    with pytest.raises(ValueError, match="ae_steps must be 0, got 5"):
+    with pytest.raises(ValueError, match="learn nothing: ae_steps does not apply"):
         SharedIndexState(ae_steps=5)
     with pytest.raises(ValueError, match="chunk must be an even integer >= 2, got 33"):
         SharedIndexState(chunk=33)

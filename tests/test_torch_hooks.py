@@ -10,7 +10,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState, _orthogonalize_with_epsilon
+from lgc.ddp.powersgd import PowerSGDHookState, _orthogonalize_with_epsilon
+from lgc.ddp.torch_hooks import TorchHookState
 
 CONF = Path(__file__).resolve().parents[1] / "lgc" / "conf" / "compressor"
 

@@ -23,16 +23,29 @@ from lgc.train import _drop_lightning_tips, _launch_environment, _remove_unused_
 pytestmark = pytest.mark.multiprocess
 
 
-def compose_cfg(output_dir: Path, *overrides: str):
+def compose_cfg(output_dir: Path, *overrides: str, hydra: bool = False):
+    """The run's config; with ``hydra``, Hydra's node too (its choices and overrides, as lgc-train has them)."""
     with initialize_config_module("lgc.conf", version_base="1.3"):
-        return compose("train", overrides=["experiment=smoke", "logger=csv", f"output_dir={output_dir}", *overrides])
+        return compose(
+            "train",
+            overrides=["experiment=smoke", "logger=csv", f"output_dir={output_dir}", *overrides],
+            return_hydra_config=hydra,
+        )
 
 
 def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path):
     density, min_numel = 0.02, 1024
-    cfg = compose_cfg(tmp_path, f"compressor.density={density}", f"comm.min_numel={min_numel}")
+    overrides = (f"compressor.density={density}", f"comm.min_numel={min_numel}")
+    cfg = compose_cfg(tmp_path, *overrides, hydra=True)
     summary = train(cfg)
     assert summary == json.loads((tmp_path / "summary.json").read_text())
+    # What the run was asked for (lgc-report's labels), apart from its config.
+    assert summary["hydra"]["overrides"] == ["experiment=smoke", "logger=csv", f"output_dir={tmp_path}", *overrides]
+    assert summary["hydra"]["choices"]["compressor"] == "topk" and summary["hydra"]["choices"]["data"] == "digits"
+    assert (
+        not any(group.startswith("hydra/") for group in summary["hydra"]["choices"])
+        and "hydra" not in summary["config"]
+    )
 
     steps = cfg.trainer.limit_train_batches
     assert summary["steps"] == steps and summary["world_size"] == 2

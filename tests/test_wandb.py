@@ -64,7 +64,7 @@ def test_an_offline_lgc_run_holds_every_metric_the_config_and_the_layer_table(tm
     # Every stage was logged: warm-up, autoencoder training, compressed.
     assert {row["lgc/stage"] for row in run.history if "lgc/stage" in row} == {1.0, 2.0, 3.0}
     assert run.group == "sweep-7"
-    assert run.config["compressor"]["_target_"] == "lgc.ddp.lgc_rar.LGCRingAllreduceState"
+    assert run.config["compressor"]["_target_"] == "lgc.learned.LGCRingAllreduceState"
     assert run.config["trainer"]["max_epochs"] == 2
     # The per-layer table: one row per parameter of the model, as in summary.json.
     assert run.summary["comm/layers"]["_type"] == "table-file"

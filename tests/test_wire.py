@@ -22,9 +22,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lgc import ErrorFeedback, NoneCompressor, TopKCompressor, register_compression_hook
 from lgc.ddp import wire
 from lgc.ddp.collectives import CommStats
-from lgc.ddp.lgc_ps import LGCParameterServerState
-from lgc.ddp.lgc_rar import LGCRingAllreduceState
-from lgc.ddp.torch_hooks import PowerSGDHookState, TorchHookState
+from lgc.ddp.powersgd import PowerSGDHookState
+from lgc.ddp.torch_hooks import TorchHookState
+from lgc.learned.ps import LGCParameterServerState
+from lgc.learned.rar import LGCRingAllreduceState
 
 WORLDS = (2, 3, 4)
 

@@ -35,7 +35,9 @@ import torch
 
 from lgc.autoencoder import AutoencoderConfig, AutoencoderTrainer, GradientAutoencoder, chunk_scales, to_chunks
 from lgc.bench.compressors import _time_once
-from lgc.compressors.topk import num_selected, topk_indices
+from lgc.bench.methods import parse_overrides
+from lgc.compressors.selection import topk_indices
+from lgc.compressors.topk import num_selected
 
 __all__ = ["aligned_samples", "benchmark_autoencoder"]
 
@@ -217,7 +219,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lgc.bench.step import parse_overrides
 
     if not 0 < args.density <= 1:
         raise SystemExit(f"--density must be in (0, 1], got {args.density}")

@@ -10,7 +10,7 @@ import argparse
 import re
 from types import ModuleType
 
-from lgc.bench import autoencoder, compressors, cost_model, network, step
+from lgc.bench import autoencoder, compressors, model, network, step
 
 __all__ = ["main"]
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         "compressors": compressors,
         "autoencoder": autoencoder,
         "network": network,
-        "model": cost_model,
+        "model": model,
         "step": step,
     }
     for name, module in benchmarks.items():

@@ -1,4 +1,4 @@
-"""``lgc-bench model``: an alpha-beta model of one data-parallel step, to answer "will this method help on my cluster?".
+"""An alpha-beta model of one data-parallel step, to answer "will this method help on my cluster?".
 
 A step of method ``m`` with ``P`` workers on links of latency ``alpha`` and bandwidth ``B``
 (bytes per second per direction, what one worker's link carries) costs
@@ -24,7 +24,7 @@ send / recv    point to point                             ``alpha + L / B`` (cou
   the optimizer, measured as plain DDP in a group of one worker (or a knob).
 * ``overhead(m)``: the method's own work (encoding, decoding, the hook's bookkeeping) measured as
   the step time with the method's hook in a group of one worker, where every collective is a
-  no-op, minus ``compute`` (:func:`profile_method`).
+  no-op, minus ``compute`` (:func:`lgc.bench.profile.profile_method`).
 * ``decode_per_peer(m)``: methods whose payloads are allgathered decode one payload per worker;
   the decode time measured with one worker is charged again for every other worker.
 * Overlap: stateless per-bucket hooks (dense allreduce, the fp16 hooks: nothing held back to the
@@ -35,14 +35,14 @@ send / recv    point to point                             ``alpha + L / B`` (cou
   stateful compressors, PowerSGD and LGC agree on the whole step at its last bucket
   (:mod:`lgc.ddp.step_guard`) and do not overlap.
 * Stragglers: a synchronous step waits for the slowest worker. Where the profile holds compute
-  samples (:func:`profile_method` keeps them), ``compute`` is the expected maximum of ``P`` draws
+  samples (:func:`~lgc.bench.profile.profile_method` keeps them), ``compute`` is the expected maximum of ``P`` draws
   from them (:func:`expected_maximum`); a ``compute_s`` given as a knob has no jitter.
 
 ``alpha`` and ``B`` are calibrated by :func:`fit_link` from allreduce and allgather timings on
 the shaped network (``lgc-bench network`` does this before its methods), and the model is validated
-there against the measured steps. ``lgc-bench model`` (:func:`run`) then evaluates it for ResNet
-shapes at any number of workers and bandwidth, and finds the bandwidths at which a method beats
-the fp16 hook and dense fp32 (``< X``: below X; ``> X``: above X; always; never).
+there against the measured steps. ``lgc-bench model`` (:mod:`lgc.bench.model`) then evaluates it for
+ResNet shapes at any number of workers and bandwidth. This module is the model alone: formulas on
+recorded collectives, no training and no other benchmark module.
 
 What the model leaves out: congestion beyond one flow per link direction, stragglers, NCCL's
 choice of algorithm and protocol per size, LGC-PS's server decoding one payload per worker (its
@@ -53,17 +53,10 @@ this machine's CPU time unless ``--codec free`` asks for the communication-only 
 
 from __future__ import annotations
 
-import argparse
-import copy
-import json
 import math
 import statistics
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from lgc.ddp.collectives import CollectiveCall
@@ -71,17 +64,12 @@ from lgc.ddp.collectives import CollectiveCall
 __all__ = [
     "Link",
     "MethodProfile",
-    "add_arguments",
     "collective_seconds",
     "comm_seconds",
     "crossover_bandwidth",
     "expected_maximum",
     "fit_link",
     "predict_step",
-    "profile_knobs",
-    "profile_method",
-    "run",
-    "steady_from",
 ]
 
 #: Collectives whose time is charged on the sending side only (the receiver's copy is the same message).
@@ -207,28 +195,6 @@ def expected_maximum(samples: Sequence[float], draws: int) -> float:
     return sum(x * (((i + 1) / n) ** draws - (i / n) ** draws) for i, x in enumerate(ordered))
 
 
-def steady_from(state: Any, steps_per_epoch: int = 1) -> int:
-    """The first step at which ``state``'s method sends what it will send for the rest of the run.
-
-    Counts the stages every method has before its steady state: the hook's plain-allreduce
-    iterations (``start_iter``), PowerSGD's dense iterations, LGC's warm-up and autoencoder
-    training, and DGC's density warm-up epochs (``steps_per_epoch`` each, unless DGC was given
-    its own).
-    """
-    from lgc.compressors.base import compressor_chain
-
-    first = int(getattr(state, "start_iter", 0) or 0)
-    options = getattr(state, "options", None)
-    if isinstance(options, dict):
-        first = max(first, int(options.get("start_powerSGD_iter", 0)))
-    first = max(first, int(getattr(state, "warmup_steps", 0) or 0) + int(getattr(state, "ae_steps", 0) or 0))
-    for part in compressor_chain(getattr(state, "compressor", None)):
-        warmup = getattr(part, "warmup_densities", None)
-        if warmup:
-            first = max(first, len(warmup) * (getattr(part, "steps_per_epoch", None) or steps_per_epoch))
-    return first
-
-
 def fit_link(samples: Sequence[tuple[CollectiveCall, int, float]]) -> Link:
     """Alpha and beta from measured collectives: ``(call, world, seconds)`` triples, in two stages.
 
@@ -282,327 +248,3 @@ def crossover_bandwidth(
     if wins[0]:
         return "below", grid[wins.index(False) - 1]
     return "above", grid[wins.index(True)]
-
-
-# -- measuring a method --------------------------------------------------------------------------
-def profile_method(
-    module: Any,
-    method: str,
-    batches: Callable[[], tuple[Any, Any]],
-    *,
-    knobs: dict[str, Any] | None = None,
-    steps: int = 8,
-    group: Any = None,
-) -> MethodProfile:
-    """Measure ``method``'s overhead, decode cost and collectives on ``module`` in a group of one worker.
-
-    ``group`` must hold this process alone (a world of one, or ``dist.new_group([rank])``), so
-    every collective is a no-op and the step time is compute + the method's own work. A copy of
-    ``module`` is trained (the caller's model is not touched) through the method's stages (LGC's
-    warm-up and autoencoder training, DGC's density warm-up: epoch 1000 is announced), then
-    ``steps`` of its steps alternate with steps of plain DDP (no hook) on another copy in the same
-    group: ``compute_s`` is the plain step's median (forward, backward, DDP's bucket copies and the
-    optimizer: everything a step costs on an infinitely fast network), ``overhead_s`` the median of
-    the paired differences. The collectives of the last step are recorded.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    import lgc
-    from lgc.bench.network_worker import sgd_for
-    from lgc.compressors.base import CombineMode
-    from lgc.ddp.collectives import record_collectives
-
-    if dist.get_world_size(group) != 1:
-        raise ValueError(f"profile_method needs a group of one worker, got {dist.get_world_size(group)}")
-    knobs = dict(knobs or {})
-    model = DistributedDataParallel(copy.deepcopy(module), process_group=group)
-    optimizer = sgd_for(method, model, lr=1e-3)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    # Plain DDP on the same group: forward, backward, DDP's bucket copies and the optimizer.
-    plain = DistributedDataParallel(copy.deepcopy(module), process_group=group)
-    plain_optimizer = sgd_for(method, plain, lr=1e-3)
-
-    def step(ddp: Any, opt: Any) -> float:
-        x, y = batches()
-        started = time.perf_counter()
-        opt.zero_grad()
-        loss_fn(ddp(x), y).backward()
-        opt.step()
-        return time.perf_counter() - started
-
-    state = lgc.compress(model, method, optimizer=optimizer, process_group=group, **knobs)
-    state.set_epoch(1000)
-    for _ in range(steady_from(state) + 2):
-        step(model, optimizer)
-    for _ in range(2):
-        step(plain, plain_optimizer)
-    codec = state.codec_times()
-    decode_before = dict(codec) if codec is not None else None
-    # Pairs of a plain step and the method's step, alternating, so a change of load hits both.
-    compute, extra = [], []
-    for index in range(steps):
-        plain_s = step(plain, plain_optimizer)
-        if index == steps - 1:
-            with record_collectives() as trace:
-                method_s = step(model, optimizer)
-        else:
-            method_s = step(model, optimizer)
-        compute.append(plain_s)
-        extra.append(method_s - plain_s)
-    gathers = getattr(getattr(state, "compressor", None), "combine", None) is CombineMode.GATHER
-    decode_per_peer = 0.0
-    if gathers and codec is not None and decode_before is not None:
-        decode_per_peer = (codec["decode"] - decode_before["decode"]) / steps
-    return MethodProfile(
-        method=method,
-        compute_s=statistics.median(compute),
-        overhead_s=max(0.0, statistics.median(extra)),
-        decode_per_peer_s=decode_per_peer,
-        overlaps_backward=getattr(state, "guards_steps", True) is False,
-        trace=list(trace),
-        compute_samples_s=compute,
-    )
-
-
-# -- lgc-bench model ------------------------------------------------------------------------------
-#: Compute per step assumed when ``--compute-ms`` is not given: 100 ms for ResNet-50 at batch 32
-#: (a V100-class GPU in fp32; set your own), other models scaled by their forward FLOPs
-#: (torchvision's model cards: ResNet-50 4.09 GFLOPs, ResNet-101 7.80, ResNet-18 1.81).
-DEFAULT_COMPUTE_MS = {"resnet18": 100 * 1.81 / 4.09, "resnet50": 100.0, "resnet101": 100 * 7.80 / 4.09}
-
-
-def profile_knobs(density: float = 0.001) -> dict[str, dict[str, Any]]:
-    """Knobs that reach each method's steady state within a profile's few steps, sparsifiers at ``density``."""
-    from lgc.bench.network import short_run_knobs
-
-    knobs = short_run_knobs(density, warmup_steps=1, ae_steps=2)
-    return {**knobs, "sbc": {"density": density}, "powersgd": {"start_powerSGD_iter": 2}}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lgc.bench.network import DEFAULT_METHODS
-
-    parser.add_argument("--model", default="resnet50", help="comma-separated: resnet18, resnet50, resnet101")
-    parser.add_argument("--workers", default="8,64,512", help="comma-separated worker counts (default 8,64,512)")
-    parser.add_argument(
-        "--bandwidth", default="1gbit,10gbit,100gbit", help="comma-separated link rates in tc syntax (per direction)"
-    )
-    parser.add_argument("--latency", default="25us", help="alpha: time per message, tc syntax (default 25us)")
-    parser.add_argument("--allreduce", default="ring", choices=("ring", "tree"), help="allreduce algorithm")
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated lgc.compress methods")
-    parser.add_argument(
-        "--compute-ms", type=float, default=None, help="compute per step (default: 100 ms for ResNet-50, by FLOPs)"
-    )
-    parser.add_argument(
-        "--codec",
-        default="measured",
-        choices=("measured", "free"),
-        help="measured: this machine's CPU encode/decode time; free: communication only",
-    )
-    parser.add_argument("--profiles", type=Path, default=None, help="JSON cache of profiles (read, then written)")
-    parser.add_argument("--out", type=Path, default=None, help="write model.md, model.json and model.png here")
-
-
-def _profiles(models: list[str], methods: list[str], cache: Path | None) -> dict[str, dict[str, MethodProfile]]:
-    """Every (model, method) profile, from ``cache`` where it has them, else measured here (one process)."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from lgc.models.torchvision_resnet import torchvision_resnet
-
-    stored: dict[str, dict[str, Any]] = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
-    profiles = {m: {k: MethodProfile.from_json(v) for k, v in stored.get(m, {}).items()} for m in models}
-    missing = [(m, method) for m in models for method in methods if method not in profiles[m]]
-    if missing:
-        started_group = not dist.is_initialized()
-        scratch = tempfile.TemporaryDirectory(prefix="lgc-bench-model-")
-        if started_group:
-            store = f"file://{os.path.join(scratch.name, 'store')}"
-            dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
-        try:
-            generator = torch.Generator().manual_seed(0)
-            for name, method in missing:
-                # ImageNet shapes (1,000 classes, the ImageNet stem) on small images: the gradients
-                # have the real model's sizes while compute stays cheap (compute is a knob here).
-                module = torchvision_resnet(int(name.removeprefix("resnet")), num_classes=1000, stem="imagenet")
-
-                def batches(generator: torch.Generator = generator) -> tuple[torch.Tensor, torch.Tensor]:
-                    return torch.randn(4, 3, 32, 32, generator=generator), torch.randint(
-                        1000, (4,), generator=generator
-                    )
-
-                started = time.perf_counter()
-                profiles[name][method] = profile_method(
-                    module, method, batches, knobs=profile_knobs().get(method, {}), steps=5
-                )
-                print(f"profiled {name} {method}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        finally:
-            if started_group:
-                dist.destroy_process_group()
-            scratch.cleanup()
-        if cache is not None:
-            merged = {m: {k: p.to_json() for k, p in per.items()} for m, per in profiles.items()}
-            cache.write_text(json.dumps({**stored, **merged}))
-    return profiles
-
-
-def _format_ms(seconds: float) -> str:
-    return f"{1000 * seconds:.0f}" if seconds >= 0.0995 else f"{1000 * seconds:.1f}"
-
-
-def _format_crossing(crossing: tuple[str, float | None] | None) -> str:
-    if crossing is None:
-        return "-"
-    side, bytes_per_s = crossing
-    if bytes_per_s is None:
-        return side
-    bits = 8 * bytes_per_s
-    rate = f"{bits / 1e9:.3g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mbit/s"
-    return f"{'<' if side == 'below' else '>'} {rate}"
-
-
-def run(args: argparse.Namespace) -> None:
-    from lgc.api import METHODS
-    from lgc.bench.netns import parse_delay, parse_rate
-    from lgc.bench.network import parse_list
-
-    try:
-        models = parse_list(args.model, "model")
-        if any(m not in DEFAULT_COMPUTE_MS for m in models):
-            raise ValueError(f"--model must name some of {sorted(DEFAULT_COMPUTE_MS)}, got {args.model!r}")
-        workers = [int(w) for w in parse_list(args.workers, "workers")]
-        if min(workers) < 1:
-            raise ValueError(f"--workers must be positive integers, got {args.workers!r}")
-        rates = [(text, parse_rate(text) / 8) for text in parse_list(args.bandwidth, "bandwidth")]
-        latency = parse_delay(args.latency) / 1e6
-        methods = parse_list(args.methods, "methods")
-        unknown = [m for m in methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; known: {sorted(METHODS)}")
-        if args.compute_ms is not None and not args.compute_ms > 0:
-            raise ValueError(f"--compute-ms must be > 0, got {args.compute_ms!r}")
-    except ValueError as error:
-        sys.exit(f"lgc-bench model: {error}")
-    profiles = _profiles(models, methods, args.profiles)
-    codec = args.codec == "measured"
-    text = [
-        f"# lgc-bench model: step time (ms), alpha {latency * 1e6:g} us, {args.allreduce} allreduce, "
-        f"codec {'measured on this CPU' if codec else 'free (communication only)'}\n"
-    ]
-    results: dict[str, Any] = {}
-    for name in models:
-        compute = (args.compute_ms if args.compute_ms is not None else DEFAULT_COMPUTE_MS[name]) / 1000
-        per_method = profiles[name]
-
-        def predict(
-            method: str,
-            world: int,
-            bytes_per_s: float,
-            compute: float = compute,
-            per_method: dict[str, MethodProfile] = per_method,
-        ) -> float:
-            return predict_step(
-                per_method[method],
-                world,
-                Link(latency, bytes_per_s),
-                compute_s=compute,
-                codec=codec,
-                allreduce=args.allreduce,
-            )
-
-        columns = [(w, label, rate) for w in workers for label, rate in rates]
-        header = "| method | " + " | ".join(f"{w} x {label}" for w, label, _ in columns)
-        header += " | " + " | ".join(f"beats fp16 at ({w})" for w in workers)
-        header += " | " + " | ".join(f"beats dense at ({w})" for w in workers) + " |"
-        lines = [
-            f"## {name} (compute {1000 * compute:.0f} ms per step)\n",
-            header,
-            "|" + "---|" * (header.count("|") - 1),
-        ]
-        table: dict[str, Any] = {}
-        for method in methods:
-            steps = {f"{w}x{label}": predict(method, w, rate) for w, label, rate in columns}
-            crossings = {}
-            for reference in ("torch_fp16", "none"):
-                for w in workers:
-                    crossings[f"{reference}@{w}"] = (
-                        None
-                        if reference not in per_method or reference == method
-                        else crossover_bandwidth(
-                            lambda b, m=method, w=w: predict(m, w, b), lambda b, r=reference, w=w: predict(r, w, b)
-                        )
-                    )
-            table[method] = {"step_s": steps, "crossover_bytes_per_s": crossings}
-            cells = [_format_ms(steps[f"{w}x{label}"]) for w, label, _ in columns]
-            cells += [_format_crossing(crossings[f"torch_fp16@{w}"]) for w in workers]
-            cells += [_format_crossing(crossings[f"none@{w}"]) for w in workers]
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        text.append("\n".join(lines) + "\n")
-        results[name] = {"compute_s": compute, "methods": table}
-    report = "\n".join(text)
-    print(report)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "model.md").write_text(report + "\n")
-        arguments = {k: str(v) for k, v in vars(args).items()}
-        profiles_json = {m: {k: p.to_json() for k, p in per.items()} for m, per in profiles.items()}
-        (args.out / "model.json").write_text(
-            json.dumps({"arguments": arguments, "results": results, "profiles": profiles_json}, default=str)
-        )
-        _plot(models, workers, methods, profiles, latency, codec, args, args.out / "model.png")
-        print(f"wrote {args.out / 'model.md'}, model.json and model.png")
-
-
-def _plot(
-    models: list[str],
-    workers: list[int],
-    methods: list[str],
-    profiles: dict[str, dict[str, MethodProfile]],
-    latency: float,
-    codec: bool,
-    args: argparse.Namespace,
-    path: Path,
-) -> None:
-    import matplotlib
-
-    from lgc.bench.network import method_color
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(len(models), len(workers), figsize=(5 * len(workers), 4 * len(models)), squeeze=False)
-    grid = [1e8 / 8 * (1e4 ** (i / 99)) for i in range(100)]  # 100 Mbit/s .. 1 Tbit/s
-    for row, name in enumerate(models):
-        compute = (args.compute_ms if args.compute_ms is not None else DEFAULT_COMPUTE_MS[name]) / 1000
-        for column, world in enumerate(workers):
-            axis = axes[row][column]
-            for index, method in enumerate(methods):
-                times = [
-                    predict_step(
-                        profiles[name][method],
-                        world,
-                        Link(latency, b),
-                        compute_s=compute,
-                        codec=codec,
-                        allreduce=args.allreduce,
-                    )
-                    for b in grid
-                ]
-                style = "--" if method in ("none", "torch_fp16") else "-"
-                color = method_color(index)
-                axis.plot([8 * b / 1e9 for b in grid], [1000 * t for t in times], style, color=color, label=method)
-            axis.set_xscale("log")
-            axis.set_yscale("log")
-            axis.set_title(f"{name}, {world} workers")
-            axis.set_xlabel("link bandwidth (Gbit/s)")
-            axis.set_ylabel("predicted step (ms)")
-            axis.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)

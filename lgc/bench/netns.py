@@ -39,6 +39,9 @@ Example::
         env = {**os.environ, "GLOO_SOCKET_IFNAME": net.interface(1)}
         subprocess.run(net.command(1, [sys.executable, "worker.py", net.address(0)]), env=env)
         print(counter_delta(before, net.counters()))
+
+Its length is one job: building, shaping, measuring and always tearing down the namespaces, whose
+cleanup paths (signals, a crashed worker, a build that fails halfway) must stay beside the build.
 """
 
 from __future__ import annotations

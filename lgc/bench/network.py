@@ -68,50 +68,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "DEFAULT_METHODS",
-    "add_arguments",
-    "method_color",
-    "parse_list",
-    "run",
-    "short_run_knobs",
-    "summarize",
-    "validate",
-]
-
-#: The methods of the issue's comparison: dense, the 16-bit baseline, PowerSGD, lgc's baselines, LGC.
-DEFAULT_METHODS = (
-    "none",
-    "torch_fp16",
-    "powersgd",
-    "topk",
-    "dgc",
-    "sbc",
-    "redsync",
-    "random_block",
-    "qsgd",
-    "lgc_rar",
-    "lgc_ps",
+from lgc.bench import netns
+from lgc.bench.cost_model import MethodProfile, comm_seconds, fit_link, predict_step
+from lgc.bench.methods import (
+    DEFAULT_METHODS,
+    OPTIMIZER_KNOBS,
+    SHORT_RUN_KNOBS,
+    parse_list,
+    parse_methods,
 )
+from lgc.bench.netns import counter_delta, parse_delay, parse_rate
+from lgc.bench.network_results import (
+    equal_bytes_table,
+    eval_line,
+    plot_results,
+    step_table,
+    summarize,
+    validation_table,
+)
+from lgc.bench.network_worker import TASKS
+from lgc.ddp.collectives import CollectiveCall
 
-
-def short_run_knobs(density: float, warmup_steps: int, ae_steps: int) -> dict[str, dict[str, Any]]:
-    """Knobs that fit each sparsifier and LGC to a short run (the yamls' are for full trainings).
-
-    Top-k, DGC, RedSync, random-block and LGC at ``density`` (LGC-PS's innovation 10x sparser),
-    LGC's stages shortened to ``warmup_steps`` and ``ae_steps``.
-    """
-    sparse = {"density": density}
-    stages = {"warmup_steps": warmup_steps, "ae_steps": ae_steps}
-    return {
-        **{method: dict(sparse) for method in ("topk", "dgc", "redsync", "random_block")},
-        "lgc_rar": {**sparse, **stages},
-        "lgc_ps": {**sparse, "innovation_density": density / 10, **stages},
-    }
-
-
-#: Knobs that make each method fit a run of a few hundred steps.
-SHORT_RUN_KNOBS = short_run_knobs(0.01, warmup_steps=20, ae_steps=40)
+__all__ = ["add_arguments", "run", "validate"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,23 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_list(text: str, what: str) -> list[str]:
-    """The comma-separated items of the option ``--what``; refuses a list that names nothing."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
-        raise ValueError(f"--{what} names nothing: {text!r}")
-    return items
-
-
-#: Knobs of a ``--methods`` entry that configure the worker's optimizer rather than ``lgc.compress``.
-OPTIMIZER_KNOBS = ("lr", "momentum")
-
-
 def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[Any], list[str]]:
     """Every bad value, before any namespace or process exists."""
-    from lgc.bench.netns import parse_delay, parse_rate
-    from lgc.bench.network_worker import TASKS
-    from lgc.bench.step import parse_methods
 
     try:
         workers = [int(w) for w in parse_list(args.workers, "workers")]
@@ -200,7 +163,6 @@ def _free_port() -> int:
 
 def _measure(net: Any, spec: dict[str, Any], timeout: float, folder: Path) -> dict[str, Any]:
     """Run every worker of one method over ``net``; their records and the interfaces' byte counts."""
-    from lgc.bench.netns import counter_delta
 
     port = _free_port()
     outputs = [folder / f"rank{rank}.json" for rank in range(net.workers)]
@@ -247,181 +209,6 @@ def _measure(net: Any, spec: dict[str, Any], timeout: float, folder: Path) -> di
     return {"ranks": [json.loads(out.read_text()) for out in outputs], "interfaces": interfaces}
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str, Any]:
-    """One method's row: per-step medians over ranks and steps, time to ``target``, the cross-check."""
-    ranks = measurement["ranks"]
-    # Per-step figures describe the steady state: past --skip and past the method's own stages
-    # (LGC's warm-up and autoencoder training, PowerSGD's dense steps, DGC's density warm-up).
-    first = max(skip, *(rank.get("steady_from", 0) for rank in ranks))
-    if first >= len(ranks[0]["steps"]):
-        raise ValueError(
-            f"{ranks[0]['spec']['method']}: its steady state starts at step {first}, after the run's "
-            f"{len(ranks[0]['steps'])} steps; raise --steps"
-        )
-    steps = [step for rank in ranks for step in rank["steps"][first:]]
-    wall = statistics.median(s["wall_s"] for s in steps)
-    compute = statistics.median(rank["compute_s"] for rank in ranks)
-    encode = _median([s["encode_s"] for s in steps])
-    decode = _median([s["decode_s"] for s in steps])
-    evaluations = ranks[0]["evaluations"]
-    reached = next((e for e in evaluations if e["accuracy"] is not None and e["accuracy"] >= target), None)
-    wire_sent = sum(rank["stats"]["wire_bytes_sent"] for rank in ranks)
-    if all(rank.get("interface_tx_bytes") is not None for rank in ranks):
-        # Counted by the workers around their training loops: no rendezvous, no initial broadcast.
-        interface_sent = sum(rank["interface_tx_bytes"] for rank in ranks)
-    else:
-        interface_sent = sum(counts["tx_bytes"] for counts in measurement["interfaces"].values())
-    total_steps = len(ranks[0]["steps"])
-    return {
-        "method": ranks[0]["spec"].get("label") or ranks[0]["spec"]["method"],
-        "step_s": wall,
-        "mean_step_s": evaluations[-1]["training_s"] / total_steps,
-        "compute_s": compute,
-        "encode_s": encode,
-        "decode_s": decode,
-        "comm_s": wall - compute - (encode or 0.0) - (decode or 0.0),
-        "cpu_s": statistics.median(s["cpu_s"] for s in steps),
-        "wire_bytes_per_step": statistics.mean(s["wire_bytes_sent"] for s in steps),
-        "wire_bytes_per_worker": wire_sent / len(ranks),
-        "interface_bytes_per_worker": interface_sent / len(ranks),
-        "interface_over_wire": interface_sent / wire_sent if wire_sent else None,
-        "time_to_target_s": None if reached is None else reached["training_s"],
-        "steps_to_target": None if reached is None else reached["step"],
-        "final_accuracy": evaluations[-1]["accuracy"],
-        # Which model rank 0 evaluated (global: the synchronized one; absent from older records).
-        "eval_model": ranks[0].get("eval_model"),
-        "training_s": evaluations[-1]["training_s"],
-        "steps": total_steps,
-        "steady_from": first,
-        "curve": [(e["training_s"], e["accuracy"]) for e in evaluations],
-        # (wire bytes a worker sent by then, accuracy) at every evaluation: accuracy against bytes.
-        "byte_curve": [(_bytes_by_step(ranks, e["step"]), e["accuracy"]) for e in evaluations],
-    }
-
-
-def _bytes_by_step(ranks: list[dict[str, Any]], step: int) -> float:
-    """Wire bytes a worker sent (mean over ranks) in the first ``step`` training steps."""
-    return statistics.mean(sum(s["wire_bytes_sent"] for s in rank["steps"][:step]) for rank in ranks)
-
-
-def accuracy_at_bytes(row: dict[str, Any], budget: float) -> float | None:
-    """The last evaluated accuracy of ``row`` with at most ``budget`` wire bytes sent per worker."""
-    within = [accuracy for sent, accuracy in row["byte_curve"] if sent <= budget and accuracy is not None]
-    return within[-1] if within else None
-
-
-def _ratio(value: float | None, reference: float | None) -> float | None:
-    return value / reference if value is not None and reference else None
-
-
-def _table(rows: list[dict[str, Any]], target: float) -> str:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{1000 * value:.1f}"
-
-    def times(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    dense = next((r for r in rows if r["method"] == "none"), None)
-    fp16 = next((r for r in rows if r["method"] == "torch_fp16"), None)
-    header = (
-        f"| method | step (ms) | x dense | x fp16 | compute | encode | decode | own work alone | comm | CPU (ms) "
-        f"| wire KB/step "
-        f"| interface/wire | time to {target:g} (s) | x dense | steps | final acc | mean step (ms) | wire MB/worker |"
-    )
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for r in rows:
-        to_target = r["time_to_target_s"]
-        lines.append(
-            f"| {r['method']} | {ms(r['step_s'])} | {times(_ratio(r['step_s'], dense and dense['step_s']))} "
-            f"| {times(_ratio(r['step_s'], fp16 and fp16['step_s']))} | {ms(r['compute_s'])} | {ms(r['encode_s'])} "
-            f"| {ms(r['decode_s'])} | {ms(r.get('profile_overhead_s'))} | {ms(r['comm_s'])} | {ms(r['cpu_s'])} "
-            f"| {r['wire_bytes_per_step'] / 1e3:.1f} "
-            f"| {times(r['interface_over_wire'])} | {'-' if to_target is None else f'{to_target:.1f}'} "
-            f"| {times(_ratio(to_target, dense and dense['time_to_target_s']))} "
-            f"| {r['steps_to_target'] or '-'} | {r['final_accuracy']:.4f} | {ms(r.get('mean_step_s'))} "
-            f"| {r['wire_bytes_per_worker'] / 1e6:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def _eval_line(rows: list[dict[str, Any]]) -> str:
-    """Which model the accuracies are of, per method (the worker's ``eval_model``)."""
-    models: dict[str, list[str]] = {}
-    for row in rows:
-        models.setdefault(row.get("eval_model") or "not recorded", []).append(row["method"])
-    described = {
-        "global": "the synchronized (global) model: with local steps every fragment's last synchronized weights "
-        "and buffers, otherwise the weights every worker shares",
-        "not recorded": "a model the record does not name (rank 0's own weights)",
-    }
-    return (
-        "Accuracy evaluated on "
-        + "; ".join(f"{described.get(model, model)} ({', '.join(methods)})" for model, methods in models.items())
-        + "."
-    )
-
-
-def _equal_bytes_table(rows: list[dict[str, Any]]) -> str:
-    """Every method's accuracy once it has sent as many bytes as the thriftiest method sent in its whole run."""
-    if "byte_curve" not in rows[0]:
-        return ""
-    budget = min(r["wire_bytes_per_worker"] for r in rows)
-    lines = [
-        f"At equal wire bytes: accuracy at the last evaluation with at most {budget / 1e6:.3f} MB sent per worker "
-        "(the least any method sent in the whole run; `-`: no evaluation within it).\n",
-        "| method | accuracy |",
-        "|---|---|",
-    ]
-    for r in rows:
-        accuracy = accuracy_at_bytes(r, budget)
-        lines.append(f"| {r['method']} | {'-' if accuracy is None else f'{accuracy:.4f}'} |")
-    return "\n".join(lines)
-
-
-def method_color(index: int) -> tuple[float, float, float]:
-    """The ``index``-th method's line colour: tab20's dark shades first, then its light ones (20 distinct)."""
-    import matplotlib
-
-    colors = matplotlib.colormaps["tab20"].colors
-    return colors[(2 * index) % 20 + (2 * index) // 20 % 2]
-
-
-def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 9), squeeze=False)
-    for column, (bandwidth, rows) in enumerate(results.items()):
-        for index, row in enumerate(rows):
-            seconds, accuracy = zip(*row["curve"], strict=True)
-            axes[0][column].plot(seconds, accuracy, marker=".", color=method_color(index), label=row["method"])
-            if "byte_curve" in row:
-                # Evaluations before anything was sent (a delay's first local steps) have no place on a log axis.
-                points = [(sent / 1e6, accuracy) for sent, accuracy in row["byte_curve"] if sent > 0]
-                if points:
-                    megabytes, accuracy = zip(*points, strict=True)
-                    axes[1][column].plot(
-                        megabytes, accuracy, marker=".", color=method_color(index), label=row["method"]
-                    )
-        for axis, xlabel in zip(axes[:, column], ("training wall time (s)", "wire MB sent per worker"), strict=True):
-            axis.axhline(target, color="grey", linestyle=":", linewidth=1)
-            axis.set_title(f"{bandwidth} per link")
-            axis.set_xlabel(xlabel)
-            axis.set_ylabel("validation accuracy")
-            axis.legend(fontsize=7)
-        axes[1][column].set_xscale("log")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
 def _calibrate(net: Any, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """Time allreduces and allgathers over ``net`` (the samples the cost model's link is fitted on)."""
     spec = {"method": "none", "mode": "collectives", "task": args.task}
@@ -447,7 +234,6 @@ def validate(
     group of its own: compute and the method's overhead), the collectives each worker issued in
     its last step, and the link fitted on plain collectives (:func:`_calibrate`).
     """
-    from lgc.bench.cost_model import MethodProfile, comm_seconds, predict_step
 
     for row in rows:
         runs = measurements[row["method"]]
@@ -468,23 +254,7 @@ def validate(
         row["profile_overhead_s"] = typical.overhead_s
 
 
-def _validation_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| method | measured step (ms) | predicted (ms) | error | compute | overhead | comm (model) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        error = r["predicted_step_s"] / r["step_s"] - 1
-        lines.append(
-            f"| {r['method']} | {1000 * r['step_s']:.1f} | {1000 * r['predicted_step_s']:.1f} | {100 * error:+.0f} % "
-            f"| {1000 * r['profile_compute_s']:.1f} | {1000 * r['profile_overhead_s']:.1f} "
-            f"| {1000 * r['predicted_comm_s']:.1f} |"
-        )
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> None:
-    from lgc.bench.netns import NetworkUnavailable, ShapedNetwork, check_available, parse_rate
 
     if args.from_json is not None:
         _from_json(args)
@@ -494,8 +264,8 @@ def run(args: argparse.Namespace) -> None:
     except ValueError as error:
         sys.exit(f"lgc-bench network: {error}")
     try:
-        check_available(with_delay=args.delay is not None)
-    except NetworkUnavailable as error:
+        netns.check_available(with_delay=args.delay is not None)
+    except netns.NetworkUnavailable as error:
         print(f"lgc-bench network: cannot build the shaped network: {error}", file=sys.stderr)
         sys.exit(2)
     load = os.getloadavg()
@@ -506,7 +276,7 @@ def run(args: argparse.Namespace) -> None:
         for workers in worker_counts:
             for bandwidth in bandwidths:
                 setting = f"{workers} workers, {bandwidth}"
-                with ShapedNetwork(workers, bandwidth, args.delay) as net:
+                with netns.ShapedNetwork(workers, bandwidth, args.delay) as net:
                     calibrations[setting] = _calibrate(net, args, Path(scratch) / f"{workers}-{bandwidth}-link")
                     fitted = _fitted_link(calibrations[setting], workers)
                     print(
@@ -544,8 +314,6 @@ def run(args: argparse.Namespace) -> None:
 
 def _fitted_link(calibration: dict[str, Any], workers: int) -> Any:
     """The cost model's link, fitted from a calibration's samples (again, so a saved run is re-analysed alike)."""
-    from lgc.bench.cost_model import fit_link
-    from lgc.ddp.collectives import CollectiveCall
 
     samples = calibration["samples"]
     return fit_link([(CollectiveCall(s["kind"], s["nbytes"], workers), workers, s["seconds"]) for s in samples])
@@ -571,11 +339,11 @@ def _report(
     text = [f"# lgc-bench network: task {args.task}, {args.steps} steps, delay {args.delay}\n"]
     for setting, rows in results.items():
         fitted = calibrations[setting]
-        tables = f"{_table(rows, args.target)}\n\n{_eval_line(rows)}\n\n{_equal_bytes_table(rows)}"
+        tables = f"{step_table(rows, args.target)}\n\n{eval_line(rows)}\n\n{equal_bytes_table(rows)}"
         text.append(f"## {setting} per link\n\n{tables}\n")
         text.append(
             f"Cost model, link fitted on plain allreduces and allgathers: alpha {1e6 * fitted['latency_s']:.0f} us, "
-            f"{8 * fitted['bytes_per_s'] / 1e6:.1f} Mbit/s.\n\n{_validation_table(rows)}\n"
+            f"{8 * fitted['bytes_per_s'] / 1e6:.1f} Mbit/s.\n\n{validation_table(rows)}\n"
         )
     text.append(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     report = "\n".join(text)
@@ -593,7 +361,7 @@ def _report(
                 }
             )
         )
-        _plot(results, args.target, args.out / "accuracy_vs_time.png")
+        plot_results(results, args.target, args.out / "accuracy_vs_time.png")
         print(f"wrote {args.out / 'network.md'}, network.json and accuracy_vs_time.png")
 
 

@@ -21,7 +21,7 @@ registered by :func:`lgc.compress`, and writes one JSON record per rank:
   report: every fragment's last synchronized weights and the buffers of the last exchange
   (:meth:`lgc.ddp.local_sgd.CommunicationDelayState.global_model`), and trains on from its own
   weights; ``eval_model`` records it;
-* ``profile``: the method measured in a group of this worker alone (:func:`lgc.bench.cost_model.profile_method`,
+* ``profile``: the method measured in a group of this worker alone (:func:`lgc.bench.profile.profile_method`,
   run by all workers at once before training, so the CPU is shared as in training), with the
   collectives of the last training step (``trace``), for the cost model's validation.
 
@@ -49,7 +49,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["TASKS", "WorkerSpec", "build_model", "main", "run_worker", "sgd_for", "time_collectives"]
+from lgc.bench.methods import sgd_for, steady_from
+from lgc.bench.profile import profile_method
+
+__all__ = ["TASKS", "WorkerSpec", "build_model", "main", "run_worker", "time_collectives"]
 
 #: Training tasks: the embedded default's model, and torchvision ResNets (larger gradients) on the
 #: same 8x8 digits with the CIFAR stem, where compute stays cheap.
@@ -90,12 +93,6 @@ def build_model(task: str) -> nn.Module:
 
         return torchvision_resnet(int(task.removeprefix("resnet")), num_classes=10, in_channels=1, stem="cifar")
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-
-
-def sgd_for(method: str, model: nn.Module, lr: float, momentum: float = 0.9) -> torch.optim.Optimizer:
-    """SGD for ``model`` trained with ``method``: without momentum for DGC and DeMo, which apply it
-    themselves (:func:`lgc.compress` refuses an optimizer that would apply it again)."""
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if method in ("dgc", "demo") else momentum)
 
 
 def _evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -182,7 +179,6 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     compute_s = statistics.median(compute[1:])
 
     # The method alone in a group of this worker (every collective a no-op), all workers at once.
-    from lgc.bench.cost_model import profile_method, steady_from
 
     solo = [dist.new_group([r]) for r in range(world)][rank]
     profile_generator = torch.Generator().manual_seed(spec.seed * 1000 + rank + 500)

@@ -26,72 +26,25 @@ import argparse
 import copy
 import json
 import os
-import re
 import statistics
 import tempfile
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import yaml
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["MethodSpec", "parse_methods", "parse_overrides"]
+from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs, sgd_for, steady_from
+
+__all__ = ["add_arguments", "run"]
 
 METHODS = "none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
-NO_COMM = "no_sync"
-
-
-def parse_overrides(text: str) -> dict[str, Any]:
-    """``"a.b=1;c=[1,2]"`` -> ``{"a": {"b": 1}, "c": [1, 2]}`` (values parsed as YAML)."""
-    knobs: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(";"))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"a knob must read key=value, got {item!r}")
-        *parents, leaf = key.strip().split(".")
-        target = knobs
-        for name in parents:
-            target = target.setdefault(name, {})
-            if not isinstance(target, dict):
-                raise ValueError(f"knob {key!r} sets a field of {name!r}, which already has a value")
-        target[leaf] = yaml.safe_load(value)
-    return knobs
-
-
-class MethodSpec(NamedTuple):
-    """One ``--methods`` entry."""
-
-    #: The entry as written (the table's row name).
-    label: str
-    #: The ``lgc.compress`` method.
-    name: str
-    #: Knobs over the benchmark's own (:func:`~lgc.bench.cost_model.profile_knobs`).
-    knobs: dict[str, Any]
-
-
-def parse_methods(text: str) -> list[MethodSpec]:
-    """Comma-separated ``name[:knobs]`` entries (commas inside ``[...]`` belong to a value)."""
-    from lgc.api import METHODS as KNOWN
-
-    specs = []
-    for entry in filter(None, (part.strip() for part in re.split(r",(?![^\[]*\])", text))):
-        name, _, knobs = entry.partition(":")
-        if name not in KNOWN:
-            raise ValueError(f"unknown method {name!r} in {entry!r}; known: {', '.join(sorted(KNOWN))}")
-        specs.append(MethodSpec(entry, name, parse_overrides(knobs)))
-    labels = [spec.label for spec in specs]
-    if len(set(labels)) != len(labels) or NO_COMM in labels:
-        raise ValueError(f"--methods names a method twice or names {NO_COMM!r}: {labels}")
-    return specs
 
 
 def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store: str, results: Any) -> None:
     import lgc
-    from lgc.bench.cost_model import profile_knobs, steady_from
-    from lgc.bench.network_worker import sgd_for
     from lgc.models.torchvision_resnet import torchvision_resnet
 
     torch.set_num_threads(args.threads)

@@ -22,7 +22,7 @@ of 0.1 % (the paper: 270x-600x compression, ResNet-50's gradient from 97 MB to 0
    refused at the first compressed step rather than left at 25 % for the whole run.
 
 The top-k threshold is estimated from a strided sample instead of a full top-k, as the paper and
-its authors' code do (see :func:`sampled_topk` for the exact rule). The accumulator ``v`` *is*
+its authors' code do (see :func:`lgc.compressors.selection.sampled_topk` for the exact rule). The accumulator ``v`` *is*
 the error-feedback residual, so DGC is never wrapped in :class:`lgc.compressors.ErrorFeedback`.
 
 **When DGC is exactly momentum SGD.** With density 1 and momentum factor masking *off*, every
@@ -40,13 +40,16 @@ never lowers a density below ``density``, so at density 1 it changes nothing.
 every tensor with more than one dimension and send the others dense (with plain momentum on the
 average); lgc's hook decides by size (``min_numel``) and sends the smaller ones dense, with
 the same momentum (:meth:`DGCCompressor.apply_momentum`). Density 1: see above. The sampled
-threshold's stride and sample size follow the rule :func:`sampled_topk` states, not the code's
-arithmetic, and between ``0.8 k`` and ``1.3 k`` survivors all are sent, where the code keeps the
+threshold's stride and sample size follow the rule :func:`~lgc.compressors.selection.sampled_topk`
+states, not the code's arithmetic, and between ``0.8 k`` and ``1.3 k`` survivors all are sent, where the code keeps the
 first ``k`` by position (``dgc/compression.py``). The warm-up densities are the paper's; the
 authors' CIFAR configuration (``configs/dgc/wm5.py``) computes five epochs at
 ``density ** ((e + 1) / 6)`` instead (31.6 %, 10 %, 3.16 %, 1 %, 0.316 % for 0.1 %). A parameter
 whose gradient is exactly zero on every rank is left alone by the hook (no update, no decay that
 step), where the authors' optimizer would still decay it.
+
+Its length is DGC's four fixes, its warm-up and where it departs from its authors' code; the
+selection kernel is :mod:`lgc.compressors.selection`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,6 +64,7 @@ from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
 from lgc.compressors.error_feedback import ErrorFeedback
+from lgc.compressors.selection import ColumnScan, SelectionInfo, exact_topk, sampled_topk
 from lgc.compressors.topk import (
     ScatterAddAggregation,
     SparsePayload,
@@ -69,225 +72,10 @@ from lgc.compressors.topk import (
     num_selected,
 )
 
-__all__ = ["PAPER_WARMUP_DENSITIES", "DGCCompressor", "SelectionInfo", "check_optimizer_momentum", "sampled_topk"]
+__all__ = ["PAPER_WARMUP_DENSITIES", "DGCCompressor", "check_optimizer_momentum"]
 
 #: The paper's warm-up densities, one per epoch (an exponential decay by 4x towards 0.1 %).
 PAPER_WARMUP_DENSITIES: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
-
-#: Survivor-count window of the sampled threshold (the paper's and its code's bounds): above
-#: ``_UPPER * k`` an exact top-k over the survivors cuts them to ``k``; below ``_LOWER * k`` the
-#: threshold is multiplied by ``_LOWER`` and the count retried, at most ``_MAX_ROUNDS`` times.
-_UPPER = 1.3
-_LOWER = 0.8
-_MAX_ROUNDS = 10
-#: The sample is enlarged (beyond ``sample_fraction``) until about this many sampled entries are
-#: expected above the threshold: an estimate from a handful of order statistics is too noisy.
-_MIN_SAMPLE_HITS = 32
-#: Rows of the grid each span is viewed as (see ``_ColumnScan``): with 8-16 rows a column-wise
-#: max costs about one read of the span, and a candidate column costs 16 gathered entries.
-_ROWS = 16
-#: Elements per span of the accumulation pass on a single-threaded CPU: the ``u``, ``g`` and ``v``
-#: slices of a span (4 MB each) stay in cache from the momentum update through the accumulation to
-#: the column scan, which cuts that pass by 15-40 % on a 25M-element tensor (2^18-2^20 measured
-#: best). With several intra-op threads every operation on a span opens a parallel region, and on
-#: a machine busier than its cores each region waits for a descheduled thread (measured 3-5x
-#: slower in total), so multi-threaded CPUs and accelerators take the whole tensor as one span.
-_CPU_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class SelectionInfo:
-    """How :func:`sampled_topk` chose the entries it returned (for tests and diagnostics)."""
-
-    #: ``"all"`` (k == n), ``"exact"`` (torch.topk over the whole tensor), ``"threshold"``
-    #: (everything at or above the final threshold) or ``"threshold+topk"`` (exact top-k over the
-    #: survivors of the final threshold).
-    path: str
-    #: Target count ``k``.
-    k: int
-    #: Entries at or above the final threshold (``numel`` for ``"all"``/``"exact"``).
-    survivors: int
-    #: How many times the threshold was lowered by ``x0.8``.
-    rounds: int
-    #: The final threshold (``nan`` for ``"all"``/``"exact"``).
-    threshold: float
-
-
-class _ColumnScan:
-    """Finds ``{i : |x[i]| >= t}`` for several thresholds ``t`` after a single pass over ``x``.
-
-    ``x`` is cut into spans of at most ``_CPU_CHUNK`` elements (see there), whole
-    multiples of ``_ROWS``, each viewed as a ``(_ROWS, cols)`` grid; :meth:`scan` stores the
-    largest magnitude of every grid column (two reductions along the outer dimension, ``amax`` and
-    ``amin``). A survivor can only sit in a column whose maximum reaches ``t``: those columns are
-    gathered (``_ROWS`` entries each) and compared, so every count after the scan costs O(k), not
-    another pass. When many columns qualify (large densities: warm-up) one full mask is cheaper
-    and is used instead. The last ``n % _ROWS`` entries belong to no grid and are compared directly.
-
-    The compressor calls :meth:`scan` on each span right after accumulating it, while it is in cache.
-    """
-
-    def __init__(self, x: Tensor, chunk: int | None = None) -> None:
-        self.x = x
-        n = x.numel()
-        if chunk is None:
-            chunk = _CPU_CHUNK if x.device.type == "cpu" and torch.get_num_threads() == 1 else n
-        chunk = max(_ROWS, chunk)
-        starts, cols = [], []
-        start = 0
-        while n - start >= _ROWS:
-            size = min(chunk, (n - start) // _ROWS * _ROWS)
-            starts.append(start)
-            cols.append(size // _ROWS)
-            start += size
-        #: Element ranges to accumulate and scan, in order; a last one without a grid holds the tail.
-        self.spans = [(a, a + c * _ROWS) for a, c in zip(starts, cols, strict=True)]
-        self.tail = start
-        if start < n:
-            self.spans.append((start, n))
-        self._span_cols = cols
-        self._col_starts = [0]
-        for c in cols:
-            self._col_starts.append(self._col_starts[-1] + c)
-        self._col_max = x.new_empty(self._col_starts[-1])
-        self._col_min = x.new_empty(self._col_starts[-1])
-        self._col_abs_max: Tensor | None = None
-
-    def scan(self, span: int) -> None:
-        """Record the column extremes of span number ``span`` (a no-op for the tail)."""
-        if span >= len(self._span_cols):
-            return
-        start, stop = self.spans[span]
-        grid = self.x[start:stop].view(_ROWS, self._span_cols[span])
-        cols = slice(self._col_starts[span], self._col_starts[span + 1])
-        # Written in place: few operations per span (each may start a parallel region, which is
-        # costly on a busy machine); |.| is formed once for all spans in col_abs_max.
-        torch.amax(grid, dim=0, out=self._col_max[cols])
-        torch.amin(grid, dim=0, out=self._col_min[cols])
-
-    @property
-    def col_abs_max(self) -> Tensor:
-        """Largest magnitude of every grid column (after every span was scanned)."""
-        if self._col_abs_max is None:
-            # torch.linalg.vector_norm(ord=inf, dim=0) would do it in one go but is ~10x slower on CPU.
-            self._col_abs_max = torch.maximum(self._col_max, self._col_min.neg_())
-        return self._col_abs_max
-
-    def scan_all(self) -> _ColumnScan:
-        for span in range(len(self.spans)):
-            self.scan(span)
-        return self
-
-    def __call__(self, threshold: float) -> Tensor:
-        """int64 positions of the entries with ``|x| >= threshold`` (in no particular order)."""
-        x = self.x
-        if not self._span_cols:
-            return torch.nonzero(x.abs() >= threshold).view(-1)
-        columns = torch.nonzero(self.col_abs_max >= threshold).view(-1)
-        if columns.numel() * 4 > self.col_abs_max.numel():
-            return torch.nonzero(x.abs() >= threshold).view(-1)
-        device = x.device
-        rows = torch.arange(_ROWS, device=device)
-        # Entry r of column j of a span starting at a with c columns sits at a + r * c + j.
-        if len(self._span_cols) == 1:
-            # One span (the usual case; fewer small operations, each costly on a busy machine).
-            candidates = (columns[:, None] + rows[None, :] * self._span_cols[0]).view(-1)
-        else:
-            col_starts = torch.tensor(self._col_starts[:-1], device=device)
-            span = torch.searchsorted(col_starts, columns, right=True) - 1
-            span_cols = torch.tensor(self._span_cols, device=device)[span]
-            span_starts = torch.tensor([a for a, _ in self.spans[: len(self._span_cols)]], device=device)[span]
-            first = span_starts + (columns - col_starts[span])
-            candidates = (first[:, None] + rows[None, :] * span_cols[:, None]).view(-1)
-        # index_select: about twice as fast as x[candidates] on CPU.
-        positions = candidates[x.index_select(0, candidates).abs() >= threshold]
-        if self.tail < x.numel():
-            tail_hits = torch.nonzero(x[self.tail :].abs() >= threshold).view(-1) + self.tail
-            positions = torch.cat([positions, tail_hits])
-        return positions
-
-
-def _exact_topk(x: Tensor, k: int) -> Tensor:
-    return torch.topk(x.abs(), k, sorted=False).indices
-
-
-def sampled_topk(
-    x: Tensor,
-    k: int,
-    *,
-    sample_fraction: float = 0.01,
-    rng: random.Random | None = None,
-    threshold: float | None = None,
-    scan: _ColumnScan | None = None,
-) -> tuple[Tensor, SelectionInfo]:
-    """Positions of about ``k`` largest-magnitude entries of the flat tensor ``x`` (DGC's sampling).
-
-    The rule, exactly:
-
-    1. ``k >= n``: every position. Otherwise the threshold ``t`` is estimated from a strided
-       sample ``x[start::stride]`` with a random ``start`` (from ``rng``): the stride is the
-       largest odd number giving at least ``sample_fraction * n`` entries (and enough for about
-       ``32`` sampled hits), and ``t`` is the ``ceil(k/n * s)``-th largest ``|.|`` of the ``s``
-       sampled entries. If no odd stride of at least 3 gives such a sample (``x`` is small), or
-       ``t <= 0`` (mostly zeros), sampling cannot help and an exact ``torch.topk`` is used
-       (path ``"exact"``).
-       Passing ``threshold`` skips the estimate (tests use it to drive the other branches).
-    2. Count the survivors ``c = #{|x| >= t}``.
-
-       * ``c > 1.3 k``: an exact top-k over the survivors returns exactly ``k`` entries.
-       * ``0.8 k <= c <= 1.3 k``: all survivors are returned (so ``c`` differs between workers).
-       * ``c < 0.8 k``: ``t *= 0.8`` and count again, at most 10 times; if after 10 lowerings
-         still ``c < 0.8 k``, the ``c`` survivors are returned as they are, unless there are none,
-         in which case an exact top-k is used (a payload is never empty).
-
-    Whatever the path, every returned entry is at least as large in magnitude as every entry not
-    returned. Only one pass over ``x`` is made for all counts (see ``_ColumnScan``).
-
-    Args:
-        x: flat tensor to select from.
-        k: target count, ``1 <= k``.
-        sample_fraction: minimum fraction of entries in the sample.
-        rng: draws the sample's start; ``None`` uses Python's global generator.
-        threshold: use this initial threshold instead of the sampled estimate.
-        scan: the column maxima of ``x`` if the caller already computed them (the compressor does,
-            fused with its accumulation pass).
-
-    Returns:
-        int64 positions (in no particular order) and how they were chosen.
-    """
-    n = x.numel()
-    if k >= n:
-        return torch.arange(n, device=x.device), SelectionInfo("all", n, n, 0, math.nan)
-    if threshold is None:
-        wanted = max(math.ceil(sample_fraction * n), math.ceil(_MIN_SAMPLE_HITS * n / k))
-        stride = n // wanted if wanted else n
-        if stride % 2 == 0:
-            # An odd stride does not line up with the power-of-two shapes of conv and linear weights.
-            stride -= 1
-        if stride < 2:
-            return _exact_topk(x, k), SelectionInfo("exact", k, n, 0, math.nan)
-        start = (rng or random).randrange(stride)
-        sample = x[start::stride].abs()
-        hits = min(sample.numel(), math.ceil(k / n * sample.numel()))
-        threshold = float(torch.topk(sample, hits, sorted=False).values.min())
-        if not threshold > 0.0 or not math.isfinite(threshold):
-            return _exact_topk(x, k), SelectionInfo("exact", k, n, 0, math.nan)
-    survivors_of = scan if scan is not None else _ColumnScan(x).scan_all()
-    rounds = 0
-    while True:
-        positions = survivors_of(threshold)
-        count = positions.numel()
-        if count > _UPPER * k:
-            keep = torch.topk(x.index_select(0, positions).abs(), k, sorted=False).indices
-            return positions[keep], SelectionInfo("threshold+topk", k, count, rounds, threshold)
-        if count >= _LOWER * k:
-            return positions, SelectionInfo("threshold", k, count, rounds, threshold)
-        if rounds == _MAX_ROUNDS:
-            if count == 0:
-                return _exact_topk(x, k), SelectionInfo("exact", k, 0, rounds, threshold)
-            return positions, SelectionInfo("threshold", k, count, rounds, threshold)
-        threshold *= _LOWER
-        rounds += 1
 
 
 class DGCCompressor(ScatterAddAggregation, Compressor):
@@ -602,11 +390,11 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
                 positions = torch.arange(numel, device=v.device)
                 self.last_selection = SelectionInfo("all", k, numel, 0, math.nan)
             else:
-                positions = _exact_topk(v, k)
+                positions = exact_topk(v, k)
                 self.last_selection = SelectionInfo("exact", k, numel, 0, math.nan)
         else:
             # Accumulate span by span and scan each span's column maxima while it is in cache.
-            scan = _ColumnScan(v)
+            scan = ColumnScan(v)
             for span, (start, stop) in enumerate(scan.spans):
                 part = None if u is None else u[start:stop]
                 self._accumulate(part, v[start:stop], grad[start:stop], scale)

@@ -27,28 +27,9 @@ Wire format per tensor: the mean (4 bytes, fp32, little-endian), then the Golomb
 workers, so payloads are allgathered with their sizes exchanged first (``variable_size``); the
 receiver decodes every worker's positions and scatter-adds the means.
 
-Selection without a full top-k. Two ``torch.topk`` calls over a 25 M-entry tensor take half a second
-or more on a CPU. The tempting shortcut, one top-k of ``|v|`` split by sign, is *not* equivalent:
-with ``k = 10``, one entry ``+100``, nine entries ``+0.1`` and ten entries ``-5``, the ten largest
-magnitudes are ``+100`` and nine ``-5`` s, yet SBC's positive side wins (``mu+ = 10.09 > mu- = 5``)
-and must send the nine ``+0.1`` entries too. Instead each side is found exactly through a bound
-on blocks of ``B`` consecutive entries (``B`` up to 64, see :func:`sbc_select`):
-
-1. One reduction pass gives every block's maximum (``amax``; ``amin`` for the negative side).
-2. Let ``b_k`` be the ``k``-th largest block maximum. The ``k`` blocks with the largest maxima
-   hold ``k`` distinct entries ``>= b_k``, so the ``k``-th largest entry ``tau`` is ``>= b_k``; and
-   an entry ``>= tau`` lies in a block whose maximum is ``>= tau``, i.e. among those ``k`` blocks
-   (ties included: a block left out has maximum ``<= b_k <= tau``, and enough kept blocks then
-   have maximum exactly ``tau``). So the ``k`` largest entries of ``v`` are the ``k`` largest of
-   the entries ``>= b_k`` in those ``k`` blocks.
-3. Gather those ``k * B`` entries, keep the ones ``>= b_k`` (for gradient-like tensors barely
-   more than ``k``: 26,343 for ``k = 25,558``), and run an exact top-k over that short list.
-
-The result equals two full ``torch.topk`` calls (up to which of several equal entries is taken),
-with no sampling, no retries and no randomness; the cost is two streaming reductions plus work
-proportional to ``k * B``. On CPU everything after the reductions runs in numpy (introselect
-instead of ``torch.topk``, less per-call overhead); on other devices in torch, with the same result.
-At 25.6 M entries and density 0.001 the selection costs less than half an fp16 round trip.
+Selection without a full top-k: each side is found exactly through a bound on blocks of
+consecutive entries (:func:`lgc.compressors.selection.extreme_sides`, whose docstring proves it),
+equal to two full ``torch.topk`` calls up to which of several equal entries is taken.
 
 Error feedback stores ``r = fl(v - mu)`` at the sent positions (and ``v`` itself elsewhere), so
 ``v == decoded + r`` holds bit for bit at unsent positions and up to that one rounding, half an ulp
@@ -69,9 +50,8 @@ Deviations from the paper, all at the edges:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -79,21 +59,13 @@ from torch import Tensor
 
 from lgc.coding.golomb import MAX_GOLOMB_PARAMETER, GolombCode, golomb_decode, golomb_encode
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.selection import extreme_sides
 from lgc.compressors.topk import SparsePayload, num_selected
 
 __all__ = ["MEAN_BYTES", "SBCCompressor", "SBCPayload", "SBCSelection", "sbc_select"]
 
 #: Bytes of the one value sent per tensor (fp32).
 MEAN_BYTES = 4
-#: Largest block of the block-maximum bound. Larger blocks make the reduction's output and the
-#: top-k over it smaller but gather ``k * B`` entries afterwards; 64 balances both at density 0.001.
-_MAX_BLOCK = 64
-#: Smallest useful block: below it the bound saves too little over a top-k of the whole tensor.
-_MIN_BLOCK = 8
-#: Dtypes whose selection finishes in numpy on CPU (numpy has no bfloat16; those go through torch).
-_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
-#: Tensors smaller than this take the direct path (a top-k of each side over the whole tensor).
-_MIN_BLOCKED_NUMEL = 1 << 15
 
 
 class SBCSelection(NamedTuple):
@@ -158,145 +130,12 @@ class SBCPayload(SparsePayload):
         return cls(numel=numel, values=mean.expand(positions.numel()), indices=positions, mean=mean, code=code)
 
 
-def _block_size(numel: int, k: int) -> int:
-    """Block length for the bound of :func:`sbc_select`; 1 means two top-k calls over the tensor.
-
-    The gathered blocks hold ``k * B`` entries per side; capping them at a quarter of the tensor
-    keeps the bound cheaper than the direct path (``B = 64`` at density 0.001, 16 at 0.01, direct
-    above about 3 %).
-    """
-    if numel < _MIN_BLOCKED_NUMEL:
-        return 1
-    block = _MAX_BLOCK
-    while block >= _MIN_BLOCK and 4 * k * block > numel:
-        block //= 2
-    return block if block >= _MIN_BLOCK else 1
-
-
-def _first_k(values: Tensor, kth: Tensor, k: int, largest: bool) -> Tensor:
-    """Mask of exactly ``k`` entries: all beyond the ``k``-th value ``kth``, then the first ones equal to it."""
-    beyond = values > kth if largest else values < kth
-    tied = values == kth
-    return beyond | (tied & (torch.cumsum(tied, 0) <= k - beyond.count_nonzero()))
-
-
-def _first_k_numpy(values: np.ndarray, kth: Any, k: int, largest: bool) -> np.ndarray:
-    """:func:`_first_k` in numpy; the cumulative count is only needed when there are surplus ties."""
-    beyond = values > kth if largest else values < kth
-    tied = values == kth
-    missing = k - np.count_nonzero(beyond)
-    if np.count_nonzero(tied) <= missing:
-        return beyond | tied
-    return beyond | (tied & (np.cumsum(tied) <= missing))
-
-
-class _Side(NamedTuple):
-    """One side of SBC's comparison."""
-
-    #: Sum of the side's ``k`` entries (in float64).
-    total: float
-    #: Computes the side's ``k`` positions, ascending; only called for the side that is sent.
-    positions: Callable[[], Tensor]
-
-
-def _side_numpy(values: Tensor, k: int, block: int, largest: bool) -> _Side:
-    """The ``k`` largest (smallest) entries of a CPU tensor: block maxima in torch, the rest in numpy.
-
-    Only the block reduction runs over the whole tensor (multi-threaded); everything after it
-    touches ``O(k * block)`` entries, where numpy's introselect (``np.partition``) and its small
-    array operations cost several times less than ``torch.topk`` and torch's per-call overhead.
-    """
-    if block == 1:
-        positions, candidates = None, values.numpy()
-    else:
-        blocks, extremes, tail = _blocks(values, block, largest)
-        positions, candidates = _gather_numpy(blocks.numpy(), extremes.numpy(), tail.numpy(), k, largest)
-    rank = candidates.size - k if largest else k - 1
-    part = np.partition(candidates, rank)
-    kth = part[rank]
-    total = float((part[rank:] if largest else part[:k]).sum(dtype=np.float64))
-
-    def kept() -> Tensor:
-        chosen = np.flatnonzero(_first_k_numpy(candidates, kth, k, largest))
-        return torch.from_numpy(chosen if positions is None else positions[chosen])
-
-    return _Side(total, kept)
-
-
-def _side_torch(values: Tensor, k: int, block: int, largest: bool) -> _Side:
-    """:func:`_side_numpy` in torch, for accelerators and dtypes numpy lacks (same result)."""
-    if block == 1:
-        positions, candidates = None, values
-    else:
-        positions, candidates = _gather_torch(*_blocks(values, block, largest), k, largest)
-    top = torch.topk(candidates, k, largest=largest, sorted=False).values
-    kth = top.min() if largest else top.max()
-    total = float(top.sum(dtype=torch.float64))
-
-    def kept() -> Tensor:
-        chosen = torch.nonzero(_first_k(candidates, kth, k, largest)).squeeze(1)
-        return chosen if positions is None else positions[chosen]
-
-    return _Side(total, kept)
-
-
-def _blocks(values: Tensor, block: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Full blocks as rows, each row's maximum (minimum), and the leftover entries after them."""
-    num_blocks = values.numel() // block
-    blocks = values[: num_blocks * block].view(num_blocks, block)
-    return blocks, blocks.amax(1) if largest else blocks.amin(1), values[num_blocks * block :]
-
-
-def _gather_torch(blocks: Tensor, extremes: Tensor, tail: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
-    """Ascending positions and values of the entries beyond the bound ``b_k`` in exactly ``k`` blocks.
-
-    The block bound of the module docstring; leftover entries after the last full block count as
-    blocks of one.
-    """
-    num_blocks, block = blocks.shape
-    both = torch.cat([extremes, tail]) if tail.numel() else extremes
-    top = torch.topk(both, k, largest=largest, sorted=False).values
-    bound = top.min() if largest else top.max()
-    chosen = torch.nonzero(_first_k(both, bound, k, largest)).squeeze(1)  # exactly k blocks, ascending
-    num_full = int(torch.searchsorted(chosen, num_blocks))
-    block_ids, tail_ids = chosen[:num_full], chosen[num_full:] - num_blocks
-    rows = blocks.index_select(0, block_ids).reshape(-1)
-    flat = torch.nonzero(rows >= bound if largest else rows <= bound).squeeze(1)
-    positions = block_ids[flat // block] * block + flat % block
-    candidates = rows[flat]
-    if tail_ids.numel():  # a leftover entry chosen as a block is beyond the bound by construction
-        positions = torch.cat([positions, num_blocks * block + tail_ids])
-        candidates = torch.cat([candidates, tail[tail_ids]])
-    return positions, candidates
-
-
-def _gather_numpy(
-    blocks: np.ndarray, extremes: np.ndarray, tail: np.ndarray, k: int, largest: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_gather_torch` in numpy (the same arrays, bit for bit)."""
-    num_blocks, block = blocks.shape
-    both = np.concatenate([extremes, tail]) if tail.size else extremes
-    rank = both.size - k if largest else k - 1
-    bound = np.partition(both, rank)[rank]
-    chosen = np.flatnonzero(_first_k_numpy(both, bound, k, largest))
-    num_full = int(np.searchsorted(chosen, num_blocks))
-    block_ids, tail_ids = chosen[:num_full], chosen[num_full:] - num_blocks
-    rows = np.take(blocks, block_ids, axis=0).reshape(-1)  # np.take: several times faster than fancy indexing
-    flat = np.flatnonzero(rows >= bound if largest else rows <= bound)
-    positions = block_ids[flat // block] * block + flat % block
-    candidates = rows[flat]
-    if tail_ids.size:
-        positions = np.concatenate([positions, num_blocks * block + tail_ids])
-        candidates = np.concatenate([candidates, tail[tail_ids]])
-    return positions.astype(np.int64, copy=False), candidates
-
-
 def sbc_select(tensor: Tensor, k: int) -> SBCSelection:
     """SBC's selection: the side (``k`` largest or ``k`` smallest entries) of larger mean magnitude.
 
     Exactly equivalent to ``torch.topk(v, k)`` and ``torch.topk(-v, k)`` over the whole tensor
-    followed by a comparison of the two means (see the module docstring for the block bound that
-    avoids both full top-k calls, and for the handling of ties).
+    followed by a comparison of the two means (:func:`~lgc.compressors.selection.extreme_sides` avoids
+    both full top-k calls; the module docstring says how ties are handled).
 
     Args:
         tensor: any floating tensor (flattened).
@@ -309,9 +148,7 @@ def sbc_select(tensor: Tensor, k: int) -> SBCSelection:
     numel = values.numel()
     if not 1 <= k <= numel:
         raise ValueError(f"k must be in [1, {numel}] for a tensor of {numel} elements, got {k}")
-    block = _block_size(numel, k)
-    side = _side_numpy if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES else _side_torch
-    positive, negative = side(values, k, block, largest=True), side(values, k, block, largest=False)
+    positive, negative = extreme_sides(values, k)
     mean_positive, mean_negative = positive.total / k, -negative.total / k
     sent = positive if mean_positive >= mean_negative else negative
     mean = torch.tensor([sent.total / k], dtype=torch.float32, device=values.device)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.selection import topk_indices
 
 __all__ = [
     "AGGREGATIONS",
@@ -28,7 +29,6 @@ __all__ = [
     "scatter_add_sparse",
     "scatter_add_sparse_into",
     "sparse_mean",
-    "topk_indices",
     "wire_float_dtype",
 ]
 
@@ -196,63 +196,6 @@ class SparseMeanAggregation:
     def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
         """:meth:`aggregate` in fp32, cast once into ``out`` (a half-precision bucket slice is fine)."""
         out.copy_(self.aggregate(payloads))
-
-
-#: Tensors at least this large use the block-maximum selection; smaller ones call torch.topk directly.
-_BLOCK_SELECTION_MIN_NUMEL = 1 << 15
-#: Largest block of the block-maximum selection (measured best for density 0.001 on ResNet-50's shapes).
-_MAX_BLOCK = 128
-
-
-def _block_size(numel: int, k: int) -> int:
-    """Block length for :func:`topk_indices`: a power of two near ``numel / (8 k)``, in ``[4, 128]``.
-
-    Longer blocks make the block-maximum pass cheaper and the ``k`` candidate blocks (``k * b``
-    entries, filtered with one comparison) dearer; ``k * b <= numel / 8`` keeps the candidates an
-    eighth of the tensor at most. Measured on a 2-core CPU for 65k to 2.4M entries, this is within
-    10 % of the best power of two at densities 0.001 and 0.01, and 1.2 to 2x faster than the
-    ``sqrt(numel / k)`` blocks that balance the two top-k calls.
-    """
-    return 1 << min(max(2, (numel // (8 * k)).bit_length() - 1), _MAX_BLOCK.bit_length() - 1)
-
-
-def topk_indices(values: Tensor, k: int) -> Tensor:
-    """Indices of the ``k`` entries of largest magnitude, exactly (in no particular order).
-
-    ``torch.topk`` over a large 1-D tensor runs on one CPU thread and is many times slower than a
-    pass over memory. For large tensors this uses block maxima instead: split the tensor into
-    blocks of ``b`` entries and take every block's largest magnitude. The k largest entries all lie
-    in the k blocks with the largest maxima: those k maxima are k distinct entries, so the k-th
-    largest entry is at least the k-th largest block maximum ``t``, and a block holding a top-k
-    entry has a maximum at least that large. So only entries of those k blocks (and of the tail
-    that does not fill a block) with magnitude at least ``t`` can be chosen, usually little over
-    ``k`` of them, and an exact top-k over those is the exact answer.
-
-    The block maxima are ``amax`` and ``amin`` over the rows of an ``(n / b, b)`` view: on the CPU
-    the pair is several times faster than one ``aminmax(dim=1)`` or an infinity norm, which do not
-    vectorize. The k candidate blocks are gathered as whole rows (``index_select``), which is
-    several times faster than gathering their ``k * b`` entries one by one.
-    """
-    numel = values.numel()
-    block = _block_size(numel, k) if k else 1
-    if numel < _BLOCK_SELECTION_MIN_NUMEL or 8 * k * block > numel:
-        return torch.topk(values.abs(), k, sorted=False).indices
-    num_blocks = numel // block
-    rows = values[: num_blocks * block].view(num_blocks, block)
-    block_max = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
-    top_blocks = torch.topk(block_max, k, sorted=False)
-    threshold = top_blocks.values.min()
-    magnitudes = rows.index_select(0, top_blocks.indices).abs_()
-    kept = (magnitudes >= threshold).nonzero()
-    row, column = kept[:, 0], kept[:, 1]
-    positions = top_blocks.indices[row] * block + column
-    magnitudes = magnitudes[row, column]
-    if num_blocks * block < numel:
-        tail = values[num_blocks * block :].abs()
-        tail_kept = (tail >= threshold).nonzero().squeeze(1)
-        magnitudes = torch.cat([magnitudes, tail[tail_kept]])
-        positions = torch.cat([positions, tail_kept + num_blocks * block])
-    return positions[torch.topk(magnitudes, k, sorted=False).indices]
 
 
 class TopKCompressor(ScatterAddAggregation, Compressor):

@@ -1,4 +1,4 @@
-"""The only code that calls torch.distributed: the compression DDP hook and its state."""
+"""The compression DDP hook and its state: with :mod:`lgc.learned`, the only code that calls torch.distributed."""
 
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.hook import CompressionHookState, compression_hook, register_compression_hook

@@ -15,13 +15,13 @@ they are done, decodes the sum into the buffer:
   may complete it with a term every rank computes alike (DGC's weight decay momentum).
 
 Used by the gradient hook (:mod:`lgc.ddp.hook`), communication delay's exchanges of weight updates
-(:mod:`lgc.ddp.local_sgd`) and LGC's stages (:mod:`lgc.ddp.lgc_samples`).
+(:mod:`lgc.ddp.local_sgd`) and LGC's stages (:mod:`lgc.learned.training`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,11 +29,25 @@ from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload
 from lgc.ddp import collectives as counted
-
-if TYPE_CHECKING:
-    from lgc.ddp.hook import CompressionHookState
+from lgc.ddp.collectives import CommStats
 
 __all__ = ["PayloadExchange", "Segment", "average_compressed"]
+
+
+class ExchangeHost(Protocol):
+    """What an exchange reads and updates on its hook state (:class:`~lgc.ddp.hook.CompressionHookState`)."""
+
+    compressor: Compressor
+    process_group: Any
+    stats: CommStats
+    #: Wall seconds spent encoding (``encode``) and decoding (``decode``).
+    codec_seconds: dict[str, float]
+    #: The step ``compressor.begin_step()`` was last called for.
+    begun_step: int
+    #: Whether rank 0's shared seed has been broadcast.
+    seed_shared: bool
+
+    def book_layer(self, name: str, numel: int, compressed: bool, nbytes: int) -> None: ...
 
 
 class Segment(NamedTuple):
@@ -45,16 +59,16 @@ class Segment(NamedTuple):
     compressed: bool
 
 
-def _allreduce(state: CompressionHookState, tensor: Tensor) -> torch.futures.Future:
+def _allreduce(state: ExchangeHost, tensor: Tensor) -> torch.futures.Future:
     return counted.all_reduce(state.stats, tensor, state.process_group)
 
 
-def _allgather(state: CompressionHookState, tensor: Tensor, world_size: int) -> tuple[list[Tensor], Any]:
+def _allgather(state: ExchangeHost, tensor: Tensor, world_size: int) -> tuple[list[Tensor], Any]:
     return counted.all_gather(state.stats, tensor, state.process_group)
 
 
 def average_compressed(
-    state: CompressionHookState, buffer: Tensor, segments: tuple[Segment, ...], step: int
+    state: ExchangeHost, buffer: Tensor, segments: tuple[Segment, ...], step: int
 ) -> torch.futures.Future[Tensor]:
     """Sum ``buffer`` (each worker's share, already divided by the world size) across workers.
 
@@ -78,7 +92,7 @@ class PayloadExchange:
 
     def __init__(
         self,
-        state: CompressionHookState,
+        state: ExchangeHost,
         buffer: Tensor,
         segments: tuple[Segment, ...],
         step: int,

@@ -28,6 +28,9 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
 
 Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
 for an fp32 model, 2 for a model in fp16 or bf16).
+
+Its length is the hook state, which holds the step guard's and the exchange's bookkeeping (the
+guard is :mod:`lgc.ddp.step_guard`, the exchange :mod:`lgc.ddp.exchange`).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.

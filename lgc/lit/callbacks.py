@@ -232,15 +232,20 @@ class RunSummary(pl.Callback):
     shares), ``buffer_sync`` (how module buffers were kept in step: ``broadcast``, rank 0's sent
     to every rank once per step, ``average_at_exchange``, or ``none`` for a model built with
     ``broadcast_buffers=False``; :mod:`lgc.ddp.buffers`) with
-    ``wire_buffer_bytes_sent`` (their bytes, part of ``wire_bytes_sent``), and the resolved config. An
+    ``wire_buffer_bytes_sent`` (their bytes, part of ``wire_bytes_sent``), the resolved config, and
+    ``hydra``: the option of every config group and the overrides the run was given
+    (:func:`lgc.train.hydra_record`; what ``lgc-report`` labels runs by), when known. An
     LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
     start from with ``compressor.autoencoder.init=PATH``.
     ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
     """
 
-    def __init__(self, output_dir: str, config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, output_dir: str, config: dict[str, Any] | None = None, hydra: dict[str, Any] | None = None
+    ) -> None:
         self.output_dir = Path(output_dir)
         self.config = config or {}
+        self.hydra = hydra
         self._start = time.perf_counter()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -286,6 +291,8 @@ class RunSummary(pl.Callback):
             "fit_time_s": time.perf_counter() - self._start,
             "config": self.config,
         }
+        if self.hydra is not None:
+            summary["hydra"] = self.hydra
         if all("lgc" in w for w in workers):
             summary["lgc_stages"] = _stage_totals([w["lgc"]["stages"] for w in workers])
             if "true_error" in workers[0]["lgc"]:

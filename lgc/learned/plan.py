@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lgc.compressors.topk import num_selected, topk_indices
+from lgc.compressors.selection import topk_indices
+from lgc.compressors.topk import num_selected
 from lgc.ddp.step_guard import PendingBucket
 
 __all__ = ["Part", "StepPlan", "plan_step"]

@@ -13,7 +13,7 @@ three stages, driven by the hook's step counter:
 Beyond the paper, a **refresh**: when the compressed stage's reconstruction error stays above
 ``refresh_threshold`` for ``refresh_patience`` steps, every worker re-enters stage 2 for
 ``refresh_steps`` steps. Every rank sees the same (allreduced or broadcast) error, so every rank
-takes the same decision at the same step.
+takes the same decision at the same step. The schedule is pure: no tensors, no collectives.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ class StageSchedule:
         self.refresh_strikes = 0
         #: How many refreshes happened.
         self.refreshes = 0
+        #: The current compressed step's error: [sum of relative error * weight, sum of weights].
+        self.step_error = [0.0, 0.0]
 
     def stage_at(self, step: int) -> LGCStage:
         """The scheduled stage of ``step`` (refreshes aside)."""
@@ -128,6 +130,18 @@ class StageSchedule:
                 return LGCStage.AUTOENCODER_TRAINING
         return LGCStage.COMPRESSED
 
+    def record_error(self, relative: float, weight: int) -> None:
+        """Add a relative reconstruction error of the current step, weighted by its ``weight`` values."""
+        self.step_error[0] += relative * weight
+        self.step_error[1] += weight
+
+    def begin(self, step: int, previous: LGCStage) -> LGCStage:
+        """The stage of ``step``, judged by the previous step's recorded error, which is then cleared."""
+        weight = self.step_error[1]
+        stage = self.next_stage(step, previous, self.step_error[0] / weight if weight > 0 else None)
+        self.step_error = [0.0, 0.0]
+        return stage
+
     def warmup_density(self, step: int) -> float:
         """The ``"dgc"`` warm-up's density at ``step``."""
         phases = len(self.warmup_densities)
@@ -149,9 +163,11 @@ class StageSchedule:
             "refresh_until": self.refresh_until,
             "refresh_strikes": self.refresh_strikes,
             "refreshes": self.refreshes,
+            "step_error": list(self.step_error),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.refresh_until = state["refresh_until"]
         self.refresh_strikes = int(state["refresh_strikes"])
         self.refreshes = int(state["refreshes"])
+        self.step_error = list(state["step_error"])

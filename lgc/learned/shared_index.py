@@ -32,23 +32,25 @@ up in its residual where a fixed leader never looks. On the 8-worker non-IID emb
 worker's data rather than the fixed leader's shard (0.925 to 0.972, one seed). ``rotate_leader=False``
 keeps ``leader_rank``.
 
-The stages are LGC's (:mod:`lgc.ddp.lgc_schedule`) with no codec training: warm-up (dense or
-DGC-style), then the compressed stage (``ae_steps`` must be 0).
+The stages are LGC's (:mod:`lgc.learned.schedule`) without codec training: warm-up (dense or
+DGC-style), then the compressed stage. Nothing is learned, so these states hold no codec trainer.
 """
 
-# No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
+from __future__ import annotations
+
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lgc.autoencoder import AutoencoderConfig
 from lgc.coding import pack_uint, unpack_uint
 from lgc.ddp import collectives as counted
-from lgc.ddp.lgc_base import LGCHookState, StepPlan
+from lgc.ddp.collectives import CommStats
+from lgc.learned.state import LGCHookState
+from lgc.learned.step import Leaders, StepContext
 
-__all__ = ["VALUE_FORMATS", "SharedIndexState", "quantization_levels"]
+__all__ = ["VALUE_FORMATS", "SharedIndexStage", "SharedIndexState", "quantization_levels"]
 
 #: Wire formats of the values: name -> (dtype on the wire, bits per value).
 VALUE_FORMATS = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4}
@@ -60,28 +62,8 @@ def quantization_levels(bits: int, world_size: int) -> int:
     return (2**bits - 1) // (2 * world_size)
 
 
-class _NoTraining:
-    """Stands in for a codec trainer: these codecs learn nothing."""
-
-    def __init__(self) -> None:
-        self.autoencoder = nn.Module()
-        self.num_samples = 0
-
-    def to(self, device: torch.device) -> "_NoTraining":
-        return self
-
-    def clear_buffer(self) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-class SharedIndexState(LGCHookState):
-    """The leader's top-k positions, every worker's values there summed, no autoencoder.
+class SharedIndexStage:
+    """The shared-index compressed stage: every worker's values at the leader's positions, summed.
 
     Args:
         values: wire format of the values: ``"float32"``, ``"float16"``, ``"bfloat16"``,
@@ -90,54 +72,22 @@ class SharedIndexState(LGCHookState):
             float formats only.
         seed: seed of the stochastic rounding (quantized formats); every worker's draws differ
             (seeded by ``seed``, the step and its rank) and a resumed run repeats them.
-        chunk: values per chunk of the per-chunk scales (float16/bfloat16: the leader's RMS;
-            int8/int4: the largest magnitude over the workers): 4 bytes per ``chunk`` values.
-        **kwargs: the stages and common knobs of :class:`~lgc.ddp.lgc_base.LGCHookState`
-            (``ae_steps`` must be 0; ``value_order`` defaults to ``"position"``, the cheapest with
-            Golomb-coded positions, since nothing here depends on the order; ``rotate_leader``
-            defaults to ``True``, see the module docstring).
-
-    Example::
-
-        >>> state = SharedIndexState(density=0.01, warmup_steps=20, values="int8")
-        >>> state.register(ddp_model)
     """
 
-    min_ae_steps = 0
+    __slots__ = ("leader_only", "seed", "values")
 
-    __slots__ = ("values", "leader_only", "seed")
-
-    def __init__(
-        self, *, values: str = "float32", leader_only: bool = False, seed: int = 0, chunk: int = 64, **kwargs: Any
-    ) -> None:
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2 or chunk % 2:
-            raise ValueError(f"chunk must be an even integer >= 2, got {chunk!r}")
-        if "autoencoder" in kwargs:
-            raise ValueError("shared-index codecs have no autoencoder: set chunk instead of autoencoder")
-        # Only the chunk length matters here (the smallest valid autoencoder shape carries it).
-        kwargs["autoencoder"] = AutoencoderConfig(
-            chunk=chunk, encoder_channels=(1,), decoder_channels=(1,), latent_channels=1
-        )
+    def __init__(self, values: str = "float32", leader_only: bool = False, seed: int = 0) -> None:
         if values not in VALUE_FORMATS:
             raise ValueError(f"values must be one of {sorted(VALUE_FORMATS)}, got {values!r}")
         if leader_only and values not in _FLOAT_DTYPES:
             raise ValueError(
                 f"leader_only sends the leader's values as they are: values must be a float format, got {values!r}"
             )
-        if kwargs.setdefault("ae_steps", 0) != 0:
-            raise ValueError(f"shared-index codecs learn nothing: ae_steps must be 0, got {kwargs['ae_steps']!r}")
-        kwargs.setdefault("value_order", "position")
-        kwargs.setdefault("rotate_leader", True)
         self.values = values
         self.leader_only = bool(leader_only)
         self.seed = int(seed)
-        super().__init__(**kwargs)
 
-    def _make_trainer(self) -> Any:
-        return _NoTraining()
-
-    def _check_world(self, world_size: int, leader_rank: int) -> None:
-        super()._check_world(world_size, leader_rank)
+    def check_world(self, world_size: int) -> None:
         bits = VALUE_FORMATS[self.values]
         if bits < 16 and quantization_levels(bits, world_size) < 1:
             raise ValueError(
@@ -145,93 +95,139 @@ class SharedIndexState(LGCHookState):
                 f"(at most {(2**bits - 1) // 2} workers); use values='int8' or a float format"
             )
 
-    def _distribute_weights(self) -> None:
-        pass  # nothing was trained
+    def distribute_weights(self, codec: nn.Module, leaders: Leaders, stats: CommStats, group: Any) -> None:
+        pass  # nothing is learned (never called: these states hold no codec)
 
-    def save_codec(self, path: Any) -> None:
-        return None  # no codec to save
-
-    def describe(self) -> str:
-        kind = "leader-scaled" if self.leader_only else "shared-index top-k"
-        return (
-            f"{type(self).__name__}({kind}, density={self.density}, values={self.values}, "
-            f"warmup_steps={self.warmup_steps} ({self.warmup}), indices={self.index_coding})"
-        )
-
-    # -- the compressed stage -----------------------------------------------------------------------
     @torch.no_grad()
-    def _compressed_step(self, plan: StepPlan) -> None:
+    def run(self, ctx: StepContext) -> None:
+        plan = ctx.plan
         if not plan.compressed:
-            self._allreduce_dense(plan, [])
+            ctx.allreduce_dense([])
             return
-        world_size = dist.get_world_size(self.process_group)
-        v = plan.corrected(self.ef.residuals)
-        sent_before = self.stats.bytes_sent
+        v = ctx.corrected()
+        ctx.mark_sent()
         if self.leader_only:
-            positions, _, leader_values = self._leader_message(plan, v, scales=False, values=_FLOAT_DTYPES[self.values])
+            positions, _, leader_values = ctx.leader_message(v, scales=False, values=_FLOAT_DTYPES[self.values])
             assert leader_values is not None
-            self._count_payload(self.stats.bytes_sent - sent_before, plan)
+            ctx.count_payload()
             own = v[positions]
-            total = leader_values.to(v.dtype) * world_size
+            total = leader_values.to(v.dtype) * ctx.world_size
             v[positions] = own - leader_values.to(v.dtype)
-            self._allreduce_dense(plan, [])
+            ctx.allreduce_dense([])
         else:
             scaled = self.values in ("float16", "bfloat16")
-            positions, scales, _ = self._leader_message(plan, v, scales=scaled)
+            positions, scales, _ = ctx.leader_message(v, scales=scaled)
             own = v[positions]
             if self.values in _FLOAT_DTYPES:
-                total, carried = self._sum_floats(plan, own, scales, sent_before)
+                total, carried = self._sum_floats(ctx, own, scales)
             else:
-                total, carried = self._sum_quantized(plan, own, world_size, sent_before)
+                total, carried = self._sum_quantized(ctx, own)
             v[positions] = own - carried
-        self._measure_error(own, total)
-        plan.keep_residuals(self.ef.residuals, v)
-        update = torch.zeros(plan.numel, dtype=v.dtype, device=v.device)
+        ctx.measure_error(own, total)
+        ctx.keep(v)
         # Each worker's share is already divided by the world size: the sum is the mean gradient.
-        update[positions] = total.to(v.dtype)
-        plan.scatter(update)
+        ctx.apply(positions, total, like=v)
 
-    def _sum_floats(
-        self, plan: StepPlan, own: Tensor, scales: Tensor | None, sent_before: int
-    ) -> tuple[Tensor, Tensor]:
+    def _sum_floats(self, ctx: StepContext, own: Tensor, scales: Tensor | None) -> tuple[Tensor, Tensor]:
         """Allreduce the values in a float format; returns (the sum, what this worker's values carried)."""
         dtype = _FLOAT_DTYPES[self.values]
+        plan, code = ctx.plan, ctx.code
         if scales is None:
             wire = own.to(dtype)
             carried = wire.float()
         else:
-            wire = self.leader_code.scaled_chunks(own, scales).to(dtype)
-            carried = self.leader_code.unscaled(wire.float(), scales, plan.k)
-        self._count_payload(self.stats.bytes_sent - sent_before + counted.nbytes(wire), plan)
+            wire = code.scaled_chunks(own, scales).to(dtype)
+            carried = code.unscaled(wire.float(), scales, plan.k)
+        ctx.count_payload(counted.nbytes(wire))
         if dtype == torch.float32:
-            summed = self._allreduce_dense(plan, [wire.reshape(-1)])
+            summed = ctx.allreduce_dense([wire.reshape(-1)])
             assert summed is not None
         else:
-            self._allreduce_dense(plan, [])
-            counted.all_reduce(self.stats, wire, self.process_group).wait()
+            ctx.allreduce_dense([])
+            counted.all_reduce(ctx.stats, wire, ctx.group).wait()
             summed = wire
         if scales is None:
             return summed.float(), carried
-        return self.leader_code.unscaled(summed.float().view(-1, self.leader_code.chunk), scales, plan.k), carried
+        return code.unscaled(summed.float().view(-1, code.chunk), scales, plan.k), carried
 
-    def _sum_quantized(self, plan: StepPlan, own: Tensor, world_size: int, sent_before: int) -> tuple[Tensor, Tensor]:
+    def _sum_quantized(self, ctx: StepContext, own: Tensor) -> tuple[Tensor, Tensor]:
         """Stochastic rounding to shared per-chunk scales, summed in ``bits``-wide lanes."""
+        plan, code, world_size = ctx.plan, ctx.code, ctx.world_size
         bits = VALUE_FORMATS[self.values]
         levels = quantization_levels(bits, world_size)
-        chunks = self.leader_code.chunks(own)
+        chunks = code.chunks(own)
         scales = chunks.abs().amax(dim=1)
-        counted.all_reduce(self.stats, scales, self.process_group, op=dist.ReduceOp.MAX).wait()
+        counted.all_reduce(ctx.stats, scales, ctx.group, op=dist.ReduceOp.MAX).wait()
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         generator = torch.Generator(device=own.device).manual_seed(
-            (self.seed * 1_000_003 + self.current_step) * 65_537 + self.rank
+            (self.seed * 1_000_003 + ctx.step) * 65_537 + ctx.rank
         )
         noise = torch.rand(chunks.shape, generator=generator, device=own.device)
         codes = torch.floor(chunks / scales[:, None] * levels + noise).clamp_(-levels, levels)
-        carried = self.leader_code.unscaled(codes / levels, scales, plan.k)
+        carried = code.unscaled(codes / levels, scales, plan.k)
         # Offset-binary codes in [0, 2m], packed bits wide: P workers' sums stay below 2**bits, so no lane carries.
         lanes = pack_uint((codes + levels).to(torch.uint8), bits)
-        self._count_payload(self.stats.bytes_sent - sent_before + counted.nbytes(lanes) + counted.nbytes(scales), plan)
-        self._allreduce_dense(plan, [])
-        counted.all_reduce(self.stats, lanes, self.process_group).wait()
+        ctx.count_payload(counted.nbytes(lanes) + counted.nbytes(scales))
+        ctx.allreduce_dense([])
+        counted.all_reduce(ctx.stats, lanes, ctx.group).wait()
         summed = unpack_uint(lanes, bits, chunks.numel(), dtype=torch.uint8).to(torch.float32) - world_size * levels
-        return self.leader_code.unscaled(summed.view_as(chunks) / levels, scales, plan.k), carried
+        return code.unscaled(summed.view_as(chunks) / levels, scales, plan.k), carried
+
+
+class SharedIndexState(LGCHookState):
+    """The leader's top-k positions, every worker's values there summed, no codec.
+
+    Args:
+        values, leader_only, seed: the compressed stage's knobs (:class:`SharedIndexStage`).
+        chunk: values per chunk of the per-chunk scales (float16/bfloat16: the leader's RMS;
+            int8/int4: the largest magnitude over the workers): 4 bytes per ``chunk`` values.
+        value_order: ``"position"`` by default, the cheapest with Golomb-coded positions, since
+            nothing here depends on the order.
+        rotate_leader: on by default (see the module docstring).
+        **kwargs: the warm-up and common knobs of :class:`~lgc.learned.state.LGCHookState`
+            (there is no codec training stage: no ``ae_steps``, no refresh).
+
+    Example::
+
+        >>> state = SharedIndexState(density=0.01, warmup_steps=20, values="int8")
+        >>> state.register(ddp_model)
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        *,
+        values: str = "float32",
+        leader_only: bool = False,
+        seed: int = 0,
+        chunk: int = 64,
+        value_order: str = "position",
+        rotate_leader: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2 or chunk % 2:
+            raise ValueError(f"chunk must be an even integer >= 2, got {chunk!r}")
+        for knob in ("autoencoder", "ae_steps"):
+            if knob in kwargs:
+                raise ValueError(
+                    f"shared-index codecs learn nothing: {knob} does not apply (set chunk and warmup_steps)"
+                )
+        stage = SharedIndexStage(values, leader_only, seed)
+        super().__init__(
+            stage,
+            None,
+            chunk,
+            ae_steps=0,
+            value_order=value_order,
+            rotate_leader=rotate_leader,
+            **kwargs,
+        )
+
+    def describe(self) -> str:
+        stage = self.compressed_stage
+        kind = "leader-scaled" if stage.leader_only else "shared-index top-k"
+        return (
+            f"{type(self).__name__}({kind}, density={self.density}, values={stage.values}, "
+            f"warmup_steps={self.warmup_steps} ({self.warmup}), indices={self.index_coding})"
+        )

@@ -1,0 +1,340 @@
+"""LGC's stage 2: the codec, its trainer, the samples it learns from, and the weights the workers get.
+
+During codec training (Abrahamyan et al. 2021, stage 2) the workers communicate top-k with error
+feedback exactly as ``compressor=topk`` does, and every worker also keeps its error-corrected
+gradient at the step leader's top-k positions, the vector the codec will encode in the compressed
+stage. At the step's end those samples are gathered at rank 0 (:mod:`lgc.learned.samples`),
+which trains the codec on them (``ae_updates_per_step`` updates per step). When the compressed
+stage begins, rank 0's weights go to the workers that need them (the topology's stage says which).
+
+Two trainers implement :class:`CodecTrainer`: the paper's autoencoder
+(:class:`~lgc.autoencoder.AutoencoderTrainer`) and the linear codec
+(:class:`~lgc.autoencoder.linear.LinearCodecTrainer`, principal directions, LGC's learned but linear
+ablation). The shared-index codecs learn nothing and hold no :class:`CodecTraining` at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lgc.autoencoder import AutoencoderConfig, AutoencoderTrainer, GradientAutoencoder, LossWeights
+from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
+from lgc.autoencoder.saved import load_codec_into, read_codec, save_codec
+from lgc.coding import unpack_bits
+from lgc.compressors.selection import topk_indices
+from lgc.compressors.topk import SparsePayload, num_selected
+from lgc.ddp.exchange import ExchangeHost, PayloadExchange
+from lgc.ddp.step_guard import PendingBucket
+from lgc.learned.leader_code import LeaderIndexCodec
+from lgc.learned.samples import Sample, gather_samples
+
+__all__ = ["CODECS", "ChunkCodec", "CodecTrainer", "CodecTraining"]
+
+#: The codecs a learned LGC state can train.
+CODECS = ("autoencoder", "linear")
+
+
+@runtime_checkable
+class ChunkCodec(Protocol):
+    """A codec of ``[rows, chunk]`` value chunks (an ``nn.Module``): what the compressed stage calls."""
+
+    def encode(self, chunks: Tensor) -> Tensor: ...
+
+    def decode(self, latent: Tensor, innovation: Tensor | None = None, decoder: int = 0) -> Tensor: ...
+
+    def latent_shape(self, rows: int) -> tuple[int, ...]: ...
+
+
+@runtime_checkable
+class CodecTrainer(Protocol):
+    """What stage 2 needs of a codec's trainer (the autoencoder's and the linear codec's implement it).
+
+    A sample is one chunk position of every worker, ``[workers, chunk]``; LGC-PS adds each worker's
+    innovation (its values known exactly, zero elsewhere) of the same shape.
+    """
+
+    #: The codec being trained (a :class:`ChunkCodec` module).
+    autoencoder: Any
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the replay buffer."""
+        ...
+
+    def add(self, chunks: Tensor, innovations: Tensor | None = None) -> None:
+        """Add ``[rows, workers, chunk]`` samples to the buffer."""
+
+    def evaluate(self, chunks: Tensor, innovations: Tensor | None = None) -> dict[str, float]:
+        """Losses on samples not trained on (``relative_error`` among them)."""
+        ...
+
+    def train(self, updates: int) -> dict[str, float]:
+        """``updates`` optimizer steps on the buffer; their losses (``total`` among them), or ``{}``."""
+        ...
+
+    def to(self, device: torch.device) -> CodecTrainer: ...
+
+    def clear_buffer(self) -> None:
+        """Forget the samples (a refresh trains on fresh ones)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+class CodecTraining:
+    """The codec of a learned LGC state: how it is built, what it learns from, and where it goes.
+
+    Args:
+        autoencoder: :class:`~lgc.autoencoder.AutoencoderConfig` fields (``chunk``,
+            ``encoder_channels``, ``latent_channels``, ``decoder_channels``, ``decoder``, ``seed``),
+            and ``init``: the path of a ``codec.pt`` saved by an earlier run (:meth:`save`;
+            ``lgc-train`` writes one beside ``summary.json``) whose weights start this codec. Stage 2
+            then fine-tunes them, or, with ``ae_steps=0``, is skipped: every worker loads the same
+            weights, so none are broadcast. A codec of another shape is refused.
+        codec: ``"autoencoder"`` (the paper's) or ``"linear"`` (the top principal directions of the
+            same samples, :class:`~lgc.autoencoder.linear.LinearChunkCodec`).
+        linear_latent: the linear codec's floats per chunk (default: the autoencoder's
+            ``latent_numel``, so both send the same bytes).
+        innovation_density: LGC-PS: every worker's innovation density. Its samples then carry
+            each worker's innovation mask and the autoencoder has one decoder per worker with an
+            innovation input; ``None`` (LGC-RAR): one decoder, no innovation.
+        ae_updates_per_step: codec optimizer steps per training step in stage 2.
+        ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size: the autoencoder's trainer
+            (:class:`~lgc.autoencoder.AutoencoderTrainer`; the linear codec keeps the buffer only).
+        loss_weights: :class:`~lgc.autoencoder.LossWeights` fields (``reconstruction``,
+            ``similarity``, ``mean``).
+    """
+
+    __slots__ = (
+        "config",  # the autoencoder's shape (its decoders set by build() for the world size)
+        "codec",
+        "linear_latent",
+        "innovation_density",
+        "updates_per_step",
+        "options",  # the trainer's optimizer, learning rate, batch and buffer sizes, loss weights, seed
+        "init",  # path of a saved codec that starts this one, or None
+        "frozen",  # a warm-started codec that stage 2 does not retrain (ae_steps=0)
+        "trainer",  # built for the world size (build()); rank 0's buffer holds the samples
+        "samples",  # this worker's samples of the current step, joined at its end
+        "weights_sent",  # whether the workers hold the trained weights (the compressed stage may start)
+    )
+
+    def __init__(
+        self,
+        *,
+        autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
+        codec: str = "autoencoder",
+        linear_latent: int | None = None,
+        innovation_density: float | None = None,
+        ae_updates_per_step: int = 1,
+        ae_optimizer: str = "adam",
+        ae_lr: float = 1e-3,
+        ae_batch_size: int = 64,
+        ae_buffer_size: int = 4096,
+        loss_weights: Mapping[str, float] | None = None,
+    ) -> None:
+        init = None
+        if isinstance(autoencoder, Mapping):  # a dict, or Hydra's DictConfig
+            autoencoder = dict(autoencoder)
+            init = autoencoder.pop("init", None)
+        self.init: str | None = None if init is None else str(init)
+        if self.init is not None:
+            read_codec(self.init)  # a missing or foreign file is named before any worker starts
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        if linear_latent is not None and codec != "linear":
+            raise ValueError(f"linear_latent={linear_latent!r} is the linear codec's knob, but codec={codec!r}")
+        self.updates_per_step = _check_count("ae_updates_per_step", ae_updates_per_step)
+        if isinstance(autoencoder, AutoencoderConfig):
+            self.config = autoencoder
+        else:
+            self.config = AutoencoderConfig.from_kwargs(**(autoencoder or {}))
+        self.codec = codec
+        self.linear_latent = linear_latent
+        self.innovation_density = None if innovation_density is None else float(innovation_density)
+        self.options = dict(
+            optimizer=ae_optimizer,
+            lr=ae_lr,
+            batch_size=ae_batch_size,
+            buffer_size=ae_buffer_size,
+            weights=LossWeights(**(loss_weights or {})),
+            seed=self.config.seed,
+        )
+        self.frozen = False
+        self.trainer: CodecTrainer | None = None
+        self.samples: list[Sample] = []
+        self.weights_sent = False
+
+    @property
+    def chunk(self) -> int:
+        """Values per chunk (the codec's input length)."""
+        return self.config.chunk
+
+    def warm_start(self, ae_steps: int) -> None:
+        """With ``init`` and no stage 2 (``ae_steps=0``), every worker holds the weights from the start."""
+        self.frozen = self.init is not None and ae_steps == 0
+        self.weights_sent = self.frozen
+
+    def build(self, world_size: int) -> None:
+        """Build the codec and its trainer for ``world_size`` workers (LGC-PS: one decoder each)."""
+        per_worker = self.innovation_density is not None
+        self.config = AutoencoderConfig(
+            **{**vars(self.config), "num_decoders": world_size if per_worker else 1, "innovation": per_worker}
+        )
+        if self.codec == "autoencoder":
+            trainer: CodecTrainer = AutoencoderTrainer(GradientAutoencoder(self.config), **self.options)
+        else:
+            # As many latent floats per chunk as the autoencoder's by default: the same bytes on the wire.
+            latent = self.linear_latent if self.linear_latent is not None else self.config.latent_numel
+            trainer = LinearCodecTrainer(
+                LinearChunkCodec(self.config.chunk, latent), buffer_size=self.options["buffer_size"]
+            )
+        if self.init is not None:
+            load_codec_into(trainer.autoencoder, self.init)
+            if self.frozen:
+                trainer.autoencoder.eval()
+        self.trainer = trainer
+
+    @property
+    def model(self) -> nn.Module:
+        """The codec (call :meth:`build` first)."""
+        assert self.trainer is not None, "call register(model) first"
+        return self.trainer.autoencoder
+
+    def to(self, device: torch.device) -> None:
+        """Move the codec (and its trainer) to ``device`` if it is elsewhere."""
+        assert self.trainer is not None
+        weight = next(self.model.parameters(), None)
+        if weight is not None and weight.device != device:
+            self.trainer.to(device)
+
+    def start_refresh(self) -> None:
+        """Stage 2 again: train on fresh samples only; the workers need the new weights afterwards."""
+        assert self.trainer is not None
+        self.trainer.clear_buffer()
+        self.weights_sent = False
+
+    def save(self, path: str | Path) -> Path | None:
+        """Write the workers' codec to ``path`` (``None``: it was never trained or loaded)."""
+        if not self.weights_sent or self.trainer is None:
+            return None
+        return save_codec(self.model, path)
+
+    # -- a stage-2 step ---------------------------------------------------------------------------
+    def step(
+        self,
+        hook: ExchangeHost,
+        pending: list[PendingBucket],
+        used: frozenset[str],
+        step: int,
+        *,
+        leader: int,
+        code: LeaderIndexCodec,
+        param_order: dict[str, int],
+        metrics: dict[str, float],
+    ) -> None:
+        """Top-k per parameter, bucket by bucket; then the samples are joined, gathered and trained on.
+
+        ``hook`` runs the top-k exchange (its compressor is error feedback around top-k);
+        ``param_order`` joins the samples in the model's order; ``metrics`` gets the losses.
+        """
+        assert self.trainer is not None
+        for bucket in pending:
+            self._exchange_and_sample(hook, bucket, used, step, leader, param_order)
+        gathered = gather_samples(self.samples, code, hook.stats, hook.process_group)
+        self.samples = []
+        if gathered is not None:
+            self._add(*gathered, code, metrics)
+        if dist.get_rank(hook.process_group) == 0:
+            losses = self.trainer.train(self.updates_per_step)
+            if losses:
+                metrics["lgc/ae_loss"] = losses["total"]
+
+    def _exchange_and_sample(
+        self,
+        hook: ExchangeHost,
+        bucket: PendingBucket,
+        used: frozenset[str],
+        step: int,
+        leader: int,
+        param_order: dict[str, int],
+    ) -> None:
+        """Top-k as usual; keep this worker's values at the leader's positions of every parameter."""
+        exchange = PayloadExchange(hook, bucket.buffer, bucket.segments, step, used=used)
+        torch.futures.wait_all(exchange.futures)
+        exchange.finish()
+        residuals = hook.compressor.residuals  # type: ignore[attr-defined]  # error feedback's
+        for segment, own in zip(exchange.sparse, exchange.own, strict=True):
+            assert isinstance(own, SparsePayload)
+            at_leader = exchange.received[segment.name][leader]
+            # The corrected gradient before sending: what is left plus what this worker sent.
+            v = residuals[segment.name].clone().index_add_(0, own.indices.long(), own.values.float())
+            positions = at_leader.indices.long()
+            self.samples.append(
+                Sample(
+                    param_order[segment.name],
+                    segment.numel,
+                    positions,
+                    at_leader.values.float(),
+                    v[positions].float(),
+                    self._innovation_of(v, positions),
+                )
+            )
+
+    def _innovation_of(self, v: Tensor, positions: Tensor) -> Tensor | None:
+        """LGC-PS: which of the leader's ``positions`` of one parameter are in this worker's innovation."""
+        if self.innovation_density is None:
+            return None
+        return torch.isin(positions, topk_indices(v, num_selected(v.numel(), self.innovation_density)))
+
+    def _add(
+        self,
+        chunks: Tensor,
+        innovation_masks: list[Tensor] | None,
+        count: int,
+        code: LeaderIndexCodec,
+        metrics: dict[str, float],
+    ) -> None:
+        """At rank 0: add the step's samples ``[rows, workers, chunk]`` (and innovations) to the buffer."""
+        assert self.trainer is not None
+        innovations = None
+        if innovation_masks is not None:
+            masks = torch.stack([code.chunks(unpack_bits(m.cpu(), count).float()) for m in innovation_masks], dim=1)
+            innovations = chunks * masks.to(chunks.device)
+        if self.trainer.num_samples:
+            # Losses on samples before the codec trains on them: an honest generalization estimate.
+            losses = self.trainer.evaluate(chunks, innovations)
+            if losses:
+                metrics["lgc/recon_error"] = losses["relative_error"]
+        self.trainer.add(chunks, innovations)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # The current step's samples are per process (spawned workers start without them).
+        return {**{slot: getattr(self, slot) for slot in self.__slots__}, "samples": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.trainer is not None
+        return {"trainer": self.trainer.state_dict(), "weights_sent": self.weights_sent}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.trainer is not None
+        self.trainer.load_state_dict(state["trainer"])
+        self.weights_sent = bool(state["weights_sent"])

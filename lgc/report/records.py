@@ -1,0 +1,169 @@
+"""Finding and reading ``summary.json`` files: one :class:`RunRecord` per run, labelled."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lgc.report.labels import labels
+from lgc.report.values import MISSING, lookup
+
+__all__ = [
+    "DENSE_TARGETS",
+    "FEWER_BYTES_THAN_DGC",
+    "LGC_COMPRESSED_RATIO",
+    "SUMMARY_NAME",
+    "WIRE_MB_PER_WORKER",
+    "RunRecord",
+    "load_runs",
+]
+
+SUMMARY_NAME = "summary.json"
+DENSE_TARGETS = ("lgc.compressors.NoneCompressor", "lgc.compressors.none.NoneCompressor")
+# The compressed-stage ratio of an LGC run (lgc.lit.callbacks._stage_totals).
+LGC_COMPRESSED_RATIO = "lgc_stages.compressed.compression_ratio"
+# Wire bytes sent per worker over the whole run, in MB (RunRecord.wire_mb_per_worker).
+WIRE_MB_PER_WORKER = "wire_mb_per_worker"
+# Whole-run wire bytes of the DGC run with the same world size and density over the run's.
+FEWER_BYTES_THAN_DGC = "fewer_bytes_than_dgc"
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One finished run: its ``summary.json`` and a label that tells it apart from the runs loaded with it."""
+
+    # The run folder (the one holding summary.json).
+    path: Path
+    # The compressor's config group and what differs from the other runs, e.g. "topk density=0.001".
+    label: str
+    # The compressor's config group in lgc/conf/compressor (topk, dgc, lgc_ps, ...), or its class
+    # name when no group builds it.
+    compressor: str
+    # summary.json as lgc.lit.RunSummary and lgc.train.train wrote it.
+    summary: dict[str, Any] = field(repr=False, hash=False)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's fully resolved Hydra config (empty if the summary has none)."""
+        return self.summary.get("config") or {}
+
+    @property
+    def is_dense(self) -> bool:
+        """Whether the run is the uncompressed baseline (``compressor=none``)."""
+        return lookup(self.config, "compressor._target_") in DENSE_TARGETS
+
+    @property
+    def metric_key(self) -> str:
+        """``val/mIoU`` for a segmentation run, else ``val/acc``."""
+        return "val/mIoU" if "val/mIoU" in self.summary or "val/mIoU" in self.metrics else "val/acc"
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Every metric Lightning held at the end of training (``train/loss``, ``val/acc``, ...)."""
+        return self.summary.get("metrics") or {}
+
+    @property
+    def metric(self) -> float | None:
+        """The final ``val/acc`` (or ``val/mIoU``); None if the run has none."""
+        value = self.summary.get(self.metric_key, self.metrics.get(self.metric_key))
+        return None if value is None else float(value)
+
+    @property
+    def counts_wire_bytes(self) -> bool:
+        """Whether the summary has wire bytes (``wire_*``); older ones hold logical ratios only."""
+        return "wire_bytes_sent" in self.summary
+
+    @property
+    def wire_mb_per_worker(self) -> float | None:
+        """Wire bytes sent per worker over the whole run, in MB (None for an older summary)."""
+        if not self.counts_wire_bytes:
+            return None
+        per_worker = self.summary.get("wire_bytes_sent_per_worker") or [self.summary["wire_bytes_sent"]]
+        return sum(per_worker) / len(per_worker) / 1e6
+
+    def value(self, key: str) -> Any:
+        """A summary field by dotted key (``"compression_ratio"``, ``"lgc_stages.compressed.bytes_sent"``).
+
+        Returns None both for a null field and for one the summary does not have. A summary written
+        before wire bytes were counted has no wire ratios: its ``compression_ratio`` (and LGC's
+        stage ratios) were logical, so they answer ``logical_compression_ratio`` and the wire keys None.
+        """
+        value = self._value(key)
+        return None if value is MISSING else value
+
+    def _value(self, key: str) -> Any:
+        if key == WIRE_MB_PER_WORKER:
+            return MISSING if not self.counts_wire_bytes else self.wire_mb_per_worker
+        if not self.counts_wire_bytes:
+            if key == "logical_compression_ratio":
+                return lookup(self.summary, "compression_ratio")
+            if key.split(".")[-1] == "compression_ratio":
+                return MISSING
+        return lookup(self.summary, key)
+
+
+def _natural_key(path: Path) -> list[tuple[int, int, str]]:
+    # Hydra numbers multirun jobs 0, 1, ..., 10: sort 2 before 10.
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", str(path)) if part]
+
+
+def _summary_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.is_file():
+        if path.name != SUMMARY_NAME:
+            raise ValueError(f"{path} is not a {SUMMARY_NAME} (give a run folder or its {SUMMARY_NAME})")
+        return [path]
+    found = sorted(path.rglob(SUMMARY_NAME), key=lambda file: _natural_key(file.relative_to(path)))
+    if not found:
+        raise FileNotFoundError(
+            f"no {SUMMARY_NAME} in {path} or its subfolders: not an lgc-train run folder, "
+            "or its runs have not finished (the summary is written at the end of training)"
+        )
+    return found
+
+
+def _read_summary(file: Path) -> dict[str, Any]:
+    try:
+        summary = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from err
+    if not isinstance(summary, dict):
+        raise ValueError(f"{file} holds a {type(summary).__name__}, not a run summary")
+    return summary
+
+
+def load_runs(paths: Iterable[str | os.PathLike[str]]) -> list[RunRecord]:
+    """Every run under ``paths``, labelled by what sets it apart from the others.
+
+    Args:
+        paths: run folders, folders of runs (searched recursively, e.g. a Hydra multirun folder
+            with ``0/``, ``1/``, ... subfolders) or ``summary.json`` files.
+
+    Returns:
+        One record per ``summary.json``, in the order of ``paths`` and, within a folder, in
+        natural order of the subfolders (``2/`` before ``10/``); a file reached twice counts once.
+
+    Raises:
+        FileNotFoundError: a path does not exist, or a folder holds no ``summary.json`` at all.
+        ValueError: a file given is not named ``summary.json``, or one is not a JSON object.
+    """
+    files: list[Path] = []
+    seen: set[Path] = set()
+    for path in paths:
+        for file in _summary_files(Path(path)):
+            if file.resolve() not in seen:
+                seen.add(file.resolve())
+                files.append(file)
+    summaries = [_read_summary(file) for file in files]
+    folders = [file.parent for file in files]
+    names, run_labels = labels(summaries, folders)
+    return [
+        RunRecord(path=folder, label=label, compressor=name, summary=summary)
+        for folder, label, name, summary in zip(folders, run_labels, names, summaries, strict=True)
+    ]
