@@ -73,7 +73,7 @@ def test_gradient_correlation_notebook_runs_and_reports_both_partitions(tmp_path
 def test_compression_tradeoffs_notebook_runs_its_sweep_and_reports_it(tmp_path, monkeypatch):
     notebook, seconds = _run(NOTEBOOKS / "compression_tradeoffs.ipynb", tmp_path, monkeypatch)
     rows = _printed_json(notebook)
-    # Labels from the configs alone: the compressor group, then what differs from its yaml or between runs.
+    # Labels from what each run was asked for: the compressor option, then the overrides that tell it apart.
     assert [row["label"] for row in rows] == [
         "none",
         "topk density=0.01",
