@@ -151,8 +151,8 @@ def test_leader_scaled_applies_world_size_times_the_leaders_values_and_feeds_bac
 def test_bad_values_are_refused_before_workers_start():
     with pytest.raises(ValueError, match=r"values must be one of .*got 'int2'"):
         SharedIndexState(values="int2")
-    with pytest.raises(ValueError, match="learn nothing: ae_steps does not apply"):
-        SharedIndexState(ae_steps=5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'ae_steps'"):
+        SharedIndexState(ae_steps=5)  # no codec-training stage: lgc.compress says "has no knob 'ae_steps'"
     with pytest.raises(ValueError, match="chunk must be an even integer >= 2, got 33"):
         SharedIndexState(chunk=33)
     with pytest.raises(ValueError, match="leader_only .* float format, got 'int8'"):

@@ -184,8 +184,9 @@ class SharedIndexState(LGCHookState):
         value_order: ``"position"`` by default, the cheapest with Golomb-coded positions, since
             nothing here depends on the order.
         rotate_leader: on by default (see the module docstring).
-        **kwargs: the warm-up and common knobs of :class:`~lgc.learned.state.LGCHookState`
-            (there is no codec training stage: no ``ae_steps``, no refresh).
+        density, warmup_steps, warmup, warmup_densities, leader_rank, index_coding, measure_error,
+            world_size, min_numel, process_group: as :class:`~lgc.learned.state.LGCHookState`'s
+            (there is no codec-training stage: no ``ae_steps``, no refresh).
 
     Example::
 
@@ -204,24 +205,36 @@ class SharedIndexState(LGCHookState):
         chunk: int = 64,
         value_order: str = "position",
         rotate_leader: bool = True,
-        **kwargs: Any,
+        density: float = 0.001,
+        warmup_steps: int = 100,
+        warmup: str = "dense",
+        warmup_densities: list[float] | None = None,
+        leader_rank: int = 0,
+        index_coding: str = "raw",
+        measure_error: bool = False,
+        world_size: int | None = None,
+        min_numel: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2 or chunk % 2:
             raise ValueError(f"chunk must be an even integer >= 2, got {chunk!r}")
-        for knob in ("autoencoder", "ae_steps"):
-            if knob in kwargs:
-                raise ValueError(
-                    f"shared-index codecs learn nothing: {knob} does not apply (set chunk and warmup_steps)"
-                )
-        stage = SharedIndexStage(values, leader_only, seed)
         super().__init__(
-            stage,
+            SharedIndexStage(values, leader_only, seed),
             None,
             chunk,
             ae_steps=0,
             value_order=value_order,
             rotate_leader=rotate_leader,
-            **kwargs,
+            density=density,
+            warmup_steps=warmup_steps,
+            warmup=warmup,
+            warmup_densities=warmup_densities,
+            leader_rank=leader_rank,
+            index_coding=index_coding,
+            measure_error=measure_error,
+            world_size=world_size,
+            min_numel=min_numel,
+            process_group=process_group,
         )
 
     def describe(self) -> str:
