@@ -9,7 +9,8 @@ a plain DDP script gets wrong silently and refuses it with a message that says w
   does not send would be dropped, not delayed; ``error_feedback=False`` says that is meant;
 * :class:`~lgc.compressors.ErrorFeedback` around DGC, which keeps its own;
 * DGC next to an optimizer that applies momentum, or weight decay that DGC applies as well
-  (:func:`lgc.compressors.dgc.check_optimizer_momentum`'s rules), and DGC's per-epoch warm-up
+  (:func:`lgc.compressors.dgc.check_optimizer_momentum`'s rules, the ones ``lgc-train`` applies
+  too; DeMo's likewise), and DGC's per-epoch warm-up
   with neither ``steps_per_epoch`` nor ``state.set_epoch`` to advance it (refused at its first
   compressed step, where it is known that nothing called ``set_epoch``);
 * communication delay whose ``after_optimizer_step()`` is forgotten (workers would drift apart
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors import Compressor, DGCCompressor, ErrorFeedback
+from lgc.compressors import Compressor, ErrorFeedback
 from lgc.compressors.base import compressor_chain
 from lgc.ddp.protocol import HookState
 from lgc.methods import METHODS, Comm, build_hook_state
@@ -157,13 +158,7 @@ def compress(
     else:
         state = _build(method, knobs, Comm(**comm_settings, prefix=""), error_feedback, error_decay, process_group)
     _check_error_feedback(state, method, error_feedback)
-    _check_dgc(state, optimizer, optimizer_momentum, optimizer_weight_decay)
-    if optimizer is not None:
-        state.check_optimizer(
-            _optimizer_setting(optimizer, "momentum")[0], _optimizer_setting(optimizer, "weight_decay")[0]
-        )
-    elif optimizer_momentum is not None:
-        state.check_optimizer(optimizer_momentum, optimizer_weight_decay)
+    _check_against_optimizer(state, optimizer, optimizer_momentum, optimizer_weight_decay)
     if grad_scaler is not None:
         if not state.unscales_gradients:
             raise ValueError(
@@ -284,39 +279,35 @@ def _optimizer_setting(optimizer: torch.optim.Optimizer, setting: str) -> tuple[
     return found
 
 
-def _check_dgc(
-    state: Any,
+def _check_against_optimizer(
+    state: HookState,
     optimizer: torch.optim.Optimizer | None,
     optimizer_momentum: float | None,
     optimizer_weight_decay: float | None,
 ) -> None:
-    """DGC owns the momentum (and, with its weight_decay, the decay): the optimizer must not apply them again."""
-    dgc = next((c for c in compressor_chain(state) if isinstance(c, DGCCompressor)), None)
-    if dgc is None:
-        return
+    """The method's optimizer rules (DGC's, DeMo's) on what the optimizer applies, named where it comes from.
+
+    Without an optimizer, the declared ``optimizer_momentum`` / ``optimizer_weight_decay`` stand for
+    one built later; a method that must know them (DGC) is refused when they are not declared.
+    """
     if optimizer is not None:
         momentum, momentum_source = _optimizer_setting(optimizer, "momentum")
         decay, decay_source = _optimizer_setting(optimizer, "weight_decay")
-    elif optimizer_momentum is None or (dgc.weight_decay > 0 and optimizer_weight_decay is None):
-        needed = "optimizer_momentum=0" + (", optimizer_weight_decay=0" if dgc.weight_decay > 0 else "")
+        state.check_optimizer(momentum, decay, sources=(momentum_source, decay_source))
+        return
+    declared = {"momentum": optimizer_momentum, "weight_decay": optimizer_weight_decay}
+    missing = [name for name in state.optimizer_settings_needed() if declared[name] is None]
+    if missing:
+        needed = ", ".join(f"optimizer_{name}=0" for name in missing)
+        who = next(c for c in compressor_chain(state) if isinstance(c, Compressor) and c.optimizer_settings_needed())
         raise ValueError(
-            "DGC applies momentum (and weight decay) itself, so it must know what the optimizer applies: pass "
-            f"optimizer=your_optimizer, or declare {needed} for an optimizer built later"
+            f"{type(who).__name__} applies {' and '.join(n.replace('_', ' ') for n in missing)} itself, so it must "
+            f"know what the optimizer applies: pass optimizer=your_optimizer, or declare {needed} for an optimizer "
+            "built later"
         )
-    else:
-        momentum, momentum_source = float(optimizer_momentum), "optimizer_momentum"
-        decay, decay_source = float(optimizer_weight_decay or 0.0), "optimizer_weight_decay"
-    if momentum != 0.0:
-        raise ValueError(
-            f"DGC applies momentum itself (momentum correction, DGC's momentum={dgc.momentum}), but the optimizer "
-            f"applies momentum too ({momentum_source}={momentum:g}), so it would be applied twice: set momentum=0 "
-            "(and nesterov=False) in the optimizer, e.g. torch.optim.SGD(params, lr, momentum=0), and give the "
-            f"momentum to DGC: lgc.compress(model, 'dgc', momentum={momentum:g})"
-        )
-    if decay != 0.0 and dgc.weight_decay > 0:
-        raise ValueError(
-            f"weight decay in the optimizer ({decay_source}={decay:g}) and in DGC (weight_decay={dgc.weight_decay:g}) "
-            "would be applied twice: set the optimizer's weight_decay=0 (DGC gives the decay a momentum of its own, "
-            "as SGD(momentum, weight_decay) does), or pass weight_decay=0 to DGC to keep the decay in "
-            "the optimizer, where it acts outside the momentum, (1 - momentum) times as strong"
+    if optimizer_momentum is not None:
+        state.check_optimizer(
+            float(optimizer_momentum),
+            None if optimizer_weight_decay is None else float(optimizer_weight_decay),
+            sources=("optimizer_momentum", "optimizer_weight_decay"),
         )

@@ -107,6 +107,10 @@ class Payload:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+#: How lgc-train's config names the optimizer's momentum and weight decay (the default ``sources``).
+OPTIMIZER_SOURCES = ("optimizer.momentum", "optimizer.weight_decay")
+
+
 class Compressor(abc.ABC):
     """Turns flat tensors into payloads and back.
 
@@ -138,10 +142,22 @@ class Compressor(abc.ABC):
     #: (sparsifiers, EF-signSGD): ``lgc.compress`` refuses it without error feedback unless told.
     needs_error_feedback: bool = False
 
-    def check_optimizer(self, momentum: float, weight_decay: float | None) -> None:
+    def optimizer_settings_needed(self) -> tuple[str, ...]:
+        """The optimizer settings this method must know before it runs (``"momentum"``, ``"weight_decay"``).
+
+        None by default; DGC needs the momentum (and the decay when it applies its own), so
+        ``lgc.compress`` asks for them when it is given no optimizer.
+        """
+        return ()
+
+    def check_optimizer(
+        self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
+    ) -> None:
         """Refuse an optimizer that applies what this method applies itself (``weight_decay=None``: unknown).
 
-        Nothing by default; DGC (momentum, weight decay) and DeMo (momentum) refuse theirs.
+        ``sources`` name where the two values come from, for the message (lgc-train's
+        ``optimizer.momentum``, a torch optimizer's ``param_groups[0]['momentum']``, ...). Nothing by
+        default; DGC (momentum, weight decay) and DeMo (momentum) refuse theirs.
         """
 
     @abc.abstractmethod

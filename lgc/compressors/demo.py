@@ -107,7 +107,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
+from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload, compressor_chain
 from lgc.compressors.tiles import TiledCompressorMixin, TileLayout
 from lgc.compressors.topk import SparseMeanAggregation, check_aggregation, wire_float_dtype
 
@@ -222,7 +222,9 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
         # DCT matrices by (size, device, dtype), built on first use (not state: pure functions of the size).
         self._bases: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
 
-    def check_optimizer(self, momentum: float, weight_decay: float | None) -> None:
+    def check_optimizer(
+        self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
+    ) -> None:
         """No momentum in the optimizer: DeMo's is the error feedback's residual (:func:`check_demo_optimizer`)."""
         check_demo_optimizer(self, momentum)
 

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
+from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload, compressor_chain
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.selection import ColumnScan, SelectionInfo, exact_topk, sampled_topk
 from lgc.compressors.topk import (
@@ -265,9 +265,14 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         #: Per process: never pickled (:meth:`__getstate__`) nor checkpointed (:meth:`state_dict`).
         self._parameters: Mapping[str, Tensor] | None = None
 
-    def check_optimizer(self, momentum: float, weight_decay: float | None) -> None:
+    def optimizer_settings_needed(self) -> tuple[str, ...]:
+        return ("momentum", "weight_decay") if self.weight_decay > 0 else ("momentum",)
+
+    def check_optimizer(
+        self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
+    ) -> None:
         """No momentum in the optimizer, nor decay there while DGC has its own (:func:`check_optimizer_momentum`)."""
-        check_optimizer_momentum(self, momentum, weight_decay=weight_decay)
+        check_optimizer_momentum(self, momentum, weight_decay=weight_decay, sources=sources)
 
     # -- what the hook tells the compressor ------------------------------------------------------
     def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
@@ -509,7 +514,13 @@ def _check_world_size(world_size: Any) -> None:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
 
 
-def check_optimizer_momentum(compressor: Any, optimizer_momentum: float, *, weight_decay: float | None = None) -> None:
+def check_optimizer_momentum(
+    compressor: Any,
+    optimizer_momentum: float,
+    *,
+    weight_decay: float | None = None,
+    sources: tuple[str, str] = OPTIMIZER_SOURCES,
+) -> None:
     """Refuse DGC combined with optimizer momentum or optimizer weight decay, or DGC inside error feedback.
 
     DGC's momentum correction already sends heavy-ball updates; momentum in the optimizer as well
@@ -517,12 +528,13 @@ def check_optimizer_momentum(compressor: Any, optimizer_momentum: float, *, weig
     the averaged update; decay in the optimizer as well would apply it twice. Its accumulator is the
     error-feedback residual, so :class:`~lgc.compressors.ErrorFeedback` around it would feed the
     error back twice. Anything that is not (and does not wrap, via ``.compressor``) a
-    :class:`DGCCompressor` passes.
+    :class:`DGCCompressor` passes. The one set of rules ``lgc-train`` and ``lgc.compress`` apply.
 
     Args:
         compressor: a compressor, a wrapper such as ``ErrorFeedback``, or a hook state.
         optimizer_momentum: the optimizer's momentum factor.
         weight_decay: the optimizer's weight decay; ``None`` skips that check.
+        sources: where the two values come from, named in the messages.
 
     Raises:
         ValueError: if a DGC compressor meets a nonzero optimizer momentum, a nonzero optimizer
@@ -532,18 +544,22 @@ def check_optimizer_momentum(compressor: Any, optimizer_momentum: float, *, weig
     dgc = next((c for c in chain if isinstance(c, DGCCompressor)), None)
     if dgc is None:
         return
-    if float(optimizer_momentum) != 0.0:
+    momentum_source, decay_source = sources
+    momentum = float(optimizer_momentum)
+    if momentum != 0.0:
         raise ValueError(
-            f"optimizer momentum is {optimizer_momentum!r} but DGC applies momentum correction itself; "
-            "set optimizer.momentum=0 (and optimizer.nesterov=false) and put the momentum on the compressor "
-            "(compressor.momentum)"
+            f"DGC applies momentum itself (momentum correction, DGC's momentum={dgc.momentum}), but the optimizer "
+            f"applies momentum too ({momentum_source}={momentum:g}), so it would be applied twice: set the "
+            "optimizer's momentum to 0 (and nesterov off; lgc-train: optimizer.momentum=0) and give the momentum to "
+            f"DGC (lgc-train: compressor.momentum={momentum:g}; lgc.compress(model, 'dgc', momentum={momentum:g}))"
         )
     if weight_decay is not None and float(weight_decay) != 0.0 and dgc.weight_decay > 0.0:
         raise ValueError(
-            f"optimizer weight_decay is {weight_decay!r} but DGC applies weight decay itself "
-            f"(compressor.weight_decay={dgc.weight_decay!r}), so it would be applied twice; set "
-            "optimizer.weight_decay=0 and give the decay to the compressor (compressor.weight_decay=...), "
-            "which gives it a momentum of its own as torch.optim.SGD(momentum, weight_decay) and DGC's authors do"
+            f"weight decay in the optimizer ({decay_source}={float(weight_decay):g}) and in DGC "
+            f"(weight_decay={dgc.weight_decay:g}) would be applied twice: set the optimizer's weight_decay to 0 "
+            "(lgc-train: optimizer.weight_decay=0; DGC gives the decay a momentum of its own, as "
+            "SGD(momentum, weight_decay) and DGC's authors do), or DGC's to 0 (lgc-train: compressor.weight_decay=0) "
+            "to keep the decay in the optimizer, where it acts outside the momentum, (1 - momentum) times as strong"
         )
     if any(isinstance(c, ErrorFeedback) for c in chain):
         raise ValueError("DGC keeps its own error feedback (its accumulator v); set compressor.error_feedback=false")

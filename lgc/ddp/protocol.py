@@ -27,7 +27,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from lgc.compressors.base import Compressor, compressor_chain
+from lgc.compressors.base import OPTIMIZER_SOURCES, Compressor, compressor_chain
 
 if TYPE_CHECKING:
     import torch
@@ -93,14 +93,21 @@ class HookState(Protocol):
         """Method-specific fields for this worker's entry in ``summary.json``."""
         return {}
 
-    def check_optimizer(self, momentum: float, weight_decay: float | None) -> None:
+    def optimizer_settings_needed(self) -> tuple[str, ...]:
+        """The optimizer settings the method must know before it runs (its compressors', in order)."""
+        return tuple(dict.fromkeys(n for c in _compressors(self) for n in c.optimizer_settings_needed()))
+
+    def check_optimizer(
+        self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
+    ) -> None:
         """Refuse an optimizer that applies what the method applies itself (DGC's momentum and decay, DeMo's momentum).
 
-        ``weight_decay=None``: not known, not checked. Each compressor along the chain applies its
-        own rules (:meth:`lgc.compressors.Compressor.check_optimizer`).
+        ``weight_decay=None``: not known, not checked; ``sources`` name the values in the messages.
+        Each compressor along the chain applies its own rules
+        (:meth:`lgc.compressors.Compressor.check_optimizer`).
         """
         for compressor in _compressors(self):
-            compressor.check_optimizer(momentum, weight_decay)
+            compressor.check_optimizer(momentum, weight_decay, sources=sources)
 
     def check_run(self, model: nn.Module, world_size: int, total_steps: int | None) -> None:
         """Refuse a run the method cannot serve, before any worker starts (and learn its world size)."""
