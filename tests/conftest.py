@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 
-# Worker functions live in test modules; spawned workers import them by module name.
-sys.path.insert(0, str(Path(__file__).parent))
+# Worker functions live in test modules; spawned workers import them by module name. The test
+# folders mirror lgc/'s packages, and every test module and helper is importable by its own name.
+_TESTS = Path(__file__).parent
+for _folder in [
+    _TESTS,
+    *sorted(path for path in _TESTS.iterdir() if path.is_dir() and not path.name.startswith((".", "_"))),
+]:
+    sys.path.insert(0, str(_folder))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 

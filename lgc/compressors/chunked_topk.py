@@ -32,7 +32,7 @@ Wire cost, with ``K`` kept entries (:attr:`~lgc.compressors.tiles.TileLayout.cou
 tensor's position width. Combine with :class:`lgc.compressors.QuantizedValues` for SparseLoCo's
 2-bit values and with :class:`lgc.compressors.ErrorFeedback` (SparseLoCo: ``decay=0.95``).
 
-Verified (``tests/test_sparseloco.py``): the selection is each tile's exact top-k; wire size equals
+Verified (``tests/compressors/test_sparseloco.py``): the selection is each tile's exact top-k; wire size equals
 the formula; at 2, 4 and 8 workers, on matrices and vectors, the aggregate of
 ``QuantizedValues(ChunkedTopKCompressor())`` after the hook's division by the world size equals a
 transcription of templar's compress / quantize / ``batch_decompress`` / decode to float rounding.

@@ -45,7 +45,7 @@ The workers' payloads combine by the ``aggregate`` knob, shared with chunked top
 (:func:`~lgc.compressors.topk.sparse_mean`): ``"sender_mean"`` (default, the reference) or
 ``"mean"`` (the zero-filled mean ``sum / P``); then the inverse DCT and the sign.
 
-What is verified (``tests/test_demo.py``): the DCT matrix is orthonormal and equals
+What is verified (``tests/compressors/test_demo.py``): the DCT matrix is orthonormal and equals
 ``scipy.fft.dct`` / ``dctn`` with ``norm="ortho"``; keeping every coefficient round-trips to float
 precision for every tiling; the kept coefficients are each tile's largest; wire size equals the
 formula; error feedback's invariant ``v == decompress(payload) + r`` holds; and, for 2 and 4

@@ -24,7 +24,7 @@ Verified: codes and table reproduce the centroids exactly; the payload size equa
 error feedback keeps ``v == decode(payload) + r`` exactly; with SparseLoCo's production settings
 (tplr-ai/templar ``hparams/hparams.json``: ``quantization_bins=4``, ``quantization_range=6``) the
 decoded values equal templar's ``_quantize_values`` / ``_dequantize_values``
-(``src/tplr/compress.py``) to float rounding (``tests/test_sparseloco.py``). The reference's table
+(``src/tplr/compress.py``) to float rounding (``tests/compressors/test_sparseloco.py``). The reference's table
 holds the centroids of the centred values and the mean beside them (20 bytes for 2 bits); lgc's
 holds the centroids themselves (16 bytes), the same numbers up to rounding.
 """

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from lgc.compressors import CombineMode, Compressor, ErrorFeedback, SparsePayload, TopKCompressor
 
-CONF = Path(__file__).resolve().parents[1] / "lgc" / "conf" / "compressor"
+CONF = Path(__file__).resolve().parents[2] / "lgc" / "conf" / "compressor"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lgc.ddp.powersgd import PowerSGDHookState, _orthogonalize_with_epsilon
 from lgc.ddp.torch_hooks import TorchHookState
 
-CONF = Path(__file__).resolve().parents[1] / "lgc" / "conf" / "compressor"
+CONF = Path(__file__).resolve().parents[2] / "lgc" / "conf" / "compressor"
 
 
 def _run_wrapped(rank: int, world: int, state, steps: int) -> dict:

@@ -30,7 +30,7 @@ try:
 except NetworkUnavailable as error:
     pytest.skip(f"no shaped network on this machine: {error}", allow_module_level=True)
 
-NETNS_PY = Path(__file__).resolve().parents[1] / "lgc" / "bench" / "netns.py"
+NETNS_PY = Path(__file__).resolve().parents[2] / "lgc" / "bench" / "netns.py"
 # Subprocesses load netns.py as a file: importing the lgc package would import torch (seconds).
 LOAD_NETNS = textwrap.dedent(f"""
     import importlib.util, sys

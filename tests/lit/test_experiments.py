@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 from lgc.methods import build_hook_state
 from lgc.train import _check_model_fits_task, train
 
-CONF = Path(__file__).resolve().parents[1] / "lgc" / "conf" / "experiment"
+CONF = Path(__file__).resolve().parents[2] / "lgc" / "conf" / "experiment"
 EXPERIMENTS = sorted(str(p.relative_to(CONF).with_suffix("")) for p in CONF.rglob("*.yaml"))
 PAPER_SMOKE = [name for name in EXPERIMENTS if name.startswith("paper/") and name.endswith("_smoke")]
 EMBEDDED = [name for name in EXPERIMENTS if name.startswith("embedded/")]
