@@ -18,6 +18,20 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Every test leaves os.environ as it found it.
+
+    Lightning's launcher sets ``LOCAL_RANK``, ``NODE_RANK`` and ``MASTER_ADDR`` in the process that
+    builds a Trainer; a later test's subprocess (a notebook's kernel) inheriting ``LOCAL_RANK`` would
+    take its workers as started by someone else and wait for them forever.
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def no_workers(monkeypatch):
     """Fail the test if a worker process is started."""
