@@ -58,7 +58,7 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.state import LGCHookState
-from lgc.learned.step import LATENT_DTYPES, Leaders, StepContext, latent_bytes, send_parameters
+from lgc.learned.step import Leaders, StepContext, latent_bytes, latent_wire_dtype, send_parameters
 from lgc.learned.training import CodecTraining
 
 __all__ = ["LGCParameterServerState", "ParameterServerStage"]
@@ -84,17 +84,12 @@ class ParameterServerStage:
         latent_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` latents on the wire.
     """
 
-    __slots__ = ("innovation_density", "latent_dtype")
+    __slots__ = ("innovation_density", "latent_dtype", "wire_dtype")
 
     def __init__(self, innovation_density: float, latent_dtype: str = "float32") -> None:
-        if latent_dtype not in LATENT_DTYPES:
-            raise ValueError(f"latent_dtype must be one of {sorted(LATENT_DTYPES)}, got {latent_dtype!r}")
         self.innovation_density = float(innovation_density)
         self.latent_dtype = latent_dtype
-
-    @property
-    def latent_torch_dtype(self) -> torch.dtype:
-        return LATENT_DTYPES[self.latent_dtype]
+        self.wire_dtype = latent_wire_dtype(latent_dtype)
 
     def check_world(self, world_size: int) -> None:
         pass  # one decoder per worker, however many
@@ -111,7 +106,7 @@ class ParameterServerStage:
         code, plan = ctx.code, ctx.plan
         positions = code.in_wire_order(plan.top_positions(v), v)
         scales = code.chunk_scales(v[positions])
-        latent = ctx.codec.encode(code.scaled_chunks(v[positions], scales)).to(self.latent_torch_dtype).reshape(-1)
+        latent = ctx.codec.encode(code.scaled_chunks(v[positions], scales)).to(self.wire_dtype).reshape(-1)
         wire_positions = code.encode_positions(positions, plan.numel)
         return torch.cat([scales.view(torch.uint8), latent.view(torch.uint8), wire_positions])
 
@@ -132,7 +127,7 @@ class ParameterServerStage:
             length = int(size.item())
         else:
             rows = num_chunks(ctx.plan.k, ctx.code.chunk)
-            length = 4 * rows + latent_bytes(ctx.codec, rows, self.latent_torch_dtype) + 4 * ctx.plan.k
+            length = 4 * rows + latent_bytes(ctx.codec, rows, self.wire_dtype) + 4 * ctx.plan.k
         if rank == leader:
             assert wire is not None
             counted.send(stats, wire, _SERVER, group)
@@ -144,9 +139,9 @@ class ParameterServerStage:
         """At the server: decode every worker's values, sum, and build the downstream message."""
         plan, code, codec = ctx.plan, ctx.code, ctx.codec
         rows = num_chunks(plan.k, code.chunk)
-        latent_size = latent_bytes(codec, rows, self.latent_torch_dtype)
+        latent_size = latent_bytes(codec, rows, self.wire_dtype)
         scales = leader_wire[: 4 * rows].clone().view(torch.float32)
-        latent = leader_wire[4 * rows : 4 * rows + latent_size].clone().view(self.latent_torch_dtype)
+        latent = leader_wire[4 * rows : 4 * rows + latent_size].clone().view(self.wire_dtype)
         positions = code.decode_positions(leader_wire[4 * rows + latent_size :], plan.k)
         latent = latent.float().view(codec.latent_shape(rows))
         device = scales.device

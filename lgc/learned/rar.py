@@ -46,7 +46,7 @@ from lgc.autoencoder import AutoencoderConfig
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.state import LGCHookState
-from lgc.learned.step import LATENT_DTYPES, Leaders, StepContext, send_parameters
+from lgc.learned.step import Leaders, StepContext, latent_wire_dtype, send_parameters
 from lgc.learned.training import CodecTraining
 
 __all__ = ["LGCRingAllreduceState", "RingAllreduceStage"]
@@ -63,15 +63,14 @@ class RingAllreduceStage:
         latent_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` latents on the wire.
     """
 
-    __slots__ = ("latent_dtype", "residual")
+    __slots__ = ("latent_dtype", "residual", "wire_dtype")
 
     def __init__(self, residual: str = "own_reconstruction", latent_dtype: str = "float32") -> None:
         if residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
-        if latent_dtype not in LATENT_DTYPES:
-            raise ValueError(f"latent_dtype must be one of {sorted(LATENT_DTYPES)}, got {latent_dtype!r}")
         self.residual = residual
         self.latent_dtype = latent_dtype
+        self.wire_dtype = latent_wire_dtype(latent_dtype)
 
     def check_world(self, world_size: int) -> None:
         pass  # any number of workers
@@ -94,7 +93,7 @@ class RingAllreduceStage:
         positions, scales, _ = ctx.leader_message(v)
         assert scales is not None
         values = v[positions]
-        latent = ae.encode(code.scaled_chunks(values, scales)).to(LATENT_DTYPES[self.latent_dtype]).reshape(-1)
+        latent = ae.encode(code.scaled_chunks(values, scales)).to(self.wire_dtype).reshape(-1)
         ctx.count_payload(counted.nbytes(latent))
         rows = scales.numel()
         own_latent = latent.float().view(ae.latent_shape(rows))

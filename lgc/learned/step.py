@@ -34,6 +34,7 @@ __all__ = [
     "Leaders",
     "StepContext",
     "latent_bytes",
+    "latent_wire_dtype",
     "send_parameters",
 ]
 
@@ -208,6 +209,13 @@ class StepContext:
         leader_scales = wire[:scale_bytes].clone().view(torch.float32) if scales else None
         leader_values = None if values is None else wire[scale_bytes : scale_bytes + value_bytes].clone().view(values)
         return positions, leader_scales, leader_values
+
+
+def latent_wire_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``latent_dtype`` name, refusing names that are not :data:`LATENT_DTYPES`."""
+    if name not in LATENT_DTYPES:
+        raise ValueError(f"latent_dtype must be one of {sorted(LATENT_DTYPES)}, got {name!r}")
+    return LATENT_DTYPES[name]
 
 
 def latent_bytes(codec: Any, rows: int, dtype: torch.dtype) -> int:
