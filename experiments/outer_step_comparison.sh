@@ -32,7 +32,7 @@ if [[ "${STAGES:-1 2}" == *2* ]]; then
   run shared_topk_int8 experiment=embedded/shared_topk_int8
   run diloco_h10 experiment=diloco
   run diloco_h50 experiment=diloco comm.delay=50
-  run diloco_h10_streaming experiment=diloco comm.fragments=2
+  run diloco_h10_streaming experiment=diloco comm=streaming_diloco comm.fragments=2
   run streaming_diloco experiment=streaming_diloco
   run sparseloco_h10 experiment=sparseloco
   run sparseloco_h50 experiment=sparseloco comm.delay=50

@@ -224,7 +224,7 @@ def _build(
                 f"{method!r} ({entry.cls.__name__}) has no knob {', '.join(map(repr, unknown))}; "
                 f"its knobs: {', '.join(entry.knobs)}"
             )
-        return build_hook_state(entry.resolve(comm.min_numel, **knobs), comm, name=method, **settings)
+        return build_hook_state(entry.resolve(**knobs), comm, name=method, **settings)
     if isinstance(method, Compressor):
         if knobs:
             raise TypeError(

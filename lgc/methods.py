@@ -28,10 +28,10 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from lgc.comm import COMM_OPTIONS, Comm, DiLoCo, EveryStep, LocalSGD
 from lgc.compressors import Compressor, ErrorFeedback
 from lgc.compressors.base import compressor_chain
 from lgc.compressors.dgc import DGCCompressor
-from lgc.ddp.fragments import FRAGMENT_SPLITS
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
@@ -53,7 +53,7 @@ class Method:
     #: The yaml's name.
     name: str
     #: The compressor node (``_target_``, the knobs, ``error_feedback``/``error_decay``), unresolved:
-    #: some knobs follow the run (``${comm.min_numel}``, DGC's ``regularization.weight_decay``).
+    #: DGC's ``weight_decay`` follows the run's ``regularization.weight_decay``.
     node: DictConfig
     #: What a ``# @package _global_`` yaml sets besides the compressor (``optimizer: {momentum: 0}``).
     run_settings: Mapping[str, Any]
@@ -80,9 +80,9 @@ class Method:
 
     @property
     def defaults(self) -> dict[str, Any]:
-        """The knobs' values a script gets by name (run-dependent ones at their fallback, ``min_numel`` left out)."""
+        """The knobs' values a script gets by name (run-dependent ones at their fallback)."""
         node = self.resolve()
-        return {key: value for key, value in node.items() if key not in ("_target_", "min_numel", *ERROR_FEEDBACK_KEYS)}
+        return {key: value for key, value in node.items() if key not in ("_target_", *ERROR_FEEDBACK_KEYS)}
 
     @property
     def knobs(self) -> list[str]:
@@ -91,29 +91,35 @@ class Method:
         Left out: what the caller gives (``min_numel``, ``process_group``) and a hook state's
         ``compressor``, which the method is.
         """
-        names: list[str] = []
-        for klass in self.cls.__mro__:
-            init = klass.__dict__.get("__init__")
-            if init is None:
-                continue
-            params = list(inspect.signature(init).parameters.values())[1:]
-            names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-            if not any(p.kind is p.VAR_KEYWORD for p in params):
-                break
-        return [name for name in dict.fromkeys(names) if name not in ("min_numel", "process_group", "compressor")]
+        names = _init_parameters(self.cls)
+        return [name for name in names if name not in ("min_numel", "process_group", "compressor")]
 
-    def resolve(self, min_numel: int | None = None, **knobs: Any) -> dict[str, Any]:
-        """The node as a plain dict for a run that sets nothing but ``comm.min_numel``, with ``knobs`` applied.
+    def resolve(self, **knobs: Any) -> dict[str, Any]:
+        """The node as a plain dict (run-dependent knobs at their fallback), with ``knobs`` applied.
 
         A knob's value replaces the yaml's; a dict knob (LGC's ``autoencoder``, ``loss_weights``)
         changes the keys it gives and keeps the rest.
         """
-        run = OmegaConf.create({"compressor": self.node, "comm": {"min_numel": min_numel}})
+        run = OmegaConf.create({"compressor": self.node})
         node: dict[str, Any] = OmegaConf.to_container(run, resolve=True)["compressor"]  # type: ignore[index]
         for key, value in knobs.items():
             default = node.get(key)
             node[key] = {**default, **value} if isinstance(default, dict) and isinstance(value, Mapping) else value
         return node
+
+
+def _init_parameters(cls: type) -> list[str]:
+    """The keyword arguments of ``cls(...)``, through ``**kwargs`` to its bases' ``__init__``."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[1:]
+        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(names))
 
 
 def _plain(node: Mapping[str, Any]) -> dict[str, Any]:
@@ -194,54 +200,6 @@ class _Registry(Mapping[str, Method]):
 
 #: Every method of ``lgc/conf/compressor/`` by the yaml's name (``lgc-train compressor=NAME``).
 METHODS: Mapping[str, Method] = _Registry()
-
-
-@dataclasses.dataclass(frozen=True)
-class Comm:
-    """How the DDP hook applies a compressor: ``cfg.comm`` of ``lgc-train``, keyword arguments of ``lgc.compress``.
-
-    Each value's meaning is documented at ``comm:`` in ``lgc/conf/train.yaml``; ``None`` for a
-    field that has a default means the default.
-    """
-
-    #: Parameters with fewer elements go dense; None: the method's own (``Compressor.default_min_numel``).
-    min_numel: int | None = None
-    #: Plain-allreduce iterations before compressing (DDP rebuilds its buckets after the first).
-    start_iter: int | None = 1
-    #: Local optimizer steps per exchange of weight updates (SBC's communication delay); None: every step.
-    delay: int | None = None
-    #: With ``delay``: ``average`` (SBC) or ``sgd`` (DiLoCo's outer Nesterov SGD).
-    outer: str | None = "average"
-    outer_lr: float | None = None
-    outer_momentum: float | None = None
-    #: With ``delay``: Streaming DiLoCo's fragments and how the parameters are dealt into them.
-    fragments: int | None = 1
-    fragment_split: str | None = FRAGMENT_SPLITS[0]
-    #: How messages name a field: ``comm.`` for a config node, empty for keyword arguments.
-    prefix: str = "comm."
-
-    @classmethod
-    def from_node(cls, node: Mapping[str, Any]) -> Comm:
-        """From ``cfg.comm`` (absent keys take their defaults)."""
-        names = [field.name for field in dataclasses.fields(cls) if field.name != "prefix"]
-        unknown = sorted(set(node) - set(names))
-        if unknown:
-            raise ValueError(f"comm.{unknown[0]} is not a communication setting; they are {', '.join(names)}")
-        return cls(**node)
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            if field.name != "prefix" and getattr(self, field.name) is None and field.default is not None:
-                object.__setattr__(self, field.name, field.default)
-
-    def changed(self, *names: str) -> dict[str, Any]:
-        """The fields among ``names`` that differ from their defaults."""
-        defaults = {field.name: field.default for field in dataclasses.fields(self)}
-        return {name: getattr(self, name) for name in names if getattr(self, name) != defaults[name]}
-
-    def field(self, name: str) -> str:
-        """``name=value`` as the caller spells it."""
-        return f"{self.prefix}{name}={getattr(self, name)!r}"
 
 
 _LOCAL_STEP_FIELDS = ("outer", "outer_lr", "outer_momentum", "fragments", "fragment_split")
@@ -354,9 +312,49 @@ def _refuse_error_feedback_around_dgc(compressor: Any) -> None:
         )
 
 
+def _field_names(cls: type) -> list[str]:
+    return [field.name for field in dataclasses.fields(cls)]
+
+
+def _comm(comm: Comm | Mapping[str, Any] | Any | None) -> Comm:
+    """``comm`` as a :class:`Comm`: from a ``comm`` option (:mod:`lgc.comm`, or its config node) or a plain mapping."""
+    if comm is None:
+        return Comm()
+    if isinstance(comm, DictConfig) and (option := OmegaConf.get_type(comm)) in COMM_OPTIONS.values():
+        name = next(name for name, cls in COMM_OPTIONS.items() if cls is option)
+        fields = _field_names(option)
+        extra = [key for key in comm if key not in fields]  # added with Hydra's `+`, past the schema
+        if extra:
+            takes = [other for other, cls in COMM_OPTIONS.items() if extra[0] in _field_names(cls)]
+            hint = f"; it is a setting of comm={'/'.join(takes)}" if takes else ""
+            raise ValueError(
+                f"comm.{extra[0]} is not a setting of comm={name} (its settings: {', '.join(fields)}){hint}"
+            )
+        missing = sorted(key.rpartition(".")[2] for key in OmegaConf.missing_keys(comm))
+        if missing:
+            raise ValueError(f"comm={name} needs comm.{missing[0]} (e.g. comm.{missing[0]}=4)")
+        comm = OmegaConf.to_object(comm)
+    if isinstance(comm, tuple(COMM_OPTIONS.values())):
+        return comm.to_comm()
+    return comm if isinstance(comm, Comm) else Comm.from_node(_plain(comm))
+
+
+def _with_min_numel(node: dict[str, Any], comm: Comm, prefix: str) -> dict[str, Any]:
+    """A hook state's node with ``comm.min_numel`` (the one place it is set), a compressor's node as it is."""
+    if "min_numel" in node:
+        raise ValueError(
+            f"{prefix}min_numel={node['min_numel']!r}: which parameters go dense is the hook's setting, "
+            f"{comm.prefix}min_numel"
+        )
+    target = _locate(node["_target_"]) if isinstance(node.get("_target_"), str) else None
+    if isinstance(target, type) and not issubclass(target, Compressor) and "min_numel" in _init_parameters(target):
+        return {**node, "min_numel": comm.min_numel}
+    return node
+
+
 def build_hook_state(
     method: Mapping[str, Any] | Compressor,
-    comm: Comm | Mapping[str, Any] | None = None,
+    comm: Comm | Mapping[str, Any] | EveryStep | LocalSGD | DiLoCo | None = None,
     *,
     error_feedback: bool | None = None,
     error_decay: float | None = None,
@@ -371,10 +369,12 @@ def build_hook_state(
     (:class:`~lgc.ddp.local_sgd.CommunicationDelayState`). A node whose ``_target_`` is a hook
     state (LGC, shared-index, PyTorch's hooks) is built as it is: it keeps its own residuals and
     dense warm-up, so error feedback, ``delay``, ``start_iter`` (and, for PyTorch's hooks, which
-    compress every parameter, ``min_numel``) are refused for it.
+    compress every parameter, ``min_numel``) are refused for it; one that takes ``min_numel`` gets
+    ``comm.min_numel``. ``comm``: a ``comm`` option (:mod:`lgc.comm`, or ``lgc-train``'s node of
+    one), a :class:`~lgc.comm.Comm`, or a plain mapping of its fields.
     """
-    comm = Comm.from_node(_plain(comm)) if isinstance(comm, Mapping) else comm or Comm()
-    method = _plain(method) if isinstance(method, Mapping) else method
+    comm = _comm(comm)
+    method = _with_min_numel(_plain(method), comm, prefix) if isinstance(method, Mapping) else method
     local = comm.changed(*_LOCAL_STEP_FIELDS)
     if comm.delay is None and local:
         fields = ", ".join(comm.field(name) for name in _LOCAL_STEP_FIELDS)

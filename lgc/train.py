@@ -29,7 +29,6 @@ from omegaconf import DictConfig, OmegaConf
 
 import lgc.conf  # noqa: F401  (registers the resolvers the configs use, e.g. the run folder's lgc_run_id)
 from lgc.config_types import check_node_types
-from lgc.ddp.fragments import FRAGMENT_SPLITS
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
 from lgc.lit.strategy import heartbeats, stalled_workers
 from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state
@@ -276,31 +275,16 @@ class _PreparedRun(NamedTuple):
 
 
 def _check_types(cfg: DictConfig) -> None:
-    """Every instantiated node's values against its ``_target_``'s annotations (errors name the field)."""
+    """Every instantiated node's values against its ``_target_``'s annotations (errors name the field).
+
+    ``comm`` is a structured config (:mod:`lgc.comm`): Hydra has checked its keys and types already.
+    """
     groups = {name: cfg.get(name) for name in ("compressor", "model", "data", "optimizer", "scheduler", "trainer")}
     groups |= {f"logger.{name}": node for name, node in (cfg.get("logger") or {}).items()}
     groups |= {f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()}
     for what, node in groups.items():
         if node:
             check_node_types(node, what, ignore=ERROR_FEEDBACK_KEYS if what == "compressor" else ())
-    for key, default in (("start_iter", None), ("fragments", 1)):
-        value = cfg.comm.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"comm.{key}={value!r} must be an int")
-    min_numel = cfg.comm.get("min_numel")
-    if min_numel is not None and (isinstance(min_numel, bool) or not isinstance(min_numel, int)):
-        raise TypeError(f"comm.min_numel={min_numel!r} must be an int or null (the method's own)")
-    delay = cfg.comm.get("delay")
-    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int)):
-        raise TypeError(f"comm.delay={delay!r} must be an int or null")
-    if not isinstance(cfg.comm.get("outer", "average"), str):
-        raise TypeError(f"comm.outer={cfg.comm.get('outer')!r} must be a string (average or sgd)")
-    if not isinstance(cfg.comm.get("fragment_split", FRAGMENT_SPLITS[0]), str):
-        raise TypeError(f"comm.fragment_split={cfg.comm.get('fragment_split')!r} must be a string {FRAGMENT_SPLITS}")
-    for key in ("outer_lr", "outer_momentum"):
-        value = cfg.comm.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise TypeError(f"comm.{key}={value!r} must be a float or null")
 
 
 def _check_timeout(value: Any) -> float:

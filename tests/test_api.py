@@ -74,7 +74,7 @@ def test_the_registry_reads_each_yaml_as_hydra_composes_it(name):
     with initialize_config_module("lgc.conf", version_base="1.3"):
         cfg = compose("train", overrides=[f"compressor={name}"])
     method = lgc.METHODS[name]
-    # Unresolved: the knobs that follow the run (${comm.min_numel}, dgc's world_size) are the same references.
+    # Unresolved: the knobs that follow the run (dgc's weight_decay) are the same references.
     assert OmegaConf.to_container(method.node) == OmegaConf.to_container(cfg.compressor, resolve=False)
     # A global package's settings of other groups (dgc, demo: the optimizer's momentum off) are Hydra's too.
     for group, settings in method.run_settings.items():
@@ -106,9 +106,7 @@ def test_by_name_builds_what_lgc_train_builds_from_the_yaml(name):
     with initialize_config_module("lgc.conf", version_base="1.3"):
         cfg = compose("train", overrides=[f"compressor={name}"])
     from_yaml = build_compressor(cfg.compressor)
-    # The number of workers, which a run's config states and the hook tells a plain script's DGC.
-    knobs = {"world_size": cfg.compressor.world_size} if name == "dgc" else {}
-    built = _build(name, knobs, Comm(prefix=""), error_feedback=None, error_decay=None, process_group=None)
+    built = _build(name, {}, Comm(prefix=""), error_feedback=None, error_decay=None, process_group=None)
     if isinstance(built, CompressionHookState) and not isinstance(built, LGCHookState):
         built = built.compressor
     assert _fingerprint(built) == _fingerprint(from_yaml)

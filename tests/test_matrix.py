@@ -137,11 +137,11 @@ METHODS = (
             "+compressor.sparsifier.density=0.05",
         ),
     ),
-    Method("delay_sparseloco", "sparseloco", (*_SPARSELOCO, "comm.delay=2"), inject_step=3, delay=2),
+    Method("delay_sparseloco", "sparseloco", (*_SPARSELOCO, "comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
     Method("demo", "demo", ("compressor.chunk=4", "compressor.k=2")),
-    Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm.delay=2"), inject_step=3, delay=2),
-    Method("delay_none", "none", ("comm.delay=2",), inject_step=2, delay=2),
-    Method("delay_fp4", "fp4", ("comm.delay=2",), inject_step=3, delay=2),
+    Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
+    Method("delay_none", "none", ("comm=local_sgd", "comm.delay=2"), inject_step=2, delay=2),
+    Method("delay_fp4", "fp4", ("comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
 )
 
 #: Methods without state between steps (no step guard: an inf/NaN passes through their sum).

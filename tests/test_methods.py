@@ -3,6 +3,7 @@
 import pytest
 
 from lgc import CommunicationDelayState, CompressionHookState, ErrorFeedback, HookState, TopKCompressor
+from lgc.comm import EveryStep
 from lgc.compressors import SBCCompressor
 from lgc.ddp.powersgd import PowerSGDHookState
 from lgc.learned.rar import LGCRingAllreduceState
@@ -17,10 +18,16 @@ def test_a_variant_is_its_base_yaml_with_its_own_changes():
 
 
 def test_knobs_that_follow_the_run_resolve_for_a_plain_script():
-    # DGC's decay follows the run's regularization.weight_decay, else the paper's 5e-4; LGC's min_numel is comm's.
+    # DGC's decay follows the run's regularization.weight_decay, else the paper's 5e-4.
     assert METHODS["dgc"].defaults["weight_decay"] == 5e-4
-    assert METHODS["lgc_rar"].resolve(min_numel=77)["min_numel"] == 77
-    assert "min_numel" not in METHODS["lgc_rar"].defaults
+    # No yaml reads another node: the hook's min_numel reaches a hook state from comm, through the builder.
+    for name in METHODS:
+        assert "min_numel" not in METHODS[name].defaults and "world_size" not in METHODS["dgc"].defaults
+        assert all("${comm." not in str(value) for value in METHODS[name].node.values()), name
+    assert build_hook_state(METHODS["lgc_rar"].resolve(), Comm(min_numel=77)).min_numel == 77
+    assert build_hook_state(METHODS["lgc_rar"].resolve(), EveryStep(min_numel=77)).min_numel == 77
+    with pytest.raises(ValueError, match=r"compressor.min_numel=77: .* the hook's setting, comm.min_numel"):
+        build_hook_state({**METHODS["lgc_rar"].resolve(), "min_numel": 77})
     # A global package's other settings stay apart from the compressor's knobs.
     assert METHODS["dgc"].run_settings["optimizer"]["momentum"] == 0.0
     assert "optimizer" not in METHODS["dgc"].defaults

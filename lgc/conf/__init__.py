@@ -1,6 +1,7 @@
 """Hydra configs shipped with the package (the repository root links to them as conf/).
 
-Importing this package (Hydra does, to read the configs) registers the resolvers they use.
+Importing this package (Hydra does, to read the configs) registers the resolvers they use and the
+``comm`` group's options, which are dataclasses (:mod:`lgc.comm`).
 """
 
 from __future__ import annotations
@@ -63,3 +64,16 @@ def sweep_run_name() -> str | None:
 OmegaConf.register_new_resolver("lgc_sweep_group", sweep_group, replace=True)
 OmegaConf.register_new_resolver("lgc_run_name", sweep_run_name, replace=True)
 OmegaConf.register_new_resolver("lgc_run_id", run_id, replace=True)
+
+
+def _register_comm_options() -> None:
+    """The ``comm`` group's options (:mod:`lgc.comm`'s dataclasses: their fields are the only keys, typed)."""
+    from hydra.core.config_store import ConfigStore
+
+    from lgc.comm import COMM_OPTIONS
+
+    for name, option in COMM_OPTIONS.items():
+        ConfigStore.instance().store(group="comm", name=name, node=option)
+
+
+_register_comm_options()

@@ -136,9 +136,9 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
 @pytest.mark.parametrize(
     "outer",
     [
-        [],
-        pytest.param(["comm.outer=sgd"], marks=pytest.mark.slow),
-        pytest.param(["comm.outer=sgd", "comm.fragments=2"], marks=pytest.mark.slow),
+        ["comm=local_sgd"],
+        pytest.param(["comm=diloco"], marks=pytest.mark.slow),
+        pytest.param(["comm=streaming_diloco", "comm.fragments=2"], marks=pytest.mark.slow),
     ],
     ids=["average", "diloco", "streaming"],
 )
@@ -502,7 +502,7 @@ def test_streaming_diloco_matches_a_transcription_of_torchfts_fragment_sync(spli
 def test_too_many_fragments_are_refused_before_workers_start(tmp_path):
     from lgc.train import train
 
-    cfg = compose_cfg(tmp_path, "comm.delay=100000", "comm.fragments=741")
+    cfg = compose_cfg(tmp_path, "comm=streaming_diloco", "comm.delay=100000", "comm.fragments=741")
     with pytest.raises(ValueError, match="fragments=741 is more than the model's 740 rows of trainable"):
         train(cfg)
     assert not (tmp_path / ".workers").exists()

@@ -37,7 +37,7 @@ LGC_STAGES = ("compressor.warmup_steps=2", "compressor.ae_steps=4", "compressor.
 METHODS: dict[str, tuple[str, ...]] = {
     "topk": ("compressor=topk", "compressor.density=0.05"),
     "dgc": ("compressor=dgc", "compressor.density=0.05"),
-    "sbc_delay": ("compressor=sbc", "compressor.density=0.05", "comm.delay=3"),
+    "sbc_delay": ("compressor=sbc", "compressor.density=0.05", "comm=local_sgd", "comm.delay=3"),
     "lgc_rar": ("compressor=lgc_rar", *LGC_STAGES),
     "lgc_ps": ("compressor=lgc_ps", *LGC_STAGES),
     "lgc_rar_linear": ("compressor=lgc_rar_linear", *LGC_STAGES),
@@ -45,7 +45,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     "shared_topk_int8": ("compressor=shared_topk", "compressor.values=int8", "compressor.warmup_steps=2"),
     # Decaying error feedback on the pseudo-gradient, DiLoCo's outer momentum, three
     # fragments exchanged on staggered steps (one per local step); and DeMo's momentum.
-    "sparseloco_streaming": ("compressor=sparseloco", "comm.delay=3", "comm.outer=sgd", "comm.fragments=3"),
+    "sparseloco_streaming": ("compressor=sparseloco", "comm=streaming_diloco", "comm.delay=3", "comm.fragments=3"),
     "demo": ("compressor=demo",),
 }
 #: Where each method is stopped: (how, step). "max_steps" stops a run there (mid-epoch),

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -12,7 +13,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from hydra import compose, initialize_config_module
-from hydra.errors import MissingConfigException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from lgc.compressors.topk import num_selected
 from lgc.ddp.hook import CompressionHookState
@@ -229,29 +230,26 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (["compressor.density=[0.1]"], TypeError, r"compressor.density=\[0.1\] must be a float"),
         (["trainer.max_steps=abc"], TypeError, "trainer.max_steps='abc' must be an int"),
         (["data.batch_size=abc"], TypeError, "data.batch_size='abc' must be an int"),
-        (["comm.min_numel=abc"], TypeError, "comm.min_numel='abc' must be an int"),
         (["optimizer.lr=-1"], ValueError, "optimizer/scheduler: Invalid learning rate: -1"),
         (["ddp.timeout=0"], ValueError, "ddp.timeout must be a positive number of seconds, got 0"),
         (["ddp.timeout=abc"], ValueError, "ddp.timeout must be a positive number of seconds, got 'abc'"),
         (["checkpoint.every_n_train_steps=0"], ValueError, "checkpoint.every_n_train_steps must be a positive"),
         (
-            ["comm.outer=sgd"],
-            ValueError,
-            "comm.outer='sgd', .* act on the exchanges of local steps: they need comm.delay",
-        ),
-        (
-            ["comm.delay=4", "comm.outer=sgd", "comm.outer_lr=0"],
+            ["comm=diloco", "comm.delay=4", "comm.outer_lr=0"],
             ValueError,
             "outer_lr must be a positive number, got 0",
         ),
-        (["comm.outer_momentum=abc"], TypeError, "comm.outer_momentum='abc' must be a float or null"),
-        (["comm.fragment_split=contiguous"], ValueError, "comm.fragment_split='contiguous' act on the exchanges"),
         (
-            ["comm.delay=4", "comm.fragments=2", "comm.fragment_split=layers"],
+            ["comm=streaming_diloco", "comm.delay=4", "comm.fragment_split=layers"],
             ValueError,
             "fragment_split must be one of \\('strided', 'contiguous'\\), got 'layers'",
         ),
-        (["comm.fragment_split=3"], TypeError, "comm.fragment_split=3 must be a string"),
+        (["comm=local_sgd"], ValueError, r"comm=local_sgd needs comm.delay \(e.g. comm.delay=4\)"),
+        (
+            ["+comm.delay=4"],
+            ValueError,
+            "comm.delay is not a setting of comm=every_step .*; it is a setting of comm=local_sgd/diloco/streaming_",
+        ),
         (
             ["compressor=lgc_rar", "compressor.autoencoder.init=/no/such/codec.pt"],
             FileNotFoundError,
@@ -263,6 +261,25 @@ def test_bad_input_is_reported_before_workers_start(tmp_path, no_workers, overri
     with pytest.raises(error, match=message):
         train(compose_cfg(tmp_path / "run", *overrides))
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["comm.delay=4"], r"Key 'delay' not in 'EveryStep'"),
+        (["comm.outer_lr=0.5"], r"Key 'outer_lr' not in 'EveryStep'"),
+        (["comm=local_sgd", "comm.outer_lr=0.5"], r"Key 'outer_lr' not in 'LocalSGD'"),
+        (["comm=diloco", "comm.fragments=2"], r"Key 'fragments' not in 'DiLoCo'"),
+        (["comm=diloco", "comm.delay=4", "comm.start_iter=2"], r"Key 'start_iter' not in 'DiLoCo'"),
+        (["comm.min_numel=abc"], r"'abc' of type 'str' could not be converted to Integer\s+full_key: comm.min_numel"),
+        (["comm=diloco", "comm.delay=true"], r"Value 'True' of type 'bool' could not be converted to Integer"),
+        (["comm=diloco", "comm.outer_momentum=abc"], r"'abc' .* converted to Float\s+full_key: comm.outer_momentum"),
+    ],
+)
+def test_a_comm_setting_that_does_not_apply_or_is_of_the_wrong_type_is_refused_by_hydra(tmp_path, overrides, message):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_cfg(tmp_path / "run", *overrides)
+    assert re.search(message, f"{info.value}\n{info.value.__cause__}"), f"{info.value}\n{info.value.__cause__}"
 
 
 def test_a_refused_run_leaves_no_folder_behind(tmp_path):

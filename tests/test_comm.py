@@ -1,0 +1,60 @@
+"""``lgc.comm``: the ``comm`` options, each with only its own settings, and what the builder makes of each."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from lgc import CommunicationDelayState, CompressionHookState
+from lgc.comm import COMM_OPTIONS, Comm, DiLoCo, EveryStep, LocalSGD, StreamingDiLoCo
+from lgc.methods import METHODS, build_hook_state
+
+
+def _compose(*overrides: str):
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        return compose("train", overrides=["compressor=sbc", "logger=none", *overrides])
+
+
+def test_the_default_option_is_every_step_with_the_general_records_defaults():
+    cfg = _compose()
+    assert set(cfg.comm) == {"min_numel", "start_iter"}
+    assert EveryStep().to_comm() == Comm()
+    state = build_hook_state(cfg.compressor, cfg.comm)
+    assert type(state) is CompressionHookState and state.start_iter == 1
+
+
+@pytest.mark.parametrize(
+    "option,overrides,expected",
+    [
+        ("local_sgd", ["comm.delay=3"], {"delay": 3, "outer": "average", "fragments": 1}),
+        ("diloco", ["comm.delay=5", "comm.outer_lr=0.5"], {"delay": 5, "outer": "sgd", "outer_lr": 0.5}),
+        ("streaming_diloco", ["comm.delay=6", "comm.fragments=3"], {"delay": 6, "outer": "sgd", "fragments": 3}),
+    ],
+)
+def test_each_local_step_option_builds_the_communication_delay_it_names(option, overrides, expected):
+    cfg = _compose(f"comm={option}", *overrides)
+    state = build_hook_state(cfg.compressor, cfg.comm)
+    assert isinstance(state, CommunicationDelayState)
+    assert {key: getattr(state, key) for key in expected} == expected
+
+
+def test_the_options_settings_are_the_general_records_fields():
+    general = {field.name for field in dataclasses.fields(Comm)} - {"prefix"}
+    for option in COMM_OPTIONS.values():
+        assert {field.name for field in dataclasses.fields(option)} <= general, option
+    # Each option's to_comm carries every setting it has (none dropped on the way to the builder).
+    for option, values in [
+        (LocalSGD(delay=2, min_numel=7), {"delay": 2, "min_numel": 7}),
+        (DiLoCo(delay=2, outer_lr=0.3, outer_momentum=0.5), {"outer_lr": 0.3, "outer_momentum": 0.5}),
+        (StreamingDiLoCo(delay=4, fragments=4, fragment_split="contiguous"), {"fragments": 4}),
+    ]:
+        comm = option.to_comm()
+        assert all(getattr(comm, key) == value for key, value in values.items())
+        assert all(getattr(comm, field.name) == getattr(option, field.name) for field in dataclasses.fields(option))
+
+
+def test_a_python_option_object_is_accepted_by_the_builder_as_its_config_node_is():
+    state = build_hook_state(METHODS["sbc"].resolve(), DiLoCo(delay=4))
+    assert isinstance(state, CommunicationDelayState) and (state.delay, state.outer) == (4, "sgd")
