@@ -92,7 +92,7 @@ METHODS = (
     Method("topk_exact", "topk", ("compressor.density=1.0",), exact=0.0),
     Method("topk_fp16_values", "topk", ("compressor.value_dtype=float16",)),
     # The matrix is a plain training loop (no set_epoch): DGC's warm-up follows its steps.
-    Method("dgc", "dgc", ("compressor.density=0.05", "compressor.world_size=2", "compressor.steps_per_epoch=2")),
+    Method("dgc", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2")),
     Method("sbc", "sbc", ("compressor.density=0.05",)),
     Method("redsync", "redsync", ("compressor.density=0.05",)),
     Method("redsync_search", "redsync", ("compressor.density=0.05", "compressor.method=threshold_binary_search")),

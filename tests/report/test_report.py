@@ -275,7 +275,7 @@ def test_labels_leave_out_values_that_configs_derive_from_others(tmp_path):
         ("b", ("compressor=none", "seed=1")),
         # scheduler.T_max follows trainer.max_epochs in train.yaml.
         ("c", ("compressor=none", "trainer.max_epochs=2")),
-        # DGC's compressor.world_size follows trainer.devices.
+        # Another number of workers (DGC's own world size is the hook's to set, not the config's).
         ("d", ("compressor=dgc",)),
         ("e", ("compressor=dgc", "trainer.devices=4", "ddp.oversubscribe=true")),
         # Written by a notebook: forked workers and a CSV log change nothing that is trained.
