@@ -51,21 +51,27 @@ Deviations from the paper, all at the edges:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.golomb import MAX_GOLOMB_PARAMETER, GolombCode, golomb_decode, golomb_encode
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.selection import extreme_sides
 from lgc.compressors.topk import SparsePayload, num_selected
+from lgc.validation import Density, check
 
-__all__ = ["MEAN_BYTES", "SBCCompressor", "SBCPayload", "SBCSelection", "sbc_select"]
+__all__ = ["MEAN_BYTES", "GolombParameter", "SBCCompressor", "SBCPayload", "SBCSelection", "sbc_select"]
 
 #: Bytes of the one value sent per tensor (fp32).
 MEAN_BYTES = 4
+#: A forced Rice parameter ``b`` of the position code.
+GolombParameter = Annotated[
+    int, Field(ge=0, le=MAX_GOLOMB_PARAMETER, description=f"an integer in [0, {MAX_GOLOMB_PARAMETER}]")
+]
 
 
 class SBCSelection(NamedTuple):
@@ -204,18 +210,9 @@ class SBCCompressor(Compressor):
     combine = CombineMode.GATHER
     variable_size = True
 
-    def __init__(self, density: float = 0.01, golomb_parameter: int | None = None) -> None:
-        if isinstance(density, bool) or not isinstance(density, int | float) or not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-        if golomb_parameter is not None and (
-            isinstance(golomb_parameter, bool)
-            or not isinstance(golomb_parameter, int)
-            or not 0 <= golomb_parameter <= MAX_GOLOMB_PARAMETER
-        ):
-            raise ValueError(
-                f"golomb_parameter must be None (SBC's optimum) or an int in [0, {MAX_GOLOMB_PARAMETER}], "
-                f"got {golomb_parameter!r}"
-            )
+    def __init__(self, density: Density = 0.01, golomb_parameter: GolombParameter | None = None) -> None:
+        check("density", density, Density)
+        check("golomb_parameter", golomb_parameter, GolombParameter | None)
         self.density = float(density)
         self.golomb_parameter = golomb_parameter
 

@@ -1,0 +1,134 @@
+"""Values checked against annotations by pydantic: the aliases the constructors annotate with, and one check.
+
+A knob's constraint is written once, as an ``Annotated`` alias in its constructor's signature
+(``density: Density``), and read by pydantic in two places: the constructor's own :func:`check`
+(``lgc.compress``, scripts) and ``lgc-train``'s check of the config before any worker starts
+(:mod:`lgc.config_types`), so both refuse the same values with the same words. Checks are
+strict: a bool is not a number, a number is not a string, a float is not an int (an int is a
+float).
+
+Messages name the value and what it must be: ``density must be a number in (0, 1], got 1.5``.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+__all__ = [
+    "Density",
+    "Fraction",
+    "Momentum",
+    "NonNegativeFloat",
+    "NonNegativeInt",
+    "OpenFraction",
+    "PositiveFloat",
+    "PositiveFraction",
+    "PositiveInt",
+    "Seed",
+    "check",
+    "fits_json",
+    "spell",
+]
+
+#: A fraction of a tensor's entries that is sent (top-k's, DGC's, SBC's ``density``).
+Density = Annotated[float, Field(gt=0, le=1, description="a number in (0, 1]")]
+#: A share or weight between 0 and 1 inclusive.
+Fraction = Annotated[float, Field(ge=0, le=1, description="a number in [0, 1]")]
+#: A share above 0 that may be the whole (a decay factor, a sampled share, a starting factor).
+PositiveFraction = Annotated[float, Field(gt=0, le=1, description="a number in (0, 1]")]
+#: A share strictly between 0 and 1 (a held-out share, a tolerance).
+OpenFraction = Annotated[float, Field(gt=0, lt=1, description="a number in (0, 1)")]
+#: A momentum or decay coefficient (below 1: it must forget).
+Momentum = Annotated[float, Field(ge=0, lt=1, description="a number in [0, 1)")]
+#: A count that must be at least one (levels, steps, workers, chunk sizes).
+PositiveInt = Annotated[int, Field(ge=1, description="a positive integer")]
+#: A count that may be zero.
+NonNegativeInt = Annotated[int, Field(ge=0, description="a non-negative integer")]
+#: A finite number above zero (a learning rate, a scale).
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False, description="a positive finite number")]
+#: A finite number that may be zero (a weight decay, a tolerance).
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False, description="a non-negative finite number")]
+#: A seed of a random generator (torch's generators take ``[0, 2**63)``).
+Seed = Annotated[int, Field(ge=0, lt=2**63, description="an integer in [0, 2**63)")]
+
+_T = TypeVar("_T")
+_CONFIG = ConfigDict(arbitrary_types_allowed=True)
+_ADAPTERS: dict[int, tuple[Any, TypeAdapter[Any]]] = {}
+
+
+def _adapter(annotation: Any) -> TypeAdapter[Any]:
+    """One pydantic adapter per annotation (kept with the annotation, so the id stays its own)."""
+    found = _ADAPTERS.get(id(annotation))
+    if found is None or found[0] is not annotation:
+        found = (annotation, TypeAdapter(annotation, config=_CONFIG))
+        _ADAPTERS[id(annotation)] = found
+    return found[1]
+
+
+def check(name: str, value: _T, annotation: Any) -> _T:
+    """``value`` unchanged if it fits ``annotation`` (strictly), else a ValueError naming ``name`` and ``value``.
+
+    >>> check("density", 0.01, Density)
+    0.01
+    >>> check("density", 1.5, Density)
+    Traceback (most recent call last):
+    ...
+    ValueError: density must be a number in (0, 1], got 1.5
+    """
+    try:
+        _adapter(annotation).validate_python(value, strict=True)
+    except ValidationError:
+        raise ValueError(f"{name} must be {spell(annotation)}, got {value!r}") from None
+    return value
+
+
+def fits_json(value: Any, annotation: Any) -> bool:
+    """Whether a config value (YAML's types: numbers, strings, bools, None, lists, mappings) fits ``annotation``.
+
+    Checked as pydantic checks JSON, strictly: a list is a tuple, a string a path, but a string is
+    not a number and a bool not an int. An annotation pydantic cannot build a check for (a
+    forward reference, an odd class) accepts anything: the constructor stays the authority.
+    """
+    try:
+        adapter = _adapter(annotation)
+    except Exception:
+        return True
+    try:
+        adapter.validate_json(json.dumps(value), strict=True)
+    except ValidationError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def _description(annotation: Any) -> str | None:
+    if typing.get_origin(annotation) is Annotated:
+        for meta in typing.get_args(annotation)[1:]:
+            if isinstance(meta, FieldInfo) and meta.description:
+                return meta.description
+    return None
+
+
+def spell(annotation: Any) -> str:
+    """What ``annotation`` asks for, in a few words: ``a number in (0, 1] or None``, ``int``, ``one of 'a', 'b'``."""
+    if (description := _description(annotation)) is not None:
+        return description
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is None or annotation is type(None):
+        return "None"
+    if origin is Annotated:
+        return spell(args[0])
+    if origin is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in args)
+    if origin is Union or origin is types.UnionType:
+        return " or ".join(dict.fromkeys(spell(member) for member in args))
+    if isinstance(annotation, type) and not args:
+        return annotation.__name__
+    return repr(annotation).replace("typing.", "").replace("collections.abc.", "")
