@@ -26,8 +26,11 @@ __all__ = [
     "Density",
     "Fraction",
     "Momentum",
+    "NonNegativeFloat",
     "NonNegativeInt",
+    "OpenFraction",
     "PositiveFloat",
+    "PositiveFraction",
     "PositiveInt",
     "Seed",
     "check",
@@ -39,6 +42,10 @@ __all__ = [
 Density = Annotated[float, Field(gt=0, le=1, description="a number in (0, 1]")]
 #: A share or weight between 0 and 1 inclusive.
 Fraction = Annotated[float, Field(ge=0, le=1, description="a number in [0, 1]")]
+#: A share above 0 that may be the whole (a decay factor, a sampled share, a starting factor).
+PositiveFraction = Annotated[float, Field(gt=0, le=1, description="a number in (0, 1]")]
+#: A share strictly between 0 and 1 (a held-out share, a tolerance).
+OpenFraction = Annotated[float, Field(gt=0, lt=1, description="a number in (0, 1)")]
 #: A momentum or decay coefficient (below 1: it must forget).
 Momentum = Annotated[float, Field(ge=0, lt=1, description="a number in [0, 1)")]
 #: A count that must be at least one (levels, steps, workers, chunk sizes).
@@ -47,6 +54,8 @@ PositiveInt = Annotated[int, Field(ge=1, description="a positive integer")]
 NonNegativeInt = Annotated[int, Field(ge=0, description="a non-negative integer")]
 #: A finite number above zero (a learning rate, a scale).
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False, description="a positive finite number")]
+#: A finite number that may be zero (a weight decay, a tolerance).
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False, description="a non-negative finite number")]
 #: A seed of a random generator (torch's generators take ``[0, 2**63)``).
 Seed = Annotated[int, Field(ge=0, lt=2**63, description="an integer in [0, 2**63)")]
 
@@ -150,6 +159,9 @@ def spell(annotation: Any) -> str:
 
 def _noun(annotation: Any) -> str:
     """``annotation`` as the element of a list: ``float``, ``(int or None)``."""
+    origin = typing.get_origin(annotation)
+    if (origin is Union or origin is types.UnionType) and _description(annotation) is None:
+        return f"({' or '.join(dict.fromkeys(_noun(member) for member in typing.get_args(annotation)))})"
     words = spell(annotation)
     if " or " in words or words.startswith("one of"):
         return f"({words})"

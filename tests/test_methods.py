@@ -95,5 +95,5 @@ def test_instantiate_builds_nested_targets_and_refuses_what_it_does_not_do():
         instantiate({"_target_": "lgc.compressors.TopKCompressor", "_partial_": True}, "compressor")
     with pytest.raises(ValueError, match=r"_target_='lgc.compressors.Nothing' names nothing importable"):
         instantiate({"_target_": "lgc.compressors.Nothing"})
-    with pytest.raises(ValueError, match=r"^compressor: density must be in \(0, 1\], got 2"):
+    with pytest.raises(ValueError, match=r"^compressor: density must be a number in \(0, 1\], got 2"):
         instantiate({"_target_": "lgc.compressors.TopKCompressor", "density": 2}, "compressor")

@@ -1,4 +1,4 @@
-"""The core install (``pip install lgc``) is torch, numpy and omegaconf; the rest is the ``train`` extra."""
+"""The core install (``pip install lgc``) is torch, numpy, omegaconf and pydantic; the rest is the ``train`` extra."""
 
 import subprocess
 import sys

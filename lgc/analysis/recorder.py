@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lgc.analysis.recording import RECORDING_FORMAT, rank_file
+from lgc.validation import PositiveInt, check
 
 __all__ = ["GradientRecorder", "select_parameters"]
 
@@ -90,12 +91,11 @@ class GradientRecorder(pl.Callback):
         self,
         output_dir: str,
         patterns: Sequence[str] | None = None,
-        every_n_steps: int = 1,
+        every_n_steps: PositiveInt = 1,
         dtype: str = "float32",
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
+        check("every_n_steps", every_n_steps, PositiveInt)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
         self.output_dir = str(output_dir)

@@ -66,8 +66,9 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload
-from lgc.compressors.tiles import TiledCompressorMixin, tile_layout
+from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, tile_layout
 from lgc.compressors.topk import SparseMeanAggregation, SparsePayload, check_aggregation, wire_float_dtype
+from lgc.validation import PositiveInt
 
 __all__ = ["ChunkedSparsePayload", "ChunkedTopKCompressor", "chunked_topk_count", "chunked_topk_nbytes"]
 
@@ -134,8 +135,8 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
 
     def __init__(
         self,
-        chunk: int = 64,
-        k: int = 64,
+        chunk: TileChunk = 64,
+        k: PositiveInt = 64,
         tiling: str = "shape",
         aggregate: str = "sender_mean",
         value_dtype: str | torch.dtype = "float32",

@@ -108,8 +108,9 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload, compressor_chain
-from lgc.compressors.tiles import TiledCompressorMixin, TileLayout
+from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, TileLayout
 from lgc.compressors.topk import SparseMeanAggregation, check_aggregation, wire_float_dtype
+from lgc.validation import PositiveInt
 
 __all__ = [
     "DCTPayload",
@@ -208,8 +209,8 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
 
     def __init__(
         self,
-        chunk: int = 64,
-        k: int = 32,
+        chunk: TileChunk = 64,
+        k: PositiveInt = 32,
         sign: bool = True,
         tiling: str = "shape",
         aggregate: str = "sender_mean",

@@ -57,9 +57,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload, compressor_chain
@@ -71,11 +72,25 @@ from lgc.compressors.topk import (
     index_dtype_for,
     num_selected,
 )
+from lgc.validation import (
+    Density,
+    Momentum,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveFraction,
+    PositiveInt,
+    check,
+)
 
-__all__ = ["PAPER_WARMUP_DENSITIES", "DGCCompressor", "check_optimizer_momentum"]
+__all__ = ["PAPER_WARMUP_DENSITIES", "DGCCompressor", "StepsPerEpoch", "check_optimizer_momentum"]
 
 #: The paper's warm-up densities, one per epoch (an exponential decay by 4x towards 0.1 %).
 PAPER_WARMUP_DENSITIES: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
+#: Optimizer steps per epoch, for a warm-up that follows the hook's step counter.
+StepsPerEpoch = Annotated[
+    int, Field(ge=1, description="a positive integer (optimizer steps per epoch, e.g. len(train_loader))")
+]
 
 
 class DGCCompressor(ScatterAddAggregation, Compressor):
@@ -189,29 +204,25 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
 
     def __init__(
         self,
-        density: float = 0.001,
-        momentum: float = 0.9,
+        density: Density = 0.001,
+        momentum: Momentum = 0.9,
         *,
         nesterov: bool = False,
         momentum_masking: bool = True,
-        clip_norm: float | None = None,
-        weight_decay: float = 0.0,
-        world_size: int = 1,
+        clip_norm: PositiveFloat | None = None,
+        weight_decay: NonNegativeFloat = 0.0,
+        world_size: PositiveInt = 1,
         warmup_densities: Sequence[float] | None = None,
-        steps_per_epoch: int | None = None,
-        sample_fraction: float = 0.01,
-        exact_below_numel: int = 1 << 17,
+        steps_per_epoch: StepsPerEpoch | None = None,
+        sample_fraction: PositiveFraction = 0.01,
+        exact_below_numel: NonNegativeInt = 1 << 17,
         seed: int = 0,
     ) -> None:
-        if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
-        if not 0.0 <= float(momentum) < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        if clip_norm is not None and not float(clip_norm) > 0.0:
-            raise ValueError(f"clip_norm must be positive or None, got {clip_norm!r}")
-        if not (0.0 <= float(weight_decay) < math.inf):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-        _check_world_size(world_size)
+        check("density", density, Density)
+        check("momentum", momentum, Momentum)
+        check("clip_norm", clip_norm, PositiveFloat | None)
+        check("weight_decay", weight_decay, NonNegativeFloat)
+        check("world_size", world_size, PositiveInt)
         if warmup_densities is None:
             warmup_densities = PAPER_WARMUP_DENSITIES
         if isinstance(warmup_densities, (str, bytes)) or not isinstance(warmup_densities, Sequence):
@@ -220,17 +231,9 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         for value in warmup_densities:
             if not 0.0 < float(value) <= 1.0:
                 raise ValueError(f"warmup_densities must lie in (0, 1], got {value!r} in {list(warmup_densities)!r}")
-        if not 0.0 < float(sample_fraction) <= 1.0:
-            raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction!r}")
-        if isinstance(exact_below_numel, bool) or int(exact_below_numel) != exact_below_numel or exact_below_numel < 0:
-            raise ValueError(f"exact_below_numel must be a non-negative integer, got {exact_below_numel!r}")
-        if steps_per_epoch is not None and (
-            isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
-        ):
-            raise ValueError(
-                f"steps_per_epoch must be a positive integer (optimizer steps per epoch, e.g. len(train_loader)) "
-                f"or None, got {steps_per_epoch!r}"
-            )
+        check("sample_fraction", sample_fraction, PositiveFraction)
+        check("exact_below_numel", exact_below_numel, NonNegativeInt)
+        check("steps_per_epoch", steps_per_epoch, StepsPerEpoch | None)
         self.density = float(density)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
@@ -279,9 +282,9 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         """Keep the model's parameters by name (the ``key`` of :meth:`compress`) for the weight decay."""
         self._parameters = parameters
 
-    def set_world_size(self, world_size: int) -> None:
+    def set_world_size(self, world_size: PositiveInt) -> None:
         """Number of workers the hook divides gradients by (scales ``clip_norm``)."""
-        _check_world_size(world_size)
+        check("world_size", world_size, PositiveInt)
         self.world_size = int(world_size)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -507,11 +510,6 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             f"warmup_densities={list(self.warmup_densities)}, steps_per_epoch={self.steps_per_epoch}, "
             f"sample_fraction={self.sample_fraction})"
         )
-
-
-def _check_world_size(world_size: Any) -> None:
-    if isinstance(world_size, bool) or int(world_size) != world_size or int(world_size) < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
 
 
 def check_optimizer_momentum(

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, Payload
 from lgc.compressors.topk import SparsePayload
+from lgc.validation import PositiveFraction, check
 
 __all__ = ["ErrorFeedback"]
 
@@ -47,11 +48,10 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         True
     """
 
-    def __init__(self, compressor: Compressor, decay: float = 1.0) -> None:
+    def __init__(self, compressor: Compressor, decay: PositiveFraction = 1.0) -> None:
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("error feedback is already applied; do not wrap ErrorFeedback twice")
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
-            raise ValueError(f"error feedback's decay must be in (0, 1], got {decay!r}")
+        check("decay", decay, PositiveFraction)
         self.compressor = compressor
         self.decay = float(decay)
         self.combine = compressor.combine

@@ -3,7 +3,7 @@
 Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed Free
 Lunch" (arXiv 2501.18512, 2025), Sec. 2.3: the workers exchange their outer gradients in 4-bit
 floating point, E3M0 (a sign bit, three exponent bits, no mantissa), and accumulate them in fp32;
-the paper measured no loss against exchanging them in fp32. With ``comm.delay`` the compressor
+the paper measured no loss against exchanging them in fp32. Under ``comm=streaming_diloco`` the compressor
 sees exactly those outer gradients (each worker's ``W_local - W_sync``, divided by the world size;
 ``experiment=streaming_diloco``).
 
@@ -49,6 +49,7 @@ from torch import Tensor
 from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.qsgd import Buckets
+from lgc.validation import PositiveInt, check
 
 __all__ = ["E3M0_EXPONENT_BIAS", "FP4Compressor", "FP4Payload", "e3m0_values"]
 
@@ -97,11 +98,8 @@ class FP4Compressor(Compressor):
     # Streaming DiLoCo quantizes every outer gradient, biases and norm layers included.
     default_min_numel = 1
 
-    def __init__(self, bucket_size: int | None = 256) -> None:
-        if bucket_size is not None and (
-            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
-        ):
-            raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
+    def __init__(self, bucket_size: PositiveInt | None = 256) -> None:
+        check("bucket_size", bucket_size, PositiveInt | None)
         self.bucket_size = bucket_size
         # Per device: the two values of every byte (two codes), for decoding a byte at a time.
         self._tables: dict[str, Tensor] = {}

@@ -54,18 +54,22 @@ import abc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.validation import PositiveInt, Seed, check
 
-__all__ = ["MAX_LEVELS", "Buckets", "QSGDCompressor", "QuantizedPayload", "StochasticQuantizer", "code_bits"]
+__all__ = ["MAX_LEVELS", "Buckets", "Levels", "QSGDCompressor", "QuantizedPayload", "StochasticQuantizer", "code_bits"]
 
 #: Largest number of levels ``s`` accepted: the codes ``[0, 2 s]`` then fit in 16 bits.
 MAX_LEVELS = 2**15 - 1
+#: A number of positive quantization levels ``s``.
+Levels = Annotated[int, Field(ge=1, le=MAX_LEVELS, description=f"an integer in [1, {MAX_LEVELS}]")]
 
 
 def code_bits(levels: int) -> int:
@@ -164,15 +168,10 @@ class StochasticQuantizer(Compressor):
     combine = CombineMode.GATHER
     variable_size = False
 
-    def __init__(self, levels: int, bucket_size: int | None, seed: int = 0) -> None:
-        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= MAX_LEVELS:
-            raise ValueError(f"levels must be an integer in [1, {MAX_LEVELS}], got {levels!r}")
-        if bucket_size is not None and (
-            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
-        ):
-            raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+    def __init__(self, levels: Levels, bucket_size: PositiveInt | None, seed: Seed = 0) -> None:
+        check("levels", levels, Levels)
+        check("bucket_size", bucket_size, PositiveInt | None)
+        check("seed", seed, Seed)
         self.levels = levels
         self.bucket_size = bucket_size
         self.seed = seed
@@ -352,7 +351,7 @@ class QSGDCompressor(StochasticQuantizer):
         508
     """
 
-    def __init__(self, levels: int = 4, bucket_size: int | None = 512, seed: int = 0) -> None:
+    def __init__(self, levels: Levels = 4, bucket_size: PositiveInt | None = 512, seed: Seed = 0) -> None:
         super().__init__(levels=levels, bucket_size=bucket_size, seed=seed)
 
     def bucket_scales(self, flat: Tensor, buckets: Buckets) -> Tensor:

@@ -35,20 +35,22 @@ import dataclasses
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import CombineMode, Compressor, ForwardsHookCalls, Payload, view_bytes_as
 from lgc.compressors.tiles import tile_layout
 from lgc.compressors.topk import SparsePayload
+from lgc.validation import PositiveFloat, check
 
 __all__ = ["QuantizedPayload", "QuantizedValues", "quantize_values", "quantized_values_nbytes"]
 
-#: Code widths :class:`QuantizedValues` accepts.
-_BITS = range(1, 9)
+#: A code width :class:`QuantizedValues` accepts.
+Bits = Annotated[int, Field(ge=1, le=8, description="an integer from 1 to 8")]
 
 
 def quantized_values_nbytes(
@@ -121,17 +123,17 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
 
     combine = CombineMode.GATHER
 
-    def __init__(self, sparsifier: Compressor | Mapping[str, Any], bits: int = 2, range_sigmas: float = 6.0) -> None:
+    def __init__(
+        self, sparsifier: Compressor | Mapping[str, Any], bits: Bits = 2, range_sigmas: PositiveFloat = 6.0
+    ) -> None:
         sparsifier = _build_sparsifier(sparsifier)
         if not callable(getattr(sparsifier, "selected_count", None)) or sparsifier.combine is not CombineMode.GATHER:
             raise ValueError(
                 f"QuantizedValues needs a sparsifier that sends a known number of (value, position) pairs, "
                 f"ChunkedTopKCompressor or TopKCompressor; got {sparsifier!r}"
             )
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in _BITS:
-            raise ValueError(f"bits must be an integer from 1 to 8, got {bits!r}")
-        if isinstance(range_sigmas, bool) or not isinstance(range_sigmas, (int, float)) or not range_sigmas > 0:
-            raise ValueError(f"range_sigmas must be a positive number, got {range_sigmas!r}")
+        check("bits", bits, Bits)
+        check("range_sigmas", range_sigmas, PositiveFloat)
         self.sparsifier = sparsifier
         self.bits = bits
         self.range_sigmas = float(range_sigmas)

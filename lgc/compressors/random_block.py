@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.topk import SparsePayload, num_selected, scatter_add_sparse_into
+from lgc.validation import Density, Seed, check
 
 __all__ = ["BlockPayload", "OffsetBlockPayload", "RandomBlockCompressor", "block_offset"]
 
@@ -168,11 +169,9 @@ class RandomBlockCompressor(Compressor):
 
     needs_error_feedback = True
 
-    def __init__(self, density: float = 0.01, shared: bool = True, seed: int | None = 0) -> None:
-        if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise ValueError(f"seed must be an int in [0, 2**63) or None, got {seed!r}")
+    def __init__(self, density: Density = 0.01, shared: bool = True, seed: Seed | None = 0) -> None:
+        check("density", density, Density)
+        check("seed", seed, Seed | None)
         self.density = float(density)
         self.shared = bool(shared)
         self.seed = seed

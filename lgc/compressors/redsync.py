@@ -65,6 +65,7 @@ from lgc.compressors.topk import (
     index_dtype_for,
     num_selected,
 )
+from lgc.validation import Density, OpenFraction, check
 
 __all__ = ["RedSyncCompressor", "SignMeanPayload"]
 
@@ -162,18 +163,16 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
 
     def __init__(
         self,
-        density: float = 0.001,
+        density: Density = 0.001,
         method: Literal["trimmed_topk", "threshold_binary_search"] = "trimmed_topk",
         reuse_threshold: bool = False,
-        epsilon: float = 1e-5,
+        epsilon: OpenFraction = 1e-5,
         quantize: bool = False,
     ) -> None:
-        if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        check("density", density, Density)
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-        if not 0.0 < float(epsilon) < 1.0:
-            raise ValueError(f"epsilon must be in (0, 1), got {epsilon!r}")
+        check("epsilon", epsilon, OpenFraction)
         self.density = float(density)
         self.method = method
         self.reuse_threshold = bool(reuse_threshold)

@@ -5,9 +5,9 @@ with minimal Communication" (IJCNN 2019, arXiv:1805.08768). SBC combines three i
 is the compressor in the middle, the other two live elsewhere in the package:
 
 * **Communication delay** (each worker runs ``n`` local SGD steps, then sends its weight update
-  ``dW``) is :mod:`lgc.ddp.local_sgd`, switched on by the hook config ``comm.delay`` (``null``:
-  compress the gradient every step). This compressor compresses whatever flat tensor it is
-  given: a gradient or, with delay, a weight update.
+  ``dW``) is :mod:`lgc.ddp.local_sgd`, switched on by ``comm=local_sgd comm.delay=n``
+  (``comm=every_step``, the default: compress the gradient every step). This compressor
+  compresses whatever flat tensor it is given: a gradient or, with delay, a weight update.
 * **Residual accumulation** ``A += dW; ...; A -= sent`` is exactly error feedback:
   :class:`lgc.compressors.ErrorFeedback`, the yaml's ``error_feedback: true``.
 * **Sparse binarization and Golomb coding**, per tensor ``v`` (here):
@@ -51,21 +51,27 @@ Deviations from the paper, all at the edges:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.golomb import MAX_GOLOMB_PARAMETER, GolombCode, golomb_decode, golomb_encode
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.selection import extreme_sides
 from lgc.compressors.topk import SparsePayload, num_selected
+from lgc.validation import Density, check
 
-__all__ = ["MEAN_BYTES", "SBCCompressor", "SBCPayload", "SBCSelection", "sbc_select"]
+__all__ = ["MEAN_BYTES", "GolombParameter", "SBCCompressor", "SBCPayload", "SBCSelection", "sbc_select"]
 
 #: Bytes of the one value sent per tensor (fp32).
 MEAN_BYTES = 4
+#: A forced Rice parameter ``b`` of the position code.
+GolombParameter = Annotated[
+    int, Field(ge=0, le=MAX_GOLOMB_PARAMETER, description=f"an integer in [0, {MAX_GOLOMB_PARAMETER}]")
+]
 
 
 class SBCSelection(NamedTuple):
@@ -176,8 +182,9 @@ class SBCCompressor(Compressor):
     i.e. a compression ratio of ~2800 at density 0.001 (11.5 bits per position) where top-k
     (64 bits per entry) reaches 500. Use it with error feedback (yaml ``error_feedback: true``):
     SBC's residual accumulation is exactly that, and without it the unsent side is lost. For SBC's
-    communication delay set ``comm.delay`` in the training config (:mod:`lgc.ddp.local_sgd`); the
-    compressor then sees weight updates instead of gradients and needs no change.
+    communication delay set ``comm=local_sgd comm.delay=n`` in the training config
+    (:mod:`lgc.ddp.local_sgd`); the compressor then sees weight updates instead of gradients and
+    needs no change.
 
     Args:
         density: fraction ``p`` of entries sent, in (0, 1]; ``k = ceil(p * n)`` positions per
@@ -204,18 +211,9 @@ class SBCCompressor(Compressor):
     combine = CombineMode.GATHER
     variable_size = True
 
-    def __init__(self, density: float = 0.01, golomb_parameter: int | None = None) -> None:
-        if isinstance(density, bool) or not isinstance(density, int | float) or not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-        if golomb_parameter is not None and (
-            isinstance(golomb_parameter, bool)
-            or not isinstance(golomb_parameter, int)
-            or not 0 <= golomb_parameter <= MAX_GOLOMB_PARAMETER
-        ):
-            raise ValueError(
-                f"golomb_parameter must be None (SBC's optimum) or an int in [0, {MAX_GOLOMB_PARAMETER}], "
-                f"got {golomb_parameter!r}"
-            )
+    def __init__(self, density: Density = 0.01, golomb_parameter: GolombParameter | None = None) -> None:
+        check("density", density, Density)
+        check("golomb_parameter", golomb_parameter, GolombParameter | None)
         self.density = float(density)
         self.golomb_parameter = golomb_parameter
 

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.qsgd import Buckets, StochasticQuantizer
+from lgc.validation import PositiveFloat, PositiveInt, Seed, check
 
 __all__ = ["TernGradCompressor"]
 
@@ -74,15 +75,12 @@ class TernGradCompressor(StochasticQuantizer):
         254
     """
 
-    def __init__(self, bucket_size: int | None = None, clip_sigma: float | None = 2.5, seed: int = 0) -> None:
+    def __init__(
+        self, bucket_size: PositiveInt | None = None, clip_sigma: PositiveFloat | None = 2.5, seed: Seed = 0
+    ) -> None:
         super().__init__(levels=1, bucket_size=bucket_size, seed=seed)
-        if clip_sigma is not None:
-            if isinstance(clip_sigma, bool) or not isinstance(clip_sigma, int | float):
-                raise ValueError(f"clip_sigma must be a positive number or None, got {clip_sigma!r}")
-            if not (math.isfinite(clip_sigma) and clip_sigma > 0):
-                raise ValueError(f"clip_sigma must be a positive number or None, got {clip_sigma!r}")
-            clip_sigma = float(clip_sigma)
-        self.clip_sigma = clip_sigma
+        check("clip_sigma", clip_sigma, PositiveFloat | None)
+        self.clip_sigma = None if clip_sigma is None else float(clip_sigma)
 
     @property
     def scale_covers_input(self) -> bool:

@@ -43,16 +43,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import view_bytes_as
+from lgc.validation import PositiveInt, check
 
 __all__ = [
     "TILINGS",
+    "TileChunk",
     "TileGroup",
     "TileLayout",
     "TiledCompressorMixin",
@@ -63,6 +66,8 @@ __all__ = [
 
 #: The values of the ``tiling`` knob.
 TILINGS = ("shape", "flat")
+#: The side of a square tile.
+TileChunk = Annotated[int, Field(ge=2, description="an integer >= 2")]
 
 
 def smaller_split(n: int, target: int) -> int:
@@ -237,9 +242,9 @@ class TiledCompressorMixin:
     k: int
     tiling: str
 
-    def _init_tiles(self, chunk: int, k: int, tiling: str) -> None:
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
-            raise ValueError(f"chunk must be an integer >= 2, got {chunk!r}")
+    def _init_tiles(self, chunk: TileChunk, k: PositiveInt, tiling: str) -> None:
+        check("chunk", chunk, TileChunk)
+        # Bounded by the tile's size, so spelled out here rather than in an alias.
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= chunk * chunk:
             raise ValueError(f"k must be an integer in [1, chunk**2={chunk * chunk}], got {k!r}")
         if tiling not in TILINGS:

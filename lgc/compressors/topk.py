@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.selection import topk_indices
+from lgc.validation import Density, check
 
 __all__ = [
     "AGGREGATIONS",
@@ -222,9 +223,8 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
     needs_error_feedback = True
     combine = CombineMode.GATHER
 
-    def __init__(self, density: float, value_dtype: str | torch.dtype = "float32") -> None:
-        if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
+    def __init__(self, density: Density, value_dtype: str | torch.dtype = "float32") -> None:
+        check("density", density, Density)
         self.density = float(density)
         self.value_dtype = wire_float_dtype(value_dtype, "value_dtype")
 

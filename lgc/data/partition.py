@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from lgc.validation import PositiveFloat, PositiveInt, check
+
 __all__ = [
     "PARTITIONS",
     "check_partition",
@@ -36,16 +38,14 @@ __all__ = [
 PARTITIONS = ("iid", "dirichlet")
 
 
-def check_partition(partition: str, alpha: float) -> None:
+def check_partition(partition: str, alpha: PositiveFloat) -> None:
     """Raise ``ValueError`` naming the value when ``partition`` or ``alpha`` is not usable."""
     if partition not in PARTITIONS:
         raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}; got {partition!r}")
-    # bool is an int: alpha=true would silently mean 1.
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0 or not np.isfinite(alpha):
-        raise ValueError(f"alpha (Dirichlet concentration) must be a finite number > 0, got {alpha!r}")
+    check("alpha", alpha, PositiveFloat)
 
 
-def iid_partition(num_samples: int, num_workers: int, seed: int) -> list[np.ndarray]:
+def iid_partition(num_samples: int, num_workers: PositiveInt, seed: int) -> list[np.ndarray]:
     """Disjoint random shards that together cover ``range(num_samples)``.
 
     Shard sizes differ by at most one. The assignment is ``DistributedSampler``'s with
@@ -59,15 +59,15 @@ def iid_partition(num_samples: int, num_workers: int, seed: int) -> list[np.ndar
     Returns:
         ``num_workers`` int64 index arrays, shard ``w`` for worker ``w``.
     """
-    _check_workers(num_workers)
+    check("num_workers", num_workers, PositiveInt)
     permutation = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).numpy()
     return [permutation[worker::num_workers] for worker in range(num_workers)]
 
 
 def dirichlet_partition(
     labels: Sequence[int] | np.ndarray | torch.Tensor,
-    num_workers: int,
-    alpha: float,
+    num_workers: PositiveInt,
+    alpha: PositiveFloat,
     seed: int,
     min_size: int = 1,
     max_draws: int = 1000,
@@ -101,7 +101,7 @@ def dirichlet_partition(
         ``num_workers`` sorted int64 index arrays, disjoint and covering every sample.
     """
     check_partition("dirichlet", alpha)
-    _check_workers(num_workers)
+    check("num_workers", num_workers, PositiveInt)
     labels = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
     if labels.ndim != 1:
         raise ValueError(f"labels must be one label per sample (1-D), got shape {labels.shape}")
@@ -165,8 +165,3 @@ def dataset_labels(dataset: Dataset[Any]) -> np.ndarray:
         f"cannot read the labels of a {type(dataset).__name__} without loading it; "
         "give it a .targets attribute or pass the labels explicitly"
     )
-
-
-def _check_workers(num_workers: int) -> None:
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive number of workers, got {num_workers!r}")

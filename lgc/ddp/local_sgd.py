@@ -99,6 +99,7 @@ from lgc.ddp.fragments import FRAGMENT_SPLITS, FragmentSlice, read_piece, split_
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.protocol import HookState
 from lgc.ddp.step_guard import PendingBucket
+from lgc.validation import Momentum, PositiveFloat, PositiveInt, check
 
 __all__ = ["OUTER_OPTIMIZERS", "CommunicationDelayState", "local_step_hook", "register_communication_delay"]
 
@@ -170,17 +171,16 @@ class CommunicationDelayState(HookState):
         self,
         compressor: Compressor,
         *,
-        delay: int,
+        delay: PositiveInt,
         min_numel: int | None = None,
         process_group: dist.ProcessGroup | None = None,
         outer: str = "average",
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        fragments: int = 1,
+        outer_lr: PositiveFloat | None = None,
+        outer_momentum: Momentum | None = None,
+        fragments: PositiveInt = 1,
         fragment_split: str = FRAGMENT_SPLITS[0],
     ) -> None:
-        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
-            raise ValueError(f"delay must be a positive number of local steps, got {delay!r}")
+        check("delay", delay, PositiveInt)
         if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= delay:
             raise ValueError(
                 f"fragments must be an integer from 1 to delay={delay} (each fragment is exchanged on a step of its "
@@ -195,12 +195,10 @@ class CommunicationDelayState(HookState):
                 f"outer_lr={outer_lr!r} and outer_momentum={outer_momentum!r} are the outer optimizer's knobs: "
                 "set outer='sgd' (DiLoCo), or leave them null for outer='average'"
             )
+        check("outer_lr", outer_lr, PositiveFloat | None)
+        check("outer_momentum", outer_momentum, Momentum | None)
         lr = DILOCO_OUTER_LR if outer_lr is None else outer_lr
         momentum = DILOCO_OUTER_MOMENTUM if outer_momentum is None else outer_momentum
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
-            raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         for inner in compressor_chain(compressor):
             if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
                 raise ValueError(

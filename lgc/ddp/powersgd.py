@@ -16,15 +16,14 @@ fixes above.
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
 import contextlib
 import copy
-import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -32,8 +31,14 @@ from torch.nn.parallel import DistributedDataParallel
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.torch_hooks import TorchHookState, book_all_reduce_of
+from lgc.validation import NonNegativeFloat, PositiveInt, check
 
 __all__ = ["PowerSGDHookState"]
+
+#: The first step PowerSGD compresses.
+StartIter = Annotated[int, Field(ge=2, description="an integer >= 2 (DDP rebuilds its buckets first)")]
+#: The seed of PowerSGD's numpy generator.
+RandomSeed = Annotated[int, Field(ge=0, lt=2**32, description="an integer in [0, 2**32) (numpy's RandomState)")]
 
 
 def _smallest_positive(dtype: torch.dtype) -> float:
@@ -114,22 +119,20 @@ class PowerSGDHookState(TorchHookState):
 
     def __init__(
         self,
-        matrix_approximation_rank: int = 1,
-        start_powerSGD_iter: int = 10,
-        min_compression_rate: float = 2,
+        matrix_approximation_rank: PositiveInt = 1,
+        start_powerSGD_iter: StartIter = 10,
+        min_compression_rate: NonNegativeFloat = 2,
         use_error_feedback: bool = True,
         warm_start: bool = True,
         batched: bool = False,
-        random_seed: int = 0,
-        orthogonalization_epsilon: float = 1e-8,
+        random_seed: RandomSeed = 0,
+        orthogonalization_epsilon: NonNegativeFloat = 1e-8,
     ) -> None:
-        _check_int("matrix_approximation_rank", matrix_approximation_rank, 1)
-        _check_int("start_powerSGD_iter", start_powerSGD_iter, 2, "(DDP rebuilds its buckets first)")
-        _check_int("random_seed", random_seed, 0)
-        if random_seed >= 2**32:
-            raise ValueError(f"random_seed must be < 2**32 (numpy's RandomState), got {random_seed!r}")
-        _check_real("min_compression_rate", min_compression_rate)
-        _check_real("orthogonalization_epsilon", orthogonalization_epsilon)
+        check("matrix_approximation_rank", matrix_approximation_rank, PositiveInt)
+        check("start_powerSGD_iter", start_powerSGD_iter, StartIter)
+        check("random_seed", random_seed, RandomSeed)
+        check("min_compression_rate", min_compression_rate, NonNegativeFloat)
+        check("orthogonalization_epsilon", orthogonalization_epsilon, NonNegativeFloat)
         flags = {"use_error_feedback": use_error_feedback, "warm_start": warm_start, "batched": batched}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -326,16 +329,6 @@ class PowerSGDHookState(TorchHookState):
 
 def _gradient_shapes(bucket: dist.GradBucket) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(gradient.shape) for gradient in bucket.gradients())
-
-
-def _check_int(name: str, value: Any, minimum: int, why: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}{' ' + why if why else ''}, got {value!r}")
-
-
-def _check_real(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def _rng_state_dict(rng: np.random.RandomState) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lgc.autoencoder import chunk_scales, from_chunks, to_chunks
 from lgc.coding import GolombCode, golomb_decode, golomb_encode, pack_uint, packed_nbytes, unpack_uint
+from lgc.validation import PositiveInt, check
 
 __all__ = ["INDEX_CODINGS", "VALUE_ORDERS", "LeaderIndexCodec", "order_bits"]
 
@@ -48,13 +49,12 @@ class LeaderIndexCodec:
         index_coding: ``"raw"`` (int32) or ``"golomb"``.
     """
 
-    def __init__(self, chunk: int, value_order: str = "value", index_coding: str = "raw") -> None:
+    def __init__(self, chunk: PositiveInt, value_order: str = "value", index_coding: str = "raw") -> None:
         if value_order not in VALUE_ORDERS:
             raise ValueError(f"value_order must be one of {VALUE_ORDERS}, got {value_order!r}")
         if index_coding not in INDEX_CODINGS:
             raise ValueError(f"index_coding must be one of {INDEX_CODINGS}, got {index_coding!r}")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        check("chunk", chunk, PositiveInt)
         self.chunk = chunk
         self.value_order = value_order
         self.index_coding = index_coding

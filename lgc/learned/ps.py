@@ -60,6 +60,7 @@ from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.state import LGCHookState
 from lgc.learned.step import Leaders, StepContext, latent_bytes, latent_wire_dtype, send_parameters
 from lgc.learned.training import CodecTraining
+from lgc.validation import NonNegativeInt
 
 __all__ = ["LGCParameterServerState", "ParameterServerStage"]
 
@@ -254,7 +255,7 @@ class LGCParameterServerState(LGCHookState):
         innovation_density: float = 0.0001,
         latent_dtype: str = "float32",
         autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
-        ae_updates_per_step: int = 1,
+        ae_updates_per_step: NonNegativeInt = 1,
         ae_optimizer: str = "adam",
         ae_lr: float = 1e-3,
         ae_batch_size: int = 64,

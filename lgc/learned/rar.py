@@ -48,6 +48,7 @@ from lgc.ddp.collectives import CommStats
 from lgc.learned.state import LGCHookState
 from lgc.learned.step import Leaders, StepContext, latent_wire_dtype, send_parameters
 from lgc.learned.training import CodecTraining
+from lgc.validation import NonNegativeInt
 
 __all__ = ["LGCRingAllreduceState", "RingAllreduceStage"]
 
@@ -176,7 +177,7 @@ class LGCRingAllreduceState(LGCHookState):
         codec: str = "autoencoder",
         linear_latent: int | None = None,
         autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
-        ae_updates_per_step: int = 1,
+        ae_updates_per_step: NonNegativeInt = 1,
         ae_optimizer: str = "adam",
         ae_lr: float = 1e-3,
         ae_batch_size: int = 64,

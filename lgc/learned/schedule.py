@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES
+from lgc.validation import NonNegativeInt, PositiveFloat, PositiveInt, check
 
 __all__ = ["WARMUPS", "LGCStage", "StageSchedule"]
 
@@ -64,30 +65,27 @@ class StageSchedule:
     def __init__(
         self,
         *,
-        warmup_steps: int,
-        ae_steps: int,
+        warmup_steps: PositiveInt,
+        ae_steps: NonNegativeInt,
         warmup: str = "dense",
         warmup_densities: Sequence[float] | None = None,
         density: float = 0.001,
-        refresh_threshold: float | None = None,
-        refresh_patience: int = 5,
-        refresh_steps: int | None = None,
+        refresh_threshold: PositiveFloat | None = None,
+        refresh_patience: PositiveInt = 5,
+        refresh_steps: PositiveInt | None = None,
         min_ae_steps: int = 1,
     ) -> None:
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 1)
+        self.warmup_steps = check("warmup_steps", warmup_steps, PositiveInt)
+        # The floor depends on the codec (min_ae_steps), so it is spelled out here.
         self.ae_steps = _check_int("ae_steps", ae_steps, min_ae_steps)
-        self.refresh_patience = _check_int("refresh_patience", refresh_patience, 1)
+        self.refresh_patience = check("refresh_patience", refresh_patience, PositiveInt)
         if warmup not in WARMUPS:
             raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         densities = tuple(float(d) for d in (PAPER_WARMUP_DENSITIES if warmup_densities is None else warmup_densities))
         if any(not 0.0 < d <= 1.0 for d in densities):
             raise ValueError(f"warmup_densities must lie in (0, 1], got {list(densities)}")
-        if refresh_threshold is not None and not float(refresh_threshold) > 0:
-            raise ValueError(f"refresh_threshold must be > 0 or None, got {refresh_threshold!r}")
-        if refresh_steps is not None and (
-            isinstance(refresh_steps, bool) or not isinstance(refresh_steps, int) or refresh_steps < 1
-        ):
-            raise ValueError(f"refresh_steps must be a positive integer or None, got {refresh_steps!r}")
+        check("refresh_threshold", refresh_threshold, PositiveFloat | None)
+        check("refresh_steps", refresh_steps, PositiveInt | None)
         if refresh_threshold is not None and ae_steps == 0:
             raise ValueError("refresh_threshold needs a codec that trains: this one has ae_steps=0")
         self.warmup = warmup

@@ -38,10 +38,11 @@ DGC-style), then the compressed stage. Nothing is learned, so these states hold 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import Tensor, nn
 
 from lgc.coding import pack_uint, unpack_uint
@@ -49,12 +50,15 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.state import LGCHookState
 from lgc.learned.step import Leaders, StepContext
+from lgc.validation import Density, NonNegativeInt, PositiveInt, check
 
-__all__ = ["VALUE_FORMATS", "SharedIndexStage", "SharedIndexState", "quantization_levels"]
+__all__ = ["VALUE_FORMATS", "ScaleChunk", "SharedIndexStage", "SharedIndexState", "quantization_levels"]
 
 #: Wire formats of the values: name -> (dtype on the wire, bits per value).
 VALUE_FORMATS = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4}
 _FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Values per chunk of the per-chunk scales.
+ScaleChunk = Annotated[int, Field(ge=2, multiple_of=2, description="an even integer >= 2")]
 
 
 def quantization_levels(bits: int, world_size: int) -> int:
@@ -202,22 +206,21 @@ class SharedIndexState(LGCHookState):
         values: str = "float32",
         leader_only: bool = False,
         seed: int = 0,
-        chunk: int = 64,
+        chunk: ScaleChunk = 64,
         value_order: str = "position",
         rotate_leader: bool = True,
-        density: float = 0.001,
-        warmup_steps: int = 100,
+        density: Density = 0.001,
+        warmup_steps: PositiveInt = 100,
         warmup: str = "dense",
         warmup_densities: list[float] | None = None,
-        leader_rank: int = 0,
+        leader_rank: NonNegativeInt = 0,
         index_coding: str = "raw",
         measure_error: bool = False,
         world_size: int | None = None,
         min_numel: int | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2 or chunk % 2:
-            raise ValueError(f"chunk must be an even integer >= 2, got {chunk!r}")
+        check("chunk", chunk, ScaleChunk)
         super().__init__(
             SharedIndexStage(values, leader_only, seed),
             None,

@@ -45,6 +45,7 @@ from lgc.learned.plan import plan_step
 from lgc.learned.schedule import LGCStage, StageSchedule
 from lgc.learned.step import CompressedStage, DeliveredError, Leaders, StepContext
 from lgc.learned.training import CodecTraining
+from lgc.validation import Density, NonNegativeInt, PositiveFloat, PositiveInt
 
 __all__ = ["LGCHookState", "LGCStage", "lgc_hook"]
 
@@ -108,15 +109,15 @@ class LGCHookState(CompressionHookState):
         chunk: int | None = None,
         /,
         *,
-        density: float = 0.001,
-        warmup_steps: int = 100,
+        density: Density = 0.001,
+        warmup_steps: PositiveInt = 100,
         warmup: str = "dense",
         warmup_densities: list[float] | None = None,
-        ae_steps: int = 300,
-        refresh_threshold: float | None = None,
-        refresh_patience: int = 5,
-        refresh_steps: int | None = None,
-        leader_rank: int = 0,
+        ae_steps: NonNegativeInt = 300,
+        refresh_threshold: PositiveFloat | None = None,
+        refresh_patience: PositiveInt = 5,
+        refresh_steps: PositiveInt | None = None,
+        leader_rank: NonNegativeInt = 0,
         rotate_leader: bool = False,
         index_coding: str = "raw",
         value_order: str = "value",

@@ -26,6 +26,7 @@ from lgc.ddp.collectives import CommStats
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.plan import StepPlan
 from lgc.learned.schedule import StageSchedule
+from lgc.validation import NonNegativeInt, check
 
 __all__ = [
     "LATENT_DTYPES",
@@ -46,12 +47,11 @@ LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 class Leaders:
     """Whose top-k positions everyone uses: ``rank`` always, or worker ``step % world_size`` (``rotate``)."""
 
-    rank: int = 0
+    rank: NonNegativeInt = 0
     rotate: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"leader_rank must be a rank (an integer >= 0), got {self.rank!r}")
+        check("leader_rank", self.rank, NonNegativeInt)
         if self.rotate and self.rank != 0:
             raise ValueError(
                 f"leader_rank={self.rank} fixes the leader, but rotate_leader=True lets worker "

@@ -33,6 +33,7 @@ from lgc.ddp.exchange import ExchangeHost, PayloadExchange
 from lgc.ddp.step_guard import PendingBucket
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.samples import Sample, gather_samples
+from lgc.validation import NonNegativeInt, check
 
 __all__ = ["CODECS", "ChunkCodec", "CodecTrainer", "CodecTraining"]
 
@@ -88,12 +89,6 @@ class CodecTrainer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return value
-
-
 class CodecTraining:
     """The codec of a learned LGC state: how it is built, what it learns from, and where it goes.
 
@@ -139,7 +134,7 @@ class CodecTraining:
         codec: str = "autoencoder",
         linear_latent: int | None = None,
         innovation_density: float | None = None,
-        ae_updates_per_step: int = 1,
+        ae_updates_per_step: NonNegativeInt = 1,
         ae_optimizer: str = "adam",
         ae_lr: float = 1e-3,
         ae_batch_size: int = 64,
@@ -157,7 +152,7 @@ class CodecTraining:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         if linear_latent is not None and codec != "linear":
             raise ValueError(f"linear_latent={linear_latent!r} is the linear codec's knob, but codec={codec!r}")
-        self.updates_per_step = _check_count("ae_updates_per_step", ae_updates_per_step)
+        self.updates_per_step = check("ae_updates_per_step", ae_updates_per_step, NonNegativeInt)
         if isinstance(autoencoder, AutoencoderConfig):
             self.config = autoencoder
         else:

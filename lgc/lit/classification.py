@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lgc.validation import NonNegativeInt, PositiveFraction, check
+
 __all__ = ["ImageClassifier", "LinearWarmup"]
 
 #: Schedulers whose step multiplies the current learning rate by a factor of their own, so that
@@ -70,16 +72,12 @@ class LinearWarmup:
 
     def __init__(
         self,
-        warmup_steps: int,
-        start_factor: float = 0.1,
+        warmup_steps: NonNegativeInt,
+        start_factor: PositiveFraction = 0.1,
         decay: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(
-                f"scheduler.warmup_steps must be a non-negative integer number of optimizer steps, got {warmup_steps!r}"
-            )
-        if isinstance(start_factor, bool) or not 0.0 < float(start_factor) <= 1.0:
-            raise ValueError(f"scheduler.start_factor must be in (0, 1], got {start_factor!r}")
+        check("scheduler.warmup_steps", warmup_steps, NonNegativeInt)
+        check("scheduler.start_factor", start_factor, PositiveFraction)
         if decay is not None and not callable(decay):
             raise ValueError(f"scheduler.decay must build a scheduler from an optimizer (a _partial_), got {decay!r}")
         # A Hydra _partial_ names its class: refuse a decay that cannot compose before any worker starts.

@@ -44,6 +44,7 @@ from lgc.data.imagenet import imagenet_classes, imagenet_eval_transform, imagene
 from lgc.data.partition import check_partition, dataset_labels
 from lgc.data.sampler import PartitionSampler
 from lgc.data.seeded import EpochSeededDataset
+from lgc.validation import NonNegativeInt, OpenFraction, PositiveFloat, PositiveInt, check
 
 __all__ = [
     "CIFAR10DataModule",
@@ -52,13 +53,6 @@ __all__ = [
     "ImageNetDataModule",
     "require_folder",
 ]
-
-
-def _check_loader_knobs(batch_size: int, num_workers: int) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers!r}")
 
 
 def _resumable_loader(
@@ -100,14 +94,15 @@ class _ClassificationDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        batch_size: int,
-        num_workers: int,
+        batch_size: PositiveInt,
+        num_workers: NonNegativeInt,
         partition: str = "iid",
-        alpha: float = 1.0,
+        alpha: PositiveFloat = 1.0,
         partition_seed: int = 0,
     ) -> None:
         super().__init__()
-        _check_loader_knobs(batch_size, num_workers)
+        check("batch_size", batch_size, PositiveInt)
+        check("num_workers", num_workers, NonNegativeInt)
         check_partition(partition, alpha)
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -175,17 +170,16 @@ class DigitsDataModule(_ClassificationDataModule):
 
     def __init__(
         self,
-        batch_size: int = 32,
-        val_fraction: float = 0.2,
+        batch_size: PositiveInt = 32,
+        val_fraction: OpenFraction = 0.2,
         split_seed: int = 0,
-        num_workers: int = 0,
+        num_workers: NonNegativeInt = 0,
         partition: str = "iid",
-        alpha: float = 1.0,
+        alpha: PositiveFloat = 1.0,
         partition_seed: int = 0,
     ) -> None:
         super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+        check("val_fraction", val_fraction, OpenFraction)
         self.val_fraction = val_fraction
         self.split_seed = split_seed
 
@@ -215,12 +209,12 @@ class CIFAR10DataModule(_ClassificationDataModule):
     def __init__(
         self,
         root: str,
-        batch_size: int = 128,
+        batch_size: PositiveInt = 128,
         download: bool = False,
         augment: bool = True,
-        num_workers: int = 2,
+        num_workers: NonNegativeInt = 2,
         partition: str = "iid",
-        alpha: float = 1.0,
+        alpha: PositiveFloat = 1.0,
         partition_seed: int = 0,
     ) -> None:
         super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
@@ -269,15 +263,15 @@ class ImageNetDataModule(_ClassificationDataModule):
     def __init__(
         self,
         root: str,
-        batch_size: int = 256,
+        batch_size: PositiveInt = 256,
         num_classes: int | None = None,
         train_crop_size: int = 224,
         val_resize_size: int = 256,
         val_crop_size: int = 224,
         augment: bool = True,
-        num_workers: int = 8,
+        num_workers: NonNegativeInt = 8,
         partition: str = "iid",
-        alpha: float = 1.0,
+        alpha: PositiveFloat = 1.0,
         partition_seed: int = 0,
     ) -> None:
         super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
@@ -329,19 +323,19 @@ class CamVidDataModule(pl.LightningDataModule):
     def __init__(
         self,
         root: str,
-        batch_size: int = 8,
+        batch_size: PositiveInt = 8,
         crop_size: Sequence[int] = (360, 480),
         scale_range: Sequence[float] = (0.5, 2.0),
-        base_size: int = 360,
+        base_size: PositiveInt = 360,
         augment: bool = True,
-        num_workers: int = 2,
+        num_workers: NonNegativeInt = 2,
     ) -> None:
         super().__init__()
-        _check_loader_knobs(batch_size, num_workers)
+        check("batch_size", batch_size, PositiveInt)
+        check("num_workers", num_workers, NonNegativeInt)
         if len(crop_size) != 2 or len(scale_range) != 2:
             raise ValueError(f"crop_size and scale_range take two values, got {crop_size!r} and {scale_range!r}")
-        if base_size < 1:
-            raise ValueError(f"base_size must be >= 1, got {base_size!r}")
+        check("base_size", base_size, PositiveInt)
         self.root = str(require_folder(root, "CamVid"))
         for split in ("train", "val", "test"):
             camvid_pairs(self.root, split)

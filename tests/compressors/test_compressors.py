@@ -138,7 +138,7 @@ def test_error_feedback_state_round_trip():
 
 @pytest.mark.parametrize("density", [0.0, -0.1, 1.5, float("nan")])
 def test_topk_rejects_density_outside_unit_interval(density):
-    with pytest.raises(ValueError, match=r"density must be in \(0, 1\], got"):
+    with pytest.raises(ValueError, match=rf"density must be a number in \(0, 1\], got {density!r}"):
         TopKCompressor(density)
 
 

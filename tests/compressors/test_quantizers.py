@@ -429,8 +429,11 @@ def test_yaml_defaults_build_the_documented_compressors(name, expected):
         (lambda: QSGDCompressor(bucket_size=0), "bucket_size must be a positive integer or None"),
         (lambda: QSGDCompressor(seed="x"), "seed must be an integer"),
         (lambda: TernGradCompressor(bucket_size=-1), "bucket_size must be a positive integer or None"),
-        (lambda: TernGradCompressor(clip_sigma=0), "clip_sigma must be a positive number or None"),
-        (lambda: TernGradCompressor(clip_sigma=float("nan")), "clip_sigma must be a positive number or None"),
+        (lambda: TernGradCompressor(clip_sigma=0), "clip_sigma must be a positive finite number or None, got 0"),
+        (
+            lambda: TernGradCompressor(clip_sigma=float("nan")),
+            "clip_sigma must be a positive finite number or None, got nan",
+        ),
     ],
 )
 def test_invalid_knobs_are_refused(make, message):

@@ -70,7 +70,7 @@ def test_workers_communicate_only_every_delay_steps_and_agree_after_each_exchang
 
 
 def test_delay_rejects_non_positive_steps():
-    with pytest.raises(ValueError, match="delay must be a positive number of local steps, got 0"):
+    with pytest.raises(ValueError, match="delay must be a positive integer, got 0"):
         CommunicationDelayState(NoneCompressor(), delay=0)
 
 
@@ -78,9 +78,9 @@ def test_delay_rejects_non_positive_steps():
     "outer,message",
     [
         ({"outer": "adam"}, "outer must be one of .*, got 'adam'"),
-        ({"outer": "sgd", "outer_lr": 0.0}, "outer_lr must be a positive number, got 0.0"),
-        ({"outer": "sgd", "outer_lr": -1}, "outer_lr must be a positive number, got -1"),
-        ({"outer": "sgd", "outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\), got 1.0"),
+        ({"outer": "sgd", "outer_lr": 0.0}, "outer_lr must be a positive finite number or None, got 0.0"),
+        ({"outer": "sgd", "outer_lr": -1}, "outer_lr must be a positive finite number or None, got -1"),
+        ({"outer": "sgd", "outer_momentum": 1.0}, r"outer_momentum must be a number in \[0, 1\) or None, got 1.0"),
         ({"outer_lr": 0.5}, "outer_lr=0.5 and outer_momentum=None are the outer optimizer's knobs: set outer='sgd'"),
     ],
 )

@@ -90,11 +90,14 @@ def test_the_dgc_warmup_spreads_its_densities_evenly_and_never_below_the_density
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(warmup_steps=0, ae_steps=1), "warmup_steps must be an integer >= 1, got 0"),
+        (dict(warmup_steps=0, ae_steps=1), "warmup_steps must be a positive integer, got 0"),
         (dict(warmup_steps=1, ae_steps=0), "ae_steps must be an integer >= 1, got 0"),
         (dict(warmup_steps=1, ae_steps=1, warmup="cosine"), "warmup must be one of"),
         (dict(warmup_steps=1, ae_steps=1, warmup_densities=[0.5, 0.0]), r"warmup_densities must lie in \(0, 1\]"),
-        (dict(warmup_steps=1, ae_steps=1, refresh_threshold=0.0), "refresh_threshold must be > 0"),
+        (
+            dict(warmup_steps=1, ae_steps=1, refresh_threshold=0.0),
+            "refresh_threshold must be a positive finite number or None, got 0.0",
+        ),
         (dict(warmup_steps=1, ae_steps=0, min_ae_steps=0, refresh_threshold=0.5), "needs a codec that trains"),
         (dict(warmup_steps=1, ae_steps=1, refresh_steps=0), "refresh_steps must be a positive integer"),
     ],
@@ -121,7 +124,7 @@ def test_a_rotating_leader_cycles_through_the_workers_and_a_fixed_one_stays():
         Leaders(rank=2, rotate=True)
     with pytest.raises(ValueError, match="leader_rank=3 is outside the world of 2 worker"):
         Leaders(rank=3).check_world(2)
-    with pytest.raises(ValueError, match="leader_rank must be a rank"):
+    with pytest.raises(ValueError, match="leader_rank must be a non-negative integer, got True"):
         Leaders(rank=True)
 
 
@@ -305,7 +308,7 @@ def test_codec_training_refuses_knobs_that_do_not_apply():
         CodecTraining(codec="pca")
     with pytest.raises(ValueError, match="linear_latent=8 is the linear codec's knob"):
         CodecTraining(linear_latent=8)
-    with pytest.raises(ValueError, match="ae_updates_per_step must be an integer >= 0"):
+    with pytest.raises(ValueError, match="ae_updates_per_step must be a non-negative integer, got -1"):
         CodecTraining(ae_updates_per_step=-1)
     with pytest.raises(FileNotFoundError):
         CodecTraining(autoencoder={**_SMALL, "init": "/no/such/codec.pt"})

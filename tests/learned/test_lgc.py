@@ -150,7 +150,7 @@ def test_trainer_resumes_exactly_and_pickles():
         (dict(leader_rank=1, rotate_leader=True), r"leader_rank=1 fixes the leader, but rotate_leader=True"),
         (dict(autoencoder=dict(chunk=16)), r"chunk=16 is shorter than the encoder's receptive field"),
         (dict(value_order="random"), "value_order must be one of"),
-        (dict(warmup_steps=0), "warmup_steps must be an integer >= 1, got 0"),
+        (dict(warmup_steps=0), "warmup_steps must be a positive integer, got 0"),
         (dict(latent_dtype="int8"), "latent_dtype must be one of"),
     ],
 )

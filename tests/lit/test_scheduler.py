@@ -82,12 +82,12 @@ def test_no_warmup_steps_leaves_the_decay_alone_and_no_decay_keeps_the_full_rate
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"warmup_steps": -1}, "warmup_steps must be a non-negative integer number of optimizer steps, got -1"),
-        ({"warmup_steps": 2.5}, "warmup_steps must be a non-negative integer number of optimizer steps, got 2.5"),
-        ({"warmup_steps": True}, "warmup_steps must be a non-negative integer number of optimizer steps, got True"),
-        ({"warmup_steps": "10"}, "warmup_steps must be a non-negative integer number of optimizer steps, got '10'"),
-        ({"warmup_steps": 10, "start_factor": 0.0}, r"start_factor must be in \(0, 1\], got 0.0"),
-        ({"warmup_steps": 10, "start_factor": 1.5}, r"start_factor must be in \(0, 1\], got 1.5"),
+        ({"warmup_steps": -1}, "scheduler.warmup_steps must be a non-negative integer, got -1"),
+        ({"warmup_steps": 2.5}, "scheduler.warmup_steps must be a non-negative integer, got 2.5"),
+        ({"warmup_steps": True}, "scheduler.warmup_steps must be a non-negative integer, got True"),
+        ({"warmup_steps": "10"}, "scheduler.warmup_steps must be a non-negative integer, got '10'"),
+        ({"warmup_steps": 10, "start_factor": 0.0}, r"scheduler.start_factor must be a number in \(0, 1\], got 0.0"),
+        ({"warmup_steps": 10, "start_factor": 1.5}, r"scheduler.start_factor must be a number in \(0, 1\], got 1.5"),
         ({"warmup_steps": 10, "decay": "MultiStepLR"}, "decay must build a scheduler from an optimizer"),
     ],
 )
