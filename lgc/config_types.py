@@ -3,11 +3,12 @@
 A wrong-type override (``compressor.density=abc``, ``trainer.max_steps=[1]``) otherwise fails deep
 inside a constructor with a message that names no field ("could not convert string to float").
 :func:`check_node_types` reads the ``_target_`` callable's signature and has pydantic check every
-value against its parameter's annotation (:func:`lgc.validation.fits_json`: strictly, as JSON,
+value against its parameter's annotation (:func:`lgc.validation.json_misfit`: strictly, as JSON,
 so a bool is not an int and a string not a number, a list is a tuple and a string a path); a
-value that does not fit is refused with a :class:`TypeError` that names the field. lgc's own knobs
-are annotated with constrained aliases (``density: Density``), so their ranges are refused here
-too, in the same words as the constructor's own check.
+value that does not fit is refused with an error that names the field: a :class:`TypeError`, or
+a :class:`ValueError` for a number outside its bounds. lgc's own knobs are annotated with
+constrained aliases (``density: Density``), so their ranges are refused here too, in the same
+words as the constructor's own check.
 
 An annotation pydantic cannot check (a forward reference that does not resolve) accepts anything;
 the constructor stays the authority on consistency between knobs.
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 import hydra.utils
 from omegaconf import DictConfig, OmegaConf
 
-from lgc.validation import fits_json, spell
+from lgc.validation import json_misfit, spell
 
 __all__ = ["check_node_types"]
 
@@ -42,9 +43,10 @@ class _Parameters(NamedTuple):
 
 
 def check_node_types(node: Mapping[str, Any], what: str, *, ignore: Collection[str] = ()) -> None:
-    """Raise TypeError naming `{what}.{key}={value!r}` and the expected type when a value in a Hydra
+    """Raise an error naming ``{what}.{key}={value!r}`` and what it must be when a value in a Hydra
     config node (a plain dict after OmegaConf.to_container(resolve=True), with `_target_`) does not
-    fit the annotation of the matching parameter of the `_target_` callable.
+    fit the annotation of the matching parameter of the `_target_` callable: a TypeError, or a
+    ValueError for a number of the right type outside its alias's bounds.
 
     Keys starting with ``_`` (``_target_``, ``_partial_``, ...) and those in ``ignore`` (lgc's own
     keys, popped before instantiation, e.g. ``compressor.error_feedback``) are not checked. A key
@@ -77,9 +79,10 @@ def check_node_types(node: Mapping[str, Any], what: str, *, ignore: Collection[s
             continue
         if key in parameters.annotations and not _is_node(value):
             annotation = parameters.annotations[key]
-            if not fits_json(value, annotation):
-                expected = f"{spell(annotation)} (a parameter of {_name_of(target)})"
-                raise TypeError(f"{what}.{key}={value!r} must be {expected}")
+            misfit = json_misfit(value, annotation)
+            if misfit is not None:
+                error = ValueError if misfit == "value" else TypeError
+                raise error(f"{what}.{key}={value!r} must be {spell(annotation)} (a parameter of {_name_of(target)})")
         if recursive:
             _check_nested(value, f"{what}.{key}")
 
@@ -158,7 +161,11 @@ def _hints(function: Any, signature: inspect.Signature, module: str | None = Non
     every annotation is tried alone, so one that does not resolve leaves only its parameter unchecked.
     """
     try:
-        hints = {name: hint for name, hint in typing.get_type_hints(function).items() if name != "return"}
+        hints = {
+            name: hint
+            for name, hint in typing.get_type_hints(function, include_extras=True).items()
+            if name != "return"
+        }
     except Exception:
         hints = {}
     unwrapped = inspect.unwrap(function) if callable(function) else function
@@ -171,7 +178,7 @@ def _hints(function: Any, signature: inspect.Signature, module: str | None = Non
             continue
         try:
             holder = types.SimpleNamespace(__annotations__={name: parameter.annotation})
-            hints[name] = typing.get_type_hints(holder, globalns=globalns)[name]
+            hints[name] = typing.get_type_hints(holder, globalns=globalns, include_extras=True)[name]
         except Exception:
             continue
     return hints

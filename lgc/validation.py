@@ -35,6 +35,7 @@ __all__ = [
     "Seed",
     "check",
     "fits_json",
+    "json_misfit",
     "spell",
 ]
 
@@ -97,17 +98,30 @@ def fits_json(value: Any, annotation: Any) -> bool:
     not a number and a bool not an int. An annotation pydantic cannot build a check for (a
     forward reference, an odd class) accepts anything: the constructor stays the authority.
     """
+    return json_misfit(value, annotation) is None
+
+
+#: pydantic's errors for a value of the right type outside its alias's bounds.
+_BOUND_ERRORS = frozenset(
+    {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of", "finite_number"}
+)
+
+
+def json_misfit(value: Any, annotation: Any) -> Literal["type", "value"] | None:
+    """How a config value misses ``annotation`` (as :func:`fits_json` checks): ``"value"`` when it has
+    the right type but lies outside the alias's bounds (``density=1.5``), ``"type"`` otherwise, None
+    when it fits."""
     try:
         adapter = _adapter(annotation)
     except Exception:
-        return True
+        return None
     try:
         adapter.validate_json(json.dumps(value), strict=True)
-    except ValidationError:
-        return False
+    except ValidationError as err:
+        return "value" if any(error["type"] in _BOUND_ERRORS for error in err.errors()) else "type"
     except Exception:
-        return True
-    return True
+        return None
+    return None
 
 
 def _description(annotation: Any) -> str | None:

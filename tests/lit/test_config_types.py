@@ -66,15 +66,15 @@ def _refused(overrides: Sequence[str], group: str) -> str:
 def test_a_density_that_is_not_a_number_is_refused_by_name(value):
     message = _refused(["compressor=topk", f"compressor.density={value}"], "compressor")
     assert message.startswith("compressor.density=")
-    assert "must be a float" in message and "TopKCompressor" in message
+    assert "must be a number in (0, 1]" in message and "TopKCompressor" in message
 
 
 def test_the_message_shows_the_value_as_given():
     assert _refused(["compressor=topk", "compressor.density=abc"], "compressor").startswith(
-        "compressor.density='abc' must be a float"
+        "compressor.density='abc' must be a number in (0, 1]"
     )
     assert _refused(["compressor=topk", "compressor.density=[0.1]"], "compressor").startswith(
-        "compressor.density=[0.1] must be a float"
+        "compressor.density=[0.1] must be a number in (0, 1]"
     )
 
 
@@ -92,7 +92,9 @@ def test_optional_ints_name_none_as_an_alternative():
 
 
 def test_data_fields_are_checked_against_the_data_module():
-    assert _refused(["data=digits", "data.batch_size=abc"], "data").startswith("data.batch_size='abc' must be an int")
+    assert _refused(["data=digits", "data.batch_size=abc"], "data").startswith(
+        "data.batch_size='abc' must be a positive integer"
+    )
     message = _refused(["data=digits", "data.partition=7"], "data")
     assert message.startswith("data.partition=7 must be a str") and "DigitsDataModule" in message
     assert _refused(["data=digits", "data.val_fraction=abc"], "data").startswith("data.val_fraction='abc'")
@@ -136,9 +138,11 @@ def test_a_nested_target_is_checked_under_its_own_name():
 def test_keyword_arguments_forwarded_to_a_base_class_are_checked_against_its_annotations():
     # LGCRingAllreduceState(*, residual, **kwargs) hands kwargs to LGCHookState.__init__.
     message = _refused(["compressor=lgc_rar", "compressor.density=abc"], "compressor")
-    assert message.startswith("compressor.density='abc' must be a float") and "LGCRingAllreduceState" in message
+    assert (
+        message.startswith("compressor.density='abc' must be a number in (0, 1]") and "LGCRingAllreduceState" in message
+    )
     assert _refused(["compressor=lgc_ps", "compressor.ae_steps=abc"], "compressor").startswith(
-        "compressor.ae_steps='abc' must be an int"
+        "compressor.ae_steps='abc' must be a non-negative integer"
     )
     assert _refused(["compressor=lgc_ps", "compressor.innovation_density=abc"], "compressor").startswith(
         "compressor.innovation_density='abc' must be a float"
@@ -167,11 +171,29 @@ def test_an_int_is_a_float():
     _check(_compose("optimizer.lr=1", "optimizer.momentum=0"), "optimizer")
 
 
+def test_a_number_outside_its_knobs_bounds_is_a_value_error_in_the_constructors_words():
+    """The constructors' aliases (``levels: Levels``) bound the config's values too, before anything is built."""
+    cfg = _compose("compressor=qsgd", "compressor.levels=0")
+    with pytest.raises(ValueError, match=r"^compressor.levels=0 must be an integer in \[1, 32767\] \(a parameter of"):
+        _check(cfg, "compressor")
+    with pytest.raises(ValueError, match=r"^compressor.density=1.5 must be a number in \(0, 1\]"):
+        _check(_compose("compressor=lgc_rar", "compressor.density=1.5"), "compressor")
+    with pytest.raises(ValueError, match=r"^data.batch_size=0 must be a positive integer"):
+        _check(_compose("data=digits", "data.batch_size=0"), "data")
+    # The same alias, the same words, from the constructor itself.
+    from lgc.compressors import QSGDCompressor
+
+    with pytest.raises(ValueError, match=r"^levels must be an integer in \[1, 32767\], got 0$"):
+        QSGDCompressor(levels=0)
+
+
 def test_null_is_accepted_where_none_is():
     _check(_compose("compressor=qsgd", "compressor.bucket_size=null"), "compressor")
     _check(_compose("compressor=dgc", "compressor.clip_norm=null", "compressor.warmup_densities=null"), "compressor")
     _check(_compose("trainer.max_epochs=null", "trainer.limit_train_batches=null"), "trainer")
-    assert _refused(["data=digits", "data.batch_size=null"], "data").startswith("data.batch_size=None must be an int")
+    assert _refused(["data=digits", "data.batch_size=null"], "data").startswith(
+        "data.batch_size=None must be a positive integer"
+    )
 
 
 def test_unions_take_any_of_their_members():
@@ -313,6 +335,6 @@ def test_a_target_without_parameters_takes_no_key():
 
 def test_a_dict_config_is_converted_first():
     cfg = _compose("compressor=topk", "compressor.density=[0.1]")
-    with pytest.raises(TypeError, match=r"^compressor.density=\[0.1\] must be a float"):
+    with pytest.raises(TypeError, match=r"^compressor.density=\[0.1\] must be a number in \(0, 1\]"):
         check_node_types(cfg.compressor, "compressor", ignore=ERROR_FEEDBACK_KEYS)
     check_node_types(_compose("compressor=dgc").compressor, "compressor", ignore=ERROR_FEEDBACK_KEYS)

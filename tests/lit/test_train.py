@@ -216,8 +216,8 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
 @pytest.mark.parametrize(
     "overrides,error,message",
     [
-        (["compressor.density=1.5"], ValueError, r"density must be in \(0, 1\], got 1.5"),
-        (["compressor.density=0"], ValueError, r"density must be in \(0, 1\], got 0"),
+        (["compressor.density=1.5"], ValueError, r"compressor.density=1.5 must be a number in \(0, 1\] \(a param"),
+        (["compressor.density=0"], ValueError, r"compressor.density=0 must be a number in \(0, 1\]"),
         (["comm.min_numel=-1"], ValueError, "min_numel must be >= 0, got -1"),
         (["trainer.devices=4096"], ValueError, "trainer.devices=4096"),
         (["trainer.accelerator=gpu", "trainer.devices=64"], ValueError, "trainer.devices=64 but this machine has"),
@@ -226,10 +226,11 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (["compressor=dgc", "optimizer.momentum=0.9"], ValueError, r"applies momentum too \(optimizer.momentum=0.9\)"),
         (["compressor=dgc", "compressor.error_feedback=true"], ValueError, "DGC keeps its own error feedback"),
         # Wrong types name the field.
-        (["compressor.density=abc"], TypeError, "compressor.density='abc' must be a float"),
-        (["compressor.density=[0.1]"], TypeError, r"compressor.density=\[0.1\] must be a float"),
+        (["compressor.density=abc"], TypeError, r"compressor.density='abc' must be a number in \(0, 1\]"),
+        (["compressor.density=[0.1]"], TypeError, r"compressor.density=\[0.1\] must be a number in \(0, 1\]"),
         (["trainer.max_steps=abc"], TypeError, "trainer.max_steps='abc' must be an int"),
-        (["data.batch_size=abc"], TypeError, "data.batch_size='abc' must be an int"),
+        (["data.batch_size=abc"], TypeError, "data.batch_size='abc' must be a positive integer"),
+        (["data.batch_size=0"], ValueError, "data.batch_size=0 must be a positive integer"),
         (["optimizer.lr=-1"], ValueError, "optimizer/scheduler: Invalid learning rate: -1"),
         (["ddp.timeout=0"], ValueError, "ddp.timeout must be a positive number of seconds, got 0"),
         (["ddp.timeout=abc"], ValueError, "ddp.timeout must be a positive number of seconds, got 'abc'"),
@@ -237,7 +238,7 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (
             ["comm=diloco", "comm.delay=4", "comm.outer_lr=0"],
             ValueError,
-            "outer_lr must be a positive number, got 0",
+            r"outer_lr must be a positive finite number or None, got 0.0",
         ),
         (
             ["comm=streaming_diloco", "comm.delay=4", "comm.fragment_split=layers"],
