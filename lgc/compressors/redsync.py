@@ -48,6 +48,9 @@ What our references do not pin down is marked [?] in ``algorithms.md``; the choi
   sum is preserved (up to rounding); the per-entry error goes to the error-feedback residual.
   SBC itself sends only the side with the larger mean; our reference says "one float per sign
   side", so both sides are sent here, which keeps every selected position.
+
+About 400 lines: the two selection methods and the two value codings above, each with its
+reference's rule, share one payload and one module.
 """
 
 from __future__ import annotations
