@@ -1015,7 +1015,8 @@ def test_yaml_holds_the_paper_defaults_without_error_feedback():
         None,
     )
     assert dgc.warmup_densities == PAPER_WARMUP_DENSITIES and dgc.sample_fraction == 0.01
-    assert dgc.world_size == cfg.trainer.devices
+    # The number of workers is the hook's to tell (set_world_size at registration), not the yaml's.
+    assert "world_size" not in cfg.compressor and dgc.world_size == 1
     # The weight decay moves from the optimizer (train.yaml's 5e-4) into the compressor.
     assert dgc.weight_decay == 5e-4 and cfg.optimizer.weight_decay == 0.0
     check_optimizer_momentum(state, cfg.optimizer.momentum, weight_decay=cfg.optimizer.weight_decay)

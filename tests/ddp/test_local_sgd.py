@@ -168,7 +168,7 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
             assert a[key].keys() == b[key].keys()
             for name, tensor in a[key].items():
                 assert torch.equal(tensor, b[key][name]), (key, name)
-        if outer:
+        if outer != ["comm=local_sgd"]:  # DiLoCo: the outer momentum is checkpointed too
             buffers = [[s["momentum_buffer"] for s in r["outer_optimizer"]["state"].values()] for r in (a, b)]
             assert len(buffers[0]) == len(a["synced"]) and all(map(torch.equal, *buffers))
         else:

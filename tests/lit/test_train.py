@@ -294,7 +294,7 @@ def test_a_refused_run_leaves_no_folder_behind(tmp_path):
         text=True,
         timeout=300,
     )
-    assert result.returncode != 0 and "density must be in (0, 1], got -1" in result.stderr
+    assert result.returncode != 0 and "compressor.density=-1 must be a number in (0, 1]" in result.stderr
     # Hydra's outputs/DATE/TIME/ of the refused run is gone, an earlier run's folder is not.
     assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == [
         "outputs",
