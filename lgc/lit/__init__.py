@@ -3,7 +3,13 @@
 from lgc.lit.callbacks import CompressionCallback, RunSummary
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint
 from lgc.lit.classification import ImageClassifier
-from lgc.lit.data import CamVidDataModule, CIFAR10DataModule, DigitsDataModule, ImageNetDataModule
+from lgc.lit.data import (
+    CamVidDataModule,
+    CIFAR10DataModule,
+    DigitsDataModule,
+    FashionMNISTDataModule,
+    ImageNetDataModule,
+)
 from lgc.lit.segmentation import SemanticSegmenter
 from lgc.lit.strategy import CompressedDDPStrategy
 
@@ -14,6 +20,7 @@ __all__ = [
     "CompressedDDPStrategy",
     "CompressionCallback",
     "DigitsDataModule",
+    "FashionMNISTDataModule",
     "ImageNetDataModule",
     "ImageClassifier",
     "ResumableCheckpoint",

@@ -39,6 +39,7 @@ from lgc.data.camvid import (
 )
 from lgc.data.cifar10 import check_cifar10_folder, cifar10_transform
 from lgc.data.digits import load_digits_split
+from lgc.data.fashion_mnist import fashion_mnist_cache, fashion_mnist_transform, prepare_fashion_mnist
 from lgc.data.folders import require_folder
 from lgc.data.imagenet import imagenet_classes, imagenet_eval_transform, imagenet_train_transform
 from lgc.data.partition import check_partition, dataset_labels
@@ -50,6 +51,7 @@ __all__ = [
     "CIFAR10DataModule",
     "CamVidDataModule",
     "DigitsDataModule",
+    "FashionMNISTDataModule",
     "ImageNetDataModule",
     "require_folder",
 ]
@@ -236,6 +238,67 @@ class CIFAR10DataModule(_ClassificationDataModule):
         if self.train_set is None:
             self.train_set = CIFAR10(self.root, train=True, transform=cifar10_transform(self.augment))
             self.val_set = CIFAR10(self.root, train=False, transform=cifar10_transform(augment=False))
+
+
+class FashionMNISTDataModule(_ClassificationDataModule):
+    """Fashion-MNIST (28x28 grey, 10 classes) through torchvision's own ``FashionMNIST``.
+
+    60,000 training images (partitioned among the workers) and the 10,000 test images for
+    validation. The files are found and checked at construction, in the launching process
+    (:func:`lgc.data.fashion_mnist.prepare_fashion_mnist`: ``root``, else Debian's
+    ``dataset-fashion-mnist`` package), and decompressed into a cache where torchvision needs them so.
+
+    Args:
+        root: a folder holding the four IDX files (gzipped or not, or torchvision's
+            ``FashionMNIST/raw`` layout); None: the Debian package's folder.
+        batch_size: per-worker batch size.
+        download: let torchvision download the files (needs internet) into ``root``, or into the
+            cache when ``root`` is None.
+        augment: random crop of the 2-pixel padded image and horizontal flips.
+        cache: where files are decompressed (None: ``$XDG_CACHE_HOME/lgc/fashion_mnist``).
+        num_workers: DataLoader worker processes per rank.
+        partition: ``"iid"`` or ``"dirichlet"`` split of the training set among workers.
+        alpha: Dirichlet concentration (> 0), for ``partition="dirichlet"``.
+        partition_seed: seed of the Dirichlet partition.
+    """
+
+    num_classes = 10
+    in_channels = 1
+
+    def __init__(
+        self,
+        root: str | None = None,
+        batch_size: PositiveInt = 64,
+        download: bool = False,
+        augment: bool = False,
+        cache: str | None = None,
+        num_workers: NonNegativeInt = 0,
+        partition: str = "iid",
+        alpha: PositiveFloat = 1.0,
+        partition_seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
+        if download:
+            self.root = str(Path(root if root is not None else (cache or fashion_mnist_cache())).expanduser())
+        else:
+            self.root = str(prepare_fashion_mnist(root, cache))
+        self.download = download
+        self.augment = augment
+        self.augments = augment
+
+    def prepare_data(self) -> None:
+        if self.download:
+            from torchvision.datasets import FashionMNIST
+
+            FashionMNIST(self.root, train=True, download=True)
+            FashionMNIST(self.root, train=False, download=True)
+
+    def setup(self, stage: str | None = None) -> None:
+        from torchvision.datasets import FashionMNIST
+
+        if self.train_set is None:
+            self.train_set = FashionMNIST(self.root, train=True, transform=fashion_mnist_transform(self.augment))
+            self.val_set = FashionMNIST(self.root, train=False, transform=fashion_mnist_transform(augment=False))
 
 
 class ImageNetDataModule(_ClassificationDataModule):

@@ -555,6 +555,12 @@ def test_every_data_config_builds_its_module(tmp_path, cifar10_root, imagenet_ro
         (["data.partition=dirichlet", "data.alpha=0"], ValueError, "data.alpha=0 must be a positive finite number"),
         (["data=imagenet", "data.root=/no/such/imagenet"], FileNotFoundError, "'/no/such/imagenet' does not exist"),
         (["data=camvid", "data.root=/no/such/camvid"], FileNotFoundError, "'/no/such/camvid' does not exist"),
+        (
+            ["data=fashion_mnist", "data.root=/no/such/fashion"],
+            FileNotFoundError,
+            r"data: Fashion-MNIST not found \(data.root='/no/such/fashion' is not a folder\): install it with "
+            r"`apt-get install dataset-fashion-mnist`.* or set data.download=true",
+        ),
     ],
 )
 def test_bad_data_values_stop_train_before_workers_start(tmp_path, no_workers, overrides, error, message):
