@@ -190,7 +190,35 @@ class DigitsDataModule(_ClassificationDataModule):
             self.train_set, self.val_set = load_digits_split(self.val_fraction, self.split_seed)
 
 
-class CIFAR10DataModule(_ClassificationDataModule):
+class _TorchvisionDataModule(_ClassificationDataModule):
+    """A torchvision dataset's train split (partitioned) and test split (validation).
+
+    Subclasses set ``root``, ``download`` and ``augment`` and say how to build the dataset
+    (:meth:`_dataset`) and its transform (:meth:`_transform`).
+    """
+
+    root: str
+    download: bool
+    augment: bool
+
+    def _dataset(self, train: bool, **kwargs: Any) -> Dataset:
+        raise NotImplementedError
+
+    def _transform(self, augment: bool) -> Any:
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        if self.download:
+            self._dataset(train=True, download=True)
+            self._dataset(train=False, download=True)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set = self._dataset(train=True, transform=self._transform(self.augment))
+            self.val_set = self._dataset(train=False, transform=self._transform(augment=False))
+
+
+class CIFAR10DataModule(_TorchvisionDataModule):
     """CIFAR-10 through torchvision's loader (``root`` holds ``cifar-10-batches-py``).
 
     Args:
@@ -225,22 +253,16 @@ class CIFAR10DataModule(_ClassificationDataModule):
         self.augment = augment
         self.augments = augment
 
-    def prepare_data(self) -> None:
-        if self.download:
-            from torchvision.datasets import CIFAR10
-
-            CIFAR10(self.root, train=True, download=True)
-            CIFAR10(self.root, train=False, download=True)
-
-    def setup(self, stage: str | None = None) -> None:
+    def _dataset(self, train: bool, **kwargs: Any) -> Dataset:
         from torchvision.datasets import CIFAR10
 
-        if self.train_set is None:
-            self.train_set = CIFAR10(self.root, train=True, transform=cifar10_transform(self.augment))
-            self.val_set = CIFAR10(self.root, train=False, transform=cifar10_transform(augment=False))
+        return CIFAR10(self.root, train=train, **kwargs)
+
+    def _transform(self, augment: bool) -> Any:
+        return cifar10_transform(augment)
 
 
-class FashionMNISTDataModule(_ClassificationDataModule):
+class FashionMNISTDataModule(_TorchvisionDataModule):
     """Fashion-MNIST (28x28 grey, 10 classes) through torchvision's own ``FashionMNIST``.
 
     60,000 training images (partitioned among the workers) and the 10,000 test images for
@@ -286,19 +308,13 @@ class FashionMNISTDataModule(_ClassificationDataModule):
         self.augment = augment
         self.augments = augment
 
-    def prepare_data(self) -> None:
-        if self.download:
-            from torchvision.datasets import FashionMNIST
-
-            FashionMNIST(self.root, train=True, download=True)
-            FashionMNIST(self.root, train=False, download=True)
-
-    def setup(self, stage: str | None = None) -> None:
+    def _dataset(self, train: bool, **kwargs: Any) -> Dataset:
         from torchvision.datasets import FashionMNIST
 
-        if self.train_set is None:
-            self.train_set = FashionMNIST(self.root, train=True, transform=fashion_mnist_transform(self.augment))
-            self.val_set = FashionMNIST(self.root, train=False, transform=fashion_mnist_transform(augment=False))
+        return FashionMNIST(self.root, train=train, **kwargs)
+
+    def _transform(self, augment: bool) -> Any:
+        return fashion_mnist_transform(augment)
 
 
 class ImageNetDataModule(_ClassificationDataModule):
