@@ -10,7 +10,11 @@ compression ratio::
     lgc-report multirun/2026-11-23/13-52-41 --out reports/sweep --json reports/sweep/rows.json
 
 prints a markdown table and writes ``report.md`` and ``accuracy_vs_ratio.png`` to ``--out``.
-In a notebook use :func:`load_runs`, :func:`report_table` and :func:`plot_tradeoff`.
+Runs that differ only in ``seed`` (``lgc-train -m seed=0,1,2 compressor=topk``) are also reported
+as one method each (:mod:`lgc.report.seeds`): mean ± 95 % Student-t interval, the gap to the dense
+baseline paired by seed, and whether that gap is distinguishable from 0; never ranked by means.
+
+In a notebook use :func:`load_runs`, :func:`report_table`, :func:`seed_table` and :func:`plot_tradeoff`.
 
 In the table, ``n/a`` is a ratio that ``summary.json`` holds as null (nothing was sent that way:
 the payload ratio of PyTorch's own hooks, a run resumed after its last step) and ``-`` a value the
@@ -28,6 +32,7 @@ from lgc.report.records import (
     RunRecord,
     load_runs,
 )
+from lgc.report.seeds import group_by_seed, seed_rows, seed_table
 from lgc.report.table import report_table, table_rows
 
 __all__ = [
@@ -37,9 +42,12 @@ __all__ = [
     "SUMMARY_NAME",
     "WIRE_MB_PER_WORKER",
     "RunRecord",
+    "group_by_seed",
     "load_runs",
     "main",
     "plot_tradeoff",
     "report_table",
+    "seed_rows",
+    "seed_table",
     "table_rows",
 ]

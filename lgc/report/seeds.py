@@ -1,0 +1,223 @@
+"""Runs that differ only in ``seed``, as one method: mean, spread and 95 % intervals, and the paired gap to dense.
+
+A comparison is evidence only when it says how much its numbers move between seeds. The runs
+of one label once its ``seed=N`` token is left out form a group (``lgc-train -m seed=0,1,2
+compressor=topk`` makes one). For each group and each quantity (the final ``val/acc`` or
+``val/mIoU``, whole-run wire MB per worker, wall time) this module gives n, the mean, the sample
+standard deviation and the half-width of the 95 % confidence interval of the mean from Student's
+t distribution (``t(0.975, n - 1) * sd / sqrt(n)``; none for n = 1).
+
+The dense baseline (``compressor=none``) of a group is the dense group run on the same task:
+the same data, model, number of workers, batch size, length and learning rate
+(:data:`TASK_KEYS`). Its accuracy is compared *paired by seed*: the differences
+``method(seed) - dense(seed)`` over the seeds both have, their mean and 95 % interval. Where that
+interval holds 0 the method is marked indistinguishable from dense (``≈ dense``); else ``above`` or
+``below``. The rows keep the order the runs were given in: the table never ranks methods by their
+means, since two methods whose intervals overlap are not shown to differ.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord
+from lgc.report.values import MISSING, lookup
+
+__all__ = ["TASK_KEYS", "Interval", "SeedGroup", "group_by_seed", "seed_rows", "seed_table"]
+
+#: What makes two runs the same task (a method's dense baseline shares every one of these).
+TASK_KEYS = (
+    "data._target_",
+    "data.partition",
+    "data.alpha",
+    "data.batch_size",
+    "model._target_",
+    "world_size",
+    "trainer.max_epochs",
+    "trainer.max_steps",
+    "trainer.limit_train_batches",
+    "optimizer.lr",
+    "scheduler._target_",
+)
+_SEED_TOKEN = re.compile(r"(^| )seed=\S+")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """n values' mean, sample standard deviation and 95 % Student-t half-width (None below two values)."""
+
+    n: int
+    mean: float
+    sd: float | None
+    half_width: float | None
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Interval | None:
+        """The interval of ``values`` (None when there are none)."""
+        if not values:
+            return None
+        n, mean = len(values), math.fsum(values) / len(values)
+        if n < 2:
+            return cls(n, mean, None, None)
+        from scipy.stats import t
+
+        sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+        return cls(n, mean, sd, float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n))
+
+    @property
+    def low(self) -> float | None:
+        return None if self.half_width is None else self.mean - self.half_width
+
+    @property
+    def high(self) -> float | None:
+        return None if self.half_width is None else self.mean + self.half_width
+
+    def holds(self, value: float) -> bool | None:
+        """Whether ``value`` lies inside the interval (None: no interval)."""
+        return None if self.half_width is None else self.low <= value <= self.high  # type: ignore[operator]
+
+    def text(self, fmt: str) -> str:
+        """``mean ± half-width`` in ``fmt`` (a ``+`` in it signs the mean only)."""
+        spread = fmt.replace("+", "")
+        return format(self.mean, fmt) + ("" if self.half_width is None else f" ± {self.half_width:{spread}}")
+
+
+@dataclass(frozen=True)
+class SeedGroup:
+    """One method's runs over seeds (the same label once ``seed`` is left out)."""
+
+    label: str
+    records: tuple[RunRecord, ...] = field(repr=False)
+
+    @property
+    def seeds(self) -> list[Any]:
+        return [record.config.get("seed") for record in self.records]
+
+    @property
+    def is_dense(self) -> bool:
+        return all(record.is_dense for record in self.records)
+
+    @property
+    def task(self) -> tuple[Any, ...]:
+        """The :data:`TASK_KEYS` values of its first run (``world_size`` from the summary)."""
+        record = self.records[0]
+        return tuple(
+            record.summary.get("world_size") if key == "world_size" else lookup(record.config, key) for key in TASK_KEYS
+        )
+
+    def values(self, key: str) -> list[float]:
+        """The runs' values of a quantity (``metric``, ``wire_mb_per_worker`` or a summary key) that they have."""
+        found = [record.metric if key == "metric" else record.value(key) for record in self.records]
+        return [float(value) for value in found if value is not None and value is not MISSING]
+
+    def interval(self, key: str) -> Interval | None:
+        return Interval.of(self.values(key))
+
+
+def group_by_seed(records: Sequence[RunRecord]) -> list[SeedGroup]:
+    """The runs grouped by their label without its ``seed=N`` token, in the order first met."""
+    groups: dict[str, list[RunRecord]] = {}
+    for record in records:
+        label = _SEED_TOKEN.sub("", record.label).strip()
+        groups.setdefault(label, []).append(record)
+    return [SeedGroup(label, tuple(members)) for label, members in groups.items()]
+
+
+def _dense_for(group: SeedGroup, groups: Sequence[SeedGroup]) -> SeedGroup | None:
+    """The one dense group on the same task (None if there is none, or several)."""
+    matches = [other for other in groups if other.is_dense and other.task == group.task]
+    return matches[0] if len(matches) == 1 else None
+
+
+def paired_gap(group: SeedGroup, dense: SeedGroup) -> Interval | None:
+    """The method's final metric minus dense's, seed by seed, over the seeds both ran."""
+    mine = {record.config.get("seed"): record.metric for record in group.records}
+    theirs = {record.config.get("seed"): record.metric for record in dense.records}
+    gaps = [mine[s] - theirs[s] for s in mine if s in theirs and mine[s] is not None and theirs[s] is not None]
+    return Interval.of(gaps)  # type: ignore[arg-type]
+
+
+def _verdict(gap: Interval | None) -> str:
+    if gap is None or gap.half_width is None:
+        return "-"
+    if gap.holds(0.0):
+        return "≈ dense"
+    return "above" if gap.mean > 0 else "below"
+
+
+def seed_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """One plain row per seed group (means, standard deviations, interval bounds, paired gap to dense)."""
+    groups = group_by_seed(records)
+    rows = []
+    for group in groups:
+        dense = _dense_for(group, groups)
+        row: dict[str, Any] = {"label": group.label, "n": len(group.records), "seeds": group.seeds}
+        for key, name in (("metric", group.records[0].metric_key), (WIRE_MB_PER_WORKER, WIRE_MB_PER_WORKER)):
+            interval = group.interval(key)
+            row[name] = None if interval is None else _interval_dict(interval)
+        row["wall_time_s"] = _interval_dict(group.interval("wall_time_s"))
+        gap = None if dense is None or group is dense else paired_gap(group, dense)
+        row["gap_to_dense"] = _interval_dict(gap)
+        row["vs_dense"] = "dense" if group is dense else _verdict(gap)
+        row["wire_ratio_to_dense"] = _wire_ratio(group, dense)
+        rows.append(row)
+    return rows
+
+
+def _wire_ratio(group: SeedGroup, dense: SeedGroup | None) -> float | None:
+    """Dense's mean whole-run wire bytes over the group's (None without both)."""
+    wire = group.interval(WIRE_MB_PER_WORKER)
+    dense_wire = None if dense is None else dense.interval(WIRE_MB_PER_WORKER)
+    return dense_wire.mean / wire.mean if dense_wire is not None and wire is not None and wire.mean else None
+
+
+def _interval_dict(interval: Interval | None) -> dict[str, Any] | None:
+    if interval is None:
+        return None
+    return {
+        "n": interval.n,
+        "mean": interval.mean,
+        "sd": interval.sd,
+        "ci95": None if interval.half_width is None else [interval.low, interval.high],
+    }
+
+
+def seed_table(records: Sequence[RunRecord]) -> str:
+    """The groups as a markdown table: mean ± 95 % half-width, n, and the paired gap to dense."""
+    groups = group_by_seed(records)
+    metric = records[0].metric_key if records else "val/acc"
+    header = [
+        "method",
+        "n (seeds)",
+        f"{metric} mean ± 95% CI",
+        "sd",
+        "gap to dense, paired ± 95% CI",
+        "vs dense",
+        "wire MB/worker",
+        "x fewer bytes than dense",
+        "wall time (s)",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group in groups:
+        dense = _dense_for(group, groups)
+        accuracy, wire, wall = (group.interval(k) for k in ("metric", WIRE_MB_PER_WORKER, "wall_time_s"))
+        gap = None if dense is None or group is dense else paired_gap(group, dense)
+        ratio = _wire_ratio(group, dense)
+        seeds = ", ".join(str(seed) for seed in group.seeds)
+        cells = [
+            group.label,
+            f"{len(group.records)} ({seeds})",
+            "-" if accuracy is None else accuracy.text(".4f"),
+            "-" if accuracy is None or accuracy.sd is None else f"{accuracy.sd:.4f}",
+            "-" if gap is None else gap.text("+.4f"),
+            "dense" if group is dense else _verdict(gap),
+            "-" if wire is None else wire.text(".3g"),
+            "-" if ratio is None else f"{ratio:.1f}",
+            "-" if wall is None else wall.text(".1f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

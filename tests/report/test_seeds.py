@@ -1,0 +1,100 @@
+"""lgc-report over seeds: groups, Student-t intervals, the gap to dense paired by seed, no ranking."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from scipy import stats
+from test_report import STEP, _worker, _write_run
+
+from lgc.report import load_runs, main
+from lgc.report.seeds import Interval, group_by_seed, seed_rows, seed_table
+
+# Final accuracies by method and seed: topk sits 0.01 below dense every seed; int8 is within noise.
+ACCURACY = {
+    "none": [0.90, 0.92, 0.91],
+    "topk": [0.89, 0.91, 0.90],
+    "shared_topk_int8": [0.905, 0.915, 0.912],
+}
+
+
+def _runs(tmp_path, methods=ACCURACY):
+    for method, accuracies in methods.items():
+        sent = STEP if method == "none" else STEP // 10
+        for seed, accuracy in enumerate(accuracies):
+            _write_run(
+                tmp_path / method / str(seed),
+                (f"compressor={method}", f"seed={seed}"),
+                "?",
+                [_worker(sent * 4, sent)] * 2,
+                {"val/acc": accuracy},
+                wall_time_s=20.0 + seed,
+            )
+    return load_runs([tmp_path])
+
+
+def test_the_interval_is_students_t_and_a_single_value_has_none():
+    values = [0.90, 0.92, 0.91, 0.95]
+    interval = Interval.of(values)
+    sd = math.sqrt(sum((v - 0.92) ** 2 for v in values) / 3)
+    assert interval.n == 4 and interval.mean == pytest.approx(0.92) and interval.sd == pytest.approx(sd)
+    assert interval.half_width == pytest.approx(stats.t.ppf(0.975, 3) * sd / 2)
+    low, high = stats.t.interval(0.95, 3, loc=0.92, scale=sd / 2)
+    assert (interval.low, interval.high) == (pytest.approx(low), pytest.approx(high))
+    single = Interval.of([0.9])
+    assert (single.sd, single.half_width, single.holds(0.9)) == (None, None, None)
+    assert Interval.of([]) is None
+
+
+def test_runs_differing_only_in_seed_form_one_group_in_the_order_met(tmp_path):
+    groups = group_by_seed(_runs(tmp_path))
+    assert [group.label for group in groups] == ["none", "shared_topk_int8", "topk"]
+    assert all(group.seeds == [0, 1, 2] for group in groups)
+    assert groups[2].interval("metric").mean == pytest.approx(0.90)
+
+
+def test_the_gap_to_dense_is_paired_by_seed(tmp_path):
+    rows = {row["label"]: row for row in seed_rows(_runs(tmp_path))}
+    # topk is exactly 0.01 below dense on every seed: the paired gap has no spread, so it is "below",
+    # although the unpaired intervals (0.90 ± 0.025 and 0.91 ± 0.025) overlap.
+    topk = rows["topk"]
+    assert topk["gap_to_dense"]["mean"] == pytest.approx(-0.01) and topk["gap_to_dense"]["sd"] == pytest.approx(0)
+    assert topk["vs_dense"] == "below"
+    gaps = [a - b for a, b in zip(ACCURACY["shared_topk_int8"], ACCURACY["none"], strict=True)]
+    int8 = rows["shared_topk_int8"]
+    low, high = stats.t.interval(0.95, 2, loc=sum(gaps) / 3, scale=stats.sem(gaps))
+    assert int8["gap_to_dense"]["ci95"] == [pytest.approx(low), pytest.approx(high)] and low < 0 < high
+    assert int8["vs_dense"] == "≈ dense"
+    assert rows["none"]["vs_dense"] == "dense" and rows["none"]["gap_to_dense"] is None
+    assert topk["wire_ratio_to_dense"] == pytest.approx(10.0)
+    assert rows["none"]["val/acc"]["ci95"][0] < 0.91 < rows["none"]["val/acc"]["ci95"][1]
+
+
+def test_the_table_keeps_the_given_order_and_shows_mean_and_half_width(tmp_path):
+    table = seed_table(_runs(tmp_path)).splitlines()
+    assert table[0].startswith("| method | n (seeds) | val/acc mean ± 95% CI | sd | gap to dense, paired")
+    assert [line.split(" | ")[0].strip("| ") for line in table[2:]] == ["none", "shared_topk_int8", "topk"]
+    half = stats.t.ppf(0.975, 2) * 0.01 / math.sqrt(3)
+    assert f"| 0.9000 ± {half:.4f} |" in table[4] and "| -0.0100 ± 0.0000 | below |" in table[4]
+    assert "| 10.0 |" in table[4] and "| 3 (0, 1, 2) |" in table[4]
+
+
+def test_no_dense_run_on_the_same_task_leaves_the_gap_empty(tmp_path):
+    rows = seed_rows(_runs(tmp_path, {"topk": [0.9, 0.91]}))
+    assert rows[0]["gap_to_dense"] is None and rows[0]["vs_dense"] == "-" and rows[0]["wire_ratio_to_dense"] is None
+
+
+def test_the_command_adds_the_table_over_seeds_and_its_json(tmp_path, capsys):
+    _runs(tmp_path / "runs")
+    main([str(tmp_path / "runs"), "--out", str(tmp_path / "report")])
+    out = capsys.readouterr().out
+    assert "| method | n (seeds) |" in out
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Over seeds" in report and "Rows are in the order given, not ranked" in report
+    rows = json.loads((tmp_path / "report" / "seeds.json").read_text())
+    assert [row["label"] for row in rows] == ["none", "shared_topk_int8", "topk"]
+    # One seed per method: no table over seeds.
+    main([str(tmp_path / "runs" / "none" / "0"), str(tmp_path / "runs" / "topk" / "0")])
+    assert "n (seeds)" not in capsys.readouterr().out
