@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lgc.report.plot import plot_tradeoff
 from lgc.report.records import RunRecord, load_runs
-from lgc.report.seeds import group_by_seed, seed_rows, seed_table
+from lgc.report.seeds import group_by_seed, plot_seed_groups, seed_rows, seed_table
 from lgc.report.table import report_table, table_rows
 
 __all__ = ["main", "shown_path"]
@@ -36,6 +36,7 @@ def _report_markdown(records: Sequence[RunRecord], plot_name: str) -> str:
             f"## Over seeds\n\n{seed_table(records)}\n\n"
             "Mean ± half-width of the 95 % confidence interval of the mean (Student t); the gap to dense "
             "is paired by seed; `≈ dense`: that interval holds 0. Rows are in the order given, not ranked.\n\n"
+            "![accuracy over seeds against bytes](accuracy_over_seeds.png)\n\n"
         )
     return (
         f"# Accuracy against compression ratio\n\n{over_seeds}## Runs\n\n{report_table(records)}\n\n"
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "report.md").write_text(_report_markdown(records, plot_path.name))
         if _has_repeats(records):
             (args.out / "seeds.json").write_text(json.dumps(seed_rows(records), indent=2) + "\n")
+            plot_seed_groups(records).savefig(args.out / "accuracy_over_seeds.png", dpi=120)
         print(f"-> {args.out / 'report.md'}, {plot_path}", file=sys.stderr)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from scipy import stats
 from test_report import STEP, _worker, _write_run
 
 from lgc.report import load_runs, main
-from lgc.report.seeds import Interval, group_by_seed, seed_rows, seed_table
+from lgc.report.seeds import Interval, group_by_seed, plot_seed_groups, seed_rows, seed_table
 
 # Final accuracies by method and seed: topk sits 0.01 below dense every seed; int8 is within noise.
 ACCURACY = {
@@ -81,6 +81,18 @@ def test_the_table_keeps_the_given_order_and_shows_mean_and_half_width(tmp_path)
     assert "| 10.0 |" in table[4] and "| 3 (0, 1, 2) |" in table[4]
 
 
+def test_the_plot_draws_each_method_once_with_its_interval_as_an_error_bar(tmp_path):
+    figure = plot_seed_groups(_runs(tmp_path))
+    axis = figure.axes[0]
+    bars = [c for c in axis.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert [bar.get_label() for bar in bars] == ["none (n=3)", "shared_topk_int8 (n=3)", "topk (n=3)"]
+    topk = bars[2].lines[0].get_ydata()
+    assert topk[0] == pytest.approx(0.90)
+    segment = bars[2].lines[2][-1].get_segments()[0]  # the vertical error bar (drawn last): mean ± half-width
+    half = stats.t.ppf(0.975, 2) * 0.01 / math.sqrt(3)
+    assert (segment[0][1], segment[1][1]) == (pytest.approx(0.90 - half), pytest.approx(0.90 + half))
+
+
 def test_no_dense_run_on_the_same_task_leaves_the_gap_empty(tmp_path):
     rows = seed_rows(_runs(tmp_path, {"topk": [0.9, 0.91]}))
     assert rows[0]["gap_to_dense"] is None and rows[0]["vs_dense"] == "-" and rows[0]["wire_ratio_to_dense"] is None
@@ -93,6 +105,8 @@ def test_the_command_adds_the_table_over_seeds_and_its_json(tmp_path, capsys):
     assert "| method | n (seeds) |" in out
     report = (tmp_path / "report" / "report.md").read_text()
     assert "## Over seeds" in report and "Rows are in the order given, not ranked" in report
+    assert (tmp_path / "report" / "accuracy_over_seeds.png").stat().st_size > 10_000
+    assert "![accuracy over seeds against bytes](accuracy_over_seeds.png)" in report
     rows = json.loads((tmp_path / "report" / "seeds.json").read_text())
     assert [row["label"] for row in rows] == ["none", "shared_topk_int8", "topk"]
     # One seed per method: no table over seeds.
