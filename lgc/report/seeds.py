@@ -8,8 +8,9 @@ standard deviation and the half-width of the 95 % confidence interval of the mea
 t distribution (``t(0.975, n - 1) * sd / sqrt(n)``; none for n = 1).
 
 The dense baseline (``compressor=none``) of a group is the dense group run on the same task:
-the same data, model, number of workers, batch size, length and learning rate
-(:data:`TASK_KEYS`). Its accuracy is compared *paired by seed*: the differences
+the same data, model, number of workers, batch size, length and schedule (:data:`TASK_KEYS`; not
+the optimizer, which some methods define, as DGC and DeMo do). Where several dense groups match
+(a learning-rate sweep of dense, say), none is paired. Its accuracy is compared *paired by seed*: the differences
 ``method(seed) - dense(seed)`` over the seeds both have, their mean and 95 % interval. Where that
 interval holds 0 the method is marked indistinguishable from dense (``≈ dense``); else ``above`` or
 ``below``. The rows keep the order the runs were given in: the table never ranks methods by their
@@ -40,7 +41,6 @@ TASK_KEYS = (
     "trainer.max_epochs",
     "trainer.max_steps",
     "trainer.limit_train_batches",
-    "optimizer.lr",
     "scheduler._target_",
 )
 _SEED_TOKEN = re.compile(r"(^| )seed=\S+")
