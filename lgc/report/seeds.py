@@ -65,7 +65,8 @@ class Interval:
             return cls(n, mean, None, None)
         from scipy.stats import t
 
-        sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+        # Equal values have no spread (not the rounding residue of their mean).
+        sd = 0.0 if min(values) == max(values) else math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
         return cls(n, mean, sd, float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n))
 
     @property

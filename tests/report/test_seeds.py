@@ -46,6 +46,8 @@ def test_the_interval_is_students_t_and_a_single_value_has_none():
     single = Interval.of([0.9])
     assert (single.sd, single.half_width, single.holds(0.9)) == (None, None, None)
     assert Interval.of([]) is None
+    # Equal values (the same bytes every seed) have no spread at all, not a rounding residue.
+    assert Interval.of([845.186048] * 3).half_width == 0.0
 
 
 def test_runs_differing_only_in_seed_form_one_group_in_the_order_met(tmp_path):
