@@ -82,7 +82,8 @@ def _header(path: Path) -> tuple[int, tuple[int, ...]]:
     return magic, tuple(shape)
 
 
-def _check_header(path: Path, name: str, expected_count: int | None) -> None:
+def _check_header(path: Path, name: str, expected_count: int | None) -> int:
+    """The file's number of entries, after checking its header is ``name``'s (and its count ``expected_count``)."""
     magic, shape = _header(path)
     want_magic, want_shape = FASHION_MNIST_FILES[name]
     if magic != want_magic or len(shape) != len(want_shape) or tuple(shape[1:]) != want_shape[1:]:
@@ -92,6 +93,7 @@ def _check_header(path: Path, name: str, expected_count: int | None) -> None:
         )
     if expected_count is not None and shape[0] != expected_count:
         raise ValueError(f"{str(path)!r} holds {shape[0]} entries, expected {expected_count} (its images' or labels')")
+    return shape[0]
 
 
 def prepare_fashion_mnist(root: str | Path | None = None, cache: str | Path | None = None) -> Path:
@@ -117,8 +119,7 @@ def prepare_fashion_mnist(root: str | Path | None = None, cache: str | Path | No
     for name, path in found.items():
         assert path is not None
         split = name.split("-")[0]
-        _check_header(path, name, counts.get(split))
-        counts.setdefault(split, _header(path)[1][0])
+        counts[split] = _check_header(path, name, counts.get(split))
     raw = source / "FashionMNIST" / "raw"
     if all(path == raw / name for name, path in found.items()):
         return source  # torchvision's layout already

@@ -197,9 +197,22 @@ class _TorchvisionDataModule(_ClassificationDataModule):
     (:meth:`_dataset`) and its transform (:meth:`_transform`).
     """
 
-    root: str
-    download: bool
-    augment: bool
+    def __init__(
+        self,
+        root: str,
+        download: bool,
+        augment: bool,
+        batch_size: PositiveInt,
+        num_workers: NonNegativeInt,
+        partition: str,
+        alpha: PositiveFloat,
+        partition_seed: int,
+    ) -> None:
+        super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
+        self.root = root
+        self.download = download
+        self.augment = augment
+        self.augments = augment
 
     def _dataset(self, train: bool, **kwargs: Any) -> Dataset:
         raise NotImplementedError
@@ -247,11 +260,8 @@ class CIFAR10DataModule(_TorchvisionDataModule):
         alpha: PositiveFloat = 1.0,
         partition_seed: int = 0,
     ) -> None:
-        super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
-        self.root = str(Path(root).expanduser()) if download else str(check_cifar10_folder(root))
-        self.download = download
-        self.augment = augment
-        self.augments = augment
+        folder = Path(root).expanduser() if download else check_cifar10_folder(root)
+        super().__init__(str(folder), download, augment, batch_size, num_workers, partition, alpha, partition_seed)
 
     def _dataset(self, train: bool, **kwargs: Any) -> Dataset:
         from torchvision.datasets import CIFAR10
@@ -299,14 +309,11 @@ class FashionMNISTDataModule(_TorchvisionDataModule):
         alpha: PositiveFloat = 1.0,
         partition_seed: int = 0,
     ) -> None:
-        super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
         if download:
-            self.root = str(Path(root if root is not None else (cache or fashion_mnist_cache())).expanduser())
+            folder = Path(root if root is not None else (cache or fashion_mnist_cache())).expanduser()
         else:
-            self.root = str(prepare_fashion_mnist(root, cache))
-        self.download = download
-        self.augment = augment
-        self.augments = augment
+            folder = prepare_fashion_mnist(root, cache)
+        super().__init__(str(folder), download, augment, batch_size, num_workers, partition, alpha, partition_seed)
 
     def _dataset(self, train: bool, **kwargs: Any) -> Dataset:
         from torchvision.datasets import FashionMNIST

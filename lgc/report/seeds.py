@@ -150,23 +150,55 @@ def _verdict(gap: Interval | None) -> str:
     return "above" if gap.mean > 0 else "below"
 
 
-def seed_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """One plain row per seed group (means, standard deviations, interval bounds, paired gap to dense)."""
+@dataclass(frozen=True)
+class _Comparison:
+    """One group's intervals and its comparison with dense: what the table and the JSON rows show."""
+
+    group: SeedGroup
+    accuracy: Interval | None
+    wire: Interval | None
+    wall: Interval | None
+    gap: Interval | None
+    vs_dense: str
+    wire_ratio: float | None
+
+
+def _comparisons(records: Sequence[RunRecord]) -> list[_Comparison]:
     groups = group_by_seed(records)
-    rows = []
+    compared = []
     for group in groups:
         dense = _dense_for(group, groups)
-        row: dict[str, Any] = {"label": group.label, "n": len(group.records), "seeds": group.seeds}
-        for key, name in (("metric", group.records[0].metric_key), (WIRE_MB_PER_WORKER, WIRE_MB_PER_WORKER)):
-            interval = group.interval(key)
-            row[name] = None if interval is None else _interval_dict(interval)
-        row["wall_time_s"] = _interval_dict(group.interval("wall_time_s"))
         gap = None if dense is None or group is dense else paired_gap(group, dense)
-        row["gap_to_dense"] = _interval_dict(gap)
-        row["vs_dense"] = "dense" if group is dense else _verdict(gap)
-        row["wire_ratio_to_dense"] = _wire_ratio(group, dense)
-        rows.append(row)
-    return rows
+        compared.append(
+            _Comparison(
+                group,
+                group.interval("metric"),
+                group.interval(WIRE_MB_PER_WORKER),
+                group.interval("wall_time_s"),
+                gap,
+                "dense" if group is dense else _verdict(gap),
+                _wire_ratio(group, dense),
+            )
+        )
+    return compared
+
+
+def seed_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """One plain row per seed group (means, standard deviations, interval bounds, paired gap to dense)."""
+    return [
+        {
+            "label": c.group.label,
+            "n": len(c.group.records),
+            "seeds": c.group.seeds,
+            c.group.records[0].metric_key: _interval_dict(c.accuracy),
+            WIRE_MB_PER_WORKER: _interval_dict(c.wire),
+            "wall_time_s": _interval_dict(c.wall),
+            "gap_to_dense": _interval_dict(c.gap),
+            "vs_dense": c.vs_dense,
+            "wire_ratio_to_dense": c.wire_ratio,
+        }
+        for c in _comparisons(records)
+    ]
 
 
 def _wire_ratio(group: SeedGroup, dense: SeedGroup | None) -> float | None:
@@ -189,7 +221,6 @@ def _interval_dict(interval: Interval | None) -> dict[str, Any] | None:
 
 def seed_table(records: Sequence[RunRecord]) -> str:
     """The groups as a markdown table: mean ± 95 % half-width, n, and the paired gap to dense."""
-    groups = group_by_seed(records)
     metric = records[0].metric_key if records else "val/acc"
     header = [
         "method",
@@ -203,22 +234,17 @@ def seed_table(records: Sequence[RunRecord]) -> str:
         "wall time (s)",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for group in groups:
-        dense = _dense_for(group, groups)
-        accuracy, wire, wall = (group.interval(k) for k in ("metric", WIRE_MB_PER_WORKER, "wall_time_s"))
-        gap = None if dense is None or group is dense else paired_gap(group, dense)
-        ratio = _wire_ratio(group, dense)
-        seeds = ", ".join(str(seed) for seed in group.seeds)
+    for c in _comparisons(records):
         cells = [
-            group.label,
-            f"{len(group.records)} ({seeds})",
-            "-" if accuracy is None else accuracy.text(".4f"),
-            "-" if accuracy is None or accuracy.sd is None else f"{accuracy.sd:.4f}",
-            "-" if gap is None else gap.text("+.4f"),
-            "dense" if group is dense else _verdict(gap),
-            "-" if wire is None else wire.text(".3g"),
-            "-" if ratio is None else f"{ratio:.1f}",
-            "-" if wall is None else wall.text(".1f"),
+            c.group.label,
+            f"{len(c.group.records)} ({', '.join(str(seed) for seed in c.group.seeds)})",
+            "-" if c.accuracy is None else c.accuracy.text(".4f"),
+            "-" if c.accuracy is None or c.accuracy.sd is None else f"{c.accuracy.sd:.4f}",
+            "-" if c.gap is None else c.gap.text("+.4f"),
+            c.vs_dense,
+            "-" if c.wire is None else c.wire.text(".3g"),
+            "-" if c.wire_ratio is None else f"{c.wire_ratio:.1f}",
+            "-" if c.wall is None else c.wall.text(".1f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
