@@ -8,11 +8,14 @@
 # (4 densities) is scaled to 2.5 % of the run, as in the paper (4 of 160 epochs).
 # Runs write to OUT (checkpoints and logs included); each finished run's summary.json is copied to
 # RESULTS/CELL/METHOD/seedN (committed as they arrive). Resumable: a run whose summary.json is in
-# RESULTS or OUT is skipped, so the sweep can run over several sittings. After each cell, lgc-report
-# writes RESULTS/CELL/report (the table over seeds: mean and 95 % interval, the gap to dense
-# paired by seed). About 4-5 min per 4-worker run on 2 cores (dense reached 0.909 after 3 epochs).
+# RESULTS or OUT is skipped, and a stopped run resumes exactly from its last epoch's checkpoint
+# (ckpt_path), so the sweep can run over several sittings. After each cell, lgc-report writes
+# RESULTS/CELL/report (the table over seeds: mean and 95 % interval, the gap to dense paired by
+# seed). About 4 min per 4-worker run on 2 cores. JOBS=N runs N at once (on a machine with at least
+# N x workers cores; each worker then gets cores / (N x workers) torch threads), each run's output
+# in OUT/CELL/METHOD/seedN.log; a failed run is listed at the end and the others go on.
 #   experiments/fashion_mnist_comparison.sh [OUT]
-#   CELLS=iid4 SEEDS="0 1 2" EPOCHS=4 METHODS="dense topk" experiments/fashion_mnist_comparison.sh
+#   CELLS=iid4 SEEDS="0 1 2" EPOCHS=4 METHODS="dense topk" JOBS=1 experiments/fashion_mnist_comparison.sh
 # Needs the dataset: apt-get install dataset-fashion-mnist (or FASHION_MNIST_ROOT).
 set -euo pipefail
 out=${1:-outputs/fashion_mnist_comparison}
@@ -20,6 +23,9 @@ results=${RESULTS:-experiments/results/fashion_mnist}
 epochs=${EPOCHS:-4}
 seeds=${SEEDS:-0 1 2}
 cells=${CELLS:-iid4 dir8}
+jobs_max=${JOBS:-1}
+[[ $jobs_max =~ ^[1-9][0-9]*$ ]] || { echo "JOBS=$jobs_max must be a positive integer" >&2; exit 2; }
+failed=()
 
 declare -A method=(
   [dense]="compressor=none"
@@ -69,12 +75,33 @@ for name in $cells; do
         mkdir -p "$kept" && cp "$dir/summary.json" "$kept/"
       fi
       [ -f "$kept/summary.json" ] && continue  # done already: the sweep resumes where it stopped
+      resume=()
+      [ -f "$dir/checkpoints/last.ckpt" ] && resume=("ckpt_path=$dir")  # stopped mid-run: go on from there
       # shellcheck disable=SC2086  # the settings are word lists
-      lgc-train data=fashion_mnist data.batch_size=32 ${cell[$name]} ddp.oversubscribe=true \
-        trainer.max_epochs="$epochs" seed="$seed" logger=csv trainer.enable_progress_bar=false \
-        ${method[$m]} "${extra[@]}" output_dir="$dir"
-      mkdir -p "$kept" && cp "$dir/summary.json" "$kept/"
+      run=(lgc-train data=fashion_mnist data.batch_size=32 ${cell[$name]} ddp.oversubscribe=true
+        trainer.max_epochs="$epochs" seed="$seed" logger=csv trainer.enable_progress_bar=false
+        ${method[$m]} "${extra[@]}" output_dir="$dir" "${resume[@]}")
+      if (( jobs_max == 1 )); then
+        if "${run[@]}"; then mkdir -p "$kept" && cp "$dir/summary.json" "$kept/"; else failed+=("$name/$m/seed$seed"); fi
+        continue
+      fi
+      while (( $(jobs -rp | wc -l) >= jobs_max )); do wait -n || true; done
+      mkdir -p "$(dirname "$dir")"
+      (
+        export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / (jobs_max * workers) > 0 ? $(nproc) / (jobs_max * workers) : 1 ))}
+        "${run[@]}" > "$dir.log" 2>&1 && mkdir -p "$kept" && cp "$dir/summary.json" "$kept/"
+      ) &
+    done
+  done
+  wait
+  for m in "${chosen[@]}"; do
+    for seed in $seeds; do
+      [ -f "$results/$name/$m/seed$seed/summary.json" ] || failed+=("$name/$m/seed$seed")
     done
   done
   lgc-report "$results/$name" --out "$results/$name/report" --json "$results/$name/report/rows.json"
 done
+if (( ${#failed[@]} )); then
+  printf 'unfinished: %s\n' "${failed[@]}" | sort -u >&2
+  exit 1
+fi

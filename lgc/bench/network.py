@@ -3,14 +3,14 @@
 Starts ``--workers`` processes (default 4), each in its own Linux network namespace, joined by
 veth pairs to a bridge with every link shaped by ``tc`` (:class:`lgc.bench.netns.ShapedNetwork`:
 ``--bandwidth`` per link and direction, optional ``--delay`` per link), and gloo over TCP between
-them. For every bandwidth and every method (methods in a rotated order on each ``--repeats``
+them. For every bandwidth and every method (methods in a rotated order on each ``--seeds``
 round, so slow drifts hit all alike) the workers train ``--steps`` steps of ``--task``
 (:mod:`lgc.bench.network_worker`) and the benchmark reports, per method:
 
 * per step (median over the steady steps: past the first ``--skip`` and past the method's own
   stages, LGC's warm-up and autoencoder training, PowerSGD's dense steps, DGC's density warm-up;
   the first steady step is in the JSON as ``steady_from``): wall time, compute (forward,
-  backward and optimizer without communication), encode and decode (lgc's compressors; ``-`` where
+  backward without communication), encode and decode (lgc's compressors; ``-`` where
   the coding is interleaved with the collectives: LGC, PyTorch's hooks), communication (the rest:
   wall - compute - encode - decode), CPU time, and the wire bytes a worker sends
   (:mod:`lgc.ddp.wire`); "own work alone" is the method's whole overhead (encoding, decoding, the
@@ -20,7 +20,12 @@ round, so slow drifts hit all alike) the workers train ``--steps`` steps of ``--
   measured in the same run;
 * training seconds until the validation accuracy first reaches ``--target`` (evaluated every
   ``--eval-every`` steps on the synchronized model, for local-step methods too; evaluation is off
-  the clock) and the final accuracy;
+  the clock) and the final accuracy; over ``--seeds`` (each seed one round over all methods: its
+  initialization and batches), their mean and 95 % interval, and each method's time to target as
+  a multiple of the **no-communication bound**: dense's steps to the target on that seed times its
+  compute-only step, the time any method would need if communication were free
+  (:func:`lgc.bench.network_results.over_seeds`). ``--task fashion_mnist`` (ResNet-8, the
+  10,000 test images) is the task that separates methods;
 * the cross-check: bytes the workers' interfaces sent during the training loops
   (``/sys/class/net``'s counters read by each worker, headers and retransmissions included) over
   the wire bytes lgc counted, module buffers included (:mod:`lgc.ddp.buffers`). The rest is
@@ -81,7 +86,9 @@ from lgc.bench.netns import counter_delta, parse_delay, parse_rate
 from lgc.bench.network_results import (
     equal_bytes_table,
     eval_line,
+    over_seeds,
     plot_results,
+    seeds_table,
     step_table,
     summarize,
     validation_table,
@@ -106,14 +113,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated lgc.compress method names, each with optional knobs: name:key=value;... "
         "(lgc.compress's, e.g. none:delay=10;outer=sgd, or the optimizer's lr and momentum, e.g. demo:lr=0.003)",
     )
-    parser.add_argument("--task", default="digits", help="digits (ResNet-8), resnet18 or resnet50 on 8x8 digits")
+    parser.add_argument(
+        "--task",
+        default="digits",
+        help="digits (ResNet-8 on 8x8 digits), fashion_mnist (ResNet-8 on Fashion-MNIST, validated on its 10,000 "
+        "test images; the dataset from FASHION_MNIST_ROOT or the dataset-fashion-mnist package), or resnet18 or "
+        "resnet50 on 8x8 digits",
+    )
     parser.add_argument("--steps", type=int, default=150, help="training steps per method (default 150)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
     parser.add_argument("--target", type=float, default=0.9, help="target validation accuracy (default 0.9)")
     parser.add_argument("--skip", type=int, default=5, help="steps left out of the per-step medians (default 5)")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds over all methods (default 1)")
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated seeds, one round over all methods each (model initialization and batches; "
+        "default 0): time to target is reported as mean and 95 %% interval over them",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one measurement may take")
     parser.add_argument("--out", type=Path, default=None, help="write network.md, network.json and the plot here")
     parser.add_argument(
@@ -124,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[Any], list[str]]:
+def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[Any], list[str], list[int]]:
     """Every bad value, before any namespace or process exists."""
 
     try:
@@ -147,12 +165,27 @@ def _check_arguments(args: argparse.Namespace) -> tuple[list[int], list[Any], li
         parse_delay(args.delay)
     if args.task not in TASKS:
         raise ValueError(f"--task must be one of {TASKS}, got {args.task!r}")
-    for name in ("steps", "batch_size", "eval_every", "repeats"):
+    try:
+        seeds = [int(seed) for seed in parse_list(args.seeds, "seeds")]
+    except ValueError as error:
+        raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from error
+    if min(seeds) < 0 or len(set(seeds)) < len(seeds):
+        raise ValueError(f"--seeds must be distinct non-negative integers, got {args.seeds!r}")
+    for name in ("steps", "batch_size", "eval_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
     if not 0 <= args.skip < args.steps:
         raise ValueError(f"--skip must be in [0, --steps={args.steps}), got {args.skip!r}")
-    return workers, methods, bandwidths
+    return workers, methods, bandwidths, seeds
+
+
+def _data_root(task: str) -> str | None:
+    """The Fashion-MNIST folder the workers read (checked, decompressed once here); None for the digits tasks."""
+    if task != "fashion_mnist":
+        return None
+    from lgc.data.fashion_mnist import prepare_fashion_mnist
+
+    return str(prepare_fashion_mnist(os.environ.get("FASHION_MNIST_ROOT") or None))
 
 
 def _free_port() -> int:
@@ -260,8 +293,9 @@ def run(args: argparse.Namespace) -> None:
         _from_json(args)
         return
     try:
-        worker_counts, methods, bandwidths = _check_arguments(args)
-    except ValueError as error:
+        worker_counts, methods, bandwidths, seeds = _check_arguments(args)
+        data_root = _data_root(args.task)
+    except (ValueError, FileNotFoundError) as error:
         sys.exit(f"lgc-bench network: {error}")
     try:
         netns.check_available(with_delay=args.delay is not None)
@@ -284,7 +318,7 @@ def run(args: argparse.Namespace) -> None:
                         f"{8 * fitted.bytes_per_s / 1e6:.1f} Mbit/s (tc rate {parse_rate(bandwidth) / 1e6:g} Mbit/s)",
                         flush=True,
                     )
-                    for repeat in range(args.repeats):
+                    for repeat, seed in enumerate(seeds):
                         order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
                         for index, method in enumerate(order):
                             knobs = {**SHORT_RUN_KNOBS.get(method.name, {}), **method.knobs}
@@ -297,6 +331,8 @@ def run(args: argparse.Namespace) -> None:
                                 "batch_size": args.batch_size,
                                 "lr": args.lr,
                                 "eval_every": args.eval_every,
+                                "seed": seed,
+                                "data_root": data_root,
                                 "knobs": knobs,
                                 **optimizer,
                             }
@@ -306,7 +342,7 @@ def run(args: argparse.Namespace) -> None:
                             measurement = _measure(net, spec, args.timeout, folder)
                             measurements.setdefault(setting, {}).setdefault(method.label, []).append(measurement)
                             print(
-                                f"{setting} {method.label} round {repeat + 1}: {time.perf_counter() - started:.0f} s",
+                                f"{setting} {method.label} seed {seed}: {time.perf_counter() - started:.0f} s",
                                 flush=True,
                             )
     _report(args, measurements, calibrations)
@@ -325,7 +361,7 @@ def _report(
     calibrations: dict[str, dict[str, Any]],
 ) -> None:
     """Tables, validation, JSON and plot from the measurements (fresh, or read back with ``--from-json``)."""
-    results = {}
+    results, seed_results = {}, {}
     for setting, per in measurements.items():
         rows = [
             summarize(runs[0] if len(runs) == 1 else _merged(runs), args.target, args.skip) for runs in per.values()
@@ -335,11 +371,15 @@ def _report(
         calibrations[setting].update(latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
         validate(rows, per, link, workers)
         results[setting] = rows
+        seed_results[setting] = over_seeds(per, args.target, args.skip)
     load = os.getloadavg()
     text = [f"# lgc-bench network: task {args.task}, {args.steps} steps, delay {args.delay}\n"]
     for setting, rows in results.items():
         fitted = calibrations[setting]
-        tables = f"{step_table(rows, args.target)}\n\n{eval_line(rows)}\n\n{equal_bytes_table(rows)}"
+        tables = (
+            f"{step_table(rows, args.target)}\n\n{eval_line(rows)}\n\n{equal_bytes_table(rows)}\n\n"
+            f"Over seeds:\n\n{seeds_table(seed_results[setting])}"
+        )
         text.append(f"## {setting} per link\n\n{tables}\n")
         text.append(
             f"Cost model, link fitted on plain allreduces and allgathers: alpha {1e6 * fitted['latency_s']:.0f} us, "
@@ -356,6 +396,7 @@ def _report(
                 {
                     "arguments": {k: str(v) for k, v in vars(args).items()},
                     "results": results,
+                    "over_seeds": seed_results,
                     "calibrations": calibrations,
                     "raw": measurements,
                 }

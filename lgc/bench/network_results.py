@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from lgc.bench.methods import method_color
+from lgc.report.seeds import Interval
 
 __all__ = [
     "accuracy_at_bytes",
+    "over_seeds",
+    "seeds_table",
     "equal_bytes_table",
     "eval_line",
     "plot_results",
@@ -204,3 +207,101 @@ def validation_table(rows: list[dict[str, Any]]) -> str:
             f"| {1000 * r['predicted_comm_s']:.1f} |"
         )
     return "\n".join(lines)
+
+
+def over_seeds(per: dict[str, list[dict[str, Any]]], target: float, skip: int) -> dict[str, Any]:
+    """Each method's time to ``target`` per seed, their 95 % intervals, and the no-communication bound.
+
+    ``per``: a setting's measurements, one per seed, by method label. The **no-communication
+    bound** of a seed is dense's (``none``'s) steps to the target times its compute-only step
+    (forward and backward without communication, ``compute_s``): what any method needs on that
+    seed's batches if communication were free and it converged as dense does. Each method's
+    time to target is divided by the bound seed by seed (``x_bound``), so it reads as a multiple
+    of what the network allows at best. Seeds where a method never reached the target count in
+    ``reached`` and are left out of its intervals.
+    """
+    summaries = {
+        label: [(_seed(run, i), summarize(run, target, skip)) for i, run in enumerate(runs)]
+        for label, runs in per.items()
+    }
+    bounds: dict[Any, float] = {}
+    for seed, row in summaries.get("none", []):
+        if row["steps_to_target"] is not None:
+            bounds[seed] = row["steps_to_target"] * row["compute_s"]
+    methods = []
+    for label, rows in summaries.items():
+        times = {seed: row["time_to_target_s"] for seed, row in rows if row["time_to_target_s"] is not None}
+        ratios = [times[seed] / bounds[seed] for seed in times if seed in bounds]
+        methods.append(
+            {
+                "method": label,
+                "seeds": [seed for seed, _ in rows],
+                "reached": len(times),
+                "time_to_target_s": _interval(list(times.values())),
+                "x_bound": _interval(ratios),
+                "final_accuracy": _interval(
+                    [row["final_accuracy"] for _, row in rows if row["final_accuracy"] is not None]
+                ),
+                "wire_mb_per_worker": _interval([row["wire_bytes_per_worker"] / 1e6 for _, row in rows]),
+            }
+        )
+    dense = summaries.get("none", [])
+    return {
+        "target": target,
+        "bound_s": _interval(list(bounds.values())),
+        "bound_by_seed": [
+            {"seed": seed, "steps": row["steps_to_target"], "compute_s": row["compute_s"], "bound_s": bounds.get(seed)}
+            for seed, row in dense
+        ],
+        "methods": methods,
+    }
+
+
+def _seed(run: dict[str, Any], index: int) -> Any:
+    """The seed a measurement ran with (its position among the method's runs for a record without one)."""
+    return run["ranks"][0]["spec"].get("seed", index)
+
+
+def _interval(values: list[float]) -> dict[str, Any] | None:
+    interval = Interval.of(values)
+    if interval is None:
+        return None
+    return {"n": interval.n, "mean": interval.mean, "half_width": interval.half_width, "values": values}
+
+
+def _text(interval: dict[str, Any] | None, fmt: str) -> str:
+    if interval is None:
+        return "-"
+    half = interval["half_width"]
+    return format(interval["mean"], fmt) + ("" if half is None else f" ± {half:{fmt}}")
+
+
+def seeds_table(result: dict[str, Any]) -> str:
+    """The time-to-target table over seeds, with the no-communication bound it is read against."""
+    target, bound = result["target"], result["bound_s"]
+    lines = [
+        f"| method | seeds at {target:g} | time to {target:g} (s) ± 95% CI | x no-communication bound ± 95% CI "
+        "| final accuracy ± 95% CI | wire MB/worker |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in result["methods"]:
+        lines.append(
+            f"| {m['method']} | {m['reached']}/{len(m['seeds'])} | {_text(m['time_to_target_s'], '.1f')} "
+            f"| {_text(m['x_bound'], '.2f')} | {_text(m['final_accuracy'], '.4f')} "
+            f"| {_text(m['wire_mb_per_worker'], '.3g')} |"
+        )
+    if bound is None:
+        note = "No no-communication bound: dense (`none`) did not run or never reached the target."
+    else:
+        per_seed = ", ".join(
+            f"seed {b['seed']}: {b['steps']} steps x {1000 * b['compute_s']:.1f} ms"
+            for b in result["bound_by_seed"]
+            if b["bound_s"] is not None
+        )
+        note = (
+            f"No-communication bound: dense's steps to {target:g} times its compute-only step (forward and "
+            f"backward, no communication), {_text(bound, '.1f')} s over seeds ({per_seed}). `x no-communication "
+            "bound` is each method's time to the target over that bound, seed by seed. Rows are in the order "
+            "given, not ranked: methods whose intervals overlap are not shown to differ."
+        )
+    return "\n".join(lines) + "\n\n" + note

@@ -6,8 +6,9 @@ and the run's settings as one JSON argument (:class:`WorkerSpec`). It trains a p
 ``DistributedDataParallel`` loop (no Lightning: nothing but the step is timed) with the method
 registered by :func:`lgc.compress`, and writes one JSON record per rank:
 
-* ``compute_s``: forward + backward + optimizer step without any communication (``no_sync`` steps
-  measured before training, the median): what the step would cost on an infinitely fast network;
+* ``compute_s``: forward + backward without any communication (``no_sync`` steps measured before
+  training, the median): what the step would cost on an infinitely fast network (the optimizer's
+  own update, a few microseconds for SGD, aside);
 * per step: wall and process CPU seconds, the hook's encode and decode seconds (lgc's compressors;
   null for LGC and PyTorch's hooks, whose coding is interleaved with their collectives), and the
   wire and logical bytes this worker sent (:class:`lgc.ddp.CommStats`);
@@ -15,11 +16,12 @@ registered by :func:`lgc.compress`, and writes one JSON record per rank:
   (headers included), to check the wire bytes against;
 * epochs of ``len(train) // (batch_size * world)`` steps, announced with ``state.set_epoch``
   (DGC's density warm-up counts them);
-* evaluations every ``eval_every`` steps (rank 0 evaluates the validation split; the time spent
-  evaluating is left out of the training clock): training seconds so far and accuracy. With local
-  steps (``delay``) rank 0 evaluates the synchronized (global) model, as DiLoCo and its successors
-  report: every fragment's last synchronized weights and the buffers of the last exchange
-  (:meth:`lgc.ddp.local_sgd.CommunicationDelayState.global_model`), and trains on from its own
+* evaluations every ``eval_every`` steps (the whole validation split, each rank a share of it, once
+  the ranks have checked that they hold the same model; the time spent evaluating is left out of
+  the training clock): training seconds so far and accuracy. With local steps (``delay``) the
+  ranks evaluate the synchronized (global) model, as DiLoCo and its successors report: every
+  fragment's last synchronized weights and the buffers of the last exchange
+  (:meth:`lgc.ddp.local_sgd.CommunicationDelayState.global_model`), and train on from their own
   weights; ``eval_model`` records it;
 * ``profile``: the method measured in a group of this worker alone (:func:`lgc.bench.profile.profile_method`,
   run by all workers at once before training, so the CPU is shared as in training), with the
@@ -52,11 +54,12 @@ from torch.nn.parallel import DistributedDataParallel
 from lgc.bench.methods import sgd_for, steady_from
 from lgc.bench.profile import profile_method
 
-__all__ = ["TASKS", "WorkerSpec", "build_model", "main", "run_worker", "time_collectives"]
+__all__ = ["TASKS", "WorkerSpec", "build_model", "load_task_data", "main", "run_worker", "time_collectives"]
 
-#: Training tasks: the embedded default's model, and torchvision ResNets (larger gradients) on the
-#: same 8x8 digits with the CIFAR stem, where compute stays cheap.
-TASKS = ("digits", "resnet18", "resnet50")
+#: Training tasks: the embedded default's model on 8x8 digits, ResNet-8 on Fashion-MNIST (28x28,
+#: validated on its 10,000 test images: the task that separates methods), and torchvision ResNets
+#: (larger gradients) on the 8x8 digits with the CIFAR stem, where compute stays cheap.
+TASKS = ("digits", "fashion_mnist", "resnet18", "resnet50")
 
 
 @dataclass
@@ -74,6 +77,8 @@ class WorkerSpec:
     eval_every: int = 10
     compute_steps: int = 5
     seed: int = 0
+    #: fashion_mnist: the folder torchvision's FashionMNIST reads (lgc.data.fashion_mnist.prepare_fashion_mnist).
+    data_root: str | None = None
     timeout_s: float = 300.0
     knobs: dict[str, Any] = field(default_factory=dict)
     #: ``train``, or ``collectives`` (time collectives to calibrate the cost model's link).
@@ -83,8 +88,8 @@ class WorkerSpec:
 
 
 def build_model(task: str) -> nn.Module:
-    """The model of ``task`` for 1-channel 8x8 digits and 10 classes."""
-    if task == "digits":
+    """The model of ``task``: 1-channel images, 10 classes."""
+    if task in ("digits", "fashion_mnist"):
         from lgc.models.cifar_resnet import resnet8
 
         return resnet8(num_classes=10, in_channels=1)
@@ -95,14 +100,52 @@ def build_model(task: str) -> nn.Module:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
+def load_task_data(spec: WorkerSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training images and labels, validation images and labels (normalized float images, N x 1 x H x W)."""
+    if spec.task == "fashion_mnist":
+        from torchvision.datasets import FashionMNIST
+
+        from lgc.data.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD
+
+        def split(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            data = FashionMNIST(spec.data_root, train=train, download=False)
+            images = (data.data.unsqueeze(1).float() / 255 - FASHION_MNIST_MEAN[0]) / FASHION_MNIST_STD[0]
+            return images, data.targets
+
+        return *split(True), *split(False)
+    from lgc.data.digits import load_digits_split
+
+    train_set, val_set = load_digits_split(0.2, spec.seed)
+    return *train_set.tensors, *val_set.tensors
+
+
+def _fingerprint(model: nn.Module) -> float:
+    """A float64 sum over the model's parameters and buffers: equal on every rank when the models are."""
+    return sum(float(t.detach().double().sum()) for t in [*model.parameters(), *model.buffers()])
+
+
 def _evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """Accuracy on all of ``images``, every rank evaluating its share (``rank::world``) of the same model.
+
+    The ranks first check that they hold the same model (a fingerprint of its weights and
+    buffers); a mismatch is an error, not an average over different models.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prints = [0.0] * world
+    dist.all_gather_object(prints, _fingerprint(model))
+    if any(value != prints[0] for value in prints):
+        raise RuntimeError(f"the ranks evaluate different models (weight fingerprints {prints})")
+    mine, their_labels = images[rank::world], labels[rank::world]
     model.eval()
     with torch.no_grad():
         correct = sum(
-            int((model(x).argmax(dim=1) == y).sum()) for x, y in zip(images.split(256), labels.split(256), strict=True)
+            int((model(x).argmax(dim=1) == y).sum())
+            for x, y in zip(mine.split(256), their_labels.split(256), strict=True)
         )
     model.train()
-    return correct / len(labels)
+    total = torch.tensor([correct], dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total) / len(labels)
 
 
 def _synchronized_model(state: Any, module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
@@ -147,13 +190,10 @@ def time_collectives(spec: WorkerSpec) -> dict[str, Any]:
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train ``spec.steps`` steps in an initialized process group; returns this rank's record."""
     import lgc
-    from lgc.data.digits import load_digits_split
     from lgc.ddp.collectives import record_collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    train_set, val_set = load_digits_split(0.2, spec.seed)
-    images, labels = train_set.tensors
-    val_images, val_labels = val_set.tensors
+    images, labels, val_images, val_labels = load_task_data(spec)
     torch.manual_seed(spec.seed)
     model = DistributedDataParallel(build_model(spec.task))
     optimizer = sgd_for(spec.method, model, spec.lr, spec.momentum)
@@ -229,12 +269,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             record["decode_s"] = codec["decode"] - codec_before["decode"]
         records.append(record)
         if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
-            accuracy = None
-            if rank == 0:
-                with _synchronized_model(state, model.module) as evaluated:
-                    accuracy = _evaluate(evaluated, val_images, val_labels)
+            # Off the training clock; every rank evaluates a share of the validation set.
+            with _synchronized_model(state, model.module) as evaluated:
+                accuracy = _evaluate(evaluated, val_images, val_labels)
             evaluations.append({"step": step + 1, "training_s": training_s, "accuracy": accuracy})
-            dist.barrier()  # the others wait while rank 0 evaluates: off the training clock
     sent_at_end = interface()
     profile.trace = list(trace)  # the last step's collectives, over the real group
     return {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
+import platform
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -39,9 +41,11 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return gathered
 
 
-def gather_worker_stats(state: HookState) -> list[dict[str, float]]:
-    """Every worker's :class:`~lgc.ddp.CommStats` as dicts, on every rank (a collective)."""
-    return _all_gather_object({**state.stats.as_dict(), **state.summary_extras()})
+def gather_worker_stats(state: HookState, **extra: Any) -> list[dict[str, Any]]:
+    """Every worker's :class:`~lgc.ddp.CommStats` and ``extra`` (its own values) as dicts, on every rank.
+
+    A collective: every rank calls it."""
+    return _all_gather_object({**state.stats.as_dict(), **state.summary_extras(), **extra})
 
 
 def _ratio(dense_bytes: float, sent_bytes: float) -> float | None:
@@ -219,6 +223,22 @@ class CompressionCallback(pl.Callback):
         self._last = copy.copy(self._state.stats)
 
 
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the values, None if any is None (a worker that timed no step)."""
+    return None if not values or any(v is None for v in values) else sum(values) / len(values)  # type: ignore[arg-type]
+
+
+def _environment(world_size: int) -> dict[str, Any]:
+    """What a run's times depend on, for its summary: software versions and the CPUs it shared."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "workers": world_size,
+    }
+
+
 class RunSummary(pl.Callback):
     """Writes ``summary.json`` (rank 0) at the end of training.
 
@@ -226,14 +246,19 @@ class RunSummary(pl.Callback):
     the collectives' algorithms put on the network, :mod:`lgc.ddp.wire`) and logical bytes (the
     tensors handed to them) sent/received, their dense equivalents, ``compression_ratio`` (wire
     bytes of a dense ring allreduce over wire bytes sent), ``logical_compression_ratio``,
-    ``payload_compression_ratio``, ``hook_calls``, ``fit_time_s``, ``eval_model`` (``global``:
+    ``payload_compression_ratio``, ``hook_calls``, ``fit_time_s``, ``step_cpu_time_ms`` (the CPU
+    time of a training step, forward to optimizer step, communication included, as the worker's
+    process spent it in all its threads: the mean over the steps this process ran (a resumed run's
+    since its resumption) and over workers; each worker's own in ``workers``; unlike wall time it
+    does not grow when workers share cores), ``eval_model`` (``global``:
     validation saw the synchronized model; with communication delay every fragment's last
     synchronized weights and the buffers of the last exchange, otherwise the model every rank
     shares), ``buffer_sync`` (how module buffers were kept in step: ``broadcast``, rank 0's sent
     to every rank once per step, ``average_at_exchange``, or ``none`` for a model built with
     ``broadcast_buffers=False``; :mod:`lgc.ddp.buffers`) with
     ``wire_buffer_bytes_sent`` (their bytes, part of ``wire_bytes_sent``), the resolved config, and
-    ``hydra``: the option of every config group and the overrides the run was given
+    ``environment`` (torch and Python versions, the machine's CPU count, each worker's torch threads:
+    what ``fit_time_s`` depends on), ``hydra``: the option of every config group and the overrides the run was given
     (:func:`lgc.train.hydra_record`; what ``lgc-report`` labels runs by), when known. An
     LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
     start from with ``compressor.autoencoder.init=PATH``.
@@ -247,16 +272,29 @@ class RunSummary(pl.Callback):
         self.config = config or {}
         self.hydra = hydra
         self._start = time.perf_counter()
+        # CPU seconds spent in training steps, the steps timed, and the current step's start.
+        self._step_cpu_s, self._timed_steps, self._batch_cpu = 0.0, 0, None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
+        self._step_cpu_s, self._timed_steps, self._batch_cpu = 0.0, 0, None
         # The resolved run config, in every logger (wandb's run config, CSV's hparams.yaml).
         if self.config:
             for logger in trainer.loggers:
                 logger.log_hyperparams(self.config)
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._batch_cpu = time.process_time()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._batch_cpu is not None:
+            self._step_cpu_s += time.process_time() - self._batch_cpu
+            self._timed_steps += 1
+            self._batch_cpu = None
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        workers = gather_worker_stats(_hook_state(trainer))
+        step_cpu_ms = 1000 * self._step_cpu_s / self._timed_steps if self._timed_steps else None
+        workers = gather_worker_stats(_hook_state(trainer), step_cpu_time_ms=step_cpu_ms)
         if trainer.global_rank != 0:
             return
         # One per-layer table (rank 0's; every worker sends the same layers) rather than one per worker.
@@ -289,6 +327,9 @@ class RunSummary(pl.Callback):
             "skipped_steps": workers[0].get("skipped_steps", 0),
             **_ratios(total),
             "fit_time_s": time.perf_counter() - self._start,
+            "step_cpu_time_ms": _mean([w["step_cpu_time_ms"] for w in workers]),
+            # Where the times were measured (runs of one sweep may come from several machines).
+            "environment": _environment(trainer.world_size),
             "config": self.config,
         }
         if self.hydra is not None:

@@ -3,9 +3,10 @@
 A comparison is evidence only when it says how much its numbers move between seeds. The runs
 of one label once its ``seed=N`` token is left out form a group (``lgc-train -m seed=0,1,2
 compressor=topk`` makes one). For each group and each quantity (the final ``val/acc`` or
-``val/mIoU``, whole-run wire MB per worker, wall time) this module gives n, the mean, the sample
-standard deviation and the half-width of the 95 % confidence interval of the mean from Student's
-t distribution (``t(0.975, n - 1) * sd / sqrt(n)``; none for n = 1).
+``val/mIoU``, whole-run wire MB per worker, a training step's CPU time per worker, wall time)
+this module gives n, the mean, the sample standard deviation and the half-width of the 95 %
+confidence interval of the mean from Student's t distribution (``t(0.975, n - 1) * sd /
+sqrt(n)``; none for n = 1).
 
 The dense baseline (``compressor=none``) of a group is the dense group run on the same task:
 the same data, model, number of workers, batch size, length and schedule (:data:`TASK_KEYS`; not
@@ -28,7 +29,17 @@ from typing import Any
 from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord
 from lgc.report.values import MISSING, lookup
 
-__all__ = ["TASK_KEYS", "Interval", "SeedGroup", "group_by_seed", "plot_seed_groups", "seed_rows", "seed_table"]
+__all__ = [
+    "STEP_CPU_MS",
+    "TASK_KEYS",
+    "Interval",
+    "SeedGroup",
+    "group_by_seed",
+    "paired_gap",
+    "plot_seed_groups",
+    "seed_rows",
+    "seed_table",
+]
 
 #: What makes two runs the same task (a method's dense baseline shares every one of these).
 TASK_KEYS = (
@@ -43,6 +54,8 @@ TASK_KEYS = (
     "trainer.limit_train_batches",
     "scheduler._target_",
 )
+#: A training step's CPU time per worker, in ms (``summary.json``'s mean over workers; lgc.lit.RunSummary).
+STEP_CPU_MS = "step_cpu_time_ms"
 _SEED_TOKEN = re.compile(r"(^| )seed=\S+")
 
 
@@ -134,10 +147,10 @@ def _dense_for(group: SeedGroup, groups: Sequence[SeedGroup]) -> SeedGroup | Non
     return matches[0] if len(matches) == 1 else None
 
 
-def paired_gap(group: SeedGroup, dense: SeedGroup) -> Interval | None:
-    """The method's final metric minus dense's, seed by seed, over the seeds both ran."""
+def paired_gap(group: SeedGroup, other: SeedGroup) -> Interval | None:
+    """The group's final metric minus the other's (dense's, say), seed by seed, over the seeds both ran."""
     mine = {record.config.get("seed"): record.metric for record in group.records}
-    theirs = {record.config.get("seed"): record.metric for record in dense.records}
+    theirs = {record.config.get("seed"): record.metric for record in other.records}
     gaps = [mine[s] - theirs[s] for s in mine if s in theirs and mine[s] is not None and theirs[s] is not None]
     return Interval.of(gaps)  # type: ignore[arg-type]
 
@@ -157,6 +170,7 @@ class _Comparison:
     group: SeedGroup
     accuracy: Interval | None
     wire: Interval | None
+    step_cpu: Interval | None
     wall: Interval | None
     gap: Interval | None
     vs_dense: str
@@ -174,6 +188,7 @@ def _comparisons(records: Sequence[RunRecord]) -> list[_Comparison]:
                 group,
                 group.interval("metric"),
                 group.interval(WIRE_MB_PER_WORKER),
+                group.interval(STEP_CPU_MS),
                 group.interval("wall_time_s"),
                 gap,
                 "dense" if group is dense else _verdict(gap),
@@ -192,6 +207,7 @@ def seed_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "seeds": c.group.seeds,
             c.group.records[0].metric_key: _interval_dict(c.accuracy),
             WIRE_MB_PER_WORKER: _interval_dict(c.wire),
+            STEP_CPU_MS: _interval_dict(c.step_cpu),
             "wall_time_s": _interval_dict(c.wall),
             "gap_to_dense": _interval_dict(c.gap),
             "vs_dense": c.vs_dense,
@@ -231,6 +247,7 @@ def seed_table(records: Sequence[RunRecord]) -> str:
         "vs dense",
         "wire MB/worker",
         "x fewer bytes than dense",
+        "step CPU ms/worker",
         "wall time (s)",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -244,6 +261,7 @@ def seed_table(records: Sequence[RunRecord]) -> str:
             c.vs_dense,
             "-" if c.wire is None else c.wire.text(".3g"),
             "-" if c.wire_ratio is None else f"{c.wire_ratio:.1f}",
+            "-" if c.step_cpu is None else c.step_cpu.text(".1f"),
             "-" if c.wall is None else c.wall.text(".1f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -6,6 +6,9 @@ import shutil
 import subprocess
 
 import pytest
+import torch
+from distributed import run_workers
+from scipy import stats
 
 from lgc.bench import netns, network_results
 from lgc.bench.cli import main
@@ -33,12 +36,23 @@ def nothing_built(monkeypatch):
         (["--steps", "5", "--skip", "5"], r"--skip must be in \[0, --steps=5\)"),
         (["--workers", "0"], r"--workers must be >= 2"),
         (["--workers", "4,x"], "--workers must be comma-separated integers, got '4,x'"),
+        (["--seeds", "0,x"], "--seeds must be comma-separated integers, got '0,x'"),
+        (["--seeds", "1,1"], "--seeds must be distinct non-negative integers, got '1,1'"),
     ],
 )
 def test_bad_values_are_named_before_any_namespace_exists(nothing_built, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["network", *argv])
     assert re.search(message, str(exit_info.value.code))
+
+
+def test_fashion_mnist_missing_is_refused_before_any_namespace_exists(nothing_built, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASHION_MNIST_ROOT", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["network", "--task", "fashion_mnist"])
+    assert "Fashion-MNIST file" in str(exit_info.value.code) and "apt-get install dataset-fashion-mnist" in str(
+        exit_info.value.code
+    )
 
 
 def test_without_root_it_says_what_is_missing_and_exits_with_status_2(monkeypatch, capsys):
@@ -55,9 +69,9 @@ def test_without_root_it_says_what_is_missing_and_exits_with_status_2(monkeypatc
     assert "needs root" in capsys.readouterr().err
 
 
-def _rank(method, steps, compute, accuracies, wire_per_step, encode=None):
+def _rank(method, steps, compute, accuracies, wire_per_step, encode=None, seed=0):
     return {
-        "spec": {"method": method},
+        "spec": {"method": method, "seed": seed},
         "compute_s": compute,
         "steps": [
             {
@@ -166,3 +180,72 @@ def test_the_report_names_the_model_every_accuracy_was_measured_on():
     line = network_results.eval_line(rows)
     assert "synchronized (global) model" in line and "(none, sparseloco:delay=10)" in line
     assert "does not name (rank 0's own weights) (old)" in line
+
+
+def test_time_to_target_over_seeds_is_read_against_the_no_communication_bound():
+    def run(method, seed, compute, accuracies, wall=0.1):
+        # Evaluations every 10 steps, 1 s of training each (the _rank helper); ranks alike.
+        ranks = [_rank(method, [wall] * 30, compute, accuracies, 100, seed=seed) for _ in range(2)]
+        return {"ranks": ranks, "interfaces": {}}
+
+    per = {
+        # Dense reaches 0.9 at step 20 on seed 0 and step 30 on seed 1; compute-only steps of 10 and 20 ms.
+        "none": [run("none", 0, 0.010, [0.5, 0.9, 0.95]), run("none", 1, 0.020, [0.5, 0.8, 0.9])],
+        # topk reaches it at 3 s on seed 0 and never on seed 1.
+        "topk": [run("topk", 0, 0.010, [0.5, 0.8, 0.9]), run("topk", 1, 0.020, [0.5, 0.8, 0.85])],
+    }
+    result = network_results.over_seeds(per, target=0.9, skip=0)
+    # The bound: steps to target x compute-only step, seed by seed: 20 x 10 ms and 30 x 20 ms.
+    assert [b["bound_s"] for b in result["bound_by_seed"]] == [pytest.approx(0.2), pytest.approx(0.6)]
+    assert result["bound_s"]["mean"] == pytest.approx(0.4) and result["bound_s"]["n"] == 2
+    dense, topk = result["methods"]
+    assert dense["reached"] == 2 and dense["time_to_target_s"]["values"] == [2.0, 3.0]
+    # Each time over its own seed's bound, then the interval: 2 / 0.2 and 3 / 0.6.
+    assert dense["x_bound"]["values"] == [pytest.approx(10.0), pytest.approx(5.0)]
+    assert dense["x_bound"]["half_width"] == pytest.approx(stats.t.ppf(0.975, 1) * stats.sem([10.0, 5.0]))
+    # A seed that never reached the target counts in `reached` and stays out of the intervals.
+    assert topk["reached"] == 1 and topk["time_to_target_s"]["values"] == [3.0]
+    assert topk["x_bound"]["values"] == [pytest.approx(15.0)] and topk["x_bound"]["half_width"] is None
+    assert topk["final_accuracy"]["values"] == [0.9, 0.85]
+    table = network_results.seeds_table(result)
+    assert "| topk | 1/2 | 3.0 | 15.00 | 0.8750 ± " in table
+    assert "No-communication bound: dense's steps to 0.9" in table and "seed 1: 30 steps x 20.0 ms" in table
+    # Without dense there is no bound, and the table says so.
+    alone = network_results.over_seeds({"topk": per["topk"]}, target=0.9, skip=0)
+    assert alone["bound_s"] is None and alone["methods"][0]["x_bound"] is None
+    assert "No no-communication bound" in network_results.seeds_table(alone)
+
+
+def _evaluate_on_each_rank(rank, world, folder, perturb):
+    from lgc.bench.network_worker import WorkerSpec, _evaluate, load_task_data
+
+    torch.manual_seed(0)
+    model = build_model("fashion_mnist")
+    if perturb and rank == 1:
+        with torch.no_grad():
+            model.fc.bias.add_(1e-3)
+    _, _, images, labels = load_task_data(WorkerSpec("none", task="fashion_mnist", data_root=folder))
+    try:
+        return _evaluate(model, images, labels)
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_fashion_mnist_is_evaluated_on_every_image_shared_between_ranks_holding_the_same_model(tmp_path):
+    from test_fashion_mnist import write_fashion_mnist
+
+    from lgc.bench.network_worker import WorkerSpec, load_task_data
+    from lgc.data.fashion_mnist import prepare_fashion_mnist
+
+    write_fashion_mnist(tmp_path / "raw")
+    folder = str(prepare_fashion_mnist(tmp_path / "raw", tmp_path / "cache"))
+    images, labels, val_images, val_labels = load_task_data(WorkerSpec("none", task="fashion_mnist", data_root=folder))
+    assert images.shape == (64, 1, 28, 28) and val_images.shape == (16, 1, 28, 28) and images.dtype == torch.float32
+    # One process evaluating all 16 images, against two ranks evaluating 8 each.
+    torch.manual_seed(0)
+    model = build_model("fashion_mnist").eval()
+    with torch.no_grad():
+        expected = int((model(val_images).argmax(dim=1) == val_labels).sum()) / 16
+    assert run_workers(_evaluate_on_each_rank, 2, folder, False) == [expected, expected]
+    # Different models on the ranks: an error on every rank, not an average over two models.
+    assert all("different models" in r for r in run_workers(_evaluate_on_each_rank, 2, folder, True))

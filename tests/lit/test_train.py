@@ -54,6 +54,14 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
     assert summary["hook_calls"] > 0 and summary["skipped_steps"] == 0
     assert summary["config"]["compressor"]["density"] == density
     assert summary["wall_time_s"] > summary["fit_time_s"] > 0
+    # What the times depend on: versions, the machine's CPUs, and each worker's threads.
+    env = summary["environment"]
+    assert env["torch"] == torch.__version__ and env["cpus"] == os.cpu_count() and env["workers"] == 2
+    assert env["torch_threads"] >= 1
+    # Each worker's CPU time per training step, and their mean.
+    per_worker = [w["step_cpu_time_ms"] for w in summary["workers"]]
+    assert len(per_worker) == 2 and all(ms > 0 for ms in per_worker)
+    assert summary["step_cpu_time_ms"] == pytest.approx(sum(per_worker) / 2)
     assert len(summary["bytes_sent_per_worker"]) == len(summary["bytes_received_per_worker"]) == 2
 
     net = resnet8(num_classes=10, in_channels=1)

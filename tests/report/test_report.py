@@ -93,6 +93,7 @@ def _write_run(
     metrics: dict[str, float],
     steps: int = 4,
     wall_time_s: float = 21.5,
+    step_cpu_time_ms: float | None = None,
 ) -> dict[str, Any]:
     """Writes folder/summary.json with the fields and aggregation of lgc.lit.RunSummary."""
     sent = sum(w["bytes_sent"] for w in workers)
@@ -142,6 +143,8 @@ def _write_run(
         summary["lgc_stages"] = totals
     summary.update({k: v for k, v in metrics.items() if k in ("val/acc", "val/loss", "val/mIoU", "val/pixel_acc")})
     summary["wall_time_s"] = wall_time_s
+    if step_cpu_time_ms is not None:
+        summary["step_cpu_time_ms"] = step_cpu_time_ms
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

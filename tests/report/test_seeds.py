@@ -31,6 +31,7 @@ def _runs(tmp_path, methods=ACCURACY):
                 [_worker(sent * 4, sent)] * 2,
                 {"val/acc": accuracy},
                 wall_time_s=20.0 + seed,
+                step_cpu_time_ms=(30.0 if method == "none" else 40.0) + seed,
             )
     return load_runs([tmp_path])
 
@@ -81,6 +82,8 @@ def test_the_table_keeps_the_given_order_and_shows_mean_and_half_width(tmp_path)
     half = stats.t.ppf(0.975, 2) * 0.01 / math.sqrt(3)
     assert f"| 0.9000 ± {half:.4f} |" in table[4] and "| -0.0100 ± 0.0000 | below |" in table[4]
     assert "| 10.0 |" in table[4] and "| 3 (0, 1, 2) |" in table[4]
+    # A training step's CPU time per worker: 40, 41 and 42 ms over the seeds.
+    assert f"| 41.0 ± {stats.t.ppf(0.975, 2) * 1.0 / math.sqrt(3):.1f} |" in table[4]
 
 
 def test_the_plot_draws_each_method_once_with_its_interval_as_an_error_bar(tmp_path):
