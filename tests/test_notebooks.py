@@ -58,14 +58,24 @@ def _printed_json(notebook: nbformat.NotebookNode) -> object:
 @pytest.mark.multiprocess
 def test_gradient_correlation_notebook_runs_and_reports_both_partitions(tmp_path, monkeypatch):
     notebook, seconds = _run(NOTEBOOKS / "gradient_correlation.ipynb", tmp_path, monkeypatch)
-    summary = _printed_json(notebook)
+    printed = _printed_json(notebook)
+    summary = printed["partitions"]
     assert list(summary) == ["IID", "Dirichlet alpha=0.1"]
     for layers in summary.values():
         assert len(layers) == 3  # the first, a middle and the last conv weight
         for row in layers.values():
             assert -1.0 <= row["cosine_mean"] <= 1.0 and 0.0 <= row["jaccard_mean"] <= 1.0
+    # The values at the leader's positions, per layer, leader kind and per-worker batch size.
+    leader = printed["leader"]
+    assert len(leader) == 2  # the first conv (144 weights) has one position at 1 %: left out
+    for kinds in leader.values():
+        assert set(kinds) == {"fixed", "rotating"}
+        for sizes in kinds.values():
+            assert list(sizes) == ["8", "32", "128"]
+            for row in sizes.values():
+                assert -1.0 <= row["correlation"] <= 1.0 and 0.0 < row["energy_share"] <= 1.0
     figures = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(figures) == 2
+    assert len(figures) == 3
     assert seconds < TIMEOUT_S
 
 

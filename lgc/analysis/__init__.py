@@ -9,6 +9,7 @@ recorded training on the embedded task; :func:`read_offline_run` reads an offlin
 from lgc.analysis.correlation import (
     compare_recordings,
     cross_worker_cosine,
+    leader_position_statistics,
     pairwise_cosine,
     pairwise_topk_jaccard,
     random_topk_jaccard,
@@ -31,6 +32,7 @@ __all__ = [
     "compare_recordings",
     "compose_recording_config",
     "cross_worker_cosine",
+    "leader_position_statistics",
     "load_recording",
     "pairwise_cosine",
     "pairwise_topk_jaccard",

@@ -21,6 +21,7 @@ from lgc.analysis.recording import GradientRecording
 __all__ = [
     "compare_recordings",
     "cross_worker_cosine",
+    "leader_position_statistics",
     "pairwise_cosine",
     "pairwise_topk_jaccard",
     "random_topk_jaccard",
@@ -103,6 +104,41 @@ def random_topk_jaccard(numel: int, density: float) -> float:
     k = max(1, round(density * numel))
     overlap = np.arange(k + 1)
     return float(np.sum(hypergeom.pmf(overlap, numel, k, k) * overlap / (2 * k - overlap)))
+
+
+def leader_position_statistics(grads: Tensor, density: float, rotating: bool = False) -> dict[str, Tensor]:
+    """The workers' gradients at the leader's top-k positions, per step: what LGC's codec is given.
+
+    LGC's workers all send their values at the positions of one worker's top-k (the leader's:
+    worker 0, or worker ``t mod W`` at step ``t`` with ``rotating``), so its premise is that those
+    values agree across workers. For ``[W, T, N]`` gradients and ``k = max(1, round(density * N))``:
+
+    * ``correlation`` ``[T]``: Pearson's r between two workers' k values at those positions, the
+      mean over pairs of workers (the leader included: its values are its largest, the others' are
+      whatever they hold there); NaN where k < 2 (one value has no correlation);
+    * ``energy_share`` ``[T]``: the fraction of a non-leader worker's squared gradient that lies at
+      those positions (the mean over the non-leaders; ``density`` for unrelated gradients): how much
+      of what the others would send themselves the leader's positions carry.
+    """
+    _check_workers_steps_numel(grads)
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    workers, steps, numel = grads.shape
+    k = max(1, round(density * numel))
+    grads = grads.double()
+    leaders = torch.arange(steps) % workers if rotating else torch.zeros(steps, dtype=torch.long)
+    positions = grads[leaders, torch.arange(steps)].abs().topk(k, dim=-1, sorted=False).indices  # [T, k]
+    values = torch.gather(grads, -1, positions.unsqueeze(0).expand(workers, -1, -1))  # [W, T, k]
+    centered = values - values.mean(dim=-1, keepdim=True)
+    unit = centered / centered.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    correlation = _mean_over_pairs(torch.einsum("itn,jtn->tij", unit, unit))
+    if k < 2:
+        correlation = torch.full_like(correlation, float("nan"))
+    share = values.pow(2).sum(dim=-1) / grads.pow(2).sum(dim=-1).clamp_min(1e-300)  # [W, T]
+    others = torch.ones(workers, steps, dtype=torch.bool)
+    others[leaders, torch.arange(steps)] = False
+    energy_share = (share * others).sum(dim=0) / (workers - 1)
+    return {"correlation": correlation.float(), "energy_share": energy_share.float()}
 
 
 def recording_cosine(recording: GradientRecording) -> dict[str, Tensor]:

@@ -14,6 +14,7 @@ from lgc.analysis import (
     GradientRecording,
     compare_recordings,
     cross_worker_cosine,
+    leader_position_statistics,
     load_recording,
     pairwise_cosine,
     pairwise_topk_jaccard,
@@ -83,6 +84,41 @@ def _synthetic_recording(shared: float, seed: int = 0) -> GradientRecording:
         world_size=2,
         metadata={"shared": shared},
     )
+
+
+def test_values_at_the_leaders_positions_agree_for_equal_gradients_and_not_for_independent_ones():
+    torch.manual_seed(0)
+    common = torch.randn(1, 6, 2000)
+    same = leader_position_statistics(common.expand(3, -1, -1).clone(), density=0.05)
+    assert torch.allclose(same["correlation"], torch.ones(6))
+    # Every worker's energy at the leader's positions is the leader's own top-k share.
+    own = common[0].pow(2).topk(100, dim=-1).values.sum(-1) / common[0].pow(2).sum(-1)
+    assert torch.allclose(same["energy_share"], own)
+    independent = leader_position_statistics(torch.randn(4, 6, 20000), density=0.05)
+    assert independent["correlation"].abs().max() < 0.05
+    assert torch.allclose(independent["energy_share"], torch.full((6,), 0.05), atol=0.01)
+
+
+def test_the_leader_is_worker_0_or_rotates_with_the_step():
+    # Worker w's gradient is large at position w and small elsewhere (its own top-1), a ramp shared by all.
+    grads = torch.linspace(0.0, 0.01, 8).repeat(3, 4, 1)
+    for w in range(3):
+        grads[w, :, w] = 10.0
+    fixed = leader_position_statistics(grads, density=1 / 8)
+    rotating = leader_position_statistics(grads, density=1 / 8, rotating=True)
+    # At the leader's one position the others hold only the ramp: a tiny share of their energy.
+    assert fixed["energy_share"].max() < 1e-5 and rotating["energy_share"].max() < 1e-5
+    # With k = 1 value each there is nothing to correlate: r is NaN, not a made-up 0.
+    assert fixed["correlation"].isnan().all()
+    # Worker 0 now holds 5 at position 1 in step 1, where that step's rotating leader (worker 1) has its
+    # spike: a fifth of worker 0's energy (25 / 125), nothing of worker 2's; the mean over the two is 0.1.
+    grads[0, 1, 1] = 5.0
+    shared = leader_position_statistics(grads, density=1 / 8, rotating=True)["energy_share"]
+    assert shared[1] == pytest.approx(0.1, abs=1e-4) and shared[0] < 1e-5
+    # The fixed leader (worker 0) picks its own larger spike at position 0 in every step.
+    assert leader_position_statistics(grads, density=1 / 8)["energy_share"].max() < 1e-5
+    with pytest.raises(ValueError, match="density must be in"):
+        leader_position_statistics(grads, density=0.0)
 
 
 def test_summaries_rank_more_alike_workers_higher():
