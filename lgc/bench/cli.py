@@ -10,7 +10,7 @@ import argparse
 import re
 from types import ModuleType
 
-from lgc.bench import autoencoder, compressors, model, network, step
+from lgc.bench import autoencoder, codecs, compressors, model, network, step
 
 __all__ = ["main"]
 
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     benchmarks = {
         "compressors": compressors,
         "autoencoder": autoencoder,
+        "codecs": codecs,
         "network": network,
         "model": model,
         "step": step,

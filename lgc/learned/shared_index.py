@@ -52,7 +52,14 @@ from lgc.learned.state import LGCHookState
 from lgc.learned.step import Leaders, StepContext
 from lgc.validation import Density, NonNegativeInt, PositiveInt, check
 
-__all__ = ["VALUE_FORMATS", "ScaleChunk", "SharedIndexStage", "SharedIndexState", "quantization_levels"]
+__all__ = [
+    "VALUE_FORMATS",
+    "ScaleChunk",
+    "SharedIndexStage",
+    "SharedIndexState",
+    "quantization_levels",
+    "round_to_levels",
+]
 
 #: Wire formats of the values: name -> (dtype on the wire, bits per value).
 VALUE_FORMATS = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4}
@@ -64,6 +71,15 @@ ScaleChunk = Annotated[int, Field(ge=2, multiple_of=2, description="an even inte
 def quantization_levels(bits: int, world_size: int) -> int:
     """``m``: each worker's codes lie in ``[-m, m]``, so ``P`` workers' offset codes sum below ``2^bits``."""
     return (2**bits - 1) // (2 * world_size)
+
+
+def round_to_levels(chunks: Tensor, scales: Tensor, levels: int, noise: Tensor) -> Tensor:
+    """Unbiased stochastic rounding of ``chunks / scales`` (per row) to the integers ``-levels .. levels``.
+
+    ``noise``: uniform draws in [0, 1) shaped like ``chunks``; a value ``x`` of a row with scale
+    ``s`` becomes ``floor(x / s * levels + u)``, whose mean over ``u`` is ``x / s * levels``.
+    """
+    return torch.floor(chunks / scales[:, None] * levels + noise).clamp_(-levels, levels)
 
 
 class SharedIndexStage:
@@ -167,7 +183,7 @@ class SharedIndexStage:
             (self.seed * 1_000_003 + ctx.step) * 65_537 + ctx.rank
         )
         noise = torch.rand(chunks.shape, generator=generator, device=own.device)
-        codes = torch.floor(chunks / scales[:, None] * levels + noise).clamp_(-levels, levels)
+        codes = round_to_levels(chunks, scales, levels, noise)
         carried = code.unscaled(codes / levels, scales, plan.k)
         # Offset-binary codes in [0, 2m], packed bits wide: P workers' sums stay below 2**bits, so no lane carries.
         lanes = pack_uint((codes + levels).to(torch.uint8), bits)

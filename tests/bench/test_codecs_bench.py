@@ -1,0 +1,154 @@
+"""``lgc-bench codecs``: each leader-position codec's delivered sum and wire bits, on gradients made to order."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from lgc.bench import codecs
+from lgc.bench.cli import main
+from lgc.learned.leader_code import LeaderIndexCodec
+from lgc.learned.shared_index import quantization_levels
+
+
+def _gradients(workers=4, steps=6, sizes=(640, 1280), seed=0):
+    """Per parameter ``[W, T, n]``: a common gradient plus each worker's own noise."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(1, steps, n, generator=generator) + 0.5 * torch.randn(workers, steps, n, generator=generator)
+        for n in sizes
+    ]
+
+
+def _coder(name, chunk=16, world=4):
+    (spec,) = codecs.parse_codecs(name, chunk)
+    return codecs._Coder(spec, chunk, world, seed=0, ae_updates=20)
+
+
+def test_the_leaders_positions_are_its_own_top_k_per_parameter_fixed_or_rotating():
+    gradients = _gradients()
+    for rotating in (False, True):
+        for t, step in enumerate(codecs.leader_steps(gradients, 0.05, rotating)):
+            leader = t % 4 if rotating else 0
+            assert step.leader == leader and step.numel == 640 + 1280
+            first = gradients[0][leader, t].abs().topk(32).indices.sort().values
+            second = gradients[1][leader, t].abs().topk(64).indices.sort().values + 640
+            assert torch.equal(step.positions, torch.cat([first, second]))
+            flat = torch.cat([g[:, t] for g in gradients], dim=1)
+            assert torch.equal(step.values, flat[:, step.positions])
+
+
+def test_fp32_delivers_the_exact_sum_and_counts_32_bits_a_value_and_the_golomb_positions():
+    step = codecs.leader_steps(_gradients(), 0.05, rotating=True)[1]
+    coder = _coder("fp32")
+    delivered, bits = coder.run(step)
+    assert torch.allclose(delivered, step.values.sum(dim=0), atol=1e-6)
+    k = step.values.shape[1]
+    golomb = LeaderIndexCodec(16, "position", "golomb").encode_positions(step.positions, step.numel)
+    assert bits == {"payload": 32.0 * k, "leader": 8.0 * golomb.numel()}
+    # Value order adds the permutation back to it: ceil(log2 K) bits a position.
+    (value_ordered,) = codecs.parse_codecs("pca:16:fp32:value", 16)
+    permuted = codecs._Coder(value_ordered, 16, 4, seed=0)._wire_positions(step)
+    ordered = LeaderIndexCodec(16, "value", "golomb").encode_positions(permuted, step.numel)
+    assert ordered.numel() * 8 >= golomb.numel() * 8 + k * 7  # K = 96: 7 bits a position
+
+
+def test_fewer_levels_cost_fewer_bits_and_deliver_a_worse_sum_within_the_rounding_step():
+    steps = codecs.leader_steps(_gradients(), 0.05, rotating=False)
+    results = {name: codecs._evaluate(_coder(name), steps) for name in ("int8", "levels=3", "levels=1", "int4")}
+    assert results["int8"]["error"] < results["levels=3"]["error"] < results["levels=1"]["error"]
+    # int8 with 4 workers: 8-bit lanes and a 32-bit scale per chunk of 16; 3 levels a side: 2 m P + 1 = 25
+    # codes -> 5-bit lanes; one level: 9 codes -> 4 bits, which is int4 at 4 workers (m = 15 // 8 = 1).
+    assert results["int8"]["payload_bits_per_value"] == pytest.approx((8 * 16 + 32) / 16, rel=0.05)
+    assert results["levels=3"]["payload_bits_per_value"] == pytest.approx((5 * 16 + 32) / 16, rel=0.05)
+    same = ("error", "payload_bits_per_value", "bits_per_value")
+    assert [results["levels=1"][key] for key in same] == [results["int4"][key] for key in same]
+    # Every delivered value is within P rounding steps (a step: the shared chunk scale / m) of the exact sum.
+    step, coder = steps[0], _coder("int8")
+    delivered, _ = coder.run(step)
+    chunks = torch.stack([codecs.to_chunks(v, 16) for v in step.values])
+    step_size = chunks.abs().amax(dim=(0, 2)) / quantization_levels(8, 4)
+    bound = codecs.from_chunks(4 * step_size[:, None].expand(-1, 16), step.values.shape[1])
+    assert ((delivered - step.values.sum(dim=0)).abs() <= bound + 1e-6).all()
+
+
+def test_pca_is_exact_on_its_span_and_decodes_the_projection_of_the_sum():
+    # Every worker's scaled chunks lie in a 3-dimensional subspace of the 16 values of a chunk.
+    generator = torch.Generator().manual_seed(1)
+    basis = torch.linalg.qr(torch.randn(16, 3, generator=generator)).Q
+    workers, steps, rows = 4, 5, 12
+    values = (torch.randn(workers, steps, rows, 3, generator=generator) @ basis.T).reshape(workers, steps, -1)
+    layouts = [codecs.LeaderStep(0, torch.arange(rows * 16) * 2, values[:, t], rows * 32) for t in range(steps)]
+    exact = _coder("pca:3:fp32")
+    exact.fit(layouts[:3])
+    assert codecs._evaluate(exact, layouts[3:])["error"] < 1e-10
+    # Fewer components: the delivered sum is the sum projected on them (in the leader's chunk scales).
+    narrow = _coder("pca:2:fp32")
+    narrow.fit(layouts[:3])
+    delivered, bits = narrow.run(layouts[4])
+    chunks, scales = narrow._scaled_chunks(layouts[4])
+    projection = chunks.sum(dim=0) @ narrow.basis @ narrow.basis.T
+    assert torch.allclose(delivered, codecs.from_chunks(projection * scales[:, None], rows * 16), atol=1e-5)
+    assert bits["payload"] == 32.0 * 2 * rows
+    # int8 latents: 8 bits a code and a 32-bit scale per chunk, the sum within the rounding of the codes.
+    coarse = _coder("pca:3:int8")
+    coarse.fit(layouts[:3])
+    assert codecs._evaluate(coarse, layouts[3:])["payload_bits_per_value"] == pytest.approx((8 * 3 + 32) / 16)
+    assert 0 < codecs._evaluate(coarse, layouts[3:])["error"] < 1e-3
+
+
+def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
+    steps = codecs.leader_steps(_gradients(), 0.05, rotating=False)
+    ae = _coder("ae:2:fp16:value", chunk=64)
+    ae.fit(steps[:3])
+    delivered, bits = ae.run(steps[4])
+    rows = codecs.num_chunks(steps[4].values.shape[1], 64)
+    assert bits["payload"] == 16.0 * ae.autoencoder.config.latent_numel * rows and torch.isfinite(delivered).all()
+    leader = _coder("leader_scaled")
+    delivered, bits = leader.run(steps[4])
+    assert torch.equal(delivered, 4 * steps[4].values[0]) and bits["payload"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--codecs", "fp64"], "unknown codec 'fp64'"),
+        (["--codecs", "pca:x:fp32"], r"write pca:LATENT:DTYPE\[:ORDER\]"),
+        (["--codecs", "pca:99:fp32"], r"the latent size must be in \[1, --chunk=64\]"),
+        (["--codecs", "pca:4:int4"], "the dtype must be one of"),
+        (["--codecs", "ae:4:int8"], "the dtype must be fp32 or fp16"),
+        (["--codecs", "ae:4:fp32", "--chunk", "16"], "shorter than the encoder's receptive field"),
+        (["--codecs", "levels=0"], "levels must be a positive integer"),
+        (["--codecs", "int4", "--workers", "8"], "int4 cannot hold the sum of 8 workers"),
+        (["--ae-updates", "0"], "--ae-updates must be >= 1"),
+        (["--workers", "2,x"], "--workers must be comma-separated integers"),
+        (["--density", "0"], r"--density must be in \(0, 1\]"),
+        (["--train-fraction", "1"], r"--train-fraction must be in \(0, 1\)"),
+    ],
+)
+def test_bad_values_are_named_before_anything_is_recorded(monkeypatch, argv, message):
+    import lgc.analysis
+
+    monkeypatch.setattr(lgc.analysis, "record_gradients", lambda *a, **k: pytest.fail("recorded before checking"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["codecs", *argv])
+    assert re.search(message, str(exit_info.value.code))
+
+
+@pytest.mark.multiprocess
+def test_a_recorded_run_gives_every_codec_a_row_per_leader_and_the_files(tmp_path):
+    main(
+        ["codecs", "--workers", "2", "--batch-sizes", "16", "--steps", "6", "--codecs", "fp32,int8,pca:4:fp32",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    (result,) = json.loads((tmp_path / "codecs.json").read_text())
+    assert result["workers"] == 2 and result["steps"] == 6 and result["train_steps"] == 3
+    rows = {(row["leader"], row["codec"]): row for row in result["rows"]}
+    assert set(rows) == {(leader, c) for leader in ("fixed", "rotating") for c in ("fp32", "int8", "pca:4:fp32")}
+    assert rows["fixed", "fp32"]["error"] < 1e-10 and rows["rotating", "int8"]["error"] < 0.01
+    assert rows["fixed", "pca:4:fp32"]["bits_per_value"] < rows["fixed", "int8"]["bits_per_value"]
+    assert "| fixed | int8 |" in (tmp_path / "codecs.md").read_text()
+    assert (tmp_path / "codecs.png").stat().st_size > 10_000
