@@ -21,7 +21,8 @@ Codecs (``--codecs``, comma-separated):
 * ``fp32``, ``fp16``, ``bf16``: shared-index values (fp16 and bf16 per chunk divided by the
   leader's chunk scale), :class:`lgc.learned.shared_index.SharedIndexStage`;
 * ``int8``, ``int4``: unbiased stochastic rounding to ``2m + 1`` levels of a per-chunk scale
-  shared by every worker, summed in ``bits``-wide lanes (``m = (2^bits - 1) // (2P)``);
+  shared by every worker, summed in ``bits``-wide lanes (``m = (2^bits - 1) // (2P)``; a row says
+  so where the lanes cannot hold ``P`` workers' sum, int4 beyond 7 workers);
   ``levels=M``: the same with ``M`` levels per side, in the narrowest lane that holds ``P``
   workers' sum (fewer bits than int4 at large ``P``);
 * ``pca:L:DTYPE[:ORDER]``: the linear codec: every chunk of ``--chunk`` values (divided by the
@@ -62,7 +63,7 @@ from lgc.compressors.topk import num_selected
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.shared_index import quantization_levels, round_to_levels
 
-__all__ = ["CodecSpec", "LeaderStep", "benchmark_codecs", "leader_steps", "parse_codecs"]
+__all__ = ["CodecSpec", "LeaderStep", "benchmark_codecs", "cannot_sum", "leader_steps", "parse_codecs"]
 
 DEFAULT_CODECS = (
     "fp32,fp16,int8,int4,levels=1,pca:4:fp32,pca:4:int8,pca:8:int8,pca:16:int8,pca:16:fp16,pca:16:int8:value,"
@@ -162,6 +163,15 @@ def leader_steps(gradients: Sequence[Tensor], density: float, rotating: bool) ->
         flat = torch.cat([grad[:, t] for grad in gradients], dim=1)
         result.append(LeaderStep(leader, chosen, flat[:, chosen].float(), offset))
     return result
+
+
+def cannot_sum(spec: CodecSpec, world: int) -> str | None:
+    """Why ``spec`` cannot carry ``world`` workers' sum (its lanes are too narrow), or None."""
+    if spec.bits is not None and quantization_levels(spec.bits, world) < 1:
+        return (
+            f"{spec.bits}-bit lanes cannot hold the sum of {world} workers' codes (at most {(2**spec.bits - 1) // 2})"
+        )
+    return None
 
 
 def _lanes(world: int, levels: int) -> int:
@@ -325,9 +335,13 @@ def benchmark_codecs(
         for rotating in (False, True):
             layouts = leader_steps(gradients, density, rotating)
             for spec in codecs:
+                leader = "rotating" if rotating else "fixed"
+                unfit = cannot_sum(spec, rec.world_size)
+                if unfit is not None:
+                    rows.append({"codec": spec.name, "leader": leader, "error": None, "note": unfit})
+                    continue
                 coder = _Coder(spec, chunk, rec.world_size, seed, ae_updates)
                 coder.fit(layouts[:cut])
-                leader = "rotating" if rotating else "fixed"
                 rows.append({"codec": spec.name, "leader": leader, **_evaluate(coder, layouts[cut:])})
     finally:
         torch.set_num_threads(threads)
@@ -355,6 +369,9 @@ def format_table(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
+        if row["error"] is None:
+            lines.append(f"| {row['leader']} | {row['codec']} | - | - | - | {row['note']} | - |")
+            continue
         lines.append(
             f"| {row['leader']} | {row['codec']} | {row['payload_bits_per_value']:.2f} | "
             f"{row['leader_bits_per_value']:.2f} | {row['bits_per_value']:.2f} | {row['error']:.4g} | "
@@ -376,6 +393,8 @@ def plot_codecs(results: Sequence[dict[str, Any]], path: Path) -> None:
         for index, codec in enumerate(codecs):
             for leader, marker in (("fixed", "o"), ("rotating", "^")):
                 (row,) = [r for r in result["rows"] if r["codec"] == codec and r["leader"] == leader]
+                if row["error"] is None:
+                    continue  # cannot carry this many workers' sum
                 axis.scatter(
                     row["bits_per_value"],
                     max(row["error"], 1e-9),
@@ -430,10 +449,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise ValueError(f"--chunk and --steps must be >= 2, got {args.chunk} and {args.steps}")
         codecs = parse_codecs(args.codecs, args.chunk)
         workers, batch_sizes = _ints(args.workers, "workers"), _ints(args.batch_sizes, "batch-sizes")
-        for world in workers:
-            for spec in codecs:
-                if spec.bits is not None and quantization_levels(spec.bits, world) < 1:
-                    raise ValueError(f"{spec.name} cannot hold the sum of {world} workers' codes")
     except ValueError as error:
         raise SystemExit(f"lgc-bench codecs: {error}") from None
     results = []

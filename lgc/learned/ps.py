@@ -89,6 +89,11 @@ class ParameterServerStage:
 
     def __init__(self, innovation_density: float, latent_dtype: str = "float32") -> None:
         self.innovation_density = float(innovation_density)
+        if latent_dtype == "int8":
+            raise ValueError(
+                "latent_dtype='int8' sums the workers' codes in shared 8-bit lanes, as LGC-RAR's allreduce does; "
+                "LGC-PS's server receives every worker's own latent: use float32, float16 or bfloat16"
+            )
         self.latent_dtype = latent_dtype
         self.wire_dtype = latent_wire_dtype(latent_dtype)
 

@@ -29,10 +29,18 @@ worked; on the other two the codec failed with either leader (error about 1.0), 
 accuracies over the five seeds do not separate the two leaders. ``rotate_leader=False`` keeps
 ``leader_rank``.
 
-Bytes per worker and bucket: the latent (``K / 4`` floats by default, or half that in fp16), the
-dense small parameters, and the leader's broadcast (``4 K`` bytes raw, about ``1.4 K`` Golomb-coded
-at density 0.001, plus the scales). With ``refresh_threshold`` set, each worker's reconstruction
-error rides along in the allreduce (4 bytes), so all workers decide a refresh alike.
+``latent_dtype="int8"`` quantizes the latent as shared-index int8 quantizes values
+(:mod:`lgc.learned.shared_index`): one scale per chunk's latent shared by every worker (the largest
+magnitude over the workers, one allreduce-max of 4 bytes per chunk), unbiased stochastic rounding to
+``2m + 1`` levels with ``m = 255 // (2P)``, and the codes summed in 8-bit lanes that hold ``P``
+workers' sum without overflow (``P <= 127``). The decoder gets the sum of what the workers sent; each
+worker's own reconstruction (its residual) decodes its own rounded latent.
+
+Bytes per worker and bucket: the latent (``K / 4`` floats by default, half that in fp16, a quarter
+plus the scales in int8), the dense small parameters, and the leader's broadcast (``4 K`` bytes
+raw, about ``1.4 K`` Golomb-coded at density 0.001, plus the scales). With ``refresh_threshold``
+set, each worker's reconstruction error rides along in the allreduce (4 bytes), so all workers
+decide a refresh alike.
 """
 
 from __future__ import annotations
@@ -45,8 +53,9 @@ import torch
 from lgc.autoencoder import AutoencoderConfig
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
+from lgc.learned.shared_index import quantization_levels, shared_scale_codes
 from lgc.learned.state import LGCHookState
-from lgc.learned.step import Leaders, StepContext, latent_wire_dtype, send_parameters
+from lgc.learned.step import LATENT_DTYPES, Leaders, StepContext, latent_wire_dtype, send_parameters
 from lgc.learned.training import CodecTraining
 from lgc.validation import NonNegativeInt
 
@@ -61,20 +70,30 @@ class RingAllreduceStage:
     Args:
         residual: ``"own_reconstruction"`` keeps what this worker's own latent does not carry;
             ``"zero"`` clears the residual at the leader's positions.
-        latent_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` latents on the wire.
+        latent_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` latents on the wire, or
+            ``"int8"``: shared per-chunk scales, stochastic rounding, summed in 8-bit lanes.
+        seed: seed of the int8 latents' stochastic rounding (every worker's draws differ, seeded by
+            ``seed``, the step and its rank; a resumed run repeats them).
     """
 
-    __slots__ = ("latent_dtype", "residual", "wire_dtype")
+    __slots__ = ("latent_dtype", "residual", "seed", "wire_dtype")
 
-    def __init__(self, residual: str = "own_reconstruction", latent_dtype: str = "float32") -> None:
+    def __init__(self, residual: str = "own_reconstruction", latent_dtype: str = "float32", seed: int = 0) -> None:
         if residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
+        if latent_dtype not in (*LATENT_DTYPES, "int8"):
+            raise ValueError(f"latent_dtype must be one of {[*sorted(LATENT_DTYPES), 'int8']}, got {latent_dtype!r}")
         self.residual = residual
         self.latent_dtype = latent_dtype
-        self.wire_dtype = latent_wire_dtype(latent_dtype)
+        self.wire_dtype = torch.uint8 if latent_dtype == "int8" else latent_wire_dtype(latent_dtype)
+        self.seed = int(seed)
 
     def check_world(self, world_size: int) -> None:
-        pass  # any number of workers
+        if self.latent_dtype == "int8" and quantization_levels(8, world_size) < 1:
+            raise ValueError(
+                f"latent_dtype='int8' cannot hold the sum of {world_size} workers' codes in 8-bit lanes "
+                "(at most 127 workers); use a float latent_dtype"
+            )
 
     def distribute_weights(self, codec: torch.nn.Module, leaders: Leaders, stats: CommStats, group: Any) -> None:
         # Only rank 0 trained; every worker encodes and decodes, so everyone gets everything.
@@ -94,10 +113,18 @@ class RingAllreduceStage:
         positions, scales, _ = ctx.leader_message(v)
         assert scales is not None
         values = v[positions]
-        latent = ae.encode(code.scaled_chunks(values, scales)).to(self.wire_dtype).reshape(-1)
-        ctx.count_payload(counted.nbytes(latent))
         rows = scales.numel()
-        own_latent = latent.float().view(ae.latent_shape(rows))
+        encoded = ae.encode(code.scaled_chunks(values, scales))
+        if self.latent_dtype == "int8":
+            latent, latent_scales, levels = self._quantized(ctx, encoded.reshape(rows, -1))
+            ctx.count_payload(counted.nbytes(latent))  # the scales' allreduce-max is booked already
+            # What this worker sent: its codes at the shared scales.
+            own_codes = latent.float().view(rows, -1) - levels
+            own_latent = (own_codes / levels * latent_scales[:, None]).view(ae.latent_shape(rows))
+        else:
+            latent = encoded.to(self.wire_dtype).reshape(-1)
+            ctx.count_payload(counted.nbytes(latent))
+            own_latent = latent.float().view(ae.latent_shape(rows))
         # The worker's own reconstruction serves its residual and the refresh's error. The refresh's
         # error rides in the allreduce, so it is decoded first; otherwise both decodes are one call
         # after the allreduce, and none is needed with residual="zero" and no refresh.
@@ -114,6 +141,10 @@ class RingAllreduceStage:
             summed_error = ctx.allreduce_dense(error_part)
             counted.all_reduce(ctx.stats, latent, ctx.group).wait()
             latent_sum = latent.float()
+            if self.latent_dtype == "int8":
+                # Offset codes in [0, 2m] summed in 8-bit lanes: P workers' sum stays below 256.
+                offsets = latent_sum.view(rows, -1) - world_size * levels
+                latent_sum = (offsets / levels * latent_scales[:, None]).view(-1)
         if refresh:
             assert summed_error is not None
             # Mean relative error over the workers, weighted by the step's values.
@@ -137,6 +168,12 @@ class RingAllreduceStage:
         # Each worker's share is already divided by the world size: the sum is the mean gradient.
         ctx.apply(positions, mean_values * world_size, like=v)
 
+    def _quantized(self, ctx: StepContext, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``[rows, latent_numel]`` -> offset codes (uint8), the shared per-chunk scales and the levels ``m``."""
+        levels = quantization_levels(8, ctx.world_size)
+        codes, scales = shared_scale_codes(ctx, latent, levels, self.seed)
+        return (codes + levels).to(torch.uint8).reshape(-1), scales, levels
+
 
 def _own_error(values: torch.Tensor, own: torch.Tensor, metrics: dict[str, float]) -> float:
     """Relative error of this worker's own reconstruction (logged as ``lgc/recon_error``)."""
@@ -150,7 +187,7 @@ class LGCRingAllreduceState(LGCHookState):
     """LGC-RAR (``compressor=lgc_rar``): workers sum autoencoder latents with an allreduce.
 
     Args:
-        residual, latent_dtype: the compressed stage's knobs (:class:`RingAllreduceStage`).
+        residual, latent_dtype, seed: the compressed stage's knobs (:class:`RingAllreduceStage`).
         codec: ``"autoencoder"`` (the paper's) or ``"linear"``: the top principal directions of the
             same samples (:class:`~lgc.autoencoder.linear.LinearChunkCodec`, LGC's learned but
             linear ablation; exact for the sum, since decoding is linear).
@@ -174,6 +211,7 @@ class LGCRingAllreduceState(LGCHookState):
         *,
         residual: str = "own_reconstruction",
         latent_dtype: str = "float32",
+        seed: int = 0,
         codec: str = "autoencoder",
         linear_latent: int | None = None,
         autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
@@ -186,7 +224,7 @@ class LGCRingAllreduceState(LGCHookState):
         rotate_leader: bool = True,
         **kwargs: Any,
     ) -> None:
-        stage = RingAllreduceStage(residual, latent_dtype)
+        stage = RingAllreduceStage(residual, latent_dtype, seed)
         training = CodecTraining(
             codec=codec,
             linear_latent=linear_latent,

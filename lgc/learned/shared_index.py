@@ -59,6 +59,7 @@ __all__ = [
     "SharedIndexState",
     "quantization_levels",
     "round_to_levels",
+    "shared_scale_codes",
 ]
 
 #: Wire formats of the values: name -> (dtype on the wire, bits per value).
@@ -80,6 +81,21 @@ def round_to_levels(chunks: Tensor, scales: Tensor, levels: int, noise: Tensor) 
     ``s`` becomes ``floor(x / s * levels + u)``, whose mean over ``u`` is ``x / s * levels``.
     """
     return torch.floor(chunks / scales[:, None] * levels + noise).clamp_(-levels, levels)
+
+
+def shared_scale_codes(ctx: StepContext, rows: Tensor, levels: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Every row of ``rows`` rounded (:func:`round_to_levels`) to a scale every worker shares.
+
+    The scale of a row is its largest magnitude over the workers (one allreduce-max of 4 bytes per
+    row, 1.0 for an all-zero row); the draws are seeded by ``seed``, the step and the rank, so
+    every worker's differ and a resumed run repeats them. Returns the integer codes and the scales.
+    """
+    scales = rows.abs().amax(dim=1)
+    counted.all_reduce(ctx.stats, scales, ctx.group, op=dist.ReduceOp.MAX).wait()
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    generator = torch.Generator(device=rows.device).manual_seed((seed * 1_000_003 + ctx.step) * 65_537 + ctx.rank)
+    noise = torch.rand(rows.shape, generator=generator, device=rows.device)
+    return round_to_levels(rows, scales, levels, noise), scales
 
 
 class SharedIndexStage:
@@ -176,18 +192,11 @@ class SharedIndexStage:
         bits = VALUE_FORMATS[self.values]
         levels = quantization_levels(bits, world_size)
         chunks = code.chunks(own)
-        scales = chunks.abs().amax(dim=1)
-        counted.all_reduce(ctx.stats, scales, ctx.group, op=dist.ReduceOp.MAX).wait()
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        generator = torch.Generator(device=own.device).manual_seed(
-            (self.seed * 1_000_003 + ctx.step) * 65_537 + ctx.rank
-        )
-        noise = torch.rand(chunks.shape, generator=generator, device=own.device)
-        codes = round_to_levels(chunks, scales, levels, noise)
+        codes, scales = shared_scale_codes(ctx, chunks, levels, self.seed)
         carried = code.unscaled(codes / levels, scales, plan.k)
         # Offset-binary codes in [0, 2m], packed bits wide: P workers' sums stay below 2**bits, so no lane carries.
         lanes = pack_uint((codes + levels).to(torch.uint8), bits)
-        ctx.count_payload(counted.nbytes(lanes) + counted.nbytes(scales))
+        ctx.count_payload(counted.nbytes(lanes))  # the scales' allreduce-max is booked already
         ctx.allreduce_dense([])
         counted.all_reduce(ctx.stats, lanes, ctx.group).wait()
         summed = unpack_uint(lanes, bits, chunks.numel(), dtype=torch.uint8).to(torch.float32) - world_size * levels

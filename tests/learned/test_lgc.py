@@ -151,12 +151,18 @@ def test_trainer_resumes_exactly_and_pickles():
         (dict(autoencoder=dict(chunk=16)), r"chunk=16 is shorter than the encoder's receptive field"),
         (dict(value_order="random"), "value_order must be one of"),
         (dict(warmup_steps=0), "warmup_steps must be a positive integer, got 0"),
-        (dict(latent_dtype="int8"), "latent_dtype must be one of"),
+        (dict(latent_dtype="int4"), "latent_dtype must be one of"),
+        (dict(latent_dtype="int8", world_size=128), r"latent_dtype='int8' cannot hold the sum of 128 workers"),
     ],
 )
 def test_bad_lgc_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LGCRingAllreduceState(**kwargs)
+
+
+def test_int8_latents_are_lgc_rars_alone():
+    with pytest.raises(ValueError, match="LGC-PS's server receives every worker's own latent"):
+        LGCParameterServerState(latent_dtype="int8")
 
 
 def test_innovation_must_be_sparser_than_the_leaders_selection():
@@ -210,6 +216,8 @@ def _lgc_state(variant: str, **kwargs):
     )
     if variant == "ps":
         return LGCParameterServerState(**{"innovation_density": 0.01, **common, **kwargs})
+    if variant == "rar_int8":  # int8 latents: stochastic rounding that a resumed run must repeat
+        common["latent_dtype"] = "int8"
     return LGCRingAllreduceState(**{**common, **kwargs})
 
 
@@ -343,22 +351,28 @@ def _identity_autoencoder(state) -> None:
     ae.latent_shape = lambda rows: (rows, 1, state.ae_config.chunk)
 
 
-def _compressed_steps(rank: int, world: int, variant: str, index_coding: str, rotate_leader: bool, steps: int) -> list:
+def _compressed_steps(
+    rank: int, world: int, variant: str, index_coding: str, rotate_leader: bool, steps: int, extra: dict | None = None
+) -> list:
     """``steps`` compressed steps of LGC with an identity code, each observed (:func:`observe_step`)."""
     cls = LGCRingAllreduceState if variant == "rar" else LGCParameterServerState
     kwargs = dict(density=0.05, warmup_steps=1, ae_steps=1, ae_updates_per_step=0, min_numel=MIN_NUMEL)
-    kwargs.update(index_coding=index_coding, value_order="value", rotate_leader=rotate_leader)
+    extra = dict(extra or {})
+    bucket_cap_mb = extra.pop("bucket_cap_mb", 0.01)
+    kwargs.update(index_coding=index_coding, value_order="value", rotate_leader=rotate_leader, **extra)
     kwargs.update(autoencoder=dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2))
     if variant == "ps":
         kwargs["innovation_density"] = 0.01
-    model = DDP(_net(), bucket_cap_mb=0.01)
+    model = DDP(_net(), bucket_cap_mb=bucket_cap_mb)
     state = cls(**kwargs)
     state.register(model)
     _identity_autoencoder(state)
     _train(model, state, 2)  # warm-up, then autoencoder training (which fills the residuals)
     observed = []
     for step in range(2, 2 + steps):
+        before = state.stats.as_dict()
         observed.append(observe_step(model, state, step, rank, world))
+        observed[-1]["payload_bytes"] = state.stats.as_dict()["payload_bytes"] - before["payload_bytes"]
         torch.optim.SGD(model.parameters(), lr=0.05).step()
     return observed
 
@@ -449,6 +463,42 @@ def test_a_rotating_leader_hands_the_positions_to_every_worker_in_turn(variant):
     for rank, observed in enumerate(run_workers(_compressed_steps, 3, variant, "golomb", True, 3)):
         for step, result in enumerate(observed, start=2):
             _check_compressed_step(variant, result, rank, leader_rank=step % 3)
+
+
+@pytest.mark.multiprocess
+def test_int8_latents_deliver_the_sum_within_the_workers_rounding_steps_and_count_their_scales():
+    """``latent_dtype="int8"`` with an identity code: each worker's latent (its scaled values) rounded to
+    ``m = 255 // (2P)`` levels of a per-chunk scale shared by the workers, the codes summed in 8-bit lanes.
+
+    The delivered sum is within ``P`` rounding steps of the exact sum (a step: the chunk's largest
+    magnitude over the workers over ``m``), not exact; each worker keeps its own rounding error as its
+    residual; the payload is one byte per latent value and 4 bytes per chunk's scale.
+    """
+    world = 3
+    levels = 255 // (2 * world)
+    one_bucket = {"latent_dtype": "int8", "bucket_cap_mb": 100}
+    results = run_workers(_compressed_steps, world, "rar", "raw", False, 1, one_bucket)
+    for rank, (result,) in enumerate(results):
+        assert result["stage"] == LGCStage.COMPRESSED
+        # Chunks run across the parameters (in the leader's value order): the largest value anywhere bounds a step.
+        parameters = list(per_parameter(result, rank, 0.05))
+        largest = max(float(vj[leader].abs().max()) for _, v, leader, _ in parameters for vj in v)
+        compressed_k = 0
+        for name, v, leader, _own in parameters:
+            exact = sum(vj[leader] for vj in v)
+            error = (result["grads"][name][leader] - exact).abs()
+            assert float(error.max()) <= world * largest / levels * (1 + 1e-5)
+            # Its own rounding error stays with each worker, at most one step.
+            residual = result["residuals_after"][name][leader]
+            assert float(residual.abs().max()) <= largest / levels * (1 + 1e-5)
+            compressed_k += leader.numel()
+        assert any(float(r.abs().max()) > 0 for r in result["residuals_after"].values())
+        # One bucket: the identity code's latent is one int8 code per value of every chunk, plus each
+        # chunk's shared scale (4 bytes, in the allreduce-max); the leader also sends its positions
+        # (raw, 4 bytes each) and its chunk scales.
+        rows = num_chunks(compressed_k, 32)
+        leader_message = 4 * compressed_k + 4 * rows if rank == 0 else 0
+        assert result["payload_bytes"] == rows * 32 + 4 * rows + leader_message
 
 
 def _decode_calls(rank: int, world: int, kwargs: dict) -> list[int]:
@@ -581,7 +631,7 @@ def _resume(rank: int, world: int, variant: str, stop: int) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["rar", "ps"])
+@pytest.mark.parametrize("variant", ["rar", "ps", "rar_int8"])
 @pytest.mark.parametrize("stop", [4, 8], ids=["in stage 2", "in stage 3"])
 def test_resume_in_the_middle_of_a_stage_continues_exactly(variant, stop):
     for rank, result in enumerate(run_workers(_resume, 2, variant, stop)):

@@ -7,6 +7,7 @@ from distributed import run_workers
 from test_lgc import MIN_NUMEL, _batch, _net, observe_step, per_parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lgc.autoencoder import num_chunks
 from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
 from lgc.learned.rar import LGCRingAllreduceState
 from lgc.learned.shared_index import SharedIndexState, quantization_levels
@@ -34,7 +35,8 @@ def _step(model: DDP, step: int, optimizer: torch.optim.Optimizer | None = None)
 
 def _warmed_up(kwargs: dict) -> tuple[DDP, SharedIndexState, torch.optim.Optimizer]:
     """A model with the shared-index hook, past its two warm-up steps (the next step is compressed)."""
-    model = DDP(_net(), bucket_cap_mb=0.01)
+    kwargs = dict(kwargs)
+    model = DDP(_net(), bucket_cap_mb=kwargs.pop("bucket_cap_mb", 0.01))
     state = _state(measure_error=True, **kwargs)
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -96,6 +98,19 @@ def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_roun
             outside[leader] = False
             assert torch.equal(result["grads"][name][outside], torch.zeros_like(own[outside]))
             torch.testing.assert_close(result["residuals_after"][name][outside], own[outside], rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("values", ["int8", "int4"])
+def test_quantized_payload_is_the_lanes_and_the_shared_scales_once(values):
+    """One bucket: every worker sends its codes in ``bits``-wide lanes (whole chunks, zero-padded) and
+    each chunk's scale once (4 bytes, the allreduce-max); the leader also its raw positions (4 bytes)."""
+    results = run_workers(_one_compressed_step, 2, dict(values=values, bucket_cap_mb=100))
+    bits = int(values[3:])
+    for rank, result in enumerate(results):
+        k = sum(leader.numel() for _, _, leader, _ in per_parameter(result, rank, DENSITY))
+        rows = num_chunks(k, CHUNK)
+        assert result["payload"] == rows * CHUNK * bits // 8 + 4 * rows + (4 * k if rank == 0 else 0)
 
 
 def _rotating_steps(rank: int, world: int, kwargs: dict) -> list[dict]:
