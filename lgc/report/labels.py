@@ -150,7 +150,8 @@ def _other_parts(runs: list[_Run]) -> list[list[str]]:
             continue
         for run, own in zip(runs, parts, strict=True):
             value = run.value(key)
-            if value is not MISSING:
+            # A group the run chose no option of (dense beside `experiment=X` runs) says nothing.
+            if value is not MISSING and not (value is None and "." not in key):
                 own.append(_token(key, value))
     return parts
 

@@ -322,6 +322,18 @@ def test_the_model_or_data_option_labels_a_run_rather_than_its_settings(tmp_path
     assert [axis.get_ylabel() for axis in figure.axes] == ["val/acc", "val/mIoU"]
 
 
+def test_a_group_a_run_chose_no_option_of_is_left_out_of_its_label(tmp_path):
+    _write_run(tmp_path / "0", ("compressor=none",), "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    _write_run(tmp_path / "1", ("experiment=embedded/topk",), "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    # As lgc-train records a run without any experiment: the group's choice is null.
+    path = tmp_path / "0" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["hydra"]["choices"]["experiment"] = None
+    summary["hydra"]["overrides"] = [o for o in summary["hydra"]["overrides"] if not o.startswith("experiment=")]
+    path.write_text(json.dumps(summary))
+    assert [record.label for record in load_runs([tmp_path])] == ["none", "topk experiment=embedded/topk"]
+
+
 def test_a_summary_without_hydras_record_is_labelled_by_its_class_and_what_differs(tmp_path):
     """``train(cfg)`` on a config composed without ``return_hydra_config`` records no choices or overrides."""
     for name, overrides in (("a", ("compressor=topk",)), ("b", ("compressor=topk", "compressor.density=0.001"))):
