@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lgc.analysis.recording import GradientRecording
+from lgc.learned.samples import mean_pairwise_correlation
 
 __all__ = [
     "compare_recordings",
@@ -129,9 +130,7 @@ def leader_position_statistics(grads: Tensor, density: float, rotating: bool = F
     leaders = torch.arange(steps) % workers if rotating else torch.zeros(steps, dtype=torch.long)
     positions = grads[leaders, torch.arange(steps)].abs().topk(k, dim=-1, sorted=False).indices  # [T, k]
     values = torch.gather(grads, -1, positions.unsqueeze(0).expand(workers, -1, -1))  # [W, T, k]
-    centered = values - values.mean(dim=-1, keepdim=True)
-    unit = centered / centered.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    correlation = _mean_over_pairs(torch.einsum("itn,jtn->tij", unit, unit))
+    correlation = mean_pairwise_correlation(values)
     if k < 2:
         correlation = torch.full_like(correlation, float("nan"))
     share = values.pow(2).sum(dim=-1) / grads.pow(2).sum(dim=-1).clamp_min(1e-300)  # [W, T]

@@ -22,7 +22,22 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.leader_code import LeaderIndexCodec
 
-__all__ = ["GatheredSamples", "Sample", "gather_samples"]
+__all__ = ["GatheredSamples", "Sample", "gather_samples", "mean_pairwise_correlation"]
+
+
+def mean_pairwise_correlation(values: Tensor) -> Tensor:
+    """Pearson's r between every two workers' values, averaged over the pairs: ``[W, ..., k]`` -> ``[...]``.
+
+    The workers' values at the same (the leader's) positions: LGC's premise is that they agree.
+    A worker whose values are all equal correlates 0 with every other (not NaN).
+    """
+    if values.shape[0] < 2:
+        raise ValueError(f"a correlation between workers needs at least 2, got {values.shape[0]}")
+    centered = values.double() - values.double().mean(dim=-1, keepdim=True)
+    unit = centered / centered.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    workers = values.shape[0]
+    first, second = torch.triu_indices(workers, workers, offset=1)
+    return (unit[first] * unit[second]).sum(dim=-1).mean(dim=0).float()
 
 
 class Sample(NamedTuple):

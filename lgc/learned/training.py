@@ -4,7 +4,12 @@ During codec training (Abrahamyan et al. 2021, stage 2) the workers communicate 
 feedback exactly as ``compressor=topk`` does, and every worker also keeps its error-corrected
 gradient at the step leader's top-k positions, the vector the codec will encode in the compressed
 stage. At the step's end those samples are gathered at rank 0 (:mod:`lgc.learned.samples`),
-which trains the codec on them (``ae_updates_per_step`` updates per step). When the compressed
+which trains the codec on them (``ae_updates_per_step`` updates per step). Rank 0 logs, per step,
+``lgc/leader_correlation`` (Pearson's r between the workers' values at the leader's positions, the
+mean over pairs: LGC's premise), ``lgc/recon_error`` (the codec's relative error on the step's
+samples before it trains on them) and, for LGC-RAR's autoencoder, ``lgc/pca_recon_error`` (the same
+for PCA of the autoencoder's latent size fitted on the same buffer: an autoencoder that does not
+beat it is starved of data or updates). When the compressed
 stage begins, rank 0's weights go to the workers that need them (the topology's stage says which).
 
 Two trainers implement :class:`CodecTrainer`: the paper's autoencoder
@@ -32,7 +37,7 @@ from lgc.compressors.topk import SparsePayload, num_selected
 from lgc.ddp.exchange import ExchangeHost, PayloadExchange
 from lgc.ddp.step_guard import PendingBucket
 from lgc.learned.leader_code import LeaderIndexCodec
-from lgc.learned.samples import Sample, gather_samples
+from lgc.learned.samples import Sample, gather_samples, mean_pairwise_correlation
 from lgc.validation import NonNegativeInt, check
 
 __all__ = ["CODECS", "ChunkCodec", "CodecTrainer", "CodecTraining"]
@@ -309,11 +314,17 @@ class CodecTraining:
         if innovation_masks is not None:
             masks = torch.stack([code.chunks(unpack_bits(m.cpu(), count).float()) for m in innovation_masks], dim=1)
             innovations = chunks * masks.to(chunks.device)
+        # How alike the workers' values at the leader's positions are (the scaled chunks the codec sees).
+        metrics["lgc/leader_correlation"] = float(mean_pairwise_correlation(chunks.transpose(0, 1).flatten(1)))
         if self.trainer.num_samples:
             # Losses on samples before the codec trains on them: an honest generalization estimate.
             losses = self.trainer.evaluate(chunks, innovations)
             if losses:
                 metrics["lgc/recon_error"] = losses["relative_error"]
+            if isinstance(self.trainer, AutoencoderTrainer) and innovations is None:
+                # The same estimate for PCA of the autoencoder's latent size, fitted on the same buffer:
+                # an autoencoder above it has too little data (or too few updates) to beat a linear code.
+                metrics["lgc/pca_recon_error"] = _pca_error(self.trainer, chunks)
         self.trainer.add(chunks, innovations)
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -333,3 +344,17 @@ class CodecTraining:
         assert self.trainer is not None
         self.trainer.load_state_dict(state["trainer"])
         self.weights_sent = bool(state["weights_sent"])
+
+
+@torch.no_grad()
+def _pca_error(trainer: AutoencoderTrainer, chunks: Tensor) -> float:
+    """Held-out relative error of the workers' mean through PCA of the autoencoder's latent size.
+
+    Fitted on the trainer's buffer (every worker's chunks), scored on ``chunks`` (``[rows, workers,
+    chunk]``) as LGC-RAR's autoencoder is: the decoded mean against the mean.
+    """
+    assert trainer.chunks is not None
+    config = trainer.autoencoder.config
+    pca = LinearChunkCodec(config.chunk, min(config.latent_numel, config.chunk)).to(trainer.chunks.device)
+    pca.fit(trainer.chunks)
+    return LinearCodecTrainer(pca).evaluate(chunks)["relative_error"]

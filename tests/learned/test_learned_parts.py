@@ -18,6 +18,7 @@ from lgc.ddp.step_guard import PendingBucket
 from lgc.learned.byte_book import StageByteBook
 from lgc.learned.leader_code import LeaderIndexCodec, order_bits
 from lgc.learned.plan import plan_step
+from lgc.learned.samples import mean_pairwise_correlation
 from lgc.learned.schedule import LGCStage, StageSchedule
 from lgc.learned.step import Leaders
 from lgc.learned.training import ChunkCodec, CodecTrainer, CodecTraining
@@ -37,6 +38,19 @@ def _run(schedule: StageSchedule, steps: range, errors: dict[int, float]) -> lis
         if stage is C and step in errors:
             schedule.record_error(errors[step], 10)
     return stages
+
+
+def test_the_workers_correlation_is_pearsons_r_averaged_over_pairs():
+    x = torch.tensor([1.0, 2.0, 3.0, 5.0])
+    assert float(mean_pairwise_correlation(torch.stack([x, 2 * x + 1]))) == pytest.approx(1.0)
+    assert float(mean_pairwise_correlation(torch.stack([x, -x]))) == pytest.approx(-1.0)
+    # Three workers: pairs (x, x) 1, (x, -x) -1, (x, -x) -1.
+    assert float(mean_pairwise_correlation(torch.stack([x, x, -x]))) == pytest.approx(-1 / 3)
+    assert float(mean_pairwise_correlation(torch.stack([x, torch.ones(4)]))) == 0.0  # constant: 0, not NaN
+    batched = mean_pairwise_correlation(torch.stack([torch.stack([x, x]), torch.stack([x, -x])]))
+    assert batched.tolist() == pytest.approx([1.0, -1.0])
+    with pytest.raises(ValueError, match="at least 2"):
+        mean_pairwise_correlation(x[None])
 
 
 def test_the_stages_follow_their_lengths():

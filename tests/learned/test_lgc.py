@@ -256,6 +256,13 @@ def test_stages_switch_at_the_configured_steps_and_bytes_match_the_payloads(vari
         assert [entry["lgc/stage"] for entry in log] == [1, 1, 2, 2, 2, 2] + [3] * 6
         assert "lgc/ae_loss" in log[-1] if rank == 0 else "lgc/ae_loss" not in log[-1]
         assert all(entry["loss"] == entry["loss"] for entry in log)  # no NaN
+        # Rank 0 watches the codec's data in stage 2: the workers' agreement at the leader's positions,
+        # and (LGC-RAR's autoencoder) PCA of its latent size scored like it, from the second step on.
+        if rank == 0:
+            assert all(-1.0 <= entry["lgc/leader_correlation"] <= 1.0 for entry in log[2:6])
+            assert ("lgc/pca_recon_error" in log[3]) == (variant == "rar") and "lgc/pca_recon_error" not in log[2]
+        else:
+            assert not any("lgc/leader_correlation" in entry for entry in log)
         numels = result["numels"]
         dense = sum(n for n in numels if n < MIN_NUMEL)
         compressed = [n for n in numels if n >= MIN_NUMEL]
