@@ -49,7 +49,7 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,11 +67,11 @@ __all__ = ["CodecSpec", "LeaderStep", "benchmark_codecs", "cannot_sum", "leader_
 
 DEFAULT_CODECS = (
     "fp32,fp16,int8,int4,levels=1,pca:4:fp32,pca:4:int8,pca:8:int8,pca:16:int8,pca:16:fp16,pca:16:int8:value,"
-    "ae:4:fp32,ae:4:fp32:value,leader_scaled"
+    "pca:16:int8:previous,ae:4:fp32,ae:4:fp32:value,ae:4:fp32:previous,leader_scaled"
 )
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _LATENTS = ("fp32", "fp16", "int8")
-_ORDERS = ("position", "value")
+_ORDERS = ("position", "value", "previous")
 
 
 @dataclass(frozen=True)
@@ -146,12 +146,14 @@ class LeaderStep:
     positions: Tensor  # [K] in the concatenated parameters, ascending
     values: Tensor  # [W, K] every worker's gradient there
     numel: int  # entries of the concatenated parameters
+    previous: Tensor | None = None  # [K] the previous step's summed gradient there (None at the first step)
 
 
 def leader_steps(gradients: Sequence[Tensor], density: float, rotating: bool) -> list[LeaderStep]:
     """Every step's leader positions: ``gradients`` per parameter ``[W, T, n]``; worker 0 or ``t % W`` leads."""
     workers, steps = gradients[0].shape[:2]
     result = []
+    previous_sum = None
     for t in range(steps):
         leader = t % workers if rotating else 0
         positions, offset = [], 0
@@ -160,8 +162,10 @@ def leader_steps(gradients: Sequence[Tensor], density: float, rotating: bool) ->
             positions.append(topk_indices(grad[leader, t], num_selected(n, density)).sort().values + offset)
             offset += n
         chosen = torch.cat(positions)
-        flat = torch.cat([grad[:, t] for grad in gradients], dim=1)
-        result.append(LeaderStep(leader, chosen, flat[:, chosen].float(), offset))
+        flat = torch.cat([grad[:, t] for grad in gradients], dim=1).float()
+        previous = None if previous_sum is None else previous_sum[chosen]
+        result.append(LeaderStep(leader, chosen, flat[:, chosen], offset, previous))
+        previous_sum = flat.sum(dim=0)
     return result
 
 
@@ -208,11 +212,18 @@ class _Coder:
         _, _, vh = torch.linalg.svd(rows.double(), full_matrices=False)
         self.basis = vh[: self.spec.latent].T.float()  # [chunk, L]
 
-    def _ordered(self, step: LeaderStep) -> Tensor:
-        """The workers' values in wire order: ascending positions, or by the leader's value, descending."""
+    def _order(self, step: LeaderStep) -> Tensor | None:
+        """The permutation into wire order (None: ascending positions)."""
         if self.spec.order == "value":
-            return step.values[:, torch.argsort(step.values[step.leader], descending=True, stable=True)]
-        return step.values
+            return torch.argsort(step.values[step.leader], descending=True, stable=True)
+        if self.spec.order == "previous" and step.previous is not None:
+            return torch.argsort(step.previous, descending=True, stable=True)
+        return None
+
+    def _ordered(self, step: LeaderStep) -> Tensor:
+        """The workers' values in wire order: ascending positions, by the leader's value or by the previous sum."""
+        order = self._order(step)
+        return step.values if order is None else step.values[:, order]
 
     def _scaled_chunks(self, step: LeaderStep) -> tuple[Tensor, Tensor]:
         """``[W, rows, chunk]`` every worker's chunks divided by the leader's chunk scales, and those scales."""
@@ -283,9 +294,10 @@ class _Coder:
         return delivered, {"payload": payload, "leader": 32.0 * rows + position_bits}
 
     def _wire_positions(self, step: LeaderStep) -> Tensor:
+        """The positions as the leader sends them: in value order (the permutation travels), else ascending."""
         if self.spec.order == "value":
-            return step.positions[torch.argsort(step.values[step.leader], descending=True, stable=True)]
-        return step.positions
+            return step.positions[self._order(step)]
+        return step.positions  # ascending; "previous" is an order every worker computes itself
 
 
 def _evaluate(coder: _Coder, steps: Sequence[LeaderStep]) -> dict[str, float]:
@@ -424,7 +436,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-fraction", type=float, default=0.5, help="steps PCA is fitted on (default 0.5)")
     parser.add_argument("--ae-updates", type=int, default=1500, help="autoencoder training updates (default 1500)")
     parser.add_argument("--codecs", default=DEFAULT_CODECS, help="comma-separated codecs (default %(default)s)")
-    parser.add_argument("--out", type=Path, help="write codecs.md, codecs.json and codecs.png here")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="write codecs.md, codecs.json and codecs.png here (after every recording; a rerun with the same "
+        "settings skips the recordings measured there)",
+    )
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -451,11 +468,23 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         workers, batch_sizes = _ints(args.workers, "workers"), _ints(args.batch_sizes, "batch-sizes")
     except ValueError as error:
         raise SystemExit(f"lgc-bench codecs: {error}") from None
+    settings = {
+        "density": args.density,
+        "chunk": args.chunk,
+        "train_fraction": args.train_fraction,
+        "ae_updates": args.ae_updates,
+        "codecs": [spec.name for spec in codecs],
+    }
+    done = _finished(args.out, settings)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for recording, label in _recordings(args, workers, batch_sizes, Path(tmp)):
+        for label, record in _recordings(args, workers, batch_sizes, Path(tmp)):
+            if label in done:
+                print(f"{label}: measured before, in {args.out / 'codecs.json'}", flush=True)
+                results.append(done[label])
+                continue
             result = benchmark_codecs(
-                recording,
+                record(),
                 codecs,
                 args.density,
                 args.chunk,
@@ -463,41 +492,61 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 label=label,
                 ae_updates=args.ae_updates,
             )
+            result["settings"] = settings
             print(format_table(result) + "\n", flush=True)
             results.append(result)
+            if args.out is not None:  # after every recording: a stopped run resumes from here
+                _write(args.out, results)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "codecs.md").write_text("\n\n".join(format_table(r) for r in results) + "\n")
-        (args.out / "codecs.json").write_text(json.dumps(results, indent=2))
+        _write(args.out, results)
         plot_codecs(results, args.out / "codecs.png")
         print(f"wrote {args.out / 'codecs.md'}, codecs.json and codecs.png")
     return results
 
 
+def _finished(out: Path | None, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Results already in ``out/codecs.json`` measured with the same settings, by label."""
+    path = None if out is None else out / "codecs.json"
+    if path is None or not path.is_file():
+        return {}
+    return {result["label"]: result for result in json.loads(path.read_text()) if result.get("settings") == settings}
+
+
+def _write(out: Path, results: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "codecs.md").write_text("\n\n".join(format_table(r) for r in results) + "\n")
+    (out / "codecs.json").write_text(json.dumps(results, indent=2))
+
+
 def _recordings(
     args: argparse.Namespace, workers: list[int], batch_sizes: list[int], tmp: Path
-) -> Iterator[tuple[Path, str]]:
-    """``(folder, label)`` of every recording: the ones given, or one per worker count and batch size."""
+) -> Iterator[tuple[str, Callable[[], Path]]]:
+    """``(label, record)`` of every recording, ``record()`` making it: the ones given, or one per worker
+    count and batch size (recorded only when asked for, so a resumed run skips what it measured)."""
     if args.recording:
         for folder in args.recording:
-            yield folder, str(folder)
+            yield str(folder), lambda folder=folder: folder
         return
-    from lgc.analysis import record_gradients  # Lightning: only once the arguments are good
 
     for world in workers:
         for batch in batch_sizes:
-            folder = record_gradients(
-                tmp / f"w{world}_b{batch}",
-                partition="iid",
-                max_epochs=-1,  # as many epochs as --steps takes
-                patterns=["model.*.weight"],
-                overrides=[
-                    f"data={args.data}",
-                    f"data.batch_size={batch}",
-                    f"trainer.devices={world}",
-                    "ddp.oversubscribe=true",
-                    f"trainer.max_steps={args.steps}",
-                    "trainer.limit_val_batches=0",
-                ],
-            )
-            yield folder, f"{args.data}, {world} workers x {batch} images (IID)"
+
+            def record(world: int = world, batch: int = batch) -> Path:
+                from lgc.analysis import record_gradients  # Lightning: only once the arguments are good
+
+                return record_gradients(
+                    tmp / f"w{world}_b{batch}",
+                    partition="iid",
+                    max_epochs=-1,  # as many epochs as --steps takes
+                    patterns=["model.*.weight"],
+                    overrides=[
+                        f"data={args.data}",
+                        f"data.batch_size={batch}",
+                        f"trainer.devices={world}",
+                        "ddp.oversubscribe=true",
+                        f"trainer.max_steps={args.steps}",
+                        "trainer.limit_val_batches=0",
+                    ],
+                )
+
+            yield f"{args.data}, {world} workers x {batch} images (IID), {args.steps} steps", record

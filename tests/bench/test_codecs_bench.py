@@ -56,6 +56,21 @@ def test_fp32_delivers_the_exact_sum_and_counts_32_bits_a_value_and_the_golomb_p
     assert ordered.numel() * 8 >= golomb.numel() * 8 + k * 7  # K = 96: 7 bits a position
 
 
+def test_the_previous_sums_order_needs_no_permutation_on_the_wire():
+    steps = codecs.leader_steps(_gradients(), 0.05, rotating=False)
+    assert steps[0].previous is None
+    flat = torch.cat([g[:, 1] for g in _gradients()], dim=1)
+    assert torch.equal(steps[2].previous, flat.sum(dim=0)[steps[2].positions])
+    previous, position = _coder("pca:4:fp32:previous"), _coder("pca:4:fp32")
+    for coder in (previous, position):
+        coder.fit(steps[:3])
+    # The same Golomb-coded ascending positions and scales: no permutation travels.
+    assert previous.run(steps[4])[1] == position.run(steps[4])[1]
+    order = torch.argsort(steps[4].previous, descending=True, stable=True)
+    assert torch.equal(previous._ordered(steps[4]), steps[4].values[:, order])
+    assert torch.equal(previous._ordered(steps[0]), steps[0].values)  # no previous step: positions
+
+
 def test_fewer_levels_cost_fewer_bits_and_deliver_a_worse_sum_within_the_rounding_step():
     steps = codecs.leader_steps(_gradients(), 0.05, rotating=False)
     results = {name: codecs._evaluate(_coder(name), steps) for name in ("int8", "levels=3", "levels=1", "int4")}
@@ -147,12 +162,21 @@ def test_bad_values_are_named_before_anything_is_recorded(monkeypatch, argv, mes
 
 
 @pytest.mark.multiprocess
-def test_a_recorded_run_gives_every_codec_a_row_per_leader_and_the_files(tmp_path):
-    main(
-        ["codecs", "--workers", "2", "--batch-sizes", "16", "--steps", "6", "--codecs", "fp32,int8,pca:4:fp32",
-         "--out", str(tmp_path)]
-    )  # fmt: skip
+def test_a_recorded_run_gives_every_codec_a_row_per_leader_and_the_files_and_a_rerun_reuses_them(
+    tmp_path, monkeypatch, capsys
+):
+    argv = ["codecs", "--workers", "2", "--batch-sizes", "16", "--steps", "6", "--codecs", "fp32,int8,pca:4:fp32",
+            "--out", str(tmp_path)]  # fmt: skip
+    main(argv)
     (result,) = json.loads((tmp_path / "codecs.json").read_text())
+    # The same settings again: nothing is recorded, the saved result is reported.
+    import lgc.analysis
+
+    monkeypatch.setattr(lgc.analysis, "record_gradients", lambda *a, **k: pytest.fail("recorded again"))
+    capsys.readouterr()
+    main(argv)
+    assert "measured before" in capsys.readouterr().out
+    assert json.loads((tmp_path / "codecs.json").read_text()) == [result]
     assert result["workers"] == 2 and result["steps"] == 6 and result["train_steps"] == 3
     rows = {(row["leader"], row["codec"]): row for row in result["rows"]}
     assert set(rows) == {(leader, c) for leader in ("fixed", "rotating") for c in ("fp32", "int8", "pca:4:fp32")}
