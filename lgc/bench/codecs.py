@@ -29,8 +29,10 @@ Codecs (``--codecs``, comma-separated):
   leader's chunk scale) projected on the ``L`` leading right singular vectors of the training
   steps' chunks (every worker's), the codes summed, the sum decoded: exact on its span, and the
   decoded sum is the projection of the sum. ``DTYPE``: ``fp32``, ``fp16`` or ``int8`` (shared
-  per-chunk scale, headroom lanes, as ``int8`` values); ``ORDER``: ``position`` (default) or
-  ``value`` (the leader's values, descending, which costs the permutation on the wire);
+  per-chunk scale, headroom lanes, as ``int8`` values); ``ORDER``: ``position`` (default),
+  ``value`` (the leader's values, descending, which costs the permutation on the wire) or
+  ``momentum`` (the running sum, decayed by 0.9 a step, of the sums delivered at earlier steps'
+  positions: what every worker's SGD momentum buffer holds, so no permutation travels);
 * ``ae:C:DTYPE[:ORDER]``: LGC's autoencoder (:class:`lgc.autoencoder.GradientAutoencoder`, the
   reference architecture with ``C`` latent channels) trained (``--ae-updates`` Adam updates, as
   LGC's codec-training stage trains it) on the training steps' chunks; every worker encodes, the
@@ -67,11 +69,13 @@ __all__ = ["CodecSpec", "LeaderStep", "benchmark_codecs", "cannot_sum", "leader_
 
 DEFAULT_CODECS = (
     "fp32,fp16,int8,int4,levels=1,pca:4:fp32,pca:4:int8,pca:8:int8,pca:16:int8,pca:16:fp16,pca:16:int8:value,"
-    "pca:16:int8:previous,ae:4:fp32,ae:4:fp32:value,ae:4:fp32:previous,leader_scaled"
+    "pca:16:int8:momentum,ae:4:fp32,ae:4:fp32:value,ae:4:fp32:momentum,leader_scaled"
 )
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _LATENTS = ("fp32", "fp16", "int8")
-_ORDERS = ("position", "value", "previous")
+_ORDERS = ("position", "value", "momentum")
+#: Decay of the delivered sums' running sum that the ``momentum`` order reads (SGD's usual momentum).
+MOMENTUM = 0.9
 
 
 @dataclass(frozen=True)
@@ -146,14 +150,14 @@ class LeaderStep:
     positions: Tensor  # [K] in the concatenated parameters, ascending
     values: Tensor  # [W, K] every worker's gradient there
     numel: int  # entries of the concatenated parameters
-    previous: Tensor | None = None  # [K] the previous step's summed gradient there (None at the first step)
+    momentum: Tensor | None = None  # [K] the earlier steps' delivered sums' running sum there (None at step 0)
 
 
 def leader_steps(gradients: Sequence[Tensor], density: float, rotating: bool) -> list[LeaderStep]:
     """Every step's leader positions: ``gradients`` per parameter ``[W, T, n]``; worker 0 or ``t % W`` leads."""
     workers, steps = gradients[0].shape[:2]
     result = []
-    previous_sum = None
+    momentum = None  # what every worker's momentum buffer holds: the delivered sums, decayed
     for t in range(steps):
         leader = t % workers if rotating else 0
         positions, offset = [], 0
@@ -163,14 +167,26 @@ def leader_steps(gradients: Sequence[Tensor], density: float, rotating: bool) ->
             offset += n
         chosen = torch.cat(positions)
         flat = torch.cat([grad[:, t] for grad in gradients], dim=1).float()
-        previous = None if previous_sum is None else previous_sum[chosen]
-        result.append(LeaderStep(leader, chosen, flat[:, chosen], offset, previous))
-        previous_sum = flat.sum(dim=0)
+        values = flat[:, chosen]
+        result.append(LeaderStep(leader, chosen, values, offset, None if momentum is None else momentum[chosen]))
+        # The step delivers (exactly, for this order's purpose) the sum at its positions, nothing elsewhere.
+        delivered = torch.zeros(offset).index_put_((chosen,), values.sum(dim=0))
+        momentum = delivered if momentum is None else MOMENTUM * momentum + delivered
     return result
+
+
+def _wire_sum(per_worker: Tensor) -> Tensor:
+    """The workers' tensors summed one after another in their own dtype (as an allreduce sums them), as fp32."""
+    total = per_worker[0]
+    for other in per_worker[1:]:
+        total = total + other
+    return total.float()
 
 
 def cannot_sum(spec: CodecSpec, world: int) -> str | None:
     """Why ``spec`` cannot carry ``world`` workers' sum (its lanes are too narrow), or None."""
+    if spec.kind == "pca" and spec.dtype == "int8" and quantization_levels(8, world) < 1:
+        return f"8-bit latent lanes cannot hold the sum of {world} workers' codes (at most 127)"
     if spec.bits is not None and quantization_levels(spec.bits, world) < 1:
         return (
             f"{spec.bits}-bit lanes cannot hold the sum of {world} workers' codes (at most {(2**spec.bits - 1) // 2})"
@@ -216,12 +232,12 @@ class _Coder:
         """The permutation into wire order (None: ascending positions)."""
         if self.spec.order == "value":
             return torch.argsort(step.values[step.leader], descending=True, stable=True)
-        if self.spec.order == "previous" and step.previous is not None:
-            return torch.argsort(step.previous, descending=True, stable=True)
+        if self.spec.order == "momentum" and step.momentum is not None:
+            return torch.argsort(step.momentum, descending=True, stable=True)
         return None
 
     def _ordered(self, step: LeaderStep) -> Tensor:
-        """The workers' values in wire order: ascending positions, by the leader's value or by the previous sum."""
+        """The workers' values in wire order: ascending positions, by the leader's value or by the momentum."""
         order = self._order(step)
         return step.values if order is None else step.values[:, order]
 
@@ -246,11 +262,7 @@ class _Coder:
             if dtype == torch.float32:
                 return step.values.sum(dim=0), {"payload": 32.0 * k, "leader": float(position_bits)}
             chunks, scales = self._scaled_chunks(step)
-            wire = chunks.to(dtype)
-            total = wire[0]
-            for other in wire[1:]:
-                total = total + other  # summed in the wire format, as the allreduce sums it
-            delivered = from_chunks(total.float() * scales[:, None], k)
+            delivered = from_chunks(_wire_sum(chunks.to(dtype)) * scales[:, None], k)
             return delivered, {"payload": 16.0 * self.chunk * rows, "leader": 32.0 * rows + position_bits}
         if spec.kind == "levels":
             levels = spec.levels if spec.levels is not None else quantization_levels(spec.bits, world)  # type: ignore[arg-type]
@@ -277,7 +289,7 @@ class _Coder:
             payload = 8.0 * latent * rows + 32.0 * rows
         else:
             dtype = _FLOATS[spec.dtype]  # type: ignore[index]
-            summed = codes.to(dtype).float().sum(dim=0)
+            summed = _wire_sum(codes.to(dtype))
             payload = 8.0 * dtype.itemsize * latent * rows
         delivered = from_chunks((summed @ self.basis.T) * scales[:, None], k)
         return delivered, {"payload": payload, "leader": 32.0 * rows + position_bits}
@@ -287,8 +299,8 @@ class _Coder:
         ae, dtype = self.autoencoder, _FLOATS[self.spec.dtype]  # type: ignore[index]
         assert ae is not None, "fit() first"
         chunks, scales = self._scaled_chunks(step)
-        codes = torch.stack([ae.encode(c).to(dtype).float() for c in chunks])
-        mean = ae.decode(codes.sum(dim=0) / self.world)
+        codes = torch.stack([ae.encode(c).to(dtype) for c in chunks])
+        mean = ae.decode(_wire_sum(codes) / self.world)
         delivered = from_chunks(self.world * mean * scales[:, None], step.values.shape[1])
         payload = 8.0 * dtype.itemsize * ae.config.latent_numel * rows
         return delivered, {"payload": payload, "leader": 32.0 * rows + position_bits}
@@ -297,7 +309,7 @@ class _Coder:
         """The positions as the leader sends them: in value order (the permutation travels), else ascending."""
         if self.spec.order == "value":
             return step.positions[self._order(step)]
-        return step.positions  # ascending; "previous" is an order every worker computes itself
+        return step.positions  # ascending; "momentum" is an order every worker computes itself
 
 
 def _evaluate(coder: _Coder, steps: Sequence[LeaderStep]) -> dict[str, float]:

@@ -84,6 +84,7 @@ from lgc.bench.methods import (
 )
 from lgc.bench.netns import counter_delta, parse_delay, parse_rate
 from lgc.bench.network_results import (
+    combine_seeds,
     equal_bytes_table,
     eval_line,
     over_seeds,
@@ -363,9 +364,7 @@ def _report(
     """Tables, validation, JSON and plot from the measurements (fresh, or read back with ``--from-json``)."""
     results, seed_results = {}, {}
     for setting, per in measurements.items():
-        rows = [
-            summarize(runs[0] if len(runs) == 1 else _merged(runs), args.target, args.skip) for runs in per.values()
-        ]
+        rows = [combine_seeds([summarize(run, args.target, args.skip) for run in runs]) for runs in per.values()]
         workers = int(setting.split()[0])
         link = _fitted_link(calibrations[setting], workers)
         calibrations[setting].update(latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
@@ -413,15 +412,3 @@ def _from_json(args: argparse.Namespace) -> None:
     for name in ("task", "steps", "delay"):
         setattr(args, name, arguments[name])
     _report(args, saved["raw"], saved["calibrations"])
-
-
-def _merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Repeats of one method as one measurement: every repeat's steps, the first repeat's curve."""
-    first = runs[0]
-    ranks = []
-    for rank, record in enumerate(first["ranks"]):
-        merged = dict(record)
-        merged["steps"] = [step for run in runs for step in run["ranks"][rank]["steps"]]
-        merged["compute_s"] = statistics.median(run["ranks"][rank]["compute_s"] for run in runs)
-        ranks.append(merged)
-    return {"ranks": ranks, "interfaces": first["interfaces"]}

@@ -16,6 +16,7 @@ from lgc.report.seeds import Interval
 
 __all__ = [
     "accuracy_at_bytes",
+    "combine_seeds",
     "over_seeds",
     "seeds_table",
     "equal_bytes_table",
@@ -82,6 +83,32 @@ def summarize(measurement: dict[str, Any], target: float, skip: int) -> dict[str
         # (wire bytes a worker sent by then, accuracy) at every evaluation: accuracy against bytes.
         "byte_curve": [(_bytes_by_step(ranks, e["step"]), e["accuracy"]) for e in evaluations],
     }
+
+
+def combine_seeds(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's rows of several seeds (each :func:`summarize`'d on its own steady steps) as one.
+
+    Per-step times: the median over the seeds' medians; bytes and the mean step: the mean; time and
+    steps to the target: the mean over the seeds that reached it (None if none did); the final
+    accuracy: the mean. The curves are the first seed's (the table over seeds has the intervals).
+    """
+    combined = dict(rows[0])
+    if len(rows) == 1:
+        return combined
+    for key in ("step_s", "compute_s", "encode_s", "decode_s", "comm_s", "cpu_s"):
+        combined[key] = _median([row[key] for row in rows])
+    for key in ("mean_step_s", "wire_bytes_per_step", "wire_bytes_per_worker", "interface_bytes_per_worker"):
+        combined[key] = statistics.fmean(row[key] for row in rows)
+    wire = combined["wire_bytes_per_worker"]
+    combined["interface_over_wire"] = combined["interface_bytes_per_worker"] / wire if wire else None
+    reached = [row for row in rows if row["time_to_target_s"] is not None]
+    combined["time_to_target_s"] = statistics.fmean(r["time_to_target_s"] for r in reached) if reached else None
+    combined["steps_to_target"] = round(statistics.fmean(r["steps_to_target"] for r in reached)) if reached else None
+    accuracies = [row["final_accuracy"] for row in rows if row["final_accuracy"] is not None]
+    combined["final_accuracy"] = statistics.fmean(accuracies) if accuracies else None
+    combined["steady_from"] = max(row["steady_from"] for row in rows)
+    combined["seeds"] = len(rows)
+    return combined
 
 
 def _bytes_by_step(ranks: list[dict[str, Any]], step: int) -> float:
@@ -221,7 +248,7 @@ def over_seeds(per: dict[str, list[dict[str, Any]]], target: float, skip: int) -
     ``reached`` and are left out of its intervals.
     """
     summaries = {
-        label: [(_seed(run, i), summarize(run, target, skip)) for i, run in enumerate(runs)]
+        label: list(zip(_seeds(runs), [summarize(run, target, skip) for run in runs], strict=True))
         for label, runs in per.items()
     }
     bounds: dict[Any, float] = {}
@@ -257,9 +284,11 @@ def over_seeds(per: dict[str, list[dict[str, Any]]], target: float, skip: int) -
     }
 
 
-def _seed(run: dict[str, Any], index: int) -> Any:
-    """The seed a measurement ran with (its position among the method's runs for a record without one)."""
-    return run["ranks"][0]["spec"].get("seed", index)
+def _seeds(runs: list[dict[str, Any]]) -> list[Any]:
+    """The seeds the measurements ran with; their positions where the records do not tell them apart
+    (records of repeats of one seed)."""
+    seeds = [run["ranks"][0]["spec"].get("seed") for run in runs]
+    return seeds if None not in seeds and len(set(seeds)) == len(seeds) else list(range(len(runs)))
 
 
 def _interval(values: list[float]) -> dict[str, Any] | None:

@@ -314,8 +314,9 @@ class CodecTraining:
         if innovation_masks is not None:
             masks = torch.stack([code.chunks(unpack_bits(m.cpu(), count).float()) for m in innovation_masks], dim=1)
             innovations = chunks * masks.to(chunks.device)
-        # How alike the workers' values at the leader's positions are (the scaled chunks the codec sees).
-        metrics["lgc/leader_correlation"] = float(mean_pairwise_correlation(chunks.transpose(0, 1).flatten(1)))
+        if chunks.shape[1] > 1:
+            # How alike the workers' values at the leader's positions are (the scaled chunks the codec sees).
+            metrics["lgc/leader_correlation"] = float(mean_pairwise_correlation(chunks.transpose(0, 1).flatten(1)))
         if self.trainer.num_samples:
             # Losses on samples before the codec trains on them: an honest generalization estimate.
             losses = self.trainer.evaluate(chunks, innovations)

@@ -257,9 +257,9 @@ class RunSummary(pl.Callback):
     to every rank once per step, ``average_at_exchange``, or ``none`` for a model built with
     ``broadcast_buffers=False``; :mod:`lgc.ddp.buffers`) with
     ``wire_buffer_bytes_sent`` (their bytes, part of ``wire_bytes_sent``), the resolved config, and
-    ``environment`` (torch and Python versions, the machine's CPU count, each worker's torch threads:
-    what ``fit_time_s`` depends on), ``hydra``: the option of every config group and the overrides the run was given
-    (:func:`lgc.train.hydra_record`; what ``lgc-report`` labels runs by), when known. An
+    ``environment`` (torch and Python versions, the machine's CPU count, rank 0's torch threads,
+    the workers: what ``fit_time_s`` depends on), ``hydra``: the option of every config group and
+    the overrides the run was given (:func:`lgc.train.hydra_record`; what ``lgc-report`` labels runs by), when known. An
     LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
     start from with ``compressor.autoencoder.init=PATH``.
     ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.

@@ -4,7 +4,8 @@ A method's accuracy means little without what it sent. For a budget B (whole-run
 worker, everything a worker put on the network: warm-ups, codec training and weight broadcasts
 included), a method *fits* when every one of its seeds' runs sent at most B. Among the fitting
 methods of one task (the same :data:`~lgc.report.seeds.TASK_KEYS`), the one with the highest
-mean final metric over at least two seeds leads (one run is no evidence to lead by), and every
+mean final metric over at least two seeds leads (one run is no evidence to lead by; only where no
+method has two does the highest single run lead), and every
 other fitting method is compared with it *paired by seed* (:func:`~lgc.report.seeds.paired_gap`):
 where the 95 % interval of the gap holds 0 it is *tied* with the leader, else *below* it; with
 fewer than two seeds in common it is *untested*. So a row names the set of methods the evidence

@@ -150,7 +150,7 @@ def _other_parts(runs: list[_Run]) -> list[list[str]]:
             continue
         for run, own in zip(runs, parts, strict=True):
             value = run.value(key)
-            # A group the run chose no option of (dense beside `experiment=X` runs) says nothing.
+            # A top-level setting left null (no experiment chosen, beside `experiment=X` runs) says nothing.
             if value is not MISSING and not (value is None and "." not in key):
                 own.append(_token(key, value))
     return parts

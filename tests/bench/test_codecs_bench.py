@@ -56,19 +56,27 @@ def test_fp32_delivers_the_exact_sum_and_counts_32_bits_a_value_and_the_golomb_p
     assert ordered.numel() * 8 >= golomb.numel() * 8 + k * 7  # K = 96: 7 bits a position
 
 
-def test_the_previous_sums_order_needs_no_permutation_on_the_wire():
-    steps = codecs.leader_steps(_gradients(), 0.05, rotating=False)
-    assert steps[0].previous is None
-    flat = torch.cat([g[:, 1] for g in _gradients()], dim=1)
-    assert torch.equal(steps[2].previous, flat.sum(dim=0)[steps[2].positions])
-    previous, position = _coder("pca:4:fp32:previous"), _coder("pca:4:fp32")
-    for coder in (previous, position):
+def test_the_momentum_order_needs_no_permutation_and_reads_only_what_was_delivered():
+    gradients = _gradients()
+    steps = codecs.leader_steps(gradients, 0.05, rotating=False)
+    assert steps[0].momentum is None
+    # What every worker's momentum buffer holds before step 2: step 0's and step 1's delivered sums
+    # (at their own leader's positions only), decayed.
+    flat = [torch.cat([g[:, t] for g in gradients], dim=1) for t in range(2)]
+    delivered = [
+        torch.zeros(flat[t].shape[1]).index_put_((steps[t].positions,), flat[t][:, steps[t].positions].sum(0))
+        for t in range(2)
+    ]
+    expected = codecs.MOMENTUM * delivered[0] + delivered[1]
+    torch.testing.assert_close(steps[2].momentum, expected[steps[2].positions])
+    momentum, position = _coder("pca:4:fp32:momentum"), _coder("pca:4:fp32")
+    for coder in (momentum, position):
         coder.fit(steps[:3])
     # The same Golomb-coded ascending positions and scales: no permutation travels.
-    assert previous.run(steps[4])[1] == position.run(steps[4])[1]
-    order = torch.argsort(steps[4].previous, descending=True, stable=True)
-    assert torch.equal(previous._ordered(steps[4]), steps[4].values[:, order])
-    assert torch.equal(previous._ordered(steps[0]), steps[0].values)  # no previous step: positions
+    assert momentum.run(steps[4])[1] == position.run(steps[4])[1]
+    order = torch.argsort(steps[4].momentum, descending=True, stable=True)
+    assert torch.equal(momentum._ordered(steps[4]), steps[4].values[:, order])
+    assert torch.equal(momentum._ordered(steps[0]), steps[0].values)  # nothing delivered yet: positions
 
 
 def test_fewer_levels_cost_fewer_bits_and_deliver_a_worse_sum_within_the_rounding_step():
@@ -131,6 +139,8 @@ def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
     int4, int8 = codecs.parse_codecs("int4,int8", 64)
     assert codecs.cannot_sum(int4, 7) is None and codecs.cannot_sum(int8, 127) is None
     assert codecs.cannot_sum(int4, 8) == "4-bit lanes cannot hold the sum of 8 workers' codes (at most 7)"
+    (latent,) = codecs.parse_codecs("pca:4:int8", 64)
+    assert codecs.cannot_sum(latent, 127) is None and "at most 127" in codecs.cannot_sum(latent, 128)
     result = {"label": "x", "steps": 2, "train_steps": 1, "ae_updates": 1, "density": 0.01, "chunk": 64}
     result["rows"] = [{"codec": "int4", "leader": "fixed", "error": None, "note": codecs.cannot_sum(int4, 8)}]
     assert "| fixed | int4 | - | - | - | 4-bit lanes cannot hold" in codecs.format_table(result)

@@ -249,3 +249,21 @@ def test_fashion_mnist_is_evaluated_on_every_image_shared_between_ranks_holding_
     assert run_workers(_evaluate_on_each_rank, 2, folder, False) == [expected, expected]
     # Different models on the ranks: an error on every rank, not an average over two models.
     assert all("different models" in r for r in run_workers(_evaluate_on_each_rank, 2, folder, True))
+
+
+def test_seeds_are_summarized_each_on_its_own_steady_steps_then_combined():
+    def run(seed, walls, accuracies, steady_from):
+        ranks = [_rank("lgc_rar", walls, 0.05, accuracies, 100, seed=seed) for _ in range(2)]
+        for rank in ranks:
+            rank["steady_from"] = steady_from
+        return network_results.summarize({"ranks": ranks, "interfaces": {}}, target=0.9, skip=0)
+
+    # Seed 1's first two steps are its codec-training stage (slow): left out of its own medians.
+    rows = [run(0, [0.1] * 30, [0.5, 0.9, 0.95], 0), run(1, [5.0, 5.0] + [0.3] * 28, [0.5, 0.8, 0.85], 2)]
+    combined = network_results.combine_seeds(rows)
+    assert combined["step_s"] == pytest.approx((0.1 + 0.3) / 2)  # the median of the seeds' medians
+    assert combined["mean_step_s"] == pytest.approx((rows[0]["mean_step_s"] + rows[1]["mean_step_s"]) / 2)
+    # Only seed 0 reached 0.9 (at 2 s, step 20); the final accuracy is the mean of 0.95 and 0.85.
+    assert (combined["time_to_target_s"], combined["steps_to_target"]) == (2.0, 20)
+    assert combined["final_accuracy"] == pytest.approx(0.9) and combined["seeds"] == 2
+    assert network_results.combine_seeds(rows[:1]) == rows[0]

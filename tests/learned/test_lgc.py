@@ -160,6 +160,15 @@ def test_bad_lgc_settings_are_named(kwargs, message):
         LGCRingAllreduceState(**kwargs)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["rar", "ps"])
+def test_one_worker_goes_through_every_stage(variant):
+    """A group of one (as lgc-bench profiles a method alone): no correlation between workers to log."""
+    ((result),) = run_workers(_stages_and_bytes, 1, variant, {})
+    assert [entry["lgc/stage"] for entry in result["log"]] == [1, 1, 2, 2, 2, 2] + [3] * 6
+    assert not any("lgc/leader_correlation" in entry for entry in result["log"])
+
+
 def test_int8_latents_are_lgc_rars_alone():
     with pytest.raises(ValueError, match="LGC-PS's server receives every worker's own latent"):
         LGCParameterServerState(latent_dtype="int8")
