@@ -33,9 +33,10 @@ Codecs (``--codecs``, comma-separated):
   ``value`` (the leader's values, descending, which costs the permutation on the wire) or
   ``momentum`` (the running sum, decayed by 0.9 a step, of the sums delivered at earlier steps'
   positions: what every worker's SGD momentum buffer holds, so no permutation travels);
-* ``ae:C:DTYPE[:ORDER]``: LGC's autoencoder (:class:`lgc.autoencoder.GradientAutoencoder`, the
-  reference architecture with ``C`` latent channels) trained (``--ae-updates`` Adam updates, as
-  LGC's codec-training stage trains it) on the training steps' chunks; every worker encodes, the
+* ``ae:C:DTYPE[:ORDER[:nosim]]``: LGC's autoencoder (:class:`lgc.autoencoder.GradientAutoencoder`,
+  the reference architecture with ``C`` latent channels) trained (``--ae-updates`` Adam updates
+  with LGC-RAR's loss: reconstruction, the paper's similarity of the workers' latents, unless
+  ``nosim``, and decoding the mean) on the training steps' chunks; every worker encodes, the
   codes are summed, and ``P`` times the decoded mean code is the estimate, as LGC-RAR delivers it.
   ``DTYPE``: ``fp32`` or ``fp16``;
 * ``leader_scaled``: only the leader sends its values (fp32), ``P`` times them is the estimate.
@@ -69,7 +70,7 @@ __all__ = ["CodecSpec", "LeaderStep", "benchmark_codecs", "cannot_sum", "leader_
 
 DEFAULT_CODECS = (
     "fp32,fp16,int8,int4,levels=1,pca:4:fp32,pca:4:int8,pca:8:int8,pca:16:int8,pca:16:fp16,pca:16:int8:value,"
-    "pca:16:int8:momentum,ae:4:fp32,ae:4:fp32:value,ae:4:fp32:momentum,leader_scaled"
+    "pca:16:int8:momentum,ae:4:fp32,ae:4:fp32:position:nosim,ae:4:fp32:value,ae:4:fp32:momentum,leader_scaled"
 )
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _LATENTS = ("fp32", "fp16", "int8")
@@ -89,6 +90,7 @@ class CodecSpec:
     levels: int | None = None  # integer values: levels per side (None: from `bits`)
     latent: int | None = None  # pca: latent values per chunk; ae: latent channels
     order: str = "position"
+    similarity: bool = True  # ae: train with the paper's similarity term (pulls the workers' latents together)
 
 
 def parse_codecs(text: str, chunk: int) -> list[CodecSpec]:
@@ -118,9 +120,11 @@ def parse_codecs(text: str, chunk: int) -> list[CodecSpec]:
             specs.append(CodecSpec(entry, "pca", dtype=dtype, latent=latent, order=order))
         elif entry.startswith("ae:"):
             parts = entry.split(":")
-            if len(parts) not in (3, 4) or not parts[1].isdigit() or int(parts[1]) < 1:
-                raise ValueError(f"{entry!r}: write ae:CHANNELS:DTYPE[:ORDER], e.g. ae:4:fp32:value")
-            dtype, order = parts[2], parts[3] if len(parts) == 4 else "position"
+            if len(parts) not in (3, 4, 5) or not parts[1].isdigit() or int(parts[1]) < 1:
+                raise ValueError(f"{entry!r}: write ae:CHANNELS:DTYPE[:ORDER[:nosim]], e.g. ae:4:fp32:value")
+            dtype, order = parts[2], parts[3] if len(parts) >= 4 else "position"
+            if len(parts) == 5 and parts[4] != "nosim":
+                raise ValueError(f"{entry!r}: the fifth field can only be nosim (no similarity loss term)")
             if dtype not in ("fp32", "fp16") or order not in _ORDERS:
                 raise ValueError(f"{entry!r}: the dtype must be fp32 or fp16 and the order one of {_ORDERS}")
             from lgc.autoencoder import AutoencoderConfig
@@ -129,13 +133,14 @@ def parse_codecs(text: str, chunk: int) -> list[CodecSpec]:
                 AutoencoderConfig.from_kwargs(chunk=chunk, latent_channels=int(parts[1]))
             except (ValueError, TypeError) as error:
                 raise ValueError(f"{entry!r}: {error}") from None
-            specs.append(CodecSpec(entry, "ae", dtype=dtype, latent=int(parts[1]), order=order))
+            similarity = len(parts) < 5
+            specs.append(CodecSpec(entry, "ae", dtype=dtype, latent=int(parts[1]), order=order, similarity=similarity))
         elif entry == "leader_scaled":
             specs.append(CodecSpec(entry, "leader_scaled"))
         else:
             raise ValueError(
                 f"unknown codec {entry!r}: fp32, fp16, bf16, int8, int4, levels=M, pca:L:DTYPE[:ORDER], "
-                "ae:C:DTYPE[:ORDER], leader_scaled"
+                "ae:C:DTYPE[:ORDER[:nosim]], leader_scaled"
             )
     if not specs:
         raise ValueError(f"--codecs names no codec: {text!r}")
@@ -214,10 +219,14 @@ class _Coder:
         the autoencoder: trained on them (``[rows, W, chunk]`` samples, as LGC's stage 2 collects)."""
         if self.spec.kind == "ae":
             from lgc.autoencoder import AutoencoderConfig, AutoencoderTrainer, GradientAutoencoder
+            from lgc.autoencoder.losses import DEFAULT_WEIGHTS
 
             samples = torch.cat([self._scaled_chunks(step)[0].transpose(0, 1) for step in steps])
             config = AutoencoderConfig.from_kwargs(chunk=self.chunk, latent_channels=self.spec.latent, seed=self.seed)
-            trainer = AutoencoderTrainer(GradientAutoencoder(config), seed=self.seed, buffer_size=samples.shape[0])
+            weights = DEFAULT_WEIGHTS if self.spec.similarity else DEFAULT_WEIGHTS._replace(similarity=0.0)
+            trainer = AutoencoderTrainer(
+                GradientAutoencoder(config), seed=self.seed, buffer_size=samples.shape[0], weights=weights
+            )
             trainer.add(samples)
             trainer.train(self.ae_updates)
             self.autoencoder = trainer.autoencoder.eval()

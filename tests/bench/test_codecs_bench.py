@@ -130,6 +130,9 @@ def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
     delivered, bits = ae.run(steps[4])
     rows = codecs.num_chunks(steps[4].values.shape[1], 64)
     assert bits["payload"] == 16.0 * ae.autoencoder.config.latent_numel * rows and torch.isfinite(delivered).all()
+    # nosim: the same codec trained without the similarity term.
+    plain, nosim = codecs.parse_codecs("ae:2:fp32,ae:2:fp32:position:nosim", 64)
+    assert plain.similarity and not nosim.similarity and nosim.order == "position"
     leader = _coder("leader_scaled")
     delivered, bits = leader.run(steps[4])
     assert torch.equal(delivered, 4 * steps[4].values[0]) and bits["payload"] == 0.0
@@ -154,6 +157,7 @@ def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
         (["--codecs", "pca:99:fp32"], r"the latent size must be in \[1, --chunk=64\]"),
         (["--codecs", "pca:4:int4"], "the dtype must be one of"),
         (["--codecs", "ae:4:int8"], "the dtype must be fp32 or fp16"),
+        (["--codecs", "ae:4:fp32:value:sim"], "the fifth field can only be nosim"),
         (["--codecs", "ae:4:fp32", "--chunk", "16"], "shorter than the encoder's receptive field"),
         (["--codecs", "levels=0"], "levels must be a positive integer"),
         (["--ae-updates", "0"], "--ae-updates must be >= 1"),
