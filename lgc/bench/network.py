@@ -346,7 +346,21 @@ def run(args: argparse.Namespace) -> None:
                                 f"{setting} {method.label} seed {seed}: {time.perf_counter() - started:.0f} s",
                                 flush=True,
                             )
-    _report(args, measurements, calibrations)
+                            _keep(args, measurements, calibrations)
+    try:
+        _report(args, measurements, calibrations)
+    except ValueError as error:
+        kept = "" if args.out is None else f"; the measurements are kept in {args.out / 'network.json'}"
+        sys.exit(f"lgc-bench network: {error}{kept}")
+
+
+def _keep(args: argparse.Namespace, measurements: dict[str, Any], calibrations: dict[str, Any]) -> None:
+    """With ``--out``: every measurement so far in ``network.json`` (read again with ``--from-json``)."""
+    if args.out is None:
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"arguments": {k: str(v) for k, v in vars(args).items()}, "calibrations": calibrations}
+    (args.out / "network.json").write_text(json.dumps({**record, "raw": measurements}))
 
 
 def _fitted_link(calibration: dict[str, Any], workers: int) -> Any:

@@ -267,3 +267,37 @@ def test_seeds_are_summarized_each_on_its_own_steady_steps_then_combined():
     assert (combined["time_to_target_s"], combined["steps_to_target"]) == (2.0, 20)
     assert combined["final_accuracy"] == pytest.approx(0.9) and combined["seeds"] == 2
     assert network_results.combine_seeds(rows[:1]) == rows[0]
+
+
+def test_measurements_are_kept_when_the_report_cannot_be_made(tmp_path, monkeypatch):
+    from lgc.bench import network
+
+    class _Net:
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def measure(net, spec, timeout, folder):
+        ranks = [_rank(spec["method"], [0.1] * 4, 0.05, [0.5], 10, seed=spec["seed"]) for _ in range(2)]
+        for rank in ranks:
+            rank["steady_from"] = 10  # its stages outlast the 4 steps measured
+        return {"ranks": ranks, "interfaces": {}}
+
+    monkeypatch.setattr(netns, "check_available", lambda **kwargs: None)
+    monkeypatch.setattr(netns, "ShapedNetwork", _Net)
+    monkeypatch.setattr(network, "_calibrate", lambda net, args, folder: {"samples": []})
+    monkeypatch.setattr(
+        network, "_fitted_link", lambda calibration, workers: type("L", (), {"latency_s": 0.0, "bytes_per_s": 1.0})
+    )
+    monkeypatch.setattr(network, "_measure", measure)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["network", "--workers", "2", "--bandwidth", "1gbit", "--methods", "lgc_rar", "--steps", "4",
+              "--skip", "1", "--out", str(tmp_path)])  # fmt: skip
+    assert "raise --steps" in str(exit_info.value.code) and "measurements are kept in" in str(exit_info.value.code)
+    saved = json.loads((tmp_path / "network.json").read_text())
+    assert len(saved["raw"]["2 workers, 1gbit"]["lgc_rar"]) == 1
