@@ -80,10 +80,16 @@ def test_shared_index_fp32_delivers_the_exact_sum_at_the_leaders_positions(index
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("values", ["int8", "int4"])
 def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_rounding(values):
-    results = run_workers(_one_compressed_step, 2, dict(values=values))
-    levels = quantization_levels(int(values[3:]), 2)
+    """One bucket: also the payload, exactly: every worker's codes in ``bits``-wide lanes (whole chunks,
+    zero-padded) and each chunk's scale once (4 bytes, the allreduce-max); the leader's raw positions."""
+    results = run_workers(_one_compressed_step, 2, dict(values=values, bucket_cap_mb=100))
+    bits = int(values[3:])
+    levels = quantization_levels(bits, 2)
     for rank, result in enumerate(results):
         params = list(per_parameter(result, rank, DENSITY))
+        k = sum(leader.numel() for _, _, leader, _ in params)
+        rows = num_chunks(k, CHUNK)
+        assert result["payload"] == rows * CHUNK * bits // 8 + 4 * rows + (4 * k if rank == 0 else 0)
         # Chunks run across parameters in cat space; each chunk's shared scale is at most the largest
         # magnitude over both workers and all selected values, so one step is at most that / levels.
         step = max(float(torch.stack([vj[leader] for vj in v]).abs().max()) for _, v, leader, _ in params) / levels
@@ -98,19 +104,6 @@ def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_roun
             outside[leader] = False
             assert torch.equal(result["grads"][name][outside], torch.zeros_like(own[outside]))
             torch.testing.assert_close(result["residuals_after"][name][outside], own[outside], rtol=0, atol=0)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("values", ["int8", "int4"])
-def test_quantized_payload_is_the_lanes_and_the_shared_scales_once(values):
-    """One bucket: every worker sends its codes in ``bits``-wide lanes (whole chunks, zero-padded) and
-    each chunk's scale once (4 bytes, the allreduce-max); the leader also its raw positions (4 bytes)."""
-    results = run_workers(_one_compressed_step, 2, dict(values=values, bucket_cap_mb=100))
-    bits = int(values[3:])
-    for rank, result in enumerate(results):
-        k = sum(leader.numel() for _, _, leader, _ in per_parameter(result, rank, DENSITY))
-        rows = num_chunks(k, CHUNK)
-        assert result["payload"] == rows * CHUNK * bits // 8 + 4 * rows + (4 * k if rank == 0 else 0)
 
 
 def _rotating_steps(rank: int, world: int, kwargs: dict) -> list[dict]:
