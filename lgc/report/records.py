@@ -54,8 +54,11 @@ class RunRecord:
 
     @property
     def is_dense(self) -> bool:
-        """Whether the run is the uncompressed baseline (``compressor=none``)."""
-        return lookup(self.config, "compressor._target_") in DENSE_TARGETS
+        """Whether the run is the uncompressed baseline: ``compressor=none`` communicating every step
+        (DiLoCo is ``compressor=none`` too, with ``comm.delay`` local steps between exchanges)."""
+        delay = lookup(self.config, "comm.delay")
+        every_step = delay is MISSING or delay is None or delay == 0
+        return lookup(self.config, "compressor._target_") in DENSE_TARGETS and every_step
 
     @property
     def metric_key(self) -> str:

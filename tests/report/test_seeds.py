@@ -117,3 +117,21 @@ def test_the_command_adds_the_table_over_seeds_and_its_json(tmp_path, capsys):
     # One seed per method: no table over seeds.
     main([str(tmp_path / "runs" / "none" / "0"), str(tmp_path / "runs" / "topk" / "0")])
     assert "n (seeds)" not in capsys.readouterr().out
+
+
+def test_diloco_is_compressor_none_with_local_steps_and_not_the_dense_baseline(tmp_path):
+    _runs(tmp_path / "runs")
+    for seed, accuracy in enumerate([0.89, 0.90, 0.91]):
+        _write_run(
+            tmp_path / "runs" / "diloco" / str(seed),
+            ("compressor=none", "comm=diloco", "comm.delay=4", f"seed={seed}"),
+            "?",
+            [_worker(STEP, STEP)] * 2,
+            {"val/acc": accuracy},
+        )
+    rows = {row["label"].split()[0] + (" diloco" if "comm=diloco" in row["label"] else ""): row
+            for row in seed_rows(load_runs([tmp_path / "runs"]))}  # fmt: skip
+    # Still one dense baseline, so every method gets its paired gap, DiLoCo too.
+    assert rows["none"]["vs_dense"] == "dense" and rows["none diloco"]["vs_dense"] != "dense"
+    assert rows["none diloco"]["gap_to_dense"]["mean"] == pytest.approx(-0.01)
+    assert rows["topk"]["vs_dense"] == "below"
