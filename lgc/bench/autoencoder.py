@@ -39,9 +39,18 @@ from lgc.bench.methods import parse_overrides
 from lgc.compressors.selection import topk_indices
 from lgc.compressors.topk import num_selected
 
-__all__ = ["aligned_samples", "benchmark_autoencoder"]
+__all__ = ["aligned_samples", "benchmark_autoencoder", "leader_positions"]
 
 _ORDERS = ("position", "magnitude", "value")
+
+
+def leader_positions(leader_gradients: list[torch.Tensor], density: float) -> torch.Tensor:
+    """The leader's top-k positions of every parameter (``[n]`` each), in the parameters' concatenation."""
+    positions, offset = [], 0
+    for grad in leader_gradients:
+        positions.append(topk_indices(grad, num_selected(grad.numel(), density)) + offset)
+        offset += grad.numel()
+    return torch.cat(positions)
 
 
 def aligned_samples(
@@ -56,12 +65,8 @@ def aligned_samples(
         order: ``"position"``, ``"magnitude"`` or ``"value"`` (the leader's, descending).
         leader: the worker whose top-k positions everyone uses.
     """
-    positions, offset = [], 0
-    for grad in gradients:
-        positions.append(topk_indices(grad[leader], num_selected(grad.shape[1], density)) + offset)
-        offset += grad.shape[1]
     flat = torch.cat(gradients, dim=1)
-    chosen = torch.cat(positions)
+    chosen = leader_positions([grad[leader] for grad in gradients], density)
     lead = flat[leader, chosen]
     if order == "value":
         chosen = chosen[torch.argsort(lead, descending=True, stable=True)]

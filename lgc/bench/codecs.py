@@ -61,8 +61,8 @@ import torch
 from torch import Tensor
 
 from lgc.autoencoder import chunk_scales, from_chunks, num_chunks, to_chunks
-from lgc.compressors.selection import topk_indices
-from lgc.compressors.topk import num_selected
+from lgc.bench.autoencoder import leader_positions
+from lgc.bench.methods import parse_list
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.shared_index import quantization_levels, round_to_levels
 
@@ -163,19 +163,15 @@ def leader_steps(gradients: Sequence[Tensor], density: float, rotating: bool) ->
     workers, steps = gradients[0].shape[:2]
     result = []
     momentum = None  # what every worker's momentum buffer holds: the delivered sums, decayed
+    numel = sum(grad.shape[2] for grad in gradients)
     for t in range(steps):
         leader = t % workers if rotating else 0
-        positions, offset = [], 0
-        for grad in gradients:
-            n = grad.shape[2]
-            positions.append(topk_indices(grad[leader, t], num_selected(n, density)).sort().values + offset)
-            offset += n
-        chosen = torch.cat(positions)
+        chosen = leader_positions([grad[leader, t] for grad in gradients], density).sort().values
         flat = torch.cat([grad[:, t] for grad in gradients], dim=1).float()
         values = flat[:, chosen]
-        result.append(LeaderStep(leader, chosen, values, offset, None if momentum is None else momentum[chosen]))
+        result.append(LeaderStep(leader, chosen, values, numel, None if momentum is None else momentum[chosen]))
         # The step delivers (exactly, for this order's purpose) the sum at its positions, nothing elsewhere.
-        delivered = torch.zeros(offset).index_put_((chosen,), values.sum(dim=0))
+        delivered = torch.zeros(numel).index_put_((chosen,), values.sum(dim=0))
         momentum = delivered if momentum is None else MOMENTUM * momentum + delivered
     return result
 
@@ -467,7 +463,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _ints(text: str, what: str) -> list[int]:
     try:
-        values = [int(item) for item in text.split(",") if item.strip()]
+        values = [int(item) for item in parse_list(text, what)]
     except ValueError:
         raise ValueError(f"--{what} must be comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:

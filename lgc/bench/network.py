@@ -354,13 +354,15 @@ def run(args: argparse.Namespace) -> None:
         sys.exit(f"lgc-bench network: {error}{kept}")
 
 
-def _keep(args: argparse.Namespace, measurements: dict[str, Any], calibrations: dict[str, Any]) -> None:
-    """With ``--out``: every measurement so far in ``network.json`` (read again with ``--from-json``)."""
+def _keep(args: argparse.Namespace, measurements: dict[str, Any], calibrations: dict[str, Any], **report: Any) -> None:
+    """With ``--out``: every measurement so far in ``network.json`` (read again with ``--from-json``),
+    and the report's ``results`` and ``over_seeds`` once it is made."""
     if args.out is None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"arguments": {k: str(v) for k, v in vars(args).items()}, "calibrations": calibrations}
-    (args.out / "network.json").write_text(json.dumps({**record, "raw": measurements}))
+    arguments = {k: str(v) for k, v in vars(args).items()}
+    record = {"arguments": arguments, **report, "calibrations": calibrations, "raw": measurements}
+    (args.out / "network.json").write_text(json.dumps(record))
 
 
 def _fitted_link(calibration: dict[str, Any], workers: int) -> Any:
@@ -404,17 +406,7 @@ def _report(
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "network.md").write_text(report + "\n")
-        (args.out / "network.json").write_text(
-            json.dumps(
-                {
-                    "arguments": {k: str(v) for k, v in vars(args).items()},
-                    "results": results,
-                    "over_seeds": seed_results,
-                    "calibrations": calibrations,
-                    "raw": measurements,
-                }
-            )
-        )
+        _keep(args, measurements, calibrations, results=results, over_seeds=seed_results)
         plot_results(results, args.target, args.out / "accuracy_vs_time.png")
         print(f"wrote {args.out / 'network.md'}, network.json and accuracy_vs_time.png")
 
