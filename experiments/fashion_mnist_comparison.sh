@@ -5,7 +5,10 @@
 #   iid4: 4 workers, IID shards;   dir8: 8 workers, Dirichlet(0.5) shards (both simulated on the
 #   CPU cores with ddp.oversubscribe=true).
 # Each method runs with its paper's settings as the embedded experiments scale them; DGC's warm-up
-# (4 densities) is scaled to 2.5 % of the run, as in the paper (4 of 160 epochs).
+# (4 densities) is scaled to 2.5 % of the run, as in the paper (4 of 160 epochs). `default` is
+# lgc-train's default compressor as it runs (shared-index int8, Golomb positions, one warm-up step);
+# `shared_topk_int8` is LGC's ablation (LGC-RAR's 30 dense warm-up steps and raw positions);
+# `lgc_rar_lean` is LGC-RAR on the default's footing (linear codec, int8 latents, Golomb positions).
 # Runs write to OUT (checkpoints and logs included); each finished run's summary.json is copied to
 # RESULTS/CELL/METHOD/seedN (committed as they arrive). Resumable: a run whose summary.json is in
 # RESULTS or OUT is skipped, and a stopped run resumes exactly from its last epoch's checkpoint
@@ -42,16 +45,18 @@ declare -A method=(
   [signsgd]="experiment=embedded/signsgd"
   [shared_topk_fp16]="experiment=embedded/shared_topk compressor.values=float16 compressor.measure_error=false"
   [shared_topk_int8]="experiment=embedded/shared_topk_int8"
+  [default]="compressor=shared_topk_int8"
   [lgc_rar]="experiment=embedded/lgc_rar"
   [lgc_ps]="experiment=embedded/lgc_ps"
   [lgc_rar_linear]="experiment=embedded/lgc_rar_linear"
+  [lgc_rar_lean]="experiment=embedded/lgc_rar_lean"
   [diloco_h10]="experiment=diloco"
   [diloco_h50]="experiment=diloco comm.delay=50"
   [sparseloco]="experiment=sparseloco"
   [demo]="experiment=demo"
 )
 order=(dense fp16 powersgd topk dgc sbc sbc_delay redsync random_block qsgd terngrad signsgd shared_topk_fp16
-       shared_topk_int8 lgc_rar lgc_ps lgc_rar_linear diloco_h10 diloco_h50 sparseloco demo)
+       shared_topk_int8 default lgc_rar lgc_ps lgc_rar_linear lgc_rar_lean diloco_h10 diloco_h50 sparseloco demo)
 read -r -a chosen <<< "${METHODS:-${order[*]}}"
 
 declare -A cell=(

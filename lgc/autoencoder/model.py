@@ -103,10 +103,19 @@ class AutoencoderConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> AutoencoderConfig:
-        """Build from config values (lists become tuples)."""
+        """Build from config values (lists become tuples).
+
+        ``width`` (a positive number, default 1) multiplies every encoder and decoder width (each
+        rounded, at least 1): ``width=0.25`` is the reference architecture at a sixteenth of its
+        parameters, for codecs that must stay small beside the model or learn from few samples.
+        """
+        width = kwargs.pop("width", 1.0)
+        if isinstance(width, bool) or not isinstance(width, int | float) or not 0 < width <= 16:
+            raise ValueError(f"autoencoder width must be a number in (0, 16], got {width!r}")
         for name in ("encoder_channels", "decoder_channels"):
-            if name in kwargs and isinstance(kwargs[name], Sequence):
-                kwargs[name] = tuple(int(c) for c in kwargs[name])  # type: ignore[union-attr]
+            channels = kwargs.get(name, getattr(cls, name))
+            if isinstance(channels, Sequence):
+                kwargs[name] = tuple(max(1, round(int(c) * width)) for c in channels)
         return cls(**kwargs)  # type: ignore[arg-type]
 
 

@@ -33,12 +33,13 @@ Codecs (``--codecs``, comma-separated):
   ``value`` (the leader's values, descending, which costs the permutation on the wire) or
   ``momentum`` (the running sum, decayed by 0.9 a step, of the sums delivered at earlier steps'
   positions: what every worker's SGD momentum buffer holds, so no permutation travels);
-* ``ae:C:DTYPE[:ORDER[:nosim]]``: LGC's autoencoder (:class:`lgc.autoencoder.GradientAutoencoder`,
-  the reference architecture with ``C`` latent channels) trained (``--ae-updates`` Adam updates
-  with LGC-RAR's loss: reconstruction, the paper's similarity of the workers' latents, unless
-  ``nosim``, and decoding the mean) on the training steps' chunks; every worker encodes, the
-  codes are summed, and ``P`` times the decoded mean code is the estimate, as LGC-RAR delivers it.
-  ``DTYPE``: ``fp32`` or ``fp16``;
+* ``ae:C:DTYPE[:ORDER][:nosim][:wWIDTH]``: LGC's autoencoder
+  (:class:`lgc.autoencoder.GradientAutoencoder`, the reference architecture with ``C`` latent
+  channels, every width multiplied by ``WIDTH``) trained (``--ae-updates`` Adam updates with
+  LGC-RAR's loss: reconstruction, the paper's similarity of the workers' latents, unless ``nosim``,
+  and decoding the mean) on the training steps' chunks; every worker encodes, the codes are summed,
+  and ``P`` times the decoded mean code is the estimate, as LGC-RAR delivers it. ``DTYPE``:
+  ``fp32`` or ``fp16``;
 * ``leader_scaled``: only the leader sends its values (fp32), ``P`` times them is the estimate.
 
 Every codec sees the raw recorded gradients (no error feedback residuals): the positions are
@@ -91,6 +92,7 @@ class CodecSpec:
     latent: int | None = None  # pca: latent values per chunk; ae: latent channels
     order: str = "position"
     similarity: bool = True  # ae: train with the paper's similarity term (pulls the workers' latents together)
+    width: float = 1.0  # ae: multiplies the reference architecture's widths
 
 
 def parse_codecs(text: str, chunk: int) -> list[CodecSpec]:
@@ -119,32 +121,47 @@ def parse_codecs(text: str, chunk: int) -> list[CodecSpec]:
                 raise ValueError(f"{entry!r}: the dtype must be one of {_LATENTS} and the order one of {_ORDERS}")
             specs.append(CodecSpec(entry, "pca", dtype=dtype, latent=latent, order=order))
         elif entry.startswith("ae:"):
-            parts = entry.split(":")
-            if len(parts) not in (3, 4, 5) or not parts[1].isdigit() or int(parts[1]) < 1:
-                raise ValueError(f"{entry!r}: write ae:CHANNELS:DTYPE[:ORDER[:nosim]], e.g. ae:4:fp32:value")
-            dtype, order = parts[2], parts[3] if len(parts) >= 4 else "position"
-            if len(parts) == 5 and parts[4] != "nosim":
-                raise ValueError(f"{entry!r}: the fifth field can only be nosim (no similarity loss term)")
-            if dtype not in ("fp32", "fp16") or order not in _ORDERS:
-                raise ValueError(f"{entry!r}: the dtype must be fp32 or fp16 and the order one of {_ORDERS}")
-            from lgc.autoencoder import AutoencoderConfig
-
-            try:  # the architecture's own checks (the chunk against its receptive field), before any recording
-                AutoencoderConfig.from_kwargs(chunk=chunk, latent_channels=int(parts[1]))
-            except (ValueError, TypeError) as error:
-                raise ValueError(f"{entry!r}: {error}") from None
-            similarity = len(parts) < 5
-            specs.append(CodecSpec(entry, "ae", dtype=dtype, latent=int(parts[1]), order=order, similarity=similarity))
+            specs.append(_autoencoder_spec(entry, chunk))
         elif entry == "leader_scaled":
             specs.append(CodecSpec(entry, "leader_scaled"))
         else:
             raise ValueError(
                 f"unknown codec {entry!r}: fp32, fp16, bf16, int8, int4, levels=M, pca:L:DTYPE[:ORDER], "
-                "ae:C:DTYPE[:ORDER[:nosim]], leader_scaled"
+                "ae:C:DTYPE[:ORDER][:nosim][:wWIDTH], leader_scaled"
             )
     if not specs:
         raise ValueError(f"--codecs names no codec: {text!r}")
     return specs
+
+
+def _autoencoder_spec(entry: str, chunk: int) -> CodecSpec:
+    """``ae:C:DTYPE`` and any of ``:ORDER``, ``:nosim``, ``:wX`` (``X`` multiplies the widths)."""
+    parts = entry.split(":")
+    usage = f"{entry!r}: write ae:CHANNELS:DTYPE[:ORDER][:nosim][:wWIDTH], e.g. ae:4:fp32:value or ae:4:fp32:w0.25"
+    if len(parts) < 3 or not parts[1].isdigit() or int(parts[1]) < 1:
+        raise ValueError(usage)
+    dtype, order, similarity, width = parts[2], "position", True, 1.0
+    if dtype not in ("fp32", "fp16"):
+        raise ValueError(f"{entry!r}: the dtype must be fp32 or fp16")
+    for option in parts[3:]:
+        if option in _ORDERS:
+            order = option
+        elif option == "nosim":
+            similarity = False
+        elif option.startswith("w"):
+            try:
+                width = float(option[1:])
+            except ValueError:
+                raise ValueError(usage) from None
+        else:
+            raise ValueError(f"{usage} (an order is one of {_ORDERS})")
+    from lgc.autoencoder import AutoencoderConfig
+
+    try:  # the architecture's own checks (the chunk against its receptive field, the width), before any recording
+        AutoencoderConfig.from_kwargs(chunk=chunk, latent_channels=int(parts[1]), width=width)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{entry!r}: {error}") from None
+    return CodecSpec(entry, "ae", dtype=dtype, latent=int(parts[1]), order=order, similarity=similarity, width=width)
 
 
 @dataclass(frozen=True)
@@ -218,7 +235,9 @@ class _Coder:
             from lgc.autoencoder.losses import DEFAULT_WEIGHTS
 
             samples = torch.cat([self._scaled_chunks(step)[0].transpose(0, 1) for step in steps])
-            config = AutoencoderConfig.from_kwargs(chunk=self.chunk, latent_channels=self.spec.latent, seed=self.seed)
+            config = AutoencoderConfig.from_kwargs(
+                chunk=self.chunk, latent_channels=self.spec.latent, seed=self.seed, width=self.spec.width
+            )
             weights = DEFAULT_WEIGHTS if self.spec.similarity else DEFAULT_WEIGHTS._replace(similarity=0.0)
             trainer = AutoencoderTrainer(
                 GradientAutoencoder(config), seed=self.seed, buffer_size=samples.shape[0], weights=weights

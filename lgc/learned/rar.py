@@ -53,7 +53,7 @@ import torch
 from lgc.autoencoder import AutoencoderConfig
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
-from lgc.learned.shared_index import quantization_levels, shared_scale_codes
+from lgc.learned.shared_index import SharedIndexStage, quantization_levels, shared_scale_codes
 from lgc.learned.state import LGCHookState
 from lgc.learned.step import LATENT_DTYPES, Leaders, StepContext, latent_wire_dtype, send_parameters
 from lgc.learned.training import CodecTraining
@@ -62,6 +62,8 @@ from lgc.validation import NonNegativeInt
 __all__ = ["LGCRingAllreduceState", "RingAllreduceStage"]
 
 RESIDUALS = ("own_reconstruction", "zero")
+#: What LGC-RAR's codec-training stage communicates and learns from.
+CODEC_SAMPLES = ("topk", "leader")
 
 
 class RingAllreduceStage:
@@ -194,6 +196,11 @@ class LGCRingAllreduceState(LGCHookState):
         linear_latent: the linear codec's floats per chunk (default: the autoencoder's
             ``latent_numel``, so both send the same bytes).
         rotate_leader: worker ``t % P`` leads step ``t`` (the default, see the module docstring).
+        codec_samples: what stage 2 communicates and learns from: ``"topk"`` (the paper: top-k with
+            error feedback, the samples are every worker's corrected gradient at the leader's
+            positions) or ``"leader"``: the compressed stage's exchange with the exact sum in place
+            of the codec (shared-index float32), so the samples come from the error feedback the
+            codec will serve (:mod:`lgc.learned.training`).
         autoencoder, ae_updates_per_step, ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size,
             loss_weights: the codec and its training (:class:`~lgc.learned.training.CodecTraining`).
         **kwargs: the stages and common knobs of :class:`~lgc.learned.state.LGCHookState`.
@@ -222,8 +229,11 @@ class LGCRingAllreduceState(LGCHookState):
         ae_buffer_size: int = 4096,
         loss_weights: Mapping[str, float] | None = None,
         rotate_leader: bool = True,
+        codec_samples: str = "topk",
         **kwargs: Any,
     ) -> None:
+        if codec_samples not in CODEC_SAMPLES:
+            raise ValueError(f"codec_samples must be one of {CODEC_SAMPLES}, got {codec_samples!r}")
         stage = RingAllreduceStage(residual, latent_dtype, seed)
         training = CodecTraining(
             codec=codec,
@@ -235,6 +245,7 @@ class LGCRingAllreduceState(LGCHookState):
             ae_batch_size=ae_batch_size,
             ae_buffer_size=ae_buffer_size,
             loss_weights=loss_weights,
+            sample_exchange=SharedIndexStage("float32") if codec_samples == "leader" else None,
         )
         super().__init__(stage, training, rotate_leader=rotate_leader, **kwargs)
 

@@ -7,6 +7,9 @@ bucket the whole model's samples are joined in cat space, put in wire order
 (:class:`~lgc.learned.leader_code.LeaderIndexCodec`), gathered at rank 0 (counted with the stage's
 bytes), cut into chunks and divided by the leader's chunk scales: ``[rows, workers, chunk]``,
 what the codec's trainer takes (:class:`~lgc.learned.training.CodecTraining` runs the stage).
+With ``codec_samples="leader"`` the step runs the compressed stage's own exchange exactly instead
+(every worker's float32 values at the leader's positions, summed), and its values, in wire order
+already, are gathered by :func:`gather_leader_samples`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.leader_code import LeaderIndexCodec
 
-__all__ = ["GatheredSamples", "Sample", "gather_samples", "mean_pairwise_correlation"]
+__all__ = ["GatheredSamples", "Sample", "gather_leader_samples", "gather_samples", "mean_pairwise_correlation"]
 
 
 def mean_pairwise_correlation(values: Tensor) -> Tensor:
@@ -88,6 +91,25 @@ def gather_samples(
         masks = counted.gather(stats, pack_bits(mask).to(values.device), 0, group)
     if gathered is None:
         return None
-    scales = codec.chunk_scales(leader_values[order])
-    chunks = torch.stack([codec.scaled_chunks(x, scales) for x in gathered], dim=1)
-    return GatheredSamples(chunks, masks, values.numel())
+    return GatheredSamples(_scaled(gathered, leader_values[order], codec), masks, values.numel())
+
+
+def gather_leader_samples(
+    values: Tensor, leader: int, codec: LeaderIndexCodec, stats: CommStats, group: dist.ProcessGroup | None
+) -> GatheredSamples | None:
+    """Gather every worker's ``values`` at the leader's positions, already in wire order, at rank 0.
+
+    What :func:`gather_samples` returns, for a step that ran the leader's exchange itself (codec
+    training with ``codec_samples="leader"``): the leader's own values give the chunk scales. A
+    collective: every rank calls it; the gathered samples at rank 0, None elsewhere.
+    """
+    gathered = counted.gather(stats, values, 0, group)
+    if gathered is None:
+        return None
+    return GatheredSamples(_scaled(gathered, gathered[leader], codec), None, values.numel())
+
+
+def _scaled(gathered: list[Tensor], leader_values: Tensor, codec: LeaderIndexCodec) -> Tensor:
+    """``[rows, workers, chunk]``: every worker's values chunked and divided by the leader's chunk scales."""
+    scales = codec.chunk_scales(leader_values)
+    return torch.stack([codec.scaled_chunks(x, scales) for x in gathered], dim=1)

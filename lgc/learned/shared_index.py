@@ -134,12 +134,20 @@ class SharedIndexStage:
     def distribute_weights(self, codec: nn.Module, leaders: Leaders, stats: CommStats, group: Any) -> None:
         pass  # nothing is learned (never called: these states hold no codec)
 
-    @torch.no_grad()
     def run(self, ctx: StepContext) -> None:
+        self.exchange(ctx)
+
+    @torch.no_grad()
+    def exchange(self, ctx: StepContext) -> Tensor | None:
+        """Run the step (as :meth:`run`); return this worker's values at the leader's positions, in wire order.
+
+        ``None`` when the step compresses no parameter. LGC's codec training with
+        ``codec_samples="leader"`` runs the exact (float32) exchange and learns from these values.
+        """
         plan = ctx.plan
         if not plan.compressed:
             ctx.allreduce_dense([])
-            return
+            return None
         v = ctx.corrected()
         ctx.mark_sent()
         if self.leader_only:
@@ -163,6 +171,7 @@ class SharedIndexStage:
         ctx.keep(v)
         # Each worker's share is already divided by the world size: the sum is the mean gradient.
         ctx.apply(positions, total, like=v)
+        return own
 
     def _sum_floats(self, ctx: StepContext, own: Tensor, scales: Tensor | None) -> tuple[Tensor, Tensor]:
         """Allreduce the values in a float format; returns (the sum, what this worker's values carried)."""

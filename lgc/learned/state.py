@@ -25,6 +25,7 @@ same order on every rank.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,9 @@ from lgc.learned.training import CodecTraining
 from lgc.validation import Density, NonNegativeInt, PositiveFloat, PositiveInt
 
 __all__ = ["LGCHookState", "LGCStage", "lgc_hook"]
+
+#: Stage 2's exact exchange (``codec_samples="leader"``) measures no delivered error.
+_EXACT = DeliveredError(False)
 
 
 class LGCHookState(CompressionHookState):
@@ -259,7 +263,9 @@ class LGCHookState(CompressionHookState):
         assert self.training is not None
         return (
             f"{type(self).__name__}(density={self.density}, warmup_steps={self.warmup_steps} ({self.warmup}), "
-            f"ae_steps={self.ae_steps}, chunk={self.training.chunk}, latent={latent_dtype}, "
+            f"ae_steps={self.ae_steps}, codec={self.training.codec}"
+            + (", samples=leader" if self.training.sample_exchange is not None else "")
+            + f", chunk={self.training.chunk}, latent={latent_dtype}, "
             f"indices={self.index_coding}, leader={'rotating' if self.rotate_leader else self.leader_rank}"
             + (f", init={self.training.init}" if self.training.init is not None else "")
             + ")"
@@ -333,6 +339,15 @@ class LGCHookState(CompressionHookState):
         if self.stage is LGCStage.AUTOENCODER_TRAINING:
             assert self.training is not None
             self.topk.density = self.density
+            if self.training.sample_exchange is not None:  # codec_samples="leader"
+                # Its exchange is exact: lgc/true_error measures the compressed stage alone.
+                ctx = replace(
+                    self._context(plan_step(pending, used, self.param_order, self.density), step), errors=_EXACT
+                )
+                self.training.step_at_leader(ctx)
+                for bucket in pending:
+                    bucket.future.set_result(bucket.buffer)
+                return
             self.training.step(
                 self,
                 pending,

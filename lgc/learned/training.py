@@ -12,6 +12,13 @@ for PCA of the autoencoder's latent size fitted on the same buffer: an autoencod
 beat it is starved of data or updates). When the compressed
 stage begins, rank 0's weights go to the workers that need them (the topology's stage says which).
 
+The paper's stage 2 learns from a different regime than the one the codec serves: its error
+feedback is each worker's own top-k's, while the compressed stage keeps what the leader's positions
+leave. With ``codec_samples="leader"`` (LGC-RAR) stage 2 communicates as the compressed stage will,
+with the codec replaced by the exact sum (shared-index float32:
+:class:`~lgc.learned.shared_index.SharedIndexStage`), and learns from the values that exchange
+carried: the samples come from the error feedback the codec will see.
+
 Two trainers implement :class:`CodecTrainer`: the paper's autoencoder
 (:class:`~lgc.autoencoder.AutoencoderTrainer`) and the linear codec
 (:class:`~lgc.autoencoder.linear.LinearCodecTrainer`, principal directions, LGC's learned but linear
@@ -37,7 +44,8 @@ from lgc.compressors.topk import SparsePayload, num_selected
 from lgc.ddp.exchange import ExchangeHost, PayloadExchange
 from lgc.ddp.step_guard import PendingBucket
 from lgc.learned.leader_code import LeaderIndexCodec
-from lgc.learned.samples import Sample, gather_samples, mean_pairwise_correlation
+from lgc.learned.samples import Sample, gather_leader_samples, gather_samples, mean_pairwise_correlation
+from lgc.learned.step import StepContext
 from lgc.validation import NonNegativeInt, check
 
 __all__ = ["CODECS", "ChunkCodec", "CodecTrainer", "CodecTraining"]
@@ -116,6 +124,10 @@ class CodecTraining:
             (:class:`~lgc.autoencoder.AutoencoderTrainer`; the linear codec keeps the buffer only).
         loss_weights: :class:`~lgc.autoencoder.LossWeights` fields (``reconstruction``,
             ``similarity``, ``mean``).
+        sample_exchange: the exchange stage 2 runs instead of top-k (an object with
+            ``exchange(ctx)`` returning this worker's values at the leader's positions in wire
+            order, e.g. a float32 :class:`~lgc.learned.shared_index.SharedIndexStage`): the
+            samples are then those values (``codec_samples="leader"``). ``None``: the paper's top-k.
     """
 
     __slots__ = (
@@ -129,6 +141,7 @@ class CodecTraining:
         "frozen",  # a warm-started codec that stage 2 does not retrain (ae_steps=0)
         "trainer",  # built for the world size (build()); rank 0's buffer holds the samples
         "samples",  # this worker's samples of the current step, joined at its end
+        "sample_exchange",  # stage 2's exchange in place of top-k (codec_samples="leader"), or None
         "weights_sent",  # whether the workers hold the trained weights (the compressed stage may start)
     )
 
@@ -145,6 +158,7 @@ class CodecTraining:
         ae_batch_size: int = 64,
         ae_buffer_size: int = 4096,
         loss_weights: Mapping[str, float] | None = None,
+        sample_exchange: Any = None,
     ) -> None:
         init = None
         if isinstance(autoencoder, Mapping):  # a dict, or Hydra's DictConfig
@@ -176,6 +190,12 @@ class CodecTraining:
         self.frozen = False
         self.trainer: CodecTrainer | None = None
         self.samples: list[Sample] = []
+        self.sample_exchange = sample_exchange
+        if sample_exchange is not None and self.innovation_density is not None:
+            raise ValueError(
+                "codec_samples='leader' learns from the exact exchange at the leader's positions, which "
+                "carries no worker's innovation: LGC-PS's codec trains on the paper's top-k samples only"
+            )
         self.weights_sent = False
 
     @property
@@ -258,7 +278,22 @@ class CodecTraining:
         self.samples = []
         if gathered is not None:
             self._add(*gathered, code, metrics)
-        if dist.get_rank(hook.process_group) == 0:
+        self._train(hook.process_group, metrics)
+
+    def step_at_leader(self, ctx: StepContext) -> None:
+        """A stage-2 step with ``sample_exchange``: its exchange, then the values it carried are learned from."""
+        assert self.trainer is not None and self.sample_exchange is not None
+        own = self.sample_exchange.exchange(ctx)
+        if own is not None:  # the same on every rank: whether the step compressed any parameter
+            gathered = gather_leader_samples(own, ctx.leader, ctx.code, ctx.stats, ctx.group)
+            if gathered is not None:
+                self._add(*gathered, ctx.code, ctx.metrics)
+        self._train(ctx.group, ctx.metrics)
+
+    def _train(self, group: dist.ProcessGroup | None, metrics: dict[str, float]) -> None:
+        """Rank 0 trains the codec on its buffer (``ae_updates_per_step`` updates)."""
+        assert self.trainer is not None
+        if dist.get_rank(group) == 0:
             losses = self.trainer.train(self.updates_per_step)
             if losses:
                 metrics["lgc/ae_loss"] = losses["total"]

@@ -131,8 +131,14 @@ def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
     rows = codecs.num_chunks(steps[4].values.shape[1], 64)
     assert bits["payload"] == 16.0 * ae.autoencoder.config.latent_numel * rows and torch.isfinite(delivered).all()
     # nosim: the same codec trained without the similarity term.
-    plain, nosim = codecs.parse_codecs("ae:2:fp32,ae:2:fp32:position:nosim", 64)
+    plain, nosim, narrow = codecs.parse_codecs("ae:2:fp32,ae:2:fp32:position:nosim,ae:2:fp32:nosim:w0.25", 64)
     assert plain.similarity and not nosim.similarity and nosim.order == "position"
+    # :wX multiplies the reference widths (fewer parameters, the same latent).
+    assert (narrow.width, narrow.similarity, narrow.order, plain.width) == (0.25, False, "position", 1.0)
+    small = _coder("ae:2:fp16:value:w0.25", chunk=64)
+    small.fit(steps[:3])
+    config = small.autoencoder.config
+    assert config.encoder_channels == (16, 32, 64, 16) and config.latent_numel == ae.autoencoder.config.latent_numel
     leader = _coder("leader_scaled")
     delivered, bits = leader.run(steps[4])
     assert torch.equal(delivered, 4 * steps[4].values[0]) and bits["payload"] == 0.0
@@ -157,7 +163,8 @@ def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
         (["--codecs", "pca:99:fp32"], r"the latent size must be in \[1, --chunk=64\]"),
         (["--codecs", "pca:4:int4"], "the dtype must be one of"),
         (["--codecs", "ae:4:int8"], "the dtype must be fp32 or fp16"),
-        (["--codecs", "ae:4:fp32:value:sim"], "the fifth field can only be nosim"),
+        (["--codecs", "ae:4:fp32:value:sim"], r"write ae:CHANNELS:DTYPE\[:ORDER\]\[:nosim\]\[:wWIDTH\]"),
+        (["--codecs", "ae:4:fp32:w0"], r"autoencoder width must be a number in \(0, 16\], got 0.0"),
         (["--codecs", "ae:4:fp32", "--chunk", "16"], "shorter than the encoder's receptive field"),
         (["--codecs", "levels=0"], "levels must be a positive integer"),
         (["--ae-updates", "0"], "--ae-updates must be >= 1"),

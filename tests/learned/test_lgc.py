@@ -47,6 +47,18 @@ def test_latent_is_a_quarter_of_the_chunk_and_receptive_field_is_checked():
         assert torch.equal(a, b)
 
 
+def test_width_sizes_the_reference_architecture_and_keeps_its_latent():
+    state = LGCRingAllreduceState(autoencoder=dict(chunk=64, width=0.125), world_size=2)
+    config = state.ae_config
+    assert config.encoder_channels == (8, 16, 32, 8) and config.decoder_channels == (4, 8, 16, 4)
+    assert config.latent_numel == AutoencoderConfig(chunk=64).latent_numel
+    reference = sum(p.numel() for p in GradientAutoencoder(AutoencoderConfig(chunk=64)).parameters())
+    assert (sum(p.numel() for p in state.autoencoder.parameters()), reference) == (3569, 216677)
+    for width in (0, -1, "wide", True):
+        with pytest.raises(ValueError, match="autoencoder width must be a number in"):
+            LGCRingAllreduceState(autoencoder=dict(width=width))
+
+
 @pytest.mark.parametrize("decoder", ["transposed", "upsample"])
 def test_both_decoders_give_the_same_code_size_and_train(decoder):
     """The decoder's upsampling choice changes its cost (``lgc-bench step``), not the wire: the same latent."""
@@ -227,6 +239,8 @@ def _lgc_state(variant: str, **kwargs):
         return LGCParameterServerState(**{"innovation_density": 0.01, **common, **kwargs})
     if variant == "rar_int8":  # int8 latents: stochastic rounding that a resumed run must repeat
         common["latent_dtype"] = "int8"
+    if variant == "rar_leader":  # stage 2 runs the exact exchange at the leader's positions
+        common["codec_samples"] = "leader"
     return LGCRingAllreduceState(**{**common, **kwargs})
 
 
@@ -647,7 +661,7 @@ def _resume(rank: int, world: int, variant: str, stop: int) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["rar", "ps", "rar_int8"])
+@pytest.mark.parametrize("variant", ["rar", "ps", "rar_int8", "rar_leader"])
 @pytest.mark.parametrize("stop", [4, 8], ids=["in stage 2", "in stage 3"])
 def test_resume_in_the_middle_of_a_stage_continues_exactly(variant, stop):
     for rank, result in enumerate(run_workers(_resume, 2, variant, stop)):

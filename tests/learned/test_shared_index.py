@@ -9,9 +9,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc.autoencoder import num_chunks
 from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
+from lgc.compressors.topk import num_selected
 from lgc.learned.rar import LGCRingAllreduceState
-from lgc.learned.shared_index import SharedIndexState, quantization_levels
+from lgc.learned.shared_index import SharedIndexStage, SharedIndexState, quantization_levels
 from lgc.learned.state import LGCStage
+from lgc.learned.training import CodecTraining
 
 DENSITY = 0.05
 CHUNK = 32
@@ -245,3 +247,73 @@ def test_lgc_rar_with_the_linear_codec_trains_ships_and_uses_one_basis():
     # The basis (chunk x latent floats: 32 x the autoencoder's 2 channels x 32 / 2**2) is broadcast once from rank 0.
     assert results[0]["weights"] == 4 * CHUNK * 16
     assert 0.0 < results[0]["true_error"] < 1.0
+
+
+def _stage_two_at_the_leader(rank: int, world: int) -> dict:
+    """LGC-RAR's stage 2 with codec_samples="leader" beside shared-index float32, 2 warm-up + 4 steps each."""
+    runs = {}
+    for name in ("lgc", "shared"):
+        model = DDP(_net(), bucket_cap_mb=0.01)
+        common = dict(density=DENSITY, warmup_steps=2, min_numel=MIN_NUMEL, value_order="value")
+        if name == "lgc":
+            ae = dict(chunk=CHUNK, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2)
+            state = LGCRingAllreduceState(codec="linear", codec_samples="leader", ae_steps=4, autoencoder=ae, **common)
+        else:
+            state = SharedIndexState(chunk=CHUNK, measure_error=True, **common)
+        state.register(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(6):
+            _step(model, step, optimizer)
+        runs[name] = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "residuals": {key: r.clone() for key, r in state.ef.residuals.items()},
+            "stages": state.summary_extras()["lgc"]["stages"],
+            "stage": state.stage,
+            "metrics": state.metrics(),
+        }
+        if name == "lgc":
+            runs[name]["samples"] = state.trainer.chunks
+            runs[name]["k"] = sum(
+                num_selected(p.numel(), DENSITY) for p in model.parameters() if p.numel() >= MIN_NUMEL
+            )
+    return runs
+
+
+@pytest.mark.multiprocess
+def test_codec_training_at_the_leader_runs_the_exact_exchange_and_learns_from_its_values():
+    for rank, runs in enumerate(run_workers(_stage_two_at_the_leader, 2)):
+        lgc, shared = runs["lgc"], runs["shared"]
+        assert lgc["stage"] is LGCStage.AUTOENCODER_TRAINING and shared["stage"] is LGCStage.COMPRESSED
+        # Stage 2 moves the model exactly as shared-index float32 at the same (rotating) leaders does.
+        for a, b in zip(lgc["params"], shared["params"], strict=True):
+            assert torch.equal(a, b)
+        assert lgc["residuals"].keys() == shared["residuals"].keys()
+        for key, residual in shared["residuals"].items():
+            assert torch.equal(lgc["residuals"][key], residual), key
+        # The same bytes, plus every worker's K values gathered at rank 0 once per step.
+        k = lgc["k"]
+        gathered = 0 if rank == 0 else 4 * 4 * k
+        assert (
+            lgc["stages"]["autoencoder_training"]["bytes_sent"]
+            == shared["stages"]["compressed"]["bytes_sent"] + gathered
+        )
+        # The exact exchange is not the codec: no delivered error is measured in stage 2.
+        assert "lgc/true_error" in shared["metrics"] and "lgc/true_error" not in lgc["metrics"]
+        if rank == 0:
+            # Rank 0 holds 4 steps of [rows, workers, chunk] samples; each step's leader (worker
+            # step % 2) divided its own chunks by their RMS: its slice has unit RMS in every row.
+            rows = -(-k // CHUNK)
+            samples = lgc["samples"]
+            assert samples.shape == (4 * rows, 2, CHUNK)
+            for i, step in enumerate(range(2, 6)):
+                leader_rows = samples[i * rows : (i + 1) * rows, step % 2]
+                torch.testing.assert_close(leader_rows.square().mean(dim=1), torch.ones(rows))
+        else:
+            assert "samples" not in lgc or lgc["samples"] is None
+
+
+def test_codec_samples_are_named_and_lgc_ps_keeps_the_papers():
+    with pytest.raises(ValueError, match="codec_samples must be one of"):
+        LGCRingAllreduceState(codec_samples="exact")
+    with pytest.raises(ValueError, match="LGC-PS's codec trains on the paper's top-k samples only"):
+        CodecTraining(innovation_density=0.001, sample_exchange=SharedIndexStage("float32"))
