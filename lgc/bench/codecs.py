@@ -40,6 +40,10 @@ Codecs (``--codecs``, comma-separated):
   and decoding the mean) on the training steps' chunks; every worker encodes, the codes are summed,
   and ``P`` times the decoded mean code is the estimate, as LGC-RAR delivers it. ``DTYPE``:
   ``fp32`` or ``fp16``;
+* ``pcaae:L:DTYPE[:ORDER][:nosim][:hHIDDEN]``: the PCA-initialised autoencoder
+  (:class:`lgc.autoencoder.pca_autoencoder.PCAAutoencoder`): ``pca:L``'s directions plus
+  nonlinear corrections of ``HIDDEN`` hidden units (default 64) that start at zero, trained as
+  ``ae`` is and applied as LGC-RAR applies it;
 * ``leader_scaled``: only the leader sends its values (fp32), ``P`` times them is the estimate.
 
 Every codec sees the raw recorded gradients (no error feedback residuals): the positions are
@@ -71,7 +75,8 @@ __all__ = ["CodecSpec", "LeaderStep", "benchmark_codecs", "cannot_sum", "leader_
 
 DEFAULT_CODECS = (
     "fp32,fp16,int8,int4,levels=1,pca:4:fp32,pca:4:int8,pca:8:int8,pca:16:int8,pca:16:fp16,pca:16:int8:value,"
-    "pca:16:int8:momentum,ae:4:fp32,ae:4:fp32:position:nosim,ae:4:fp32:value,ae:4:fp32:momentum,leader_scaled"
+    "pca:16:int8:momentum,ae:4:fp32,ae:4:fp32:position:nosim,ae:4:fp32:value,ae:4:fp32:momentum,ae:4:fp32:w0.125,"
+    "pcaae:16:fp32,pcaae:16:fp32:nosim,leader_scaled"
 )
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _LATENTS = ("fp32", "fp16", "int8")
@@ -93,6 +98,7 @@ class CodecSpec:
     order: str = "position"
     similarity: bool = True  # ae: train with the paper's similarity term (pulls the workers' latents together)
     width: float = 1.0  # ae: multiplies the reference architecture's widths
+    hidden: int = 64  # pcaae: the correction's hidden width
 
 
 def parse_codecs(text: str, chunk: int) -> list[CodecSpec]:
@@ -120,14 +126,14 @@ def parse_codecs(text: str, chunk: int) -> list[CodecSpec]:
             if dtype not in _LATENTS or order not in _ORDERS:
                 raise ValueError(f"{entry!r}: the dtype must be one of {_LATENTS} and the order one of {_ORDERS}")
             specs.append(CodecSpec(entry, "pca", dtype=dtype, latent=latent, order=order))
-        elif entry.startswith("ae:"):
+        elif entry.startswith(("ae:", "pcaae:")):
             specs.append(_autoencoder_spec(entry, chunk))
         elif entry == "leader_scaled":
             specs.append(CodecSpec(entry, "leader_scaled"))
         else:
             raise ValueError(
                 f"unknown codec {entry!r}: fp32, fp16, bf16, int8, int4, levels=M, pca:L:DTYPE[:ORDER], "
-                "ae:C:DTYPE[:ORDER][:nosim][:wWIDTH], leader_scaled"
+                "ae:C:DTYPE[:ORDER][:nosim][:wWIDTH], pcaae:L:DTYPE[:ORDER][:nosim][:hHIDDEN], leader_scaled"
             )
     if not specs:
         raise ValueError(f"--codecs names no codec: {text!r}")
@@ -135,12 +141,18 @@ def parse_codecs(text: str, chunk: int) -> list[CodecSpec]:
 
 
 def _autoencoder_spec(entry: str, chunk: int) -> CodecSpec:
-    """``ae:C:DTYPE`` and any of ``:ORDER``, ``:nosim``, ``:wX`` (``X`` multiplies the widths)."""
+    """``ae:C:DTYPE`` or ``pcaae:L:DTYPE``, then any of ``:ORDER``, ``:nosim`` and ``:wX`` (ae: ``X``
+    multiplies the widths) or ``:hH`` (pcaae: the correction's hidden width)."""
     parts = entry.split(":")
-    usage = f"{entry!r}: write ae:CHANNELS:DTYPE[:ORDER][:nosim][:wWIDTH], e.g. ae:4:fp32:value or ae:4:fp32:w0.25"
+    pca = parts[0] == "pcaae"
+    usage = (
+        f"{entry!r}: write pcaae:LATENT:DTYPE[:ORDER][:nosim][:hHIDDEN], e.g. pcaae:16:fp32:h32"
+        if pca
+        else f"{entry!r}: write ae:CHANNELS:DTYPE[:ORDER][:nosim][:wWIDTH], e.g. ae:4:fp32:value or ae:4:fp32:w0.25"
+    )
     if len(parts) < 3 or not parts[1].isdigit() or int(parts[1]) < 1:
         raise ValueError(usage)
-    dtype, order, similarity, width = parts[2], "position", True, 1.0
+    dtype, order, similarity, width, hidden = parts[2], "position", True, 1.0, 64
     if dtype not in ("fp32", "fp16"):
         raise ValueError(f"{entry!r}: the dtype must be fp32 or fp16")
     for option in parts[3:]:
@@ -148,13 +160,19 @@ def _autoencoder_spec(entry: str, chunk: int) -> CodecSpec:
             order = option
         elif option == "nosim":
             similarity = False
-        elif option.startswith("w"):
+        elif option.startswith("h" if pca else "w"):
             try:
-                width = float(option[1:])
+                width, hidden = (width, int(option[1:])) if pca else (float(option[1:]), hidden)
             except ValueError:
                 raise ValueError(usage) from None
         else:
             raise ValueError(f"{usage} (an order is one of {_ORDERS})")
+    if pca:
+        if not 1 <= int(parts[1]) <= chunk or hidden < 0:
+            raise ValueError(f"{entry!r}: the latent size must be in [1, --chunk={chunk}] and the hidden width >= 0")
+        return CodecSpec(
+            entry, "pcaae", dtype=dtype, latent=int(parts[1]), order=order, similarity=similarity, hidden=hidden
+        )
     from lgc.autoencoder import AutoencoderConfig
 
     try:  # the architecture's own checks (the chunk against its receptive field, the width), before any recording
@@ -230,18 +248,22 @@ class _Coder:
     def fit(self, steps: Sequence[LeaderStep]) -> None:
         """PCA: the leading right singular vectors of every worker's scaled chunks of the training steps;
         the autoencoder: trained on them (``[rows, W, chunk]`` samples, as LGC's stage 2 collects)."""
-        if self.spec.kind == "ae":
+        if self.spec.kind in ("ae", "pcaae"):
             from lgc.autoencoder import AutoencoderConfig, AutoencoderTrainer, GradientAutoencoder
             from lgc.autoencoder.losses import DEFAULT_WEIGHTS
+            from lgc.autoencoder.pca_autoencoder import PCAAutoencoder, PCAAutoencoderConfig, PCAAutoencoderTrainer
 
             samples = torch.cat([self._scaled_chunks(step)[0].transpose(0, 1) for step in steps])
-            config = AutoencoderConfig.from_kwargs(
-                chunk=self.chunk, latent_channels=self.spec.latent, seed=self.seed, width=self.spec.width
-            )
             weights = DEFAULT_WEIGHTS if self.spec.similarity else DEFAULT_WEIGHTS._replace(similarity=0.0)
-            trainer = AutoencoderTrainer(
-                GradientAutoencoder(config), seed=self.seed, buffer_size=samples.shape[0], weights=weights
-            )
+            options = dict(seed=self.seed, buffer_size=samples.shape[0], weights=weights)
+            if self.spec.kind == "pcaae":
+                shape = PCAAutoencoderConfig(self.chunk, self.spec.latent, self.spec.hidden, seed=self.seed)  # type: ignore[arg-type]
+                trainer: AutoencoderTrainer = PCAAutoencoderTrainer(PCAAutoencoder(shape), **options)  # type: ignore[arg-type]
+            else:
+                config = AutoencoderConfig.from_kwargs(
+                    chunk=self.chunk, latent_channels=self.spec.latent, seed=self.seed, width=self.spec.width
+                )
+                trainer = AutoencoderTrainer(GradientAutoencoder(config), **options)  # type: ignore[arg-type]
             trainer.add(samples)
             trainer.train(self.ae_updates)
             self.autoencoder = trainer.autoencoder.eval()
@@ -299,7 +321,7 @@ class _Coder:
             codes = torch.stack([self._round(c, shared, levels) for c in chunks]).sum(dim=0)
             delivered = from_chunks(codes / levels * shared[:, None], k)
             return delivered, {"payload": float(lane * self.chunk * rows + 32 * rows), "leader": float(position_bits)}
-        if spec.kind == "ae":
+        if spec.kind in ("ae", "pcaae"):
             return self._run_autoencoder(step, rows, position_bits)
         assert self.basis is not None, "fit() first"
         chunks, scales = self._scaled_chunks(step)

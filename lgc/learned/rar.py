@@ -190,11 +190,14 @@ class LGCRingAllreduceState(LGCHookState):
 
     Args:
         residual, latent_dtype, seed: the compressed stage's knobs (:class:`RingAllreduceStage`).
-        codec: ``"autoencoder"`` (the paper's) or ``"linear"``: the top principal directions of the
+        codec: ``"autoencoder"`` (the paper's), ``"linear"``: the top principal directions of the
             same samples (:class:`~lgc.autoencoder.linear.LinearChunkCodec`, LGC's learned but
-            linear ablation; exact for the sum, since decoding is linear).
-        linear_latent: the linear codec's floats per chunk (default: the autoencoder's
-            ``latent_numel``, so both send the same bytes).
+            linear ablation; exact for the sum, since decoding is linear), or ``"pca_autoencoder"``:
+            those directions plus a nonlinear correction that starts at zero and trains on the
+            autoencoder's loss (:class:`~lgc.autoencoder.pca_autoencoder.PCAAutoencoder`).
+        linear_latent: the linear and PCA-initialised codecs' floats per chunk (default: the
+            autoencoder's ``latent_numel``, so all send the same bytes).
+        pca_hidden: the PCA-initialised codec's correction width (0: none, the linear codec).
         rotate_leader: worker ``t % P`` leads step ``t`` (the default, see the module docstring).
         codec_samples: what stage 2 communicates and learns from: ``"topk"`` (the paper: top-k with
             error feedback, the samples are every worker's corrected gradient at the leader's
@@ -221,6 +224,7 @@ class LGCRingAllreduceState(LGCHookState):
         seed: int = 0,
         codec: str = "autoencoder",
         linear_latent: int | None = None,
+        pca_hidden: NonNegativeInt = 64,
         autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
         ae_updates_per_step: NonNegativeInt = 1,
         ae_optimizer: str = "adam",
@@ -238,6 +242,7 @@ class LGCRingAllreduceState(LGCHookState):
         training = CodecTraining(
             codec=codec,
             linear_latent=linear_latent,
+            pca_hidden=pca_hidden,
             autoencoder=autoencoder,
             ae_updates_per_step=ae_updates_per_step,
             ae_optimizer=ae_optimizer,

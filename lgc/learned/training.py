@@ -19,10 +19,12 @@ with the codec replaced by the exact sum (shared-index float32:
 :class:`~lgc.learned.shared_index.SharedIndexStage`), and learns from the values that exchange
 carried: the samples come from the error feedback the codec will see.
 
-Two trainers implement :class:`CodecTrainer`: the paper's autoencoder
-(:class:`~lgc.autoencoder.AutoencoderTrainer`) and the linear codec
+Three trainers implement :class:`CodecTrainer`: the paper's autoencoder
+(:class:`~lgc.autoencoder.AutoencoderTrainer`), the linear codec
 (:class:`~lgc.autoencoder.linear.LinearCodecTrainer`, principal directions, LGC's learned but linear
-ablation). The shared-index codecs learn nothing and hold no :class:`CodecTraining` at all.
+ablation) and the PCA-initialised autoencoder
+(:class:`~lgc.autoencoder.pca_autoencoder.PCAAutoencoderTrainer`: those directions and a nonlinear
+correction that starts at zero). The shared-index codecs learn nothing and hold no :class:`CodecTraining` at all.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import Tensor, nn
 
 from lgc.autoencoder import AutoencoderConfig, AutoencoderTrainer, GradientAutoencoder, LossWeights
 from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
+from lgc.autoencoder.pca_autoencoder import PCAAutoencoder, PCAAutoencoderConfig, PCAAutoencoderTrainer
 from lgc.autoencoder.saved import load_codec_into, read_codec, save_codec
 from lgc.coding import unpack_bits
 from lgc.compressors.selection import topk_indices
@@ -51,7 +54,7 @@ from lgc.validation import NonNegativeInt, check
 __all__ = ["CODECS", "ChunkCodec", "CodecTrainer", "CodecTraining"]
 
 #: The codecs a learned LGC state can train.
-CODECS = ("autoencoder", "linear")
+CODECS = ("autoencoder", "linear", "pca_autoencoder")
 
 
 @runtime_checkable
@@ -112,10 +115,13 @@ class CodecTraining:
             ``lgc-train`` writes one beside ``summary.json``) whose weights start this codec. Stage 2
             then fine-tunes them, or, with ``ae_steps=0``, is skipped: every worker loads the same
             weights, so none are broadcast. A codec of another shape is refused.
-        codec: ``"autoencoder"`` (the paper's) or ``"linear"`` (the top principal directions of the
-            same samples, :class:`~lgc.autoencoder.linear.LinearChunkCodec`).
-        linear_latent: the linear codec's floats per chunk (default: the autoencoder's
-            ``latent_numel``, so both send the same bytes).
+        codec: ``"autoencoder"`` (the paper's), ``"linear"`` (the top principal directions of the
+            same samples, :class:`~lgc.autoencoder.linear.LinearChunkCodec`) or
+            ``"pca_autoencoder"`` (those directions plus a nonlinear correction that starts at zero,
+            :class:`~lgc.autoencoder.pca_autoencoder.PCAAutoencoder`).
+        linear_latent: the linear and PCA-initialised codecs' floats per chunk (default: the
+            autoencoder's ``latent_numel``, so all send the same bytes).
+        pca_hidden: the PCA-initialised codec's correction width (0: none, the linear codec).
         innovation_density: LGC-PS: every worker's innovation density. Its samples then carry
             each worker's innovation mask and the autoencoder has one decoder per worker with an
             innovation input; ``None`` (LGC-RAR): one decoder, no innovation.
@@ -134,6 +140,7 @@ class CodecTraining:
         "config",  # the autoencoder's shape (its decoders set by build() for the world size)
         "codec",
         "linear_latent",
+        "pca_hidden",
         "innovation_density",
         "updates_per_step",
         "options",  # the trainer's optimizer, learning rate, batch and buffer sizes, loss weights, seed
@@ -151,6 +158,7 @@ class CodecTraining:
         autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
         codec: str = "autoencoder",
         linear_latent: int | None = None,
+        pca_hidden: NonNegativeInt = 64,
         innovation_density: float | None = None,
         ae_updates_per_step: NonNegativeInt = 1,
         ae_optimizer: str = "adam",
@@ -169,8 +177,10 @@ class CodecTraining:
             read_codec(self.init)  # a missing or foreign file is named before any worker starts
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-        if linear_latent is not None and codec != "linear":
-            raise ValueError(f"linear_latent={linear_latent!r} is the linear codec's knob, but codec={codec!r}")
+        if linear_latent is not None and codec == "autoencoder":
+            raise ValueError(
+                f"linear_latent={linear_latent!r} sizes the linear and PCA-initialised codecs, but codec={codec!r}"
+            )
         self.updates_per_step = check("ae_updates_per_step", ae_updates_per_step, NonNegativeInt)
         if isinstance(autoencoder, AutoencoderConfig):
             self.config = autoencoder
@@ -178,6 +188,7 @@ class CodecTraining:
             self.config = AutoencoderConfig.from_kwargs(**(autoencoder or {}))
         self.codec = codec
         self.linear_latent = linear_latent
+        self.pca_hidden = check("pca_hidden", pca_hidden, NonNegativeInt)
         self.innovation_density = None if innovation_density is None else float(innovation_density)
         self.options = dict(
             optimizer=ae_optimizer,
@@ -214,11 +225,14 @@ class CodecTraining:
         self.config = AutoencoderConfig(
             **{**vars(self.config), "num_decoders": world_size if per_worker else 1, "innovation": per_worker}
         )
+        # As many latent floats per chunk as the autoencoder's by default: the same bytes on the wire.
+        latent = self.linear_latent if self.linear_latent is not None else self.config.latent_numel
         if self.codec == "autoencoder":
             trainer: CodecTrainer = AutoencoderTrainer(GradientAutoencoder(self.config), **self.options)
+        elif self.codec == "pca_autoencoder":
+            shape = PCAAutoencoderConfig(self.config.chunk, latent, self.pca_hidden, seed=self.config.seed)
+            trainer = PCAAutoencoderTrainer(PCAAutoencoder(shape), **self.options)
         else:
-            # As many latent floats per chunk as the autoencoder's by default: the same bytes on the wire.
-            latent = self.linear_latent if self.linear_latent is not None else self.config.latent_numel
             trainer = LinearCodecTrainer(
                 LinearChunkCodec(self.config.chunk, latent), buffer_size=self.options["buffer_size"]
             )

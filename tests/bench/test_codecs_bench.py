@@ -135,6 +135,12 @@ def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
     assert plain.similarity and not nosim.similarity and nosim.order == "position"
     # :wX multiplies the reference widths (fewer parameters, the same latent).
     assert (narrow.width, narrow.similarity, narrow.order, plain.width) == (0.25, False, "position", 1.0)
+    # pcaae: PCA's directions and a correction that starts at zero, applied as the autoencoder is.
+    pcaae = _coder("pcaae:8:fp32:nosim:h16", chunk=64)
+    assert (pcaae.spec.kind, pcaae.spec.hidden, pcaae.spec.similarity) == ("pcaae", 16, False)
+    pcaae.fit(steps[:3])
+    delivered, bits = pcaae.run(steps[4])
+    assert bits["payload"] == 32.0 * 8 * rows and torch.isfinite(delivered).all()
     small = _coder("ae:2:fp16:value:w0.25", chunk=64)
     small.fit(steps[:3])
     config = small.autoencoder.config
@@ -165,6 +171,8 @@ def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
         (["--codecs", "ae:4:int8"], "the dtype must be fp32 or fp16"),
         (["--codecs", "ae:4:fp32:value:sim"], r"write ae:CHANNELS:DTYPE\[:ORDER\]\[:nosim\]\[:wWIDTH\]"),
         (["--codecs", "ae:4:fp32:w0"], r"autoencoder width must be a number in \(0, 16\], got 0.0"),
+        (["--codecs", "pcaae:4:fp32:w2"], r"write pcaae:LATENT:DTYPE\[:ORDER\]\[:nosim\]\[:hHIDDEN\]"),
+        (["--codecs", "pcaae:99:fp32"], r"the latent size must be in \[1, --chunk=64\]"),
         (["--codecs", "ae:4:fp32", "--chunk", "16"], "shorter than the encoder's receptive field"),
         (["--codecs", "levels=0"], "levels must be a positive integer"),
         (["--ae-updates", "0"], "--ae-updates must be >= 1"),

@@ -7,8 +7,9 @@ from distributed import run_workers
 from test_lgc import MIN_NUMEL, _batch, _net, observe_step, per_parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lgc.autoencoder import num_chunks
+from lgc.autoencoder import LossWeights, num_chunks
 from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
+from lgc.autoencoder.pca_autoencoder import PCAAutoencoder, PCAAutoencoderConfig, PCAAutoencoderTrainer
 from lgc.compressors.topk import num_selected
 from lgc.learned.rar import LGCRingAllreduceState
 from lgc.learned.shared_index import SharedIndexStage, SharedIndexState, quantization_levels
@@ -173,8 +174,10 @@ def test_bad_values_are_refused_before_workers_start():
     SharedIndexState(values="int4", world_size=7)  # 1 level each way: allowed
     with pytest.raises(ValueError, match="codec must be one of"):
         LGCRingAllreduceState(codec="pca")
-    with pytest.raises(ValueError, match="linear_latent=4 is the linear codec's knob"):
+    with pytest.raises(ValueError, match="linear_latent=4 sizes the linear and PCA-initialised codecs"):
         LGCRingAllreduceState(linear_latent=4)
+    with pytest.raises(ValueError, match="pca_hidden must be a non-negative integer"):
+        LGCRingAllreduceState(codec="pca_autoencoder", pca_hidden=-1)
 
 
 # -- the linear codec ------------------------------------------------------------------------------------
@@ -317,3 +320,49 @@ def test_codec_samples_are_named_and_lgc_ps_keeps_the_papers():
         LGCRingAllreduceState(codec_samples="exact")
     with pytest.raises(ValueError, match="LGC-PS's codec trains on the paper's top-k samples only"):
         CodecTraining(innovation_density=0.001, sample_exchange=SharedIndexStage("float32"))
+
+
+# -- the PCA-initialised autoencoder -------------------------------------------------------------------
+
+
+def _curved_chunks(samples: int, seed: int) -> torch.Tensor:
+    """``[samples, 2 workers, 32]`` on a curve, (t, t^2) in 2 directions, that one principal direction cannot follow."""
+    g = torch.Generator().manual_seed(seed)
+    axes = torch.linalg.qr(torch.randn(32, 2, generator=torch.Generator().manual_seed(0))).Q.T
+    t = 4 * torch.rand(samples, 1, 1, generator=g) - 2  # the workers agree (LGC's premise), up to noise
+    curve = torch.cat([t, t.square() - 4 / 3], dim=-1) @ axes
+    return curve.expand(samples, 2, 32) + 0.01 * torch.randn(samples, 2, 32, generator=g)
+
+
+def test_pca_autoencoder_is_the_linear_codec_until_its_correction_learns_and_then_beats_it():
+    chunks = _curved_chunks(400, 0)
+    options = dict(lr=3e-3, batch_size=64, seed=0, weights=LossWeights(similarity=0.0))
+    trainer = PCAAutoencoderTrainer(PCAAutoencoder(PCAAutoencoderConfig(32, 1, hidden=32)), **options)
+    linear = LinearCodecTrainer(LinearChunkCodec(32, 1))
+    for t in (trainer, linear):
+        t.add(chunks)
+    linear.train(1)
+    # Every call refits U to the buffer in closed form; with the corrections at zero it is the linear codec.
+    codec = trainer.autoencoder
+    trainer.autoencoder.linear.fit(trainer.chunks)
+    x = chunks[:50, 0]
+    torch.testing.assert_close(codec.encode(x), linear.autoencoder.encode(x), rtol=0, atol=0)
+    torch.testing.assert_close(codec.decode(codec.encode(x)), linear.autoencoder.decode(linear.autoencoder.encode(x)))
+    held_out = _curved_chunks(200, 1)
+    pca_error = linear.evaluate(held_out)["relative_error"]
+    assert trainer.evaluate(held_out)["relative_error"] == pytest.approx(pca_error, rel=1e-4)
+    trainer.train(300)
+    assert torch.equal(codec.linear.basis, linear.autoencoder.basis)  # U is fitted, never trained
+    assert trainer.evaluate(held_out)["relative_error"] < 0.5 * pca_error  # 0.54 -> below 0.27
+    # Its state round-trips (the basis, the corrections, the optimizer and the draws).
+    twin = PCAAutoencoderTrainer(PCAAutoencoder(PCAAutoencoderConfig(32, 1, hidden=32)), **options)
+    twin.load_state_dict(trainer.state_dict())
+    for a, b in zip(twin.autoencoder.parameters(), codec.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # hidden=0: no correction, the linear codec exactly.
+    plain = PCAAutoencoderTrainer(PCAAutoencoder(PCAAutoencoderConfig(32, 1, hidden=0)), **options)
+    plain.add(chunks)
+    assert plain.train(5)["relative_error"] == pytest.approx(linear.evaluate(chunks)["relative_error"], rel=1e-5)
+    assert torch.equal(plain.autoencoder.linear.basis, linear.autoencoder.basis)
+    with pytest.raises(ValueError, match="no innovation channel"):
+        codec.decode(codec.encode(x), innovation=x)
