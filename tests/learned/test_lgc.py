@@ -241,6 +241,8 @@ def _lgc_state(variant: str, **kwargs):
         common["latent_dtype"] = "int8"
     if variant == "rar_leader":  # stage 2 runs the exact exchange at the leader's positions
         common["codec_samples"] = "leader"
+    if variant == "rar_linear":  # the linear codec: refitted in closed form at every stage-2 step
+        common["codec"] = "linear"
     if variant == "rar_pca":  # the PCA-initialised autoencoder: a refitted basis, Adam on the correction
         common.update(codec="pca_autoencoder", pca_hidden=8)
     return LGCRingAllreduceState(**{**common, **kwargs})
@@ -663,7 +665,7 @@ def _resume(rank: int, world: int, variant: str, stop: int) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["rar", "ps", "rar_int8", "rar_leader", "rar_pca"])
+@pytest.mark.parametrize("variant", ["rar", "ps", "rar_int8", "rar_leader", "rar_linear", "rar_pca"])
 @pytest.mark.parametrize("stop", [4, 8], ids=["in stage 2", "in stage 3"])
 def test_resume_in_the_middle_of_a_stage_continues_exactly(variant, stop):
     for rank, result in enumerate(run_workers(_resume, 2, variant, stop)):
