@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lgc.report.budgets import budget_rows, budget_table
+from lgc.report.bytes import bytes_table
 from lgc.report.plot import plot_tradeoff
 from lgc.report.records import RunRecord, load_runs
 from lgc.report.seeds import group_by_seed, plot_seed_groups, seed_rows, seed_table
@@ -43,6 +44,11 @@ def _report_markdown(records: Sequence[RunRecord], plot_name: str, budgets: Sequ
             "(everything it put on the network over the whole run). The highest mean among them is named with "
             "the methods tied with it (their gap to it, paired by seed, has a 95 % interval holding 0): the "
             "evidence does not separate those. Rows compare methods on one task only.\n\n"
+            f"## Where the bytes go\n\n{bytes_table(records)}\n\n"
+            "Means over seeds. Parameters with fewer elements than a method's `min_numel` travel dense every "
+            "step and no codec reaches them; their share is of the bytes booked per parameter (logical, rank "
+            "0's). Rank 0 broadcasts the module buffers every step (methods with local steps average them at "
+            "exchanges). `-`: the runs do not book that part.\n\n"
         )
     return (
         f"# Accuracy against compression ratio\n\n{over_seeds}## Runs\n\n{report_table(records)}\n\n"

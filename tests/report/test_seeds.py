@@ -10,6 +10,7 @@ from scipy import stats
 from test_report import STEP, _worker, _write_run
 
 from lgc.report import load_runs, main
+from lgc.report.bytes import byte_rows, bytes_table
 from lgc.report.seeds import Interval, group_by_seed, plot_seed_groups, seed_rows, seed_table
 
 # Final accuracies by method and seed: topk sits 0.01 below dense every seed; int8 is within noise.
@@ -135,3 +136,32 @@ def test_diloco_is_compressor_none_with_local_steps_and_not_the_dense_baseline(t
     assert rows["none"]["vs_dense"] == "dense" and rows["none diloco"]["vs_dense"] != "dense"
     assert rows["none diloco"]["gap_to_dense"]["mean"] == pytest.approx(-0.01)
     assert rows["topk"]["vs_dense"] == "below"
+
+
+def test_where_the_bytes_go_splits_buffers_dense_parameters_and_lgcs_warm_up(tmp_path):
+    _runs(tmp_path / "runs")
+    for seed in range(3):
+        path = tmp_path / "runs" / "topk" / str(seed) / "summary.json"
+        summary = json.loads(path.read_text())
+        summary["wire_buffer_bytes_sent"] = 2 * 1_000_000  # both workers: 1 MB each
+        summary["layers"] = [
+            {"layer": "bn.weight", "numel": 16, "compressed": False, "steps": 4, "bytes_sent": 300},
+            {"layer": "conv.weight", "numel": 2304, "compressed": True, "steps": 4, "bytes_sent": 100 + seed * 100},
+        ]
+        summary["lgc_stages"] = {"warmup": {"wire_bytes_sent": 4_000_000}}
+        path.write_text(json.dumps(summary))
+    records = load_runs([tmp_path / "runs"])
+    rows = {row["label"]: row for row in byte_rows(records)}
+    topk = rows["topk"]
+    assert topk["buffers_wire_mb_per_worker"] == pytest.approx(1.0)
+    assert topk["warmup_wire_mb_per_worker"] == pytest.approx(2.0)
+    assert topk["dense_parameter_elements"] == 16
+    # Shares 300/400, 300/500, 300/600, averaged over the seeds.
+    assert topk["dense_parameter_share"] == pytest.approx((0.75 + 0.6 + 0.5) / 3)
+    # Runs that book none of it show dashes.
+    assert rows["none"]["buffers_wire_mb_per_worker"] is None and rows["none"]["dense_parameter_share"] is None
+    table = bytes_table(records)
+    assert "| topk | " in table and "| 1 | 16 | 62 % | 2 |" in table
+    assert "| none | " in table and "| - | - | - | - |" in table
+    main([str(tmp_path / "runs"), "--out", str(tmp_path / "report")])
+    assert "## Where the bytes go" in (tmp_path / "report" / "report.md").read_text()
