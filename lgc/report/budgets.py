@@ -25,6 +25,7 @@ from typing import Any
 
 from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord
 from lgc.report.seeds import TASK_KEYS, Interval, SeedGroup, group_by_seed, paired_gap
+from lgc.report.values import markdown_table
 
 __all__ = ["BudgetVerdict", "budget_rows", "budget_table", "budget_verdicts", "default_budgets"]
 
@@ -142,7 +143,7 @@ def budget_table(records: Sequence[RunRecord], budgets: Sequence[float] | None =
     ]
     if several_tasks:
         header.insert(0, "task")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for verdict in verdicts:
         best = verdict.best
         cells = [
@@ -155,5 +156,5 @@ def budget_table(records: Sequence[RunRecord], budgets: Sequence[float] | None =
         ]
         if several_tasks:
             cells.insert(0, "-" if best is None else _task_text(best.task))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(header, rows)

@@ -24,6 +24,7 @@ from typing import Any
 
 from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord
 from lgc.report.seeds import group_by_seed
+from lgc.report.values import markdown_table
 
 __all__ = ["byte_rows", "bytes_table", "run_bytes"]
 
@@ -76,7 +77,7 @@ def bytes_table(records: Sequence[RunRecord]) -> str:
         "their share of parameter bytes",
         "LGC warm-up (wire MB/worker)",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for row in byte_rows(records):
         share = row["dense_parameter_share"]
         cells = [
@@ -87,5 +88,5 @@ def bytes_table(records: Sequence[RunRecord]) -> str:
             "-" if share is None else f"{100 * share:.0f} %",
             _cell(row["warmup_wire_mb_per_worker"], ".3g"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(header, rows)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord
-from lgc.report.values import MISSING, lookup
+from lgc.report.values import MISSING, lookup, markdown_table
 
 __all__ = [
     "STEP_CPU_MS",
@@ -250,7 +250,7 @@ def seed_table(records: Sequence[RunRecord]) -> str:
         "step CPU ms/worker",
         "wall time (s)",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for c in _comparisons(records):
         cells = [
             c.group.label,
@@ -264,8 +264,8 @@ def seed_table(records: Sequence[RunRecord]) -> str:
             "-" if c.step_cpu is None else c.step_cpu.text(".1f"),
             "-" if c.wall is None else c.wall.text(".1f"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(header, rows)
 
 
 def plot_seed_groups(records: Sequence[RunRecord]) -> Any:

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["MISSING", "flatten", "format_value", "lookup", "norm", "varies"]
+__all__ = ["MISSING", "flatten", "format_value", "lookup", "markdown_table", "norm", "varies"]
 
 
 class _Missing:
@@ -67,3 +67,9 @@ def format_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ",".join(format_value(item) for item in value) + "]"
     return str(value)
+
+
+def markdown_table(header: list[str], rows: Iterable[list[str]]) -> str:
+    """A markdown table of ``header`` and the ``rows`` of cells (already formatted)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(cells) + " |" for cells in rows)])
