@@ -9,6 +9,9 @@
 # lgc-train's default compressor as it runs (shared-index int8, Golomb positions, one warm-up step);
 # `shared_topk_int8` is LGC's ablation (LGC-RAR's 30 dense warm-up steps and raw positions);
 # `lgc_rar_lean` is LGC-RAR on the default's footing (linear codec, int8 latents, Golomb positions).
+# The `_all` variants send every parameter through the codec (comm.min_numel=0): by default the
+# parameters under 1,024 elements (BatchNorm's, ResNet-8's first convolution) travel dense, which
+# is most of a per-step compressor's parameter bytes on ResNet-8 (lgc-report's "where the bytes go").
 # Runs write to OUT (checkpoints and logs included); each finished run's summary.json is copied to
 # RESULTS/CELL/METHOD/seedN (committed as they arrive). Resumable: a run whose summary.json is in
 # RESULTS or OUT is skipped, and a stopped run resumes exactly from its last epoch's checkpoint
@@ -50,13 +53,17 @@ declare -A method=(
   [lgc_ps]="experiment=embedded/lgc_ps"
   [lgc_rar_linear]="experiment=embedded/lgc_rar_linear"
   [lgc_rar_lean]="experiment=embedded/lgc_rar_lean"
+  [default_all]="compressor=shared_topk_int8 comm.min_numel=0"
+  [lgc_rar_lean_all]="experiment=embedded/lgc_rar_lean comm.min_numel=0"
+  [sbc_delay_all]="experiment=embedded/sbc_delay comm.min_numel=0"
   [diloco_h10]="experiment=diloco"
   [diloco_h50]="experiment=diloco comm.delay=50"
   [sparseloco]="experiment=sparseloco"
   [demo]="experiment=demo"
 )
 order=(dense fp16 powersgd topk dgc sbc sbc_delay redsync random_block qsgd terngrad signsgd shared_topk_fp16
-       shared_topk_int8 default lgc_rar lgc_ps lgc_rar_linear lgc_rar_lean diloco_h10 diloco_h50 sparseloco demo)
+       shared_topk_int8 default lgc_rar lgc_ps lgc_rar_linear lgc_rar_lean diloco_h10 diloco_h50 sparseloco demo
+       default_all lgc_rar_lean_all sbc_delay_all)
 read -r -a chosen <<< "${METHODS:-${order[*]}}"
 
 declare -A cell=(
