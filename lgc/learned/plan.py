@@ -49,8 +49,34 @@ class StepPlan(NamedTuple):
         for part, offset in zip(self.compressed, self.cat_offsets, strict=True):
             part.grad.copy_(values[offset : offset + part.grad.numel()])
 
+    def put(self, positions: Tensor, values: Tensor) -> None:
+        """Set the gradients to ``values`` at the cat-space ``positions`` and to zero elsewhere.
+
+        What :meth:`scatter` of a zero vector holding ``values`` at ``positions`` writes, without
+        building that vector: each gradient is zeroed in place and gets its share of the values.
+        """
+        for part in self.compressed:
+            part.grad.zero_()
+        if not positions.numel():
+            return
+        order = torch.argsort(positions)
+        positions, values = positions[order], values[order]
+        offsets = torch.tensor(self.cat_offsets, dtype=positions.dtype, device=positions.device)
+        counts = torch.bincount(torch.searchsorted(offsets, positions, right=True) - 1, minlength=len(offsets))
+        start = 0
+        for part, offset, count in zip(self.compressed, self.cat_offsets, counts.tolist(), strict=True):
+            if count:
+                end = start + count
+                grad = part.grad.view(-1)
+                grad.index_put_((positions[start:end] - offset,), values[start:end].to(grad.dtype))
+                start = end
+
     def corrected(self, residuals: Mapping[str, Tensor]) -> Tensor:
-        """Error feedback's ``v = residual + g`` of every compressed parameter, in cat space (fp32)."""
+        """Error feedback's ``v = residual + g`` of every compressed parameter, in cat space (fp32).
+
+        The residuals are updated in place. When they are consecutive views of one vector, as
+        :meth:`keep_residuals` leaves them for the same plan, that vector is ``v`` and no copy is made.
+        """
         parts = []
         for part in self.compressed:
             residual = residuals.get(part.name)
@@ -59,7 +85,26 @@ class StepPlan(NamedTuple):
                 parts.append(part.grad.to(torch.float32, copy=True))
             else:
                 parts.append(residual.to(part.grad.device).add_(part.grad))
-        return torch.cat(parts)
+        whole = self._one_vector(parts)
+        return torch.cat(parts) if whole is None else whole
+
+    def _one_vector(self, parts: list[Tensor]) -> Tensor | None:
+        """The cat-space vector ``parts`` are consecutive views of (in the plan's offsets), if any."""
+        if not parts:
+            return None
+        first = parts[0]
+        storage, start = first.untyped_storage(), first.storage_offset()
+        if first.dtype != torch.float32 or storage.nbytes() < (start + self.numel) * first.element_size():
+            return None
+        for part, offset in zip(parts, self.cat_offsets, strict=True):
+            if not (
+                part.is_contiguous()
+                and part.dtype == torch.float32
+                and part.untyped_storage().data_ptr() == storage.data_ptr()
+                and part.storage_offset() == start + offset
+            ):
+                return None
+        return first.as_strided((self.numel,), (1,), start)
 
     def keep_residuals(self, residuals: MutableMapping[str, Tensor], v: Tensor) -> None:
         """Store the cat-space residual ``v`` back per parameter (views of ``v``)."""

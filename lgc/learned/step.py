@@ -175,9 +175,7 @@ class StepContext:
 
         ``like``: the cat-space vector whose dtype and device the update takes.
         """
-        update = torch.zeros(self.plan.numel, dtype=like.dtype, device=like.device)
-        update[positions] = values.to(like.dtype)
-        self.plan.scatter(update)
+        self.plan.put(positions, values.to(like.dtype))
 
     def leader_message(
         self, v: Tensor, *, scales: bool = True, values: torch.dtype | None = None

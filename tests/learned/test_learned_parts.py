@@ -320,7 +320,7 @@ def test_the_codec_is_built_for_its_topology_and_world():
 def test_codec_training_refuses_knobs_that_do_not_apply():
     with pytest.raises(ValueError, match="codec must be one of"):
         CodecTraining(codec="pca")
-    with pytest.raises(ValueError, match="linear_latent=8 is the linear codec's knob"):
+    with pytest.raises(ValueError, match="linear_latent=8 sizes the linear and PCA-initialised codecs"):
         CodecTraining(linear_latent=8)
     with pytest.raises(ValueError, match="ae_updates_per_step must be a non-negative integer, got -1"):
         CodecTraining(ae_updates_per_step=-1)
