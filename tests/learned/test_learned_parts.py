@@ -263,6 +263,27 @@ def test_corrected_adds_residuals_and_keep_stores_views_of_the_cat_space_vector(
     assert residuals["a.weight"][0] == 7.0 and residuals["b.weight"].numel() == 30
 
 
+def test_residuals_kept_as_one_vector_are_updated_in_place_and_put_writes_only_the_positions():
+    pending, order = _pending()
+    plan = plan_step(pending, frozenset(order), order, density=0.1)
+    residuals: dict[str, torch.Tensor] = {}
+    plan.keep_residuals(residuals, torch.full((80,), 0.5))
+    v = plan.corrected(residuals)
+    # The residuals were one vector: v is that vector, no copy, and equals what a copy would hold.
+    assert v.untyped_storage().data_ptr() == residuals["a.weight"].untyped_storage().data_ptr()
+    expected = torch.cat([torch.arange(100, 150, dtype=torch.float32), torch.arange(30, dtype=torch.float32)]) + 0.5
+    assert torch.equal(v, expected)
+    # Residuals from anywhere else (a fresh one for b.weight) are copied into a new vector, as before.
+    residuals["b.weight"] = torch.zeros(30)
+    assert plan.corrected(residuals).untyped_storage().data_ptr() != residuals["a.weight"].untyped_storage().data_ptr()
+    # put: every compressed gradient zero but at the positions (cat space, any order); dense ones untouched.
+    plan.put(torch.tensor([79, 3, 50]), torch.tensor([-3.0, -1.0, -2.0]))
+    a, b = pending[1].buffer[:50], pending[0].buffer[:30]
+    assert a[3] == -1.0 and b[0] == -2.0 and b[29] == -3.0 and int((a != 0).sum() + (b != 0).sum()) == 3
+    assert torch.equal(pending[0].buffer[30:], torch.arange(30, 36, dtype=torch.float32))
+    assert torch.equal(pending[1].buffer[50:], torch.arange(150, 155, dtype=torch.float32))
+
+
 def test_top_positions_are_each_parameters_top_k_in_cat_space():
     pending, order = _pending()
     plan = plan_step(pending, frozenset(order), order, density=0.1)
