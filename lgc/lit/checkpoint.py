@@ -104,7 +104,8 @@ class ResumableCheckpoint(ModelCheckpoint):
         steps = every_n_train_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"checkpoint.every_n_train_steps must be a positive integer or null, got {steps!r}")
-        super().__init__(dirpath=dirpath, save_last=True, save_top_k=0)
+        # No last-v1.ckpt beside last.ckpt when a run resumes into its own folder: it goes on writing last.ckpt.
+        super().__init__(dirpath=dirpath, save_last=True, save_top_k=0, enable_version_counter=False)
         self.every_n_steps = steps
 
     def _save_last(self, trainer: pl.Trainer) -> None:

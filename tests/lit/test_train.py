@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -129,11 +130,18 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
     stopped = tmp_path / "first" / "checkpoints" / "last.ckpt"
     train(compose_cfg(tmp_path / "resumed", "trainer.max_epochs=2", f"ckpt_path={stopped}", *common))
 
+    # Resumed into its own folder (as a sweep resumes a stopped run): it goes on writing last.ckpt.
+    shutil.copytree(tmp_path / "first", tmp_path / "in_place")
+    train(compose_cfg(tmp_path / "in_place", "trainer.max_epochs=2", f"ckpt_path={tmp_path / 'in_place'}", *common))
+    assert sorted(p.name for p in (tmp_path / "in_place" / "checkpoints").iterdir()) == ["last.ckpt"]
+
     straight = _load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
     resumed = _load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
-    assert straight["global_step"] == resumed["global_step"] == 6
+    in_place = _load(tmp_path / "in_place" / "checkpoints" / "last.ckpt")
+    assert straight["global_step"] == resumed["global_step"] == in_place["global_step"] == 6
     for name, tensor in straight["state_dict"].items():
         assert torch.equal(tensor, resumed["state_dict"][name]), name
+        assert torch.equal(tensor, in_place["state_dict"][name]), name
     first = _load(stopped)["callbacks"]["CompressionCallback"]["per_rank"]
     ranks = [
         straight["callbacks"]["CompressionCallback"]["per_rank"],
