@@ -352,7 +352,11 @@ def test_pca_autoencoder_is_the_linear_codec_until_its_correction_learns_and_the
     pca_error = linear.evaluate(held_out)["relative_error"]
     assert trainer.evaluate(held_out)["relative_error"] == pytest.approx(pca_error, rel=1e-4)
     trainer.train(300)
-    assert torch.equal(codec.linear.basis, linear.autoencoder.basis)  # U is fitted, never trained
+    # U is fitted, never trained, on the buffer but its newest fifth, on which the corrections proved
+    # themselves: they stay on.
+    fitted_part = LinearChunkCodec(32, 1)
+    fitted_part.fit(chunks[:-80])
+    assert torch.equal(codec.linear.basis, fitted_part.basis) and codec.gate == 1
     assert trainer.evaluate(held_out)["relative_error"] < 0.5 * pca_error  # 0.54 -> below 0.27
     # Its state round-trips (the basis, the corrections, the optimizer and the draws).
     twin = PCAAutoencoderTrainer(PCAAutoencoder(PCAAutoencoderConfig(32, 1, hidden=32)), **options)
@@ -366,3 +370,23 @@ def test_pca_autoencoder_is_the_linear_codec_until_its_correction_learns_and_the
     assert torch.equal(plain.autoencoder.linear.basis, linear.autoencoder.basis)
     with pytest.raises(ValueError, match="no innovation channel"):
         codec.decode(codec.encode(x), innovation=x)
+
+
+def test_pca_autoencoder_drops_corrections_that_do_not_help_on_held_out_samples():
+    """Workers' chunks on a line plus noise: nothing nonlinear to learn, so the corrections only fit noise."""
+    g = torch.Generator().manual_seed(3)
+    direction = torch.nn.functional.normalize(torch.randn(32, generator=g), dim=0)
+    chunks = torch.randn(100, 1, 1, generator=g).expand(100, 2, 1) * direction + torch.randn(100, 2, 32, generator=g)
+    options = dict(lr=1e-2, batch_size=16, seed=0, weights=LossWeights(similarity=0.0))
+    trainer = PCAAutoencoderTrainer(PCAAutoencoder(PCAAutoencoderConfig(32, 1, hidden=64)), **options)
+    trainer.add(chunks)
+    trainer.train(100)
+    linear = LinearChunkCodec(32, 1)
+    linear.fit(chunks)
+    codec = trainer.autoencoder
+    # Gated off: the linear codec on every sample, exactly.
+    assert codec.gate == 0 and torch.equal(codec.linear.basis, linear.basis)
+    x = torch.randn(7, 32, generator=g)
+    assert torch.equal(codec.decode(codec.encode(x)), linear.decode(linear.encode(x)))
+    with pytest.raises(ValueError, match=r"validation must be in \(0, 1\), got 1"):
+        PCAAutoencoderTrainer(PCAAutoencoder(PCAAutoencoderConfig(32, 1)), validation=1)
