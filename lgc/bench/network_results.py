@@ -295,7 +295,7 @@ def _interval(values: list[float]) -> dict[str, Any] | None:
     interval = Interval.of(values)
     if interval is None:
         return None
-    return {"n": interval.n, "mean": interval.mean, "half_width": interval.half_width, "values": values}
+    return {**interval.as_dict(), "values": values}
 
 
 def _text(interval: dict[str, Any] | None, fmt: str) -> str:

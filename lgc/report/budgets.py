@@ -109,7 +109,7 @@ def budget_rows(records: Sequence[RunRecord], budgets: Sequence[float] | None = 
                 "task": None if best is None else dict(zip(TASK_KEYS, best.task, strict=True)),
                 "fitting": _named(verdict.fitting),
                 "best": None if best is None else best.label,
-                "best_metric": None if accuracy is None else _interval_pair(accuracy),
+                "best_metric": None if accuracy is None else accuracy.as_dict(),
                 "best_peak_mb_per_worker": None if best is None else _peak_mb(best),
                 "tied_with_best": _named(verdict.tied),
                 "below_best": _named(verdict.below),
@@ -123,10 +123,6 @@ def _task_text(task: tuple[Any, ...]) -> str:
     """``4 workers, dirichlet`` from a group's task values."""
     values = dict(zip(TASK_KEYS, task, strict=True))
     return f"{values['world_size']} workers, {values['data.partition'] or 'iid'}"
-
-
-def _interval_pair(interval: Interval) -> dict[str, Any]:
-    return {"n": interval.n, "mean": interval.mean, "half_width": interval.half_width}
 
 
 def budget_table(records: Sequence[RunRecord], budgets: Sequence[float] | None = None) -> str:

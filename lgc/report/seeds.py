@@ -94,6 +94,11 @@ class Interval:
         """Whether ``value`` lies inside the interval (None: no interval)."""
         return None if self.half_width is None else self.low <= value <= self.high  # type: ignore[operator]
 
+    def as_dict(self) -> dict[str, Any]:
+        """For JSON: n, mean, sd, the half-width and the bounds (``ci95``; None below two values)."""
+        ci95 = None if self.half_width is None else [self.low, self.high]
+        return {"n": self.n, "mean": self.mean, "sd": self.sd, "half_width": self.half_width, "ci95": ci95}
+
     def text(self, fmt: str) -> str:
         """``mean ± half-width`` in ``fmt`` (a ``+`` in it signs the mean only)."""
         spread = fmt.replace("+", "")
@@ -225,14 +230,7 @@ def _wire_ratio(group: SeedGroup, dense: SeedGroup | None) -> float | None:
 
 
 def _interval_dict(interval: Interval | None) -> dict[str, Any] | None:
-    if interval is None:
-        return None
-    return {
-        "n": interval.n,
-        "mean": interval.mean,
-        "sd": interval.sd,
-        "ci95": None if interval.half_width is None else [interval.low, interval.high],
-    }
+    return None if interval is None else interval.as_dict()
 
 
 def seed_table(records: Sequence[RunRecord]) -> str:
