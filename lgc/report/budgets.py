@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord
-from lgc.report.seeds import TASK_KEYS, Interval, SeedGroup, group_by_seed, paired_gap
+from lgc.report.seeds import TASK_KEYS, SeedGroup, group_by_seed, paired_gap
 from lgc.report.values import markdown_table
 
 __all__ = ["BudgetVerdict", "budget_rows", "budget_table", "budget_verdicts", "default_budgets"]
