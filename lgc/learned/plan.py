@@ -106,6 +106,15 @@ class StepPlan(NamedTuple):
                 return None
         return first.as_strided((self.numel,), (1,), start)
 
+    def energy(self, residuals: Mapping[str, Tensor]) -> float:
+        """The squared norm of ``v = residual + g`` over the compressed parameters (residuals left as they are)."""
+        total = 0.0
+        for part in self.compressed:
+            residual = residuals.get(part.name)
+            v = part.grad.float() if residual is None else torch.add(residual, part.grad)
+            total += float(v.square().sum())
+        return total
+
     def keep_residuals(self, residuals: MutableMapping[str, Tensor], v: Tensor) -> None:
         """Store the cat-space residual ``v`` back per parameter (views of ``v``)."""
         for part, offset in zip(self.compressed, self.cat_offsets, strict=True):

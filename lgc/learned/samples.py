@@ -56,6 +56,8 @@ class Sample(NamedTuple):
     values: Tensor
     #: LGC-PS: which of those positions are in this worker's innovation.
     innovation: Tensor | None
+    #: The squared norm of this worker's whole error-corrected gradient of the parameter.
+    energy: float = 0.0
 
 
 class GatheredSamples(NamedTuple):

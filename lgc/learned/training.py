@@ -6,10 +6,11 @@ gradient at the step leader's top-k positions, the vector the codec will encode 
 stage. At the step's end those samples are gathered at rank 0 (:mod:`lgc.learned.samples`),
 which trains the codec on them (``ae_updates_per_step`` updates per step). Rank 0 logs, per step,
 ``lgc/leader_correlation`` (Pearson's r between the workers' values at the leader's positions, the
-mean over pairs: LGC's premise), ``lgc/recon_error`` (the codec's relative error on the step's
-samples before it trains on them) and, for LGC-RAR's autoencoder, ``lgc/pca_recon_error`` (the same
-for PCA of the autoencoder's latent size fitted on the same buffer: an autoencoder that does not
-beat it is starved of data or updates). When the compressed
+mean over pairs: LGC's premise), ``lgc/leader_energy_share`` (the share of rank 0's error-corrected
+gradient energy at those positions: the most the codec can carry), ``lgc/recon_error`` (the codec's
+relative error on the step's samples before it trains on them) and, for LGC-RAR's autoencoder,
+``lgc/pca_recon_error`` (the same for PCA of the autoencoder's latent size fitted on the same
+buffer: an autoencoder that does not beat it is starved of data or updates). When the compressed
 stage begins, rank 0's weights go to the workers that need them (the topology's stage says which).
 
 The paper's stage 2 learns from a different regime than the one the codec serves: its error
@@ -288,6 +289,8 @@ class CodecTraining:
         assert self.trainer is not None
         for bucket in pending:
             self._exchange_and_sample(hook, bucket, used, step, leader, param_order)
+        at_leader = sum(float(sample.values.square().sum()) for sample in self.samples)
+        _log_energy_share(hook.process_group, at_leader, sum(sample.energy for sample in self.samples), metrics)
         gathered = gather_samples(self.samples, code, hook.stats, hook.process_group)
         self.samples = []
         if gathered is not None:
@@ -297,8 +300,10 @@ class CodecTraining:
     def step_at_leader(self, ctx: StepContext) -> None:
         """A stage-2 step with ``sample_exchange``: its exchange, then the values it carried are learned from."""
         assert self.trainer is not None and self.sample_exchange is not None
+        energy = ctx.plan.energy(ctx.residuals)
         own = self.sample_exchange.exchange(ctx)
         if own is not None:  # the same on every rank: whether the step compressed any parameter
+            _log_energy_share(ctx.group, float(own.square().sum()), energy, ctx.metrics)
             gathered = gather_leader_samples(own, ctx.leader, ctx.code, ctx.stats, ctx.group)
             if gathered is not None:
                 self._add(*gathered, ctx.code, ctx.metrics)
@@ -340,6 +345,7 @@ class CodecTraining:
                     at_leader.values.float(),
                     v[positions].float(),
                     self._innovation_of(v, positions),
+                    float(v.square().sum()),
                 )
             )
 
@@ -394,6 +400,14 @@ class CodecTraining:
         assert self.trainer is not None
         self.trainer.load_state_dict(state["trainer"])
         self.weights_sent = bool(state["weights_sent"])
+
+
+def _log_energy_share(
+    group: dist.ProcessGroup | None, at_leader: float, total: float, metrics: dict[str, float]
+) -> None:
+    """Rank 0 logs ``lgc/leader_energy_share``: its corrected gradient's energy share at the leader's positions."""
+    if dist.get_rank(group) == 0 and total > 0:
+        metrics["lgc/leader_energy_share"] = at_leader / total
 
 
 @torch.no_grad()

@@ -287,9 +287,15 @@ def test_stages_switch_at_the_configured_steps_and_bytes_match_the_payloads(vari
         # and (LGC-RAR's autoencoder) PCA of its latent size scored like it, from the second step on.
         if rank == 0:
             assert all(-1.0 <= entry["lgc/leader_correlation"] <= 1.0 for entry in log[2:6])
+            # Rank 0's share of its gradient energy at the leader's positions; a fixed leader is rank 0
+            # itself (its own top-k: a large share), LGC-RAR's rotates (rank 1's top-k on odd steps).
+            shares = [entry["lgc/leader_energy_share"] for entry in log[2:6]]
+            assert all(0.0 < share <= 1.0 for share in shares)
+            if variant == "ps":  # the server leads: rank 0's own top-k always holds more than 5 % of the entries do
+                assert min(shares) > 0.05
             assert ("lgc/pca_recon_error" in log[3]) == (variant == "rar") and "lgc/pca_recon_error" not in log[2]
         else:
-            assert not any("lgc/leader_correlation" in entry for entry in log)
+            assert not any("lgc/leader_correlation" in entry or "lgc/leader_energy_share" in entry for entry in log)
         numels = result["numels"]
         dense = sum(n for n in numels if n < MIN_NUMEL)
         compressed = [n for n in numels if n >= MIN_NUMEL]

@@ -302,6 +302,8 @@ def test_codec_training_at_the_leader_runs_the_exact_exchange_and_learns_from_it
         )
         # The exact exchange is not the codec: no delivered error is measured in stage 2.
         assert "lgc/true_error" in shared["metrics"] and "lgc/true_error" not in lgc["metrics"]
+        # Rank 0 logs the share of its corrected gradient's energy at the leader's positions.
+        assert (0.0 < lgc["metrics"].get("lgc/leader_energy_share", -1) <= 1.0) == (rank == 0)
         if rank == 0:
             # Rank 0 holds 4 steps of [rows, workers, chunk] samples; each step's leader (worker
             # step % 2) divided its own chunks by their RMS: its slice has unit RMS in every row.
