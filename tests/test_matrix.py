@@ -142,6 +142,7 @@ METHODS = (
     Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
     Method("delay_none", "none", ("comm=local_sgd", "comm.delay=2"), inject_step=2, delay=2),
     Method("delay_fp4", "fp4", ("comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
+    Method("lgc_rar_pca", "lgc_rar_pca", (*_LGC, "compressor.pca_hidden=4"), inject_step=5),
 )
 
 #: Methods without state between steps (no step guard: an inf/NaN passes through their sum).
