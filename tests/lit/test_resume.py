@@ -154,6 +154,7 @@ def test_lgc_rar_stopped_by_max_steps_in_its_compressed_stage_resumes_bit_identi
     assert checkpoint["lgc"]["compressor"]["_target_"].endswith("LGCRingAllreduceState")
 
 
+@pytest.mark.slow  # the LGC-RAR test above runs the same leader-index step through Lightning in the default suite
 def test_shared_index_int8_stopped_in_its_compressed_stage_resumes_bit_identically(tmp_path):
     check_resume_matrix(tmp_path, "shared_topk_int8", (("max_steps", 10),))
 
