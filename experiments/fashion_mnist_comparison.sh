@@ -111,7 +111,7 @@ for name in $cells; do
       [ -f "$results/$name/$m/seed$seed/summary.json" ] || failed+=("$name/$m/seed$seed")
     done
   done
-  lgc-report "$results/$name" --out "$results/$name/report" --json "$results/$name/report/rows.json"
+  lgc-report "$results/$name" --label folder --out "$results/$name/report" --json "$results/$name/report/rows.json"
 done
 if (( ${#failed[@]} )); then
   printf 'unfinished: %s\n' "${failed[@]}" | sort -u >&2

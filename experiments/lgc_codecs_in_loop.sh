@@ -34,4 +34,4 @@ for seed in ${SEEDS:-0 1 2}; do
     mkdir -p "$kept" && cp "$dir/summary.json" "$kept/"
   done
 done
-lgc-report "$results" --out "$results/report" --json "$results/report/rows.json"
+lgc-report "$results" --label folder --out "$results/report" --json "$results/report/rows.json"

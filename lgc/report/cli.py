@@ -12,7 +12,7 @@ from pathlib import Path
 from lgc.report.budgets import budget_rows, budget_table
 from lgc.report.bytes import bytes_table
 from lgc.report.plot import plot_tradeoff
-from lgc.report.records import RunRecord, load_runs
+from lgc.report.records import LABEL_BY, RunRecord, load_runs
 from lgc.report.seeds import group_by_seed, plot_seed_groups, seed_rows, seed_table
 from lgc.report.table import report_table, table_rows
 
@@ -95,9 +95,16 @@ def main(argv: list[str] | None = None) -> None:
         help="whole-run wire MB per worker at which to compare methods over seeds (default: powers of ten "
         "from the cheapest method's bytes, and the costliest method's)",
     )
+    parser.add_argument(
+        "--label",
+        choices=LABEL_BY,
+        default="settings",
+        help="name each run by the settings that tell it apart (default), or by its folder under RUN_DIR "
+        "(a last folder seedN counts as seed=N, so METHOD/seedN folders give one row per method)",
+    )
     args = parser.parse_args(argv)
     try:
-        records = load_runs(args.runs)
+        records = load_runs(args.runs, label_by=args.label)
     except (FileNotFoundError, ValueError) as err:
         parser.error(str(err))
     print(report_table(records))

@@ -141,12 +141,31 @@ def _read_summary(file: Path) -> dict[str, Any]:
     return summary
 
 
-def load_runs(paths: Iterable[str | os.PathLike[str]]) -> list[RunRecord]:
+#: How :func:`load_runs` labels runs.
+LABEL_BY = ("settings", "folder")
+#: A folder named for a seed (``seed2``): a folder label shows it as ``seed=2``, the token seed groups drop.
+_SEED_FOLDER = re.compile(r"seed(\d+)")
+
+
+def _folder_label(folder: Path, root: Path) -> str:
+    """``folder`` relative to ``root`` (its own name if it is the root), a last ``seedN`` as ``seed=N``."""
+    parts = list(folder.resolve().relative_to(root.resolve()).parts) or [folder.resolve().name]
+    seed = _SEED_FOLDER.fullmatch(parts[-1])
+    if seed is not None and len(parts) > 1:
+        return f"{'/'.join(parts[:-1])} seed={seed.group(1)}"
+    return "/".join(parts)
+
+
+def load_runs(paths: Iterable[str | os.PathLike[str]], label_by: str = "settings") -> list[RunRecord]:
     """Every run under ``paths``, labelled by what sets it apart from the others.
 
     Args:
         paths: run folders, folders of runs (searched recursively, e.g. a Hydra multirun folder
             with ``0/``, ``1/``, ... subfolders) or ``summary.json`` files.
+        label_by: ``"settings"``: by the compressor and the overrides that tell the runs apart
+            (:mod:`lgc.report.labels`); ``"folder"``: by each run's folder relative to the path it
+            was found under, a last folder ``seedN`` read as ``seed=N`` (a sweep that files its runs
+            as ``METHOD/seedN`` gets one row per method over its seeds).
 
     Returns:
         One record per ``summary.json``, in the order of ``paths`` and, within a folder, in
@@ -156,16 +175,22 @@ def load_runs(paths: Iterable[str | os.PathLike[str]]) -> list[RunRecord]:
         FileNotFoundError: a path does not exist, or a folder holds no ``summary.json`` at all.
         ValueError: a file given is not named ``summary.json``, or one is not a JSON object.
     """
+    if label_by not in LABEL_BY:
+        raise ValueError(f"label_by={label_by!r}: expected one of {', '.join(LABEL_BY)}")
     files: list[Path] = []
+    roots: list[Path] = []
     seen: set[Path] = set()
     for path in paths:
         for file in _summary_files(Path(path)):
             if file.resolve() not in seen:
                 seen.add(file.resolve())
                 files.append(file)
+                roots.append(Path(path) if Path(path).is_dir() else file.parent)
     summaries = [_read_summary(file) for file in files]
     folders = [file.parent for file in files]
     names, run_labels = labels(summaries, folders)
+    if label_by == "folder":
+        run_labels = [_folder_label(folder, root) for folder, root in zip(folders, roots, strict=True)]
     return [
         RunRecord(path=folder, label=label, compressor=name, summary=summary)
         for folder, label, name, summary in zip(folders, run_labels, names, summaries, strict=True)

@@ -303,6 +303,26 @@ def test_runs_alike_in_every_setting_are_told_apart_by_their_folders(tmp_path):
     assert [record.label for record in load_runs([tmp_path])] == ["topk (first/0)", "topk (second/0)"]
 
 
+def test_a_sweep_filed_by_method_and_seed_is_labelled_by_its_folders_on_request(tmp_path, capsys):
+    cell = tmp_path / "iid4"
+    for method, overrides in (("dense", ("compressor=none",)), ("default", ("compressor=shared_topk_int8",))):
+        for seed in (0, 1):
+            folder = cell / method / f"seed{seed}"
+            _write_run(folder, (*overrides, f"seed={seed}"), "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5 + seed / 10})
+    _write_run(cell / "odd" / "x", ("compressor=topk",), "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    labels = [record.label for record in load_runs([cell], label_by="folder")]
+    assert labels == ["default seed=0", "default seed=1", "dense seed=0", "dense seed=1", "odd/x"]
+    # A run folder given by itself is named for itself; the default names runs by their settings.
+    assert [record.label for record in load_runs([cell / "dense" / "seed1"], label_by="folder")] == ["seed1"]
+    assert load_runs([cell])[0].label == "shared_topk_int8 seed=0"
+    with pytest.raises(ValueError, match="label_by='path': expected one of settings, folder"):
+        load_runs([cell], label_by="path")
+    # Seed groups: one row per method folder.
+    main([str(cell), "--label", "folder"])
+    rows = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert {"| default", "| dense", "| odd/x"} <= set(rows)
+
+
 def test_the_model_or_data_option_labels_a_run_rather_than_its_settings(tmp_path):
     classification = ("compressor=topk",)
     segmentation = ("compressor=topk", "data=camvid", "model=pspnet_r18")
