@@ -148,12 +148,19 @@ _SEED_FOLDER = re.compile(r"seed(\d+)")
 
 
 def _folder_label(folder: Path, root: Path) -> str:
-    """``folder`` relative to ``root`` (its own name if it is the root), a last ``seedN`` as ``seed=N``."""
-    parts = list(folder.resolve().relative_to(root.resolve()).parts) or [folder.resolve().name]
+    """``folder`` relative to ``root`` (its own name if it is the root), a last ``seedN`` as ``seed=N``.
+
+    A seed folder with nothing above it under ``root`` is named for the folder holding it
+    (``lgc-report sweep/topk --label folder`` and ``lgc-report sweep/topk/seed0 --label folder``
+    both name the run ``topk seed=0``).
+    """
+    folder, root = folder.resolve(), root.resolve()
+    parts = list(folder.relative_to(root).parts) or [folder.name]
     seed = _SEED_FOLDER.fullmatch(parts[-1])
-    if seed is not None and len(parts) > 1:
-        return f"{'/'.join(parts[:-1])} seed={seed.group(1)}"
-    return "/".join(parts)
+    if seed is None:
+        return "/".join(parts)
+    method = "/".join(parts[:-1]) or folder.parent.name
+    return f"{method} seed={seed.group(1)}"
 
 
 def load_runs(paths: Iterable[str | os.PathLike[str]], label_by: str = "settings") -> list[RunRecord]:

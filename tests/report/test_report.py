@@ -312,8 +312,11 @@ def test_a_sweep_filed_by_method_and_seed_is_labelled_by_its_folders_on_request(
     _write_run(cell / "odd" / "x", ("compressor=topk",), "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
     labels = [record.label for record in load_runs([cell], label_by="folder")]
     assert labels == ["default seed=0", "default seed=1", "dense seed=0", "dense seed=1", "odd/x"]
-    # A run folder given by itself is named for itself; the default names runs by their settings.
-    assert [record.label for record in load_runs([cell / "dense" / "seed1"], label_by="folder")] == ["seed1"]
+    # A method's folder, or one of its runs, given by itself: the seed folders are named for their method.
+    assert [r.label for r in load_runs([cell / "dense"], label_by="folder")] == ["dense seed=0", "dense seed=1"]
+    assert [r.label for r in load_runs([cell / "dense" / "seed1"], label_by="folder")] == ["dense seed=1"]
+    assert [r.label for r in load_runs([cell / "odd" / "x"], label_by="folder")] == ["x"]
+    # The default names runs by their settings.
     assert load_runs([cell])[0].label == "shared_topk_int8 seed=0"
     with pytest.raises(ValueError, match="label_by='path': expected one of settings, folder"):
         load_runs([cell], label_by="path")
