@@ -155,9 +155,19 @@ def test_double_error_feedback_is_refused():
 
 @pytest.mark.parametrize(
     "numel,k",
-    [(70_000, 1), (100_000, 100), (1_000_000, 1000), (1_000_000, 10_000), (300_000, 30_000), (200_000, 24_999)],
+    # Blocks (density up to 0.4 %), columns (0.4 % to 3 %, ragged tail included), a whole top-k above.
+    [
+        (70_000, 1),
+        (100_000, 100),
+        (1_000_000, 1000),
+        (1_000_000, 10_000),
+        (1_000_003, 5_000),
+        (262_147, 5_243),
+        (300_000, 30_000),
+        (200_000, 24_999),
+    ],
 )
-def test_block_maximum_topk_selection_is_exact(numel, k):
+def test_group_maximum_topk_selection_is_exact(numel, k):
     from lgc.compressors.selection import topk_indices
 
     g = _randn(numel, seed=numel + k) * torch.linspace(0.1, 3.0, numel)  # non-uniform scale along the tensor
@@ -167,25 +177,26 @@ def test_block_maximum_topk_selection_is_exact(numel, k):
     assert set(chosen.tolist()) == set(expected.tolist())
 
 
-def test_block_maximum_topk_selection_with_ties_and_a_ragged_tail():
+@pytest.mark.parametrize("k", [50, 1000])  # blocks, columns
+def test_group_maximum_topk_selection_with_ties_and_a_ragged_tail(k):
     from lgc.compressors.selection import topk_indices
 
     g = torch.zeros(100_003)
     g[:10] = 1.0
-    g[-2:] = -5.0  # in the tail that does not fill a block
-    chosen = topk_indices(g, 50)
-    assert chosen.numel() == 50 and chosen.unique().numel() == 50
+    g[-2:] = -5.0  # in the tail that does not fill a group
+    chosen = topk_indices(g, k)
+    assert chosen.numel() == k and chosen.unique().numel() == k
     assert {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 100_001, 100_002} <= set(chosen.tolist())
 
 
-def test_block_maximum_topk_selection_finds_a_contiguous_run_of_large_entries():
-    # Strided blocks spread a contiguous run over many blocks; the selection must still be exact.
+@pytest.mark.parametrize("k", [200, 2000])  # blocks (the run fills a few), columns (it spreads over many)
+def test_group_maximum_topk_selection_finds_a_contiguous_run_of_large_entries(k):
     from lgc.compressors.selection import topk_indices
 
     g = _randn(200_000, seed=7) * 1e-3
-    g[50_000:50_200] = torch.linspace(1.0, 2.0, 200)
-    chosen = topk_indices(g, 200)
-    assert set(chosen.tolist()) == set(range(50_000, 50_200))
+    g[50_000 : 50_000 + k] = torch.linspace(1.0, 2.0, k)
+    chosen = topk_indices(g, k)
+    assert set(chosen.tolist()) == set(range(50_000, 50_000 + k))
 
 
 @pytest.mark.parametrize("workers", [1, 3])
