@@ -1,4 +1,11 @@
-"""Run a function in several gloo worker processes and collect what each returns."""
+"""Run a function in several gloo worker processes and collect what each returns.
+
+Workers start from a fork server (Python's ``forkserver`` start method) that imports torch and lgc
+once for the whole session: a worker then starts in about 0.1 s instead of the 3-6 s a spawned
+interpreter takes to import them, which is most of a two-worker test's time. The server is a clean
+single-threaded process, so forking it is as safe as spawning; what a spawned worker would inherit
+from the test process at the time of the call, its environment, is handed to each worker explicitly.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+START_METHOD = "forkserver"
+mp.set_forkserver_preload(["torch", "torch.distributed", "lgc", "lgc.ddp", "lgc.compressors", "distributed"])
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -21,8 +31,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(
+    rank: int, world_size: int, port: int, out_dir: str, env: dict[str, str], fn: Callable[..., Any], args: tuple
+) -> None:
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -43,5 +56,6 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..
 def run_workers(fn: Callable[..., Any], world_size: int = 2, *args: Any) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size, join=True)
+        worker_args = (world_size, free_port(), out_dir, dict(os.environ), fn, args)
+        mp.start_processes(_worker, args=worker_args, nprocs=world_size, join=True, start_method=START_METHOD)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.multiprocess
 
 def compose_cfg(output_dir: Path, *overrides: str):
     with initialize_config_module("lgc.conf", version_base="1.3"):
-        return compose("train", overrides=["experiment=smoke", "logger=csv", f"output_dir={output_dir}", *overrides])
+        # Workers forked: they start at once (spawned ones import torch and Lightning again).
+        overrides = ["experiment=smoke", "logger=csv", "ddp.start_method=fork", f"output_dir={output_dir}", *overrides]
+        return compose("train", overrides=overrides)
 
 
 # --- hung and killed workers ------------------------------------------------------------------

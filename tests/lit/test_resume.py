@@ -26,6 +26,7 @@ STEPS_PER_EPOCH, EPOCHS = 8, 3
 COMMON = (
     "experiment=smoke",
     "logger=csv",
+    "ddp.start_method=fork",  # workers start at once (spawned ones import torch and Lightning again)
     f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
     "trainer.limit_val_batches=1",
     f"trainer.max_epochs={EPOCHS}",
@@ -154,7 +155,6 @@ def test_lgc_rar_stopped_by_max_steps_in_its_compressed_stage_resumes_bit_identi
     assert checkpoint["lgc"]["compressor"]["_target_"].endswith("LGCRingAllreduceState")
 
 
-@pytest.mark.slow  # the LGC-RAR test above runs the same leader-index step through Lightning in the default suite
 def test_shared_index_int8_stopped_in_its_compressed_stage_resumes_bit_identically(tmp_path):
     check_resume_matrix(tmp_path, "shared_topk_int8", (("max_steps", 10),))
 

@@ -25,24 +25,37 @@ from lgc.train import _drop_lightning_tips, _launch_environment, _remove_unused_
 pytestmark = pytest.mark.multiprocess
 
 
+#: Workers forked from the test process start in a fraction of a second; spawned ones import torch,
+#: Lightning and Hydra again (5-20 s a run on 2 cores). lgc-train's own default, spawn, runs in the
+#: tests that pass it (the summary test below, the strategy without the hook).
+FORK = "ddp.start_method=fork"
+
+
 def compose_cfg(output_dir: Path, *overrides: str, hydra: bool = False):
-    """The run's config; with ``hydra``, Hydra's node too (its choices and overrides, as lgc-train has them)."""
+    """The run's config (workers forked unless ``overrides`` say otherwise); with ``hydra``, Hydra's node too."""
     with initialize_config_module("lgc.conf", version_base="1.3"):
         return compose(
             "train",
-            overrides=["experiment=smoke", "logger=csv", f"output_dir={output_dir}", *overrides],
+            overrides=["experiment=smoke", "logger=csv", FORK, f"output_dir={output_dir}", *overrides],
             return_hydra_config=hydra,
         )
 
 
 def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path):
     density, min_numel = 0.02, 1024
-    overrides = (f"compressor.density={density}", f"comm.min_numel={min_numel}")
+    # lgc-train's default start method: workers spawned.
+    overrides = (f"compressor.density={density}", f"comm.min_numel={min_numel}", "ddp.start_method=spawn")
     cfg = compose_cfg(tmp_path, *overrides, hydra=True)
     summary = train(cfg)
     assert summary == json.loads((tmp_path / "summary.json").read_text())
     # What the run was asked for (lgc-report's labels), apart from its config.
-    assert summary["hydra"]["overrides"] == ["experiment=smoke", "logger=csv", f"output_dir={tmp_path}", *overrides]
+    assert summary["hydra"]["overrides"] == [
+        "experiment=smoke",
+        "logger=csv",
+        FORK,
+        f"output_dir={tmp_path}",
+        *overrides,
+    ]
     assert summary["hydra"]["choices"]["compressor"] == "topk" and summary["hydra"]["choices"]["data"] == "digits"
     assert (
         not any(group.startswith("hydra/") for group in summary["hydra"]["choices"])
@@ -202,7 +215,7 @@ def test_strategy_fails_loudly_when_the_hook_never_ran(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
         default_root_dir=tmp_path,
-        strategy=_StrategyWithoutHook(CompressionHookState(TopKCompressor(0.1)), start_method="spawn"),
+        strategy=_StrategyWithoutHook(CompressionHookState(TopKCompressor(0.1)), start_method="fork"),
         callbacks=[CompressionCallback()],
     )
     module = ImageClassifier(resnet8(num_classes=10, in_channels=1), 10, optimizer=partial(torch.optim.SGD, lr=0.1))
