@@ -674,16 +674,8 @@ def _resume(rank: int, world: int, variant: str, stop: int) -> dict:
 @pytest.mark.parametrize(
     ("variant", "stop"),
     [
-        *[
-            (variant, stop)
-            for variant in ("rar", "ps", "rar_int8", "rar_linear", "rar_pca")
-            for stop in (4, 8)
-            if (variant, stop) not in (("rar_linear", 8), ("rar_pca", 8))
-        ],
+        *[(variant, stop) for variant in ("rar", "ps", "rar_int8", "rar_linear", "rar_pca") for stop in (4, 8)],
         ("rar_leader", 4),  # its compressed stage is LGC-RAR's
-        # The linear codecs' compressed stage is LGC-RAR's with another codec: in the long suite.
-        pytest.param("rar_linear", 8, marks=pytest.mark.slow),
-        pytest.param("rar_pca", 8, marks=pytest.mark.slow),
     ],
     ids=lambda value: {4: "in stage 2", 8: "in stage 3"}.get(value, value),
 )
