@@ -266,6 +266,12 @@ def seed_table(records: Sequence[RunRecord]) -> str:
     return markdown_table(header, rows)
 
 
+#: Ten colours and eight markers: the n-th method gets colour n % 10 and marker n % 8, a pair no other
+#: method of the first 40 shares, so a plot of a whole sweep tells every method apart.
+_COLORS = tuple(f"C{i}" for i in range(10))
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
 def plot_seed_groups(records: Sequence[RunRecord]) -> Any:
     """Each method's mean accuracy against its whole-run wire MB per worker, with 95 % intervals as error bars.
 
@@ -280,10 +286,10 @@ def plot_seed_groups(records: Sequence[RunRecord]) -> Any:
     from matplotlib import pyplot as plt
 
     groups = group_by_seed(records)
-    figure, axis = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    figure, axis = plt.subplots(figsize=(9, 4.5), layout="constrained")
     metric = records[0].metric_key if records else "val/acc"
     skipped = []
-    for group in groups:
+    for index, group in enumerate(groups):
         accuracy, wire = group.interval("metric"), group.interval(WIRE_MB_PER_WORKER)
         if accuracy is None or wire is None or wire.mean <= 0:
             skipped.append(group.label)
@@ -295,7 +301,8 @@ def plot_seed_groups(records: Sequence[RunRecord]) -> Any:
             [accuracy.mean],
             yerr=None if accuracy.half_width is None else [[accuracy.half_width], [accuracy.half_width]],
             xerr=None if wire.half_width is None else [[min(wire.half_width, wire.mean * 0.999)], [wire.half_width]],
-            fmt="o",
+            fmt=_MARKERS[index % len(_MARKERS)],
+            color=_COLORS[index % len(_COLORS)],
             capsize=3,
             label=f"{group.label} (n={accuracy.n})",
         )
@@ -305,5 +312,6 @@ def plot_seed_groups(records: Sequence[RunRecord]) -> Any:
     title = f"{metric} against bytes sent, over seeds"
     axis.set_title(title + (f"\nnot plotted: {', '.join(skipped)}" if skipped else ""), fontsize=10)
     axis.grid(alpha=0.3, which="both")
-    axis.legend(fontsize=7)
+    # Beside the axes, not over the points (a sweep has two dozen methods).
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=1 + len(groups) // 24)
     return figure

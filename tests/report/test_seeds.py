@@ -92,6 +92,10 @@ def test_the_plot_draws_each_method_once_with_its_interval_as_an_error_bar(tmp_p
     axis = figure.axes[0]
     bars = [c for c in axis.containers if type(c).__name__ == "ErrorbarContainer"]
     assert [bar.get_label() for bar in bars] == ["none (n=3)", "shared_topk_int8 (n=3)", "topk (n=3)"]
+    # Every method its own colour and marker, and the key beside the axes, not over the points.
+    looks = {(bar.lines[0].get_color(), bar.lines[0].get_marker()) for bar in bars}
+    assert len(looks) == 3 and len({color for color, _ in looks}) == 3
+    assert axis.get_legend().get_bbox_to_anchor().x0 > axis.get_window_extent().x1
     topk = bars[2].lines[0].get_ydata()
     assert topk[0] == pytest.approx(0.90)
     segment = bars[2].lines[2][-1].get_segments()[0]  # the vertical error bar (drawn last): mean ± half-width
