@@ -111,17 +111,11 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
     if numel < _BLOCK_SELECTION_MIN_NUMEL or 8 * k * block > numel:
         return torch.topk(values.abs(), k, sorted=False).indices
     if block <= _COLUMN_GROUPS_MAX_ROW_BLOCK:
-        return _topk_by_columns(values, k, min(2 * block, _COLUMN_GROUPS_MAX))
+        group = min(2 * block, _COLUMN_GROUPS_MAX)
+        width = numel // group
+        return _topk_in_groups(values, k, values[: width * group].view(group, width), dim=0)
     num_blocks = numel // block
-    rows = values[: num_blocks * block].view(num_blocks, block)
-    block_max = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
-    top_blocks = torch.topk(block_max, k, sorted=False)
-    threshold = top_blocks.values.min()
-    magnitudes = rows.index_select(0, top_blocks.indices).abs_()
-    kept = (magnitudes >= threshold).nonzero()
-    row, column = kept[:, 0], kept[:, 1]
-    positions = top_blocks.indices[row] * block + column
-    return _finish_topk(values, k, magnitudes[row, column], positions, num_blocks * block, threshold)
+    return _topk_in_groups(values, k, values[: num_blocks * block].view(num_blocks, block), dim=1)
 
 
 #: Row blocks at most this long (density above about 0.4 %) select through column groups instead.
@@ -130,25 +124,24 @@ _COLUMN_GROUPS_MAX_ROW_BLOCK = 16
 _COLUMN_GROUPS_MAX = 16
 
 
-def _topk_by_columns(values: Tensor, k: int, group: int) -> Tensor:
-    """:func:`topk_indices` with column ``j`` of a ``(group, n / group)`` view as group ``j``."""
-    numel = values.numel()
-    width = numel // group
-    columns = values[: width * group].view(group, width)
-    column_max = torch.maximum(columns.amax(dim=0), columns.amin(dim=0).neg_())
-    top_columns = torch.topk(column_max, k, sorted=False)
-    threshold = top_columns.values.min()
-    magnitudes = columns.index_select(1, top_columns.indices).abs_()
+def _topk_in_groups(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor:
+    """:func:`topk_indices` with the slices of the 2-D view ``grouped`` along ``dim`` as the groups.
+
+    ``dim=1``: the rows are the groups (blocks); ``dim=0``: the columns are. Each kept entry's
+    position in ``values`` follows from the view's strides; the entries past the view (the tail that
+    fills no group) are searched directly.
+    """
+    across = 1 - dim
+    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_())
+    top_groups = torch.topk(group_max, k, sorted=False)
+    threshold = top_groups.values.min()
+    magnitudes = grouped.index_select(across, top_groups.indices).abs_()
     kept = (magnitudes >= threshold).nonzero()
-    row, column = kept[:, 0], kept[:, 1]
-    positions = row * width + top_columns.indices[column]
-    return _finish_topk(values, k, magnitudes[row, column], positions, width * group, threshold)
-
-
-def _finish_topk(
-    values: Tensor, k: int, magnitudes: Tensor, positions: Tensor, covered: int, threshold: Tensor
-) -> Tensor:
-    """The exact top-k among the candidates and the tail past the ``covered`` entries the groups hold."""
+    coordinates = list(kept.unbind(1))
+    magnitudes = magnitudes[coordinates[0], coordinates[1]]
+    coordinates[across] = top_groups.indices[coordinates[across]]
+    positions = coordinates[0] * grouped.stride(0) + coordinates[1] * grouped.stride(1)
+    covered = grouped.numel()
     if covered < values.numel():
         tail = values[covered:].abs()
         tail_kept = (tail >= threshold).nonzero().squeeze(1)
