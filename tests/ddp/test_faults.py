@@ -22,18 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
+from test_train import compose_cfg
 
 from lgc.train import train
 
 pytestmark = pytest.mark.multiprocess
-
-
-def compose_cfg(output_dir: Path, *overrides: str):
-    with initialize_config_module("lgc.conf", version_base="1.3"):
-        # Workers forked: they start at once (spawned ones import torch and Lightning again).
-        overrides = ["experiment=smoke", "logger=csv", "ddp.start_method=fork", f"output_dir={output_dir}", *overrides]
-        return compose("train", overrides=overrides)
 
 
 # --- hung and killed workers ------------------------------------------------------------------
