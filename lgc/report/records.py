@@ -187,12 +187,13 @@ def load_runs(paths: Iterable[str | os.PathLike[str]], label_by: str = "settings
     files: list[Path] = []
     roots: list[Path] = []
     seen: set[Path] = set()
-    for path in paths:
-        for file in _summary_files(Path(path)):
+    for path in map(Path, paths):
+        root = path if path.is_dir() else path.parent  # a summary.json given: its run folder
+        for file in _summary_files(path):
             if file.resolve() not in seen:
                 seen.add(file.resolve())
                 files.append(file)
-                roots.append(Path(path) if Path(path).is_dir() else file.parent)
+                roots.append(root)
     summaries = [_read_summary(file) for file in files]
     folders = [file.parent for file in files]
     names, run_labels = labels(summaries, folders)
