@@ -52,6 +52,7 @@ def compress(
     fragment_split: str | None = None,
     min_numel: int | None = None,
     start_iter: int | None = None,
+    overlap: bool | None = None,
     process_group: dist.ProcessGroup | None = None,
     optimizer_momentum: float | None = None,
     optimizer_weight_decay: float | None = None,
@@ -95,6 +96,11 @@ def compress(
             parameter) for the methods whose reference sends every tensor, 1,024 for the others
             (biases and norm layers dense).
         start_iter: plain-allreduce iterations before compressing (lgc compressors only; default 1).
+        overlap: encode and send every bucket as soon as DDP hands it over, overlapping the
+            collectives with the rest of the backward pass (default ``False``: held until the
+            step's last bucket). Bitwise the same training; costs a second fp32 residual per
+            compressed parameter. Error feedback over top-k, SBC or EF-signSGD only
+            (:class:`~lgc.ddp.CompressionHookState`).
         process_group: the group to communicate in (default: the world).
         optimizer_momentum / optimizer_weight_decay: what the optimizer will apply, for DGC when the
             optimizer is not built yet (one or the other: ``optimizer`` is checked directly).
@@ -131,6 +137,7 @@ def compress(
     comm_settings = dict(
         min_numel=min_numel,
         start_iter=start_iter,
+        overlap=overlap,
         delay=delay,
         outer=outer,
         outer_lr=outer_lr,

@@ -43,6 +43,8 @@ class Comm:
     min_numel: int | None = None
     #: Plain-allreduce iterations before compressing (DDP rebuilds its buckets after the first).
     start_iter: int | None = 1
+    #: Every step: encode and send each bucket as it arrives (:class:`~lgc.ddp.CompressionHookState`'s ``overlap``).
+    overlap: bool | None = False
     #: Local optimizer steps per exchange of weight updates (SBC's communication delay); None: every step.
     delay: int | None = None
     #: With ``delay``: ``average`` (SBC) or ``sgd`` (DiLoCo's outer Nesterov SGD).
@@ -89,9 +91,14 @@ class EveryStep:
     min_numel: int | None = None
     #: Plain-allreduce iterations before compressing (DDP rebuilds its buckets after the first).
     start_iter: int = 1
+    #: Encode and send each bucket as soon as DDP hands it over, overlapping communication with the
+    #: rest of the backward pass, instead of holding every bucket until the step's last one.
+    #: Bitwise the same results; costs a second fp32 residual per compressed parameter. For error
+    #: feedback over top-k, SBC or EF-signSGD (:class:`~lgc.ddp.CompressionHookState`).
+    overlap: bool = False
 
     def to_comm(self) -> Comm:
-        return Comm(min_numel=self.min_numel, start_iter=self.start_iter)
+        return Comm(min_numel=self.min_numel, start_iter=self.start_iter, overlap=self.overlap)
 
 
 @dataclasses.dataclass

@@ -383,6 +383,12 @@ def build_hook_state(
         fields = ", ".join(comm.field(name) for name in _LOCAL_STEP_FIELDS)
         raise ValueError(f"{fields} act on the exchanges of local steps: they need {comm.prefix}delay")
     built = build_compressor(method, error_feedback=error_feedback, error_decay=error_decay, prefix=prefix, name=name)
+    if comm.overlap and (_is_hook_state(built) or comm.delay is not None):
+        what = f"{comm.field('delay')}, whose exchanges come after the optimizer" if comm.delay else _what(built, name)
+        raise ValueError(
+            f"{comm.field('overlap')} applies to an lgc compressor's every-step exchange (e.g. 'topk', 'sbc'), "
+            f"not to {what}"
+        )
     if _is_hook_state(built):
         what = _what(built, name)
         if comm.delay is not None:
@@ -417,5 +423,9 @@ def build_hook_state(
             fragment_split=comm.fragment_split,
         )
     return CompressionHookState(
-        built, min_numel=comm.min_numel, start_iter=comm.start_iter, process_group=process_group
+        built,
+        min_numel=comm.min_numel,
+        start_iter=comm.start_iter,
+        process_group=process_group,
+        overlap=bool(comm.overlap),
     )

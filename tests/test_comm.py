@@ -19,10 +19,19 @@ def _compose(*overrides: str):
 
 def test_the_default_option_is_every_step_with_the_general_records_defaults():
     cfg = _compose()
-    assert set(cfg.comm) == {"min_numel", "start_iter"}
+    assert set(cfg.comm) == {"min_numel", "start_iter", "overlap"}
     assert EveryStep().to_comm() == Comm()
     state = build_hook_state(cfg.compressor, cfg.comm)
-    assert type(state) is CompressionHookState and state.start_iter == 1
+    assert type(state) is CompressionHookState and state.start_iter == 1 and not state.overlap
+
+
+def test_overlap_reaches_the_hook_and_is_refused_by_a_hook_state_of_its_own():
+    cfg = _compose("comm.overlap=true")
+    assert build_hook_state(cfg.compressor, cfg.comm).overlap
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["logger=none", "comm.overlap=true"])  # the default: a hook state
+    with pytest.raises(ValueError, match=r"comm.overlap=True applies to an lgc compressor's every-step exchange"):
+        build_hook_state(cfg.compressor, cfg.comm)
 
 
 @pytest.mark.parametrize(

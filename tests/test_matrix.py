@@ -94,6 +94,10 @@ METHODS = (
     # The matrix is a plain training loop (no set_epoch): DGC's warm-up follows its steps.
     Method("dgc", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2")),
     Method("sbc", "sbc", ("compressor.density=0.05",)),
+    # Every bucket encoded and sent as it arrives, the step committed after the agreement.
+    Method("topk_overlap", "topk", ("comm.overlap=true",)),
+    Method("sbc_overlap", "sbc", ("compressor.density=0.05", "comm.overlap=true")),
+    Method("signsgd_overlap", "signsgd", ("comm.overlap=true",)),
     Method("redsync", "redsync", ("compressor.density=0.05",)),
     Method("redsync_search", "redsync", ("compressor.density=0.05", "compressor.method=threshold_binary_search")),
     Method("random_block", "random_block", ("compressor.density=0.1",)),

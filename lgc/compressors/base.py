@@ -126,6 +126,11 @@ class Compressor(abc.ABC):
     #: generator): the hook then needs no step-level agreement before compressing (see
     #: :mod:`lgc.ddp.hook`), and non-finite gradients simply pass through its sum.
     stateless: bool = False
+    #: Whether :meth:`compress` is a function of its input alone (and of configuration, the shared
+    #: seed, the rank and the world size) although the method needs error feedback: top-k, SBC,
+    #: EF-signSGD's scaled sign. Error feedback over such a compressor (or a stateless one) can
+    #: then encode a step before the ranks agree on it and commit it after (the hook's ``overlap``).
+    pure_encoding: bool = False
     #: Whether payload sizes can differ between workers for the same tensor (sizes are then
     #: exchanged before the payloads).
     variable_size: bool = False

@@ -59,6 +59,10 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         self.needs_shared_seed = compressor.needs_shared_seed
         #: Per-key residual: the part of earlier inputs that has not been sent yet.
         self.residuals: dict[str, Tensor] = {}
+        #: Residuals of a step encoded by :meth:`compress_pending`, not yet committed.
+        self._pending: dict[str, Tensor] = {}
+        #: Per-key second buffers that :meth:`compress_pending` writes into (never saved).
+        self._spares: dict[str, Tensor] = {}
 
     def compress(self, tensor: Tensor, key: str) -> Payload:
         residual = self.residuals.get(key)
@@ -72,15 +76,69 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
             if self.decay != 1.0:
                 corrected.mul_(self.decay)
             corrected.add_(tensor)
+        payload, self.residuals[key] = self._encode(corrected, key)
+        return payload
+
+    def _encode(self, corrected: Tensor, key: str) -> tuple[Payload, Tensor]:
+        """The payload of ``corrected`` (``g + beta * r``) and the new residual (in place where it can)."""
         payload = self.compressor.compress(corrected, key)
         if isinstance(payload, SparsePayload):
             # Cheaper than a dense decode: subtract what was sent at the sent positions only.
             payload.subtract_from(corrected)
-            self.residuals[key] = corrected
+            return payload, corrected
+        # Out of place: a dense payload may alias ``corrected``.
+        return payload, corrected - self.compressor.decompress(payload).to(corrected.dtype)
+
+    # -- encoding ahead of the step's agreement (the hook's overlap) ------------------------------------
+    @property
+    def speculates(self) -> bool:
+        """Whether :meth:`compress_pending` is available: the wrapped compressor keeps no state of its own.
+
+        Then the residual is the only state a step moves, and a step can be encoded into a second
+        buffer before the ranks agree on it (:meth:`commit`).
+        """
+        return self.compressor.stateless or self.compressor.pure_encoding
+
+    def compress_pending(self, tensor: Tensor, key: str) -> Payload:
+        """:meth:`compress` with the same payload, the new residual held aside until :meth:`commit`.
+
+        The residual stays as it is; ``g + beta * r`` is written into a second buffer per key
+        (allocated once, then the two swap at every commit), so holding a step back costs memory
+        (one more fp32 copy of the compressed parameters), not a pass over it. The arithmetic is
+        :meth:`compress`'s, operation for operation, so payloads and residuals are bitwise equal.
+        """
+        if not self.speculates:
+            raise TypeError(f"{self!r} cannot hold a step back: {self.compressor!r} keeps state of its own")
+        residual = self.residuals.get(key)
+        if residual is None:
+            corrected = tensor.to(torch.float32, copy=True)
         else:
-            # Out of place: a dense payload may alias ``corrected``.
-            self.residuals[key] = corrected - self.compressor.decompress(payload).to(corrected.dtype)
+            residual = residual.to(tensor.device)
+            spare = self._spares.pop(key, None)
+            if spare is None or spare.shape != residual.shape or spare.device != residual.device:
+                spare = torch.empty_like(residual)
+            if self.decay != 1.0:
+                corrected = torch.mul(residual, self.decay, out=spare).add_(tensor)
+            else:
+                corrected = torch.add(residual, tensor, out=spare)
+        payload, self._pending[key] = self._encode(corrected, key)
         return payload
+
+    def commit(self, keys: frozenset[str] | set[str]) -> None:
+        """Adopt the held residuals of ``keys``; drop the others (their residuals stay as before the step).
+
+        ``commit(frozenset())`` drops the whole step (the ranks agreed to skip it).
+        """
+        for key, held in self._pending.items():
+            current = self.residuals.get(key)
+            if key in keys:
+                self.residuals[key] = held
+                spare = current
+            else:
+                spare = held
+            if spare is not None and spare is not self.residuals.get(key):
+                self._spares[key] = spare
+        self._pending = {}
 
     def decompress(self, payload: Payload) -> Tensor:
         return self.compressor.decompress(payload)
@@ -120,6 +178,7 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {key: r.clone() for key, r in state["residuals"].items()}
+        self._pending, self._spares = {}, {}
         self.compressor.load_state_dict(state["compressor"])
 
     def __repr__(self) -> str:

@@ -138,6 +138,7 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
         self.bits = bits
         self.range_sigmas = float(range_sigmas)
         self.stateless = sparsifier.stateless
+        self.pure_encoding = sparsifier.pure_encoding
 
     @property
     def compressor(self) -> Compressor:

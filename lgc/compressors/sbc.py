@@ -208,6 +208,7 @@ class SBCCompressor(Compressor):
     """
 
     needs_error_feedback = True
+    pure_encoding = True
     combine = CombineMode.GATHER
     variable_size = True
 

@@ -81,6 +81,7 @@ class SignSGDCompressor(Compressor):
     """
 
     needs_error_feedback = True
+    pure_encoding = True
     combine = CombineMode.GATHER
     variable_size = False
 

@@ -221,6 +221,7 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
     """
 
     needs_error_feedback = True
+    pure_encoding = True
     combine = CombineMode.GATHER
 
     def __init__(self, density: Density, value_dtype: str | torch.dtype = "float32") -> None:

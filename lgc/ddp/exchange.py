@@ -98,9 +98,13 @@ class PayloadExchange:
         step: int,
         *,
         used: frozenset[str] | None = None,
+        pending: bool = False,
     ):
         self.state = state
         self.buffer = buffer
+        #: Encoded ahead of the step's agreement (the hook's overlap): state is held until
+        #: :meth:`~lgc.compressors.ErrorFeedback.commit`, and ``buffer`` is left as it is until :meth:`finish`.
+        self.pending = pending
         world_size = dist.get_world_size(state.process_group)
         compressor = state.compressor
         compressor.set_rank(dist.get_rank(state.process_group))
@@ -114,6 +118,8 @@ class PayloadExchange:
         if state.begun_step != step:
             compressor.begin_step(step)
             state.begun_step = step
+        if used is not None and pending:
+            raise ValueError("an exchange encoded ahead of the step's agreement cannot know the used parameters")
         if used is not None:
             # Zero on every rank (unused parameters): the sum is the zero already in the buffer,
             # and the compressor's state for them must not move.
@@ -125,9 +131,12 @@ class PayloadExchange:
             piece = buffer[s.offset : s.offset + s.numel]
             sent = compressor.transform_dense(piece, s.name)
             if sent is not piece:
+                if pending:
+                    raise ValueError(f"{compressor!r} changes dense tensors: it cannot encode ahead of the agreement")
                 piece.copy_(sent)
+        encode = compressor.compress_pending if pending else compressor.compress  # type: ignore[attr-defined]
         #: This worker's payload of every compressed segment, in segment order.
-        self.own = [compressor.compress(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
+        self.own = [encode(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
         state.codec_seconds["encode"] += time.perf_counter() - started
         #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
         self.received: dict[str, list[Payload]] = {}
@@ -156,6 +165,14 @@ class PayloadExchange:
             self.order.append((s, payload))
             self.groups.setdefault(part.dtype, []).append(part)
         self.flats = {dtype: _joined(parts) for dtype, parts in self.groups.items()}
+        if self.pending:
+            # The buffer must stay as it is until the step is agreed on (a skipped step sends it dense).
+            self.flats = {
+                dtype: flat.clone()
+                if flat.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                else flat
+                for dtype, flat in self.flats.items()
+            }
         return [_allreduce(self.state, flat) for flat in self.flats.values()]
 
     def _issue_gather(self, world_size: int) -> list[torch.futures.Future]:
@@ -185,15 +202,20 @@ class PayloadExchange:
             futures.append(work.get_future())
         return futures
 
-    def finish(self) -> Tensor:
-        """Decode the finished collectives into ``buffer`` and return it."""
+    def finish(self, used: frozenset[str] | None = None) -> Tensor:
+        """Decode the finished collectives into ``buffer`` and return it.
+
+        ``used``: for an exchange encoded ahead of the agreement, the parameters some rank has a
+        gradient for; the others are left as they are in ``buffer`` (zero on every rank), as if
+        they had not been sent.
+        """
         started = time.perf_counter()
         try:
-            return self._decode()
+            return self._decode(used)
         finally:
             self.state.codec_seconds["decode"] += time.perf_counter() - started
 
-    def _decode(self) -> Tensor:
+    def _decode(self, used: frozenset[str] | None) -> Tensor:
         compressor, buffer = self.state.compressor, self.buffer
         if compressor.combine is CombineMode.SUM:
             pieces = {
@@ -206,6 +228,9 @@ class PayloadExchange:
                 else:
                     (values,) = payload.tensors()
                     summed = next(pieces[values.dtype]).view_as(values)
+                if used is not None and s.name not in used:
+                    continue
+                if payload is not None:
                     decoded = compressor.decompress(compressor.payload_from_sum(summed, payload)).reshape(-1)
                 if decoded.data_ptr() != target.data_ptr():
                     target.copy_(decoded)
@@ -213,6 +238,8 @@ class PayloadExchange:
             return buffer
         if self.dense_flat is not None:
             for s, piece in zip(self.dense, self.dense_flat.split([s.numel for s in self.dense]), strict=True):
+                if used is not None and s.name not in used:
+                    continue
                 target = buffer[s.offset : s.offset + s.numel]
                 target.copy_(piece)
                 compressor.finish_aggregate(target, s.name)
@@ -227,6 +254,8 @@ class PayloadExchange:
                     compressor.payload_from_wire(next(wires_of_rank), s.numel, key=s.name) for wires_of_rank in per_rank
                 ]
                 _check_round_trip(compressor, own, received[rank])
+                if used is not None and s.name not in used:
+                    continue
                 self.received[s.name] = received
                 target = buffer[s.offset : s.offset + s.numel]
                 compressor.aggregate_into(received, target)

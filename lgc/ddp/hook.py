@@ -14,7 +14,9 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    :mod:`lgc.ddp.step_guard`. Stateless compressors (``none``, ``fp16``) need neither: they run
    bucket by bucket as the buckets become ready, overlapping communication with the backward
    pass, and an inf or NaN simply passes through their sum (the step is counted as skipped all the
-   same).
+   same). With ``overlap``, error feedback over a compressor without state of its own encodes each
+   bucket as it arrives into held state and starts its collectives at once; the same agreement
+   then commits or drops the step (:meth:`CompressionHookState.encode_ahead`).
 4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
    in the gradient's dtype (by default the method's own threshold: none for DeMo and SparseLoCo,
    whose references compress every tensor).
@@ -78,6 +80,16 @@ def _residual_store(compressor: Compressor) -> dict[str, Tensor]:
     return _residual_store(inner) if isinstance(inner, Compressor) else {}
 
 
+def bucket_extremes(buffer: Tensor, segments: tuple[Segment, ...]) -> Tensor:
+    """Every segment's smallest and largest entry, a ``(segments, 2)`` table: the step guard's look at a gradient."""
+    return torch.stack(
+        [
+            torch.stack(torch.aminmax(buffer[s.offset : s.offset + s.numel])) if s.numel else buffer.new_zeros(2)
+            for s in segments
+        ]
+    )
+
+
 class _BucketLayout(NamedTuple):
     #: Identifies the bucket's content, so a layout is rebuilt when DDP rebuilds its buckets.
     signature: tuple[int, ...]
@@ -97,6 +109,13 @@ class CompressionHookState(HookState):
         start_iter: iterations of plain allreduce before compressing (at least 1 lets DDP rebuild
             its buckets first, as PyTorch's PowerSGD hook does).
         process_group: the group to communicate in (default: the world).
+        overlap: encode every bucket as it arrives and start its collectives at once, so they
+            overlap the rest of the backward pass, instead of holding every bucket until the step's
+            last one (:meth:`encode_ahead`). Results, state and the step guard's policy are bitwise
+            the same; what it costs is memory, a second fp32 residual per compressed parameter, and,
+            for a parameter unused on every rank, its payload sent for nothing. Needs error feedback
+            over a compressor that keeps no state of its own (top-k, SBC, EF-signSGD,
+            ``ErrorFeedback.speculates``); stateless compressors (``none``, ``fp16``) overlap anyway.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
     does): compressors then see unscaled gradients (see :meth:`unscale`).
@@ -119,6 +138,9 @@ class CompressionHookState(HookState):
         "loss_scale",  # returns the loss scale of this step (a GradScaler's get_scale), or None; per process
         "step_scale",  # the loss scale the current step's buckets were divided by
         "pending",  # buckets of the current step, run together at its last bucket (the step guard)
+        "overlap",  # encode each bucket as it arrives (encode_ahead) instead of at the step's last bucket
+        "ahead",  # overlap: the current step's exchanges, started as their buckets arrived
+        "ahead_extremes",  # overlap: their buckets' extremes per parameter (the step guard's look), kept for agree
         "nonfinite_lock",  # stateless compressors: guards the skipped-step count set from callbacks
         "nonfinite_step",  # stateless compressors: the last step counted as non-finite
         # stats
@@ -135,9 +157,17 @@ class CompressionHookState(HookState):
         min_numel: int | None = None,
         start_iter: int = 1,
         process_group: dist.ProcessGroup | None = None,
+        overlap: bool = False,
     ) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be an lgc Compressor, got {compressor!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        if overlap and not compressor.stateless and not getattr(compressor, "speculates", False):
+            raise ValueError(
+                f"overlap=True needs a step that can be encoded before the ranks agree on it: error feedback "
+                f"over a compressor that keeps no state of its own (topk, sbc, signsgd); {compressor!r} is not"
+            )
         if compressor.combine is CombineMode.SERVER:
             raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")
         if min_numel is None:
@@ -158,6 +188,9 @@ class CompressionHookState(HookState):
         self.loss_scale: Callable[[], float] | None = None
         self.step_scale = 1.0
         self.pending: list[PendingBucket] = []
+        self.overlap = overlap
+        self.ahead: list[PayloadExchange] = []
+        self.ahead_extremes: list[Tensor] = []
         self.nonfinite_lock = threading.Lock()
         self.nonfinite_step = -1
         self.stats = CommStats()
@@ -265,7 +298,15 @@ class CompressionHookState(HookState):
         slots = [slot for cls in type(self).__mro__ for slot in getattr(cls, "__slots__", ())]
         state = {slot: getattr(self, slot) for slot in slots}
         state.update(process_group=None, param_names={}, bucket_layouts={}, begun_step=-1, seed_shared=False)
-        state.update(pending=[], nonfinite_lock=None, nonfinite_step=-1, loss_scale=None, step_scale=1.0)
+        state.update(
+            pending=[],
+            ahead=[],
+            ahead_extremes=[],
+            nonfinite_lock=None,
+            nonfinite_step=-1,
+            loss_scale=None,
+            step_scale=1.0,
+        )
         state.update(codec_seconds={"encode": 0.0, "decode": 0.0}, buffer_sync=None)
         return state
 
@@ -289,20 +330,71 @@ class CompressionHookState(HookState):
             run_holding([bucket.future for bucket in pending], lambda: self.run_step(pending))
         return future
 
-    def agree(self, pending: list[PendingBucket]) -> StepVerdict:
+    def encode_ahead(
+        self, buffer: Tensor, segments: tuple[Segment, ...], is_last: bool
+    ) -> torch.futures.Future[Tensor]:
+        """Encode a bucket as it arrives and start its collectives; settle the step at its last bucket.
+
+        The compressor encodes into held state (:meth:`~lgc.compressors.ErrorFeedback.compress_pending`),
+        every parameter of the bucket, and its collectives start at once, in bucket order on every
+        rank, while the backward pass goes on. ``buffer`` is left as it is. At the step's last bucket
+        the ranks agree (:meth:`agree`, the same reduction as without overlap), then:
+
+        * a skipped step (inf/NaN on some rank): the held state is dropped and every bucket is
+          allreduced dense and unchanged (:meth:`pass_through`), as without overlap; the payloads
+          already sent are counted, and not decoded;
+        * otherwise the held state of the used parameters is committed, the others' dropped, and
+          every bucket is decoded, a parameter unused on every rank left at its zero.
+        """
+        future: torch.futures.Future[Tensor] = torch.futures.Future()
+        self.pending.append(PendingBucket(buffer, segments, future))
+        extremes = bucket_extremes(buffer, segments)
+        self.ahead_extremes.append(extremes)
+        # A rank that sees an inf or NaN knows the step will be skipped: it encodes zeros instead
+        # (its payloads are never decoded), so every compressor gets finite input and every rank
+        # issues the same collectives.
+        finite = bool(torch.isfinite(extremes).all())
+        source = buffer if finite else torch.zeros_like(buffer)
+        try:
+            self.ahead.append(PayloadExchange(self, source, segments, self.iteration, pending=True))
+        except BaseException:
+            self.pending, self.ahead, self.ahead_extremes = [], [], []
+            self.compressor.commit(frozenset())  # type: ignore[attr-defined]
+            raise
+        if is_last:
+            pending, self.pending = self.pending, []
+            exchanges, self.ahead = self.ahead, []
+            tables, self.ahead_extremes = self.ahead_extremes, []
+            run_holding([bucket.future for bucket in pending], lambda: self.settle(pending, exchanges, tables))
+        return future
+
+    def settle(self, pending: list[PendingBucket], exchanges: list[PayloadExchange], extremes: list[Tensor]) -> None:
+        """The end of a step encoded ahead (:meth:`encode_ahead`): agree, then commit and decode, or pass it through."""
+        verdict = self.agree(pending, extremes)
+        torch.futures.wait_all([future for exchange in exchanges for future in exchange.futures])
+        if verdict.skip:
+            self.compressor.commit(frozenset())  # type: ignore[attr-defined]
+            self.pass_through(pending)
+        else:
+            self.compressor.commit(verdict.used)  # type: ignore[attr-defined]
+            for exchange, bucket in zip(exchanges, pending, strict=True):
+                bucket.future.set_result(exchange.finish(verdict.used))
+            self.iteration += 1
+        self.scale_back(pending)
+
+    def agree(self, pending: list[PendingBucket], extremes: list[Tensor] | None = None) -> StepVerdict:
         """One small allreduce (MAX of a byte per parameter, plus one) that every rank decides the step by.
 
-        Each rank looks at its own gradients once (``aminmax`` per parameter: finite? nonzero?);
-        the reduction tells every rank whether some rank saw an inf or NaN, and which parameters
-        have a nonzero gradient on some rank. Its bytes are counted like any other collective's.
+        Each rank looks at its own gradients once (``aminmax`` per parameter: finite? nonzero?;
+        ``extremes``: those already taken, one ``(parameters, 2)`` table per bucket, see
+        :func:`bucket_extremes`); the reduction tells every rank whether some rank saw an inf or
+        NaN, and which parameters have a nonzero gradient on some rank. Its bytes are counted like
+        any other collective's.
         """
-        names, extremes = [], []
-        for bucket in pending:
-            for s in bucket.segments:
-                piece = bucket.buffer[s.offset : s.offset + s.numel]
-                names.append(s.name)
-                extremes.append(torch.stack(torch.aminmax(piece)) if s.numel else piece.new_zeros(2))
-        table = torch.stack(extremes).float()
+        names = [s.name for bucket in pending for s in bucket.segments]
+        if extremes is None:
+            extremes = [bucket_extremes(bucket.buffer, bucket.segments) for bucket in pending]
+        table = torch.cat(extremes).float()
         finite = torch.isfinite(table).all()
         # NaN != 0 is True, so a NaN parameter also counts as used (it is skipped anyway).
         flags = torch.cat([(~finite).reshape(1), (table != 0).any(dim=1)]).to(torch.uint8)
@@ -333,9 +425,14 @@ class CompressionHookState(HookState):
             step = self.iteration
             self.compress_step(pending, verdict.used, step)
             self.iteration = step + 1
+        self.scale_back(pending)
+
+    def scale_back(self, pending: list[PendingBucket]) -> None:
+        """Back to the loss-scaled units the optimizer's GradScaler expects (a no-op without a loss scale).
+
+        DDP reads the buffers only after the backward pass, so the futures may already hold them.
+        """
         if self.step_scale != 1.0:
-            # Back to the loss-scaled units the optimizer's GradScaler expects (DDP reads the
-            # buffers only after the backward pass, so the futures may already hold them).
             for bucket in pending:
                 bucket.buffer.mul_(self.step_scale)
 
@@ -407,6 +504,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
 
     state.unscale(buffer, world_size)
     if state.guards_steps:
+        if state.overlap:
+            return state.encode_ahead(buffer, segments, bucket.is_last())
         return state.defer(buffer, segments, bucket.is_last())
     if bucket.is_last():
         state.iteration += 1
@@ -423,6 +522,7 @@ def register_compression_hook(
     min_numel: int | None = None,
     start_iter: int = 1,
     process_group: dist.ProcessGroup | None = None,
+    overlap: bool = False,
 ) -> CompressionHookState:
     """Make ``model`` average its gradients through ``compressor``; works on gloo and NCCL.
 
@@ -433,6 +533,7 @@ def register_compression_hook(
             :class:`CompressionHookState`).
         start_iter: plain-allreduce iterations before compression starts.
         process_group: group to communicate in (default: the world).
+        overlap: encode and send every bucket as it arrives (see :class:`CompressionHookState`).
 
     Returns:
         The hook state: its ``stats`` count bytes; save ``state_dict()`` with every rank's
@@ -445,6 +546,8 @@ def register_compression_hook(
         >>> ...  # train as usual
         >>> state.stats.compression_ratio
     """
-    state = CompressionHookState(compressor, min_numel=min_numel, start_iter=start_iter, process_group=process_group)
+    state = CompressionHookState(
+        compressor, min_numel=min_numel, start_iter=start_iter, process_group=process_group, overlap=overlap
+    )
     state.register(model)
     return state

@@ -1,0 +1,198 @@
+"""Overlap: every bucket encoded and sent as it arrives, the step committed after the ranks agree.
+
+The hook's ``overlap`` must change when the collectives start and nothing else: gradients,
+residuals and the step guard's policy (a skipped step, unused parameters) bitwise as without it.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lgc import ErrorFeedback, FP16Compressor, SBCCompressor, SignSGDCompressor, TopKCompressor
+from lgc.compressors import DGCCompressor, QuantizedValues, RandomBlockCompressor
+from lgc.ddp import CompressionHookState
+from lgc.ddp import hook as hook_module
+from lgc.methods import build_hook_state
+
+COMPRESSORS = {
+    "topk": lambda: TopKCompressor(density=0.1),
+    "topk_fp16_values": lambda: TopKCompressor(density=0.1, value_dtype="float16"),
+    "sbc": lambda: SBCCompressor(density=0.1),
+    "signsgd": SignSGDCompressor,
+    "quantized_topk": lambda: QuantizedValues(TopKCompressor(density=0.1), bits=2),
+}
+
+
+def _same_payload(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors(), strict=True))
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.95])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_compress_pending_then_commit_is_compress(name, dtype, decay):
+    """Held steps give compress()'s payloads and residuals bitwise; a key left out, or a dropped step, moves nothing."""
+    held, plain = ErrorFeedback(COMPRESSORS[name](), decay), ErrorFeedback(COMPRESSORS[name](), decay)
+    assert held.speculates
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        grads = {key: torch.randn(300, generator=generator).to(dtype) for key in ("a", "b")}
+        before = {key: r.clone() for key, r in held.residuals.items()}
+        payloads = {key: held.compress_pending(g, key) for key, g in grads.items()}
+        assert {key: torch.equal(r, before[key]) for key, r in held.residuals.items()} == dict.fromkeys(before, True)
+        if step == 3:  # the ranks agreed to skip the step
+            held.commit(frozenset())
+            assert all(torch.equal(held.residuals[key], before[key]) for key in before)
+            continue
+        kept = {"a"} if step == 4 else {"a", "b"}  # b unused on every rank at step 4
+        held.commit(frozenset(kept))
+        for key in kept:
+            assert _same_payload(payloads[key], plain.compress(grads[key], key)), (step, key)
+        assert set(held.residuals) == set(plain.residuals)
+        for key in held.residuals:
+            assert torch.equal(held.residuals[key], plain.residuals[key]), (step, key)
+
+
+def test_a_dropped_first_step_leaves_no_residual():
+    ef, plain = ErrorFeedback(TopKCompressor(density=0.25)), ErrorFeedback(TopKCompressor(density=0.25))
+    g = torch.arange(8.0)
+    ef.compress_pending(g, "w")
+    ef.commit(frozenset())
+    assert ef.residuals == {}
+    ef.compress_pending(g, "w")
+    ef.commit(frozenset({"w"}))
+    plain.compress(g, "w")
+    assert torch.equal(ef.residuals["w"], plain.residuals["w"])
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [
+        lambda: DGCCompressor(density=0.1, momentum=0.9),
+        lambda: ErrorFeedback(RandomBlockCompressor(density=0.1)),
+    ],
+    ids=["dgc", "random_block"],
+)
+def test_overlap_is_refused_for_a_compressor_with_state_of_its_own(compressor):
+    with pytest.raises(ValueError, match="overlap=True needs"):
+        CompressionHookState(compressor(), overlap=True)
+
+
+@pytest.mark.parametrize(
+    ("node", "comm", "match"),
+    [
+        ({"_target_": "lgc.compressors.DGCCompressor", "density": 0.1}, {"overlap": True}, "overlap=True needs"),
+        ({"_target_": "lgc.compressors.TopKCompressor", "density": 0.1}, {"overlap": True, "delay": 2}, "delay"),
+    ],
+)
+def test_overlap_is_refused_where_it_cannot_apply(node, comm, match):
+    with pytest.raises(ValueError, match=match):
+        build_hook_state(node, comm, error_feedback=node["_target_"].endswith("TopKCompressor"))
+
+
+def test_the_stateless_and_the_speculating_accept_overlap():
+    assert CompressionHookState(ErrorFeedback(TopKCompressor(0.1)), overlap=True).overlap
+    assert CompressionHookState(FP16Compressor(), overlap=True).overlap
+    node = {"_target_": "lgc.compressors.TopKCompressor", "density": 0.1}
+    state = build_hook_state(node, {"overlap": True}, error_feedback=True)
+    assert state.overlap and isinstance(state.compressor, ErrorFeedback)
+
+
+# -- in DDP ------------------------------------------------------------------------------------------
+
+STEPS = 7
+NAN_STEP = 3  # rank 1 gets a NaN: the step is skipped on every rank
+UNUSED_STEPS = (2, 5)  # the aux branch is unused on every rank
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 48))
+        self.head = nn.Linear(48, 5)
+        self.aux = nn.Linear(48, 5)
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        hidden = self.body(x)
+        return self.head(hidden) + self.aux(hidden) if use_aux else self.head(hidden)
+
+
+def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
+    events: list[str] = []
+    hook = hook_module.compression_hook
+
+    def logged_hook(state, bucket):
+        events.append(f"bucket{bucket.index()}")
+        return hook(state, bucket)
+
+    gather, reduce = dist.all_gather, dist.all_reduce
+
+    def logged_gather(*args, **kwargs):
+        events.append("all_gather")
+        return gather(*args, **kwargs)
+
+    def logged_reduce(*args, **kwargs):
+        events.append("all_reduce")
+        return reduce(*args, **kwargs)
+
+    hook_module.compression_hook = logged_hook
+    dist.all_gather, dist.all_reduce = logged_gather, logged_reduce
+    try:
+        net = _Net()
+        model = DDP(net, bucket_cap_mb=0.01, find_unused_parameters=True)
+        state = CompressionHookState(ErrorFeedback(COMPRESSORS[name]()), min_numel=100, overlap=overlap)
+        state.register(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads, step_events = [], []
+        for step in range(STEPS):
+            events.clear()
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = model(x, step not in UNUSED_STEPS).square().mean()
+            if step == NAN_STEP and rank == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
+            step_events.append(list(events))
+            if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in net.parameters()):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    finally:
+        hook_module.compression_hook = hook
+        dist.all_gather, dist.all_reduce = gather, reduce
+    return {
+        "grads": grads,
+        "params": [p.detach().clone() for p in net.parameters()],
+        "state": state.state_dict()["compressor"],
+        "skipped": state.stats.skipped_steps,
+        "events": step_events,
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["topk", "sbc", "signsgd"])
+def test_overlap_changes_when_collectives_start_and_nothing_else(name):
+    held = run_workers(_train, 2, name, False)
+    ahead = run_workers(_train, 2, name, True)
+    for rank in range(2):
+        a, b = held[rank], ahead[rank]
+        assert a["skipped"] == b["skipped"] == 1
+        for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"], strict=True)):
+            for i, (x, y) in enumerate(zip(ga, gb, strict=True)):
+                assert torch.equal(x.nan_to_num(), y.nan_to_num()), (rank, step, i)
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+        residuals_a, residuals_b = a["state"]["residuals"], b["state"]["residuals"]
+        assert set(residuals_a) == set(residuals_b) and "aux.weight" in residuals_a
+        assert all(torch.equal(residuals_a[key], residuals_b[key]) for key in residuals_a)
+        # A compressed step (past the dense first one): with overlap the first bucket's payloads
+        # leave before DDP hands over the next bucket; without it, after the last bucket.
+        steady = b["events"][1]
+        buckets = [i for i, event in enumerate(steady) if event.startswith("bucket")]
+        assert len(buckets) >= 3, steady
+        assert "all_gather" in steady[buckets[0] : buckets[1]], steady
+        held_events = a["events"][1]
+        first_gather = held_events.index("all_gather")
+        assert first_gather > max(i for i, event in enumerate(held_events) if event.startswith("bucket")), held_events
