@@ -28,11 +28,13 @@ send / recv    point to point                             ``alpha + L / B`` (cou
 * ``decode_per_peer(m)``: methods whose payloads are allgathered decode one payload per worker;
   the decode time measured with one worker is charged again for every other worker.
 * Overlap: stateless per-bucket hooks (dense allreduce, the fp16 hooks: nothing held back to the
-  step's end) communicate while the backward pass goes on, except the last bucket's, which is
-  ready only when the backward pass ends: their step is
-  ``forward + max(backward, comm of the other buckets) + comm of the last bucket + overhead`` with
+  step's end) and the hook's ``overlap`` (error feedback over top-k, SBC, EF-signSGD) communicate
+  while the backward pass goes on, except what is issued at the last bucket (its payloads, the
+  module buffers, the step guard's agreement: :attr:`MethodProfile.trailing`), which is ready only
+  when the backward pass ends: their step is
+  ``forward + max(backward, comm of the other buckets) + comm at the last bucket + overhead`` with
   ``backward = backward_share * compute`` (default 2/3). A model in one bucket gains nothing. lgc's
-  stateful compressors, PowerSGD and LGC agree on the whole step at its last bucket
+  other stateful compressors, PowerSGD and LGC agree on the whole step at its last bucket
   (:mod:`lgc.ddp.step_guard`) and do not overlap.
 * Stragglers: a synchronous step waits for the slowest worker. Where the profile holds compute
   samples (:func:`~lgc.bench.profile.profile_method` keeps them), ``compute`` is the expected maximum of ``P`` draws
@@ -140,6 +142,9 @@ class MethodProfile:
     trace: list[CollectiveCall] = field(default_factory=list)
     #: The compute steps measured (for the straggler term); empty when compute is a knob.
     compute_samples_s: list[float] = field(default_factory=list)
+    #: How many of the trace's collectives are issued at the step's last bucket (module buffers, the
+    #: last bucket's payloads, a step guard's agreement): an overlapping hook cannot hide them.
+    trailing: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "trace": [list(call) for call in self.trace]}
@@ -179,8 +184,9 @@ def predict_step(
         compute = profile.compute_s
     overhead = profile.overhead_s + (world - 1) * profile.decode_per_peer_s if codec else 0.0
     if profile.overlaps_backward and profile.trace:
-        before_last = comm_seconds(profile.trace[:-1], world, link, allreduce)
-        last = collective_seconds(profile.trace[-1], world, link, allreduce)
+        trailing = min(max(profile.trailing, 1), len(profile.trace))
+        before_last = comm_seconds(profile.trace[:-trailing], world, link, allreduce)
+        last = comm_seconds(profile.trace[-trailing:], world, link, allreduce)
         backward = backward_share * compute
         return compute - backward + max(backward, before_last) + last + overhead
     return compute + comm_seconds(profile.trace, world, link, allreduce) + overhead

@@ -281,6 +281,7 @@ def validate(
             overlaps_backward=slowest.overlaps_backward,
             trace=slowest.trace,
             compute_samples_s=[t for p in profiles for t in p.compute_samples_s],
+            trailing=slowest.trailing,
         )
         row["predicted_step_s"] = predict_step(typical, workers, link)
         row["predicted_comm_s"] = comm_seconds(typical.trace, workers, link)

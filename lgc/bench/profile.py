@@ -94,7 +94,8 @@ def profile_method(
         compute_s=statistics.median(compute),
         overhead_s=max(0.0, statistics.median(extra)),
         decode_per_peer_s=decode_per_peer,
-        overlaps_backward=getattr(state, "guards_steps", True) is False,
+        overlaps_backward=getattr(state, "guards_steps", True) is False or getattr(state, "overlap", False),
         trace=list(trace),
         compute_samples_s=compute,
+        trailing=len(trace) - trace.last_bucket_from if trace.last_bucket_from is not None else 1,
     )

@@ -183,6 +183,8 @@ def register_comm_hook(model: DistributedDataParallel, state: Any, hook: Callabl
 
     @functools.wraps(hook)
     def buffers_then_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if bucket.is_last():
+            counted.mark_last_bucket()
         if sync.names and bucket.is_last():
             ddp = model_ref()
             assert ddp is not None, "DDP calls its hook only while the model lives"

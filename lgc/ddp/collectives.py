@@ -34,6 +34,7 @@ from lgc.ddp import wire
 
 __all__ = [
     "CollectiveCall",
+    "CollectiveTrace",
     "CommStats",
     "all_gather",
     "all_reduce",
@@ -48,6 +49,7 @@ __all__ = [
     "broadcast",
     "broadcast_bytes",
     "gather",
+    "mark_last_bucket",
     "nbytes",
     "record_collectives",
     "recv",
@@ -144,11 +146,18 @@ class CollectiveCall(NamedTuple):
     root: int | None = None
 
 
-_recorders: list[list[CollectiveCall]] = []
+class CollectiveTrace(list[CollectiveCall]):
+    """The collectives :func:`record_collectives` saw, in order, and where the step's last bucket began."""
+
+    #: Index of the first collective issued at the step's last bucket (:func:`mark_last_bucket`), if any.
+    last_bucket_from: int | None = None
+
+
+_recorders: list[CollectiveTrace] = []
 
 
 @contextmanager
-def record_collectives() -> Iterator[list[CollectiveCall]]:
+def record_collectives() -> Iterator[CollectiveTrace]:
     """Collect every collective booked inside the ``with`` block, in order (for :mod:`lgc.bench.cost_model`).
 
     Recording costs one list append per collective and nothing when no block is open.
@@ -159,12 +168,22 @@ def record_collectives() -> Iterator[list[CollectiveCall]]:
         ...     loss.backward()  # a DDP model with an lgc hook
         >>> [(call.kind, call.nbytes) for call in trace]
     """
-    trace: list[CollectiveCall] = []
+    trace = CollectiveTrace()
     _recorders.append(trace)
     try:
         yield trace
     finally:
         _recorders.remove(trace)
+
+
+def mark_last_bucket() -> None:
+    """Note, in every open recording, that what follows is issued at the step's last bucket.
+
+    Those collectives wait for the end of the backward pass: even a hook that communicates bucket
+    by bucket cannot overlap them with it (:mod:`lgc.bench.cost_model`).
+    """
+    for trace in _recorders:
+        trace.last_bucket_from = len(trace)
 
 
 def _record(kind: str, tensor: Tensor, group: dist.ProcessGroup | None, root: int | None = None) -> None:

@@ -108,6 +108,9 @@ def test_per_bucket_hooks_hide_all_but_the_last_buckets_communication_under_the_
     assert predict_step(five, 2, link) == pytest.approx(1.0 + 4.0 + 1.0)  # forward + 4 s of buckets + last
     guarded = _profile([bucket] * 3, overlaps=False, compute_s=3.0, overhead_s=0.0)
     assert predict_step(guarded, 2, link) == pytest.approx(6.0)
+    # What is issued at the last bucket (its payloads, a step guard's agreement) waits for the end.
+    trailing = _profile([bucket] * 5, overlaps=True, compute_s=3.0, overhead_s=0.0, trailing=2)
+    assert predict_step(trailing, 2, link) == pytest.approx(1.0 + max(2.0, 3.0) + 2.0)
 
 
 def test_stragglers_the_step_waits_for_the_slowest_of_p_workers():
@@ -181,6 +184,12 @@ def test_a_profile_holds_the_methods_steady_collectives_and_its_own_cost(group):
     dense = profiling.profile_method(_net(), "none", _batches(), steps=3)
     assert dense.overlaps_backward and dense.decode_per_peer_s == 0
     assert [call.kind for call in dense.trace] == ["all_reduce"] and dense.trace[0].nbytes == 4 * 4810
+    assert dense.trailing == 1  # the one bucket's allreduce (the model has no module buffers)
+    # Overlap: every bucket's payloads leave as it arrives; the last bucket's and the guard's
+    # agreement (issued at the last bucket) are what cannot hide under the backward pass.
+    ahead = profiling.profile_method(_net(), "topk", _batches(), knobs={"density": 0.01, "overlap": True}, steps=3)
+    assert ahead.overlaps_backward and ahead.trailing == len(ahead.trace)  # one bucket: nothing before it
+    assert sorted(call.kind for call in ahead.trace) == ["all_gather", "all_reduce", "all_reduce"]
     # PowerSGD past its dense iterations: rank-1 factors, far fewer bytes than the model.
     powersgd = profiling.profile_method(_net(), "powersgd", _batches(), steps=2)
     assert sum(call.nbytes for call in powersgd.trace) < 4 * 4810 / 4

@@ -15,6 +15,7 @@ from lgc import ErrorFeedback, FP16Compressor, SBCCompressor, SignSGDCompressor,
 from lgc.compressors import DGCCompressor, QuantizedValues, RandomBlockCompressor
 from lgc.ddp import CompressionHookState
 from lgc.ddp import hook as hook_module
+from lgc.ddp.collectives import record_collectives
 from lgc.methods import build_hook_state
 
 COMPRESSORS = {
@@ -147,14 +148,16 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
         state = CompressionHookState(ErrorFeedback(COMPRESSORS[name]()), min_numel=100, overlap=overlap)
         state.register(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        grads, step_events = [], []
+        grads, step_events, traces = [], [], []
         for step in range(STEPS):
             events.clear()
             x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
             loss = model(x, step not in UNUSED_STEPS).square().mean()
             if step == NAN_STEP and rank == 1:
                 loss = loss * float("nan")
-            loss.backward()
+            with record_collectives() as trace:
+                loss.backward()
+            traces.append((trace.last_bucket_from, len(trace)))
             grads.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
             step_events.append(list(events))
             if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in net.parameters()):
@@ -169,6 +172,7 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
         "state": state.state_dict()["compressor"],
         "skipped": state.stats.skipped_steps,
         "events": step_events,
+        "traces": traces,
     }
 
 
@@ -193,6 +197,10 @@ def test_overlap_changes_when_collectives_start_and_nothing_else(name):
         buckets = [i for i, event in enumerate(steady) if event.startswith("bucket")]
         assert len(buckets) >= 3, steady
         assert "all_gather" in steady[buckets[0] : buckets[1]], steady
+        # The cost model's mark: what is issued at the last bucket (lgc.bench.cost_model).
+        first_at_last, total = b["traces"][1]
+        assert 0 < first_at_last < total
+        assert a["traces"][1][0] == 0  # held: everything waits for the last bucket
         held_events = a["events"][1]
         first_gather = held_events.index("all_gather")
         assert first_gather > max(i for i, event in enumerate(held_events) if event.startswith("bucket")), held_events
