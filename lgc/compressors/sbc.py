@@ -61,7 +61,7 @@ from torch import Tensor
 from lgc.coding.golomb import MAX_GOLOMB_PARAMETER, GolombCode, golomb_decode, golomb_encode
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.selection import extreme_sides
-from lgc.compressors.topk import SparsePayload, num_selected
+from lgc.compressors.topk import SparsePayload, num_selected, scatter_add_sparse_into
 from lgc.validation import Density, check
 
 __all__ = ["MEAN_BYTES", "GolombParameter", "SBCCompressor", "SBCPayload", "SBCSelection", "sbc_select"]
@@ -249,6 +249,17 @@ class SBCCompressor(Compressor):
         indices = torch.cat([p.indices for p in payloads])  # type: ignore[attr-defined]
         values = torch.cat([p.values for p in payloads])  # type: ignore[attr-defined]
         return _zeros(payloads[0].numel, values.device).index_add_(0, indices, values)
+
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        """:meth:`aggregate` written into ``out`` (the tensor's slice of the DDP bucket) without a dense temporary.
+
+        ``out`` is zeroed in place and every payload adds its mean at its positions, in rank
+        order: the sum :meth:`aggregate` gives, without allocating and copying a whole tensor.
+        """
+        for payload in payloads:
+            if not isinstance(payload, SBCPayload):
+                raise TypeError(f"SBCCompressor aggregates SBCPayload, got {type(payload).__name__}")
+        scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SBCPayload:
         return SBCPayload.from_wire(wire, numel)

@@ -111,6 +111,23 @@ class SignSGDCompressor(Compressor):
             total += self._decode(payload, scratch)
         return total
 
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        """:meth:`aggregate` written into ``out``: an fp32 contiguous ``out`` is decoded into directly.
+
+        The same additions in the same order as :meth:`aggregate`; another dtype (a half-precision
+        bucket) gets the fp32 sum cast once.
+        """
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            out.copy_(self.aggregate(payloads))
+            return
+        first, *rest = payloads
+        assert isinstance(first, SignPayload)
+        self._decode(first, out)
+        scratch = torch.empty_like(out) if rest else None
+        for payload in rest:
+            assert isinstance(payload, SignPayload) and scratch is not None
+            out += self._decode(payload, scratch)
+
     @staticmethod
     def _decode(payload: SignPayload, out: Tensor) -> Tensor:
         numel = payload.numel

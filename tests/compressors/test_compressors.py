@@ -12,6 +12,8 @@ from lgc.compressors import (
     FP16Compressor,
     NoneCompressor,
     RandomBlockCompressor,
+    SBCCompressor,
+    SignSGDCompressor,
     SparsePayload,
     TopKCompressor,
 )
@@ -209,6 +211,8 @@ def test_group_maximum_topk_selection_finds_a_contiguous_run_of_large_entries(k)
         FP16Compressor(),
         RandomBlockCompressor(0.05),
         RandomBlockCompressor(0.05, shared=False),
+        SBCCompressor(0.05),
+        SignSGDCompressor(),
     ],
     ids=repr,
 )
