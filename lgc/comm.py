@@ -94,7 +94,8 @@ class EveryStep:
     #: Encode and send each bucket as soon as DDP hands it over, overlapping communication with the
     #: rest of the backward pass, instead of holding every bucket until the step's last one.
     #: Bitwise the same results; costs a second fp32 residual per compressed parameter. For error
-    #: feedback over top-k, SBC or EF-signSGD (:class:`~lgc.ddp.CompressionHookState`).
+    #: feedback over a compressor without state of its own whose payloads are gathered (top-k, SBC,
+    #: EF-signSGD, chunked top-k, DeMo; :class:`~lgc.ddp.CompressionHookState`).
     overlap: bool = False
 
     def to_comm(self) -> Comm:

@@ -427,5 +427,5 @@ def build_hook_state(
         min_numel=comm.min_numel,
         start_iter=comm.start_iter,
         process_group=process_group,
-        overlap=bool(comm.overlap),
+        overlap=comm.overlap,  # type: ignore[arg-type]
     )

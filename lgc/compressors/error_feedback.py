@@ -102,10 +102,12 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
     def compress_pending(self, tensor: Tensor, key: str) -> Payload:
         """:meth:`compress` with the same payload, the new residual held aside until :meth:`commit`.
 
-        The residual stays as it is; ``g + beta * r`` is written into a second buffer per key
-        (allocated once, then the two swap at every commit), so holding a step back costs memory
-        (one more fp32 copy of the compressed parameters), not a pass over it. The arithmetic is
-        :meth:`compress`'s, operation for operation, so payloads and residuals are bitwise equal.
+        The residual stays as it is; ``g + beta * r`` is written into a second buffer per key, so
+        holding a step back costs memory (one more fp32 copy of the compressed parameters), not a
+        pass over it. For sparse payloads (top-k, SBC) that buffer becomes the new residual and the
+        two swap at every commit; a dense payload's residual is a new tensor every step, as in
+        :meth:`compress`. The arithmetic is :meth:`compress`'s, operation for operation, so
+        payloads and residuals are bitwise equal.
         """
         if not self.speculates:
             raise TypeError(f"{self!r} cannot hold a step back: {self.compressor!r} keeps state of its own")
@@ -169,6 +171,13 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         return float(
             torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(r) for r in self.residuals.values()]))
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Second buffers are scratch and a held step belongs to this process: neither travels.
+        return {**self.__dict__, "_pending": {}, "_spares": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"_pending": {}, "_spares": {}, **state})
 
     def state_dict(self) -> dict[str, Any]:
         return {

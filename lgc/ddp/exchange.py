@@ -102,8 +102,9 @@ class PayloadExchange:
     ):
         self.state = state
         self.buffer = buffer
-        #: Encoded ahead of the step's agreement (the hook's overlap): state is held until
-        #: :meth:`~lgc.compressors.ErrorFeedback.commit`, and ``buffer`` is left as it is until :meth:`finish`.
+        #: Encoded ahead of the step's agreement (the hook's overlap): compressed segments only, whose
+        #: payloads are gathered; state is held until :meth:`~lgc.compressors.ErrorFeedback.commit`,
+        #: and ``buffer`` is left as it is until :meth:`finish`.
         self.pending = pending
         world_size = dist.get_world_size(state.process_group)
         compressor = state.compressor
@@ -118,8 +119,12 @@ class PayloadExchange:
         if state.begun_step != step:
             compressor.begin_step(step)
             state.begun_step = step
-        if used is not None and pending:
-            raise ValueError("an exchange encoded ahead of the step's agreement cannot know the used parameters")
+        if pending and (used is not None or compressor.combine is not CombineMode.GATHER):
+            raise ValueError(
+                "an exchange encoded ahead of the agreement gathers payloads of every parameter it is given"
+            )
+        if pending and any(not s.compressed for s in segments):
+            raise ValueError("an exchange encoded ahead of the agreement takes compressed segments only")
         if used is not None:
             # Zero on every rank (unused parameters): the sum is the zero already in the buffer,
             # and the compressor's state for them must not move.
@@ -131,8 +136,6 @@ class PayloadExchange:
             piece = buffer[s.offset : s.offset + s.numel]
             sent = compressor.transform_dense(piece, s.name)
             if sent is not piece:
-                if pending:
-                    raise ValueError(f"{compressor!r} changes dense tensors: it cannot encode ahead of the agreement")
                 piece.copy_(sent)
         encode = compressor.compress_pending if pending else compressor.compress  # type: ignore[attr-defined]
         #: This worker's payload of every compressed segment, in segment order.
@@ -165,14 +168,6 @@ class PayloadExchange:
             self.order.append((s, payload))
             self.groups.setdefault(part.dtype, []).append(part)
         self.flats = {dtype: _joined(parts) for dtype, parts in self.groups.items()}
-        if self.pending:
-            # The buffer must stay as it is until the step is agreed on (a skipped step sends it dense).
-            self.flats = {
-                dtype: flat.clone()
-                if flat.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-                else flat
-                for dtype, flat in self.flats.items()
-            }
         return [_allreduce(self.state, flat) for flat in self.flats.values()]
 
     def _issue_gather(self, world_size: int) -> list[torch.futures.Future]:

@@ -114,8 +114,9 @@ class CompressionHookState(HookState):
             last one (:meth:`encode_ahead`). Results, state and the step guard's policy are bitwise
             the same; what it costs is memory, a second fp32 residual per compressed parameter, and,
             for a parameter unused on every rank, its payload sent for nothing. Needs error feedback
-            over a compressor that keeps no state of its own (top-k, SBC, EF-signSGD,
-            ``ErrorFeedback.speculates``); stateless compressors (``none``, ``fp16``) overlap anyway.
+            over a compressor that keeps no state of its own (``ErrorFeedback.speculates``) and whose
+            payloads are gathered: top-k, SBC, EF-signSGD, chunked top-k, DeMo. Stateless compressors
+            (``none``, ``fp16``) overlap anyway; the option changes nothing for them.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
     does): compressors then see unscaled gradients (see :meth:`unscale`).
@@ -163,10 +164,12 @@ class CompressionHookState(HookState):
             raise TypeError(f"compressor must be an lgc Compressor, got {compressor!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
-        if overlap and not compressor.stateless and not getattr(compressor, "speculates", False):
+        speculates = getattr(compressor, "speculates", False) and compressor.combine is CombineMode.GATHER
+        if overlap and not compressor.stateless and not speculates:
             raise ValueError(
-                f"overlap=True needs a step that can be encoded before the ranks agree on it: error feedback "
-                f"over a compressor that keeps no state of its own (topk, sbc, signsgd); {compressor!r} is not"
+                f"overlap=True needs a step that can be encoded before the ranks agree on it: error feedback over "
+                f"a compressor that keeps no state of its own and whose payloads are gathered (topk, sbc, signsgd, "
+                f"chunked_topk, demo); {compressor!r} is not"
             )
         if compressor.combine is CombineMode.SERVER:
             raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")
@@ -335,16 +338,20 @@ class CompressionHookState(HookState):
     ) -> torch.futures.Future[Tensor]:
         """Encode a bucket as it arrives and start its collectives; settle the step at its last bucket.
 
-        The compressor encodes into held state (:meth:`~lgc.compressors.ErrorFeedback.compress_pending`),
-        every parameter of the bucket, and its collectives start at once, in bucket order on every
-        rank, while the backward pass goes on. ``buffer`` is left as it is. At the step's last bucket
-        the ranks agree (:meth:`agree`, the same reduction as without overlap), then:
+        The compressor encodes every compressed parameter of the bucket into held state
+        (:meth:`~lgc.compressors.ErrorFeedback.compress_pending`) and the allgather of the payloads
+        starts at once, in bucket order on every rank, while the backward pass goes on. ``buffer``
+        is left as it is. At the step's last bucket the ranks agree (:meth:`agree`, the same
+        reduction as without overlap), then (:meth:`settle`):
 
         * a skipped step (inf/NaN on some rank): the held state is dropped and every bucket is
           allreduced dense and unchanged (:meth:`pass_through`), as without overlap; the payloads
           already sent are counted, and not decoded;
-        * otherwise the held state of the used parameters is committed, the others' dropped, and
-          every bucket is decoded, a parameter unused on every rank left at its zero.
+        * otherwise the held state of the used parameters is committed, the others' dropped; the
+          parameters sent dense are allreduced then, the used ones bucket by bucket (the held
+          path's allreduces exactly, so a ring sums them in the same order), and every bucket is
+          decoded, a parameter unused on every rank left at its zero. A payload sent for a
+          parameter unused on every rank, or in a skipped step, is counted in the statistics.
         """
         future: torch.futures.Future[Tensor] = torch.futures.Future()
         self.pending.append(PendingBucket(buffer, segments, future))
@@ -355,8 +362,9 @@ class CompressionHookState(HookState):
         # issues the same collectives.
         finite = bool(torch.isfinite(extremes).all())
         source = buffer if finite else torch.zeros_like(buffer)
+        compressed = tuple(s for s in segments if s.compressed)
         try:
-            self.ahead.append(PayloadExchange(self, source, segments, self.iteration, pending=True))
+            self.ahead.append(PayloadExchange(self, source, compressed, self.iteration, pending=True))
         except BaseException:
             self.pending, self.ahead, self.ahead_extremes = [], [], []
             self.compressor.commit(frozenset())  # type: ignore[attr-defined]
@@ -370,16 +378,29 @@ class CompressionHookState(HookState):
 
     def settle(self, pending: list[PendingBucket], exchanges: list[PayloadExchange], extremes: list[Tensor]) -> None:
         """The end of a step encoded ahead (:meth:`encode_ahead`): agree, then commit and decode, or pass it through."""
-        verdict = self.agree(pending, extremes)
-        torch.futures.wait_all([future for exchange in exchanges for future in exchange.futures])
+        try:
+            verdict = self.agree(pending, extremes)
+            torch.futures.wait_all([future for exchange in exchanges for future in exchange.futures])
+        except BaseException:
+            self.compressor.commit(frozenset())  # type: ignore[attr-defined]
+            raise
         if verdict.skip:
             self.compressor.commit(frozenset())  # type: ignore[attr-defined]
             self.pass_through(pending)
         else:
             self.compressor.commit(verdict.used)  # type: ignore[attr-defined]
-            for exchange, bucket in zip(exchanges, pending, strict=True):
+            step = self.iteration
+            dense = [
+                PayloadExchange(
+                    self, b.buffer, tuple(s for s in b.segments if not s.compressed), step, used=verdict.used
+                )
+                for b in pending
+            ]
+            for sent_dense, exchange, bucket in zip(dense, exchanges, pending, strict=True):
+                torch.futures.wait_all(sent_dense.futures)
+                sent_dense.finish()
                 bucket.future.set_result(exchange.finish(verdict.used))
-            self.iteration += 1
+            self.iteration = step + 1
         self.scale_back(pending)
 
     def agree(self, pending: list[PendingBucket], extremes: list[Tensor] | None = None) -> StepVerdict:

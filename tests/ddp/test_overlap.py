@@ -94,6 +94,12 @@ def test_overlap_is_refused_where_it_cannot_apply(node, comm, match):
         build_hook_state(node, comm, error_feedback=node["_target_"].endswith("TopKCompressor"))
 
 
+def test_overlap_is_refused_for_summed_payloads():
+    # A ring allreduce's sum depends on what else is in the flat: unused parameters would change it.
+    with pytest.raises(ValueError, match="whose payloads are gathered"):
+        CompressionHookState(ErrorFeedback(FP16Compressor()), overlap=True)
+
+
 def test_the_stateless_and_the_speculating_accept_overlap():
     assert CompressionHookState(ErrorFeedback(TopKCompressor(0.1)), overlap=True).overlap
     assert CompressionHookState(FP16Compressor(), overlap=True).overlap
@@ -104,9 +110,14 @@ def test_the_stateless_and_the_speculating_accept_overlap():
 
 # -- in DDP ------------------------------------------------------------------------------------------
 
-STEPS = 7
-NAN_STEP = 3  # rank 1 gets a NaN: the step is skipped on every rank
+# Three workers: a ring allreduce then sums in an order that depends on the tensor's layout, so
+# the dense parameters must travel in the same flat as without overlap (two workers cannot tell).
+WORLD = 3
+STEPS = 8
+NAN_PARAM_STEP = 3  # rank 1's first layer (DDP's last bucket) gets a NaN; the earlier buckets are finite
+NAN_LOSS_STEP = 6  # rank 2's whole gradient is NaN
 UNUSED_STEPS = (2, 5)  # the aux branch is unused on every rank
+ONE_RANK_UNUSED_STEP = 4  # the aux branch is unused on rank 0 only
 
 
 class _Net(nn.Module):
@@ -120,6 +131,11 @@ class _Net(nn.Module):
     def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
         hidden = self.body(x)
         return self.head(hidden) + self.aux(hidden) if use_aux else self.head(hidden)
+
+
+def _error_feedback(name: str) -> ErrorFeedback:
+    base, _, decay = name.partition(":decay=")
+    return ErrorFeedback(COMPRESSORS[base](), float(decay or 1.0))
 
 
 def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
@@ -145,18 +161,25 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
     try:
         net = _Net()
         model = DDP(net, bucket_cap_mb=0.01, find_unused_parameters=True)
-        state = CompressionHookState(ErrorFeedback(COMPRESSORS[name]()), min_numel=100, overlap=overlap)
+        state = CompressionHookState(_error_feedback(name), min_numel=100, overlap=overlap)
         state.register(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         grads, step_events, traces = [], [], []
         for step in range(STEPS):
             events.clear()
             x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
-            loss = model(x, step not in UNUSED_STEPS).square().mean()
-            if step == NAN_STEP and rank == 1:
+            use_aux = step not in UNUSED_STEPS and not (step == ONE_RANK_UNUSED_STEP and rank == 0)
+            loss = model(x, use_aux).square().mean()
+            if step == NAN_LOSS_STEP and rank == 2:
                 loss = loss * float("nan")
+            poison = None
+            if step == NAN_PARAM_STEP and rank == 1:
+                poison = net.body[0].weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), torch.nan))
             with record_collectives() as trace:
                 loss.backward()
+            if poison is not None:
+                poison.remove()
+            assert state.compressor._pending == {}, f"step {step}: held state left after the step"
             traces.append((trace.last_bucket_from, len(trace)))
             grads.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
             step_events.append(list(events))
@@ -171,19 +194,22 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
         "params": [p.detach().clone() for p in net.parameters()],
         "state": state.state_dict()["compressor"],
         "skipped": state.stats.skipped_steps,
+        "nonfinite": [any(g is not None and not bool(torch.isfinite(g).all()) for g in step) for step in grads],
         "events": step_events,
         "traces": traces,
     }
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["topk", "sbc", "signsgd"])
+@pytest.mark.parametrize("name", ["topk", "sbc", "signsgd", "quantized_topk", "topk_fp16_values:decay=0.95"])
 def test_overlap_changes_when_collectives_start_and_nothing_else(name):
-    held = run_workers(_train, 2, name, False)
-    ahead = run_workers(_train, 2, name, True)
-    for rank in range(2):
+    held = run_workers(_train, WORLD, name, False)
+    ahead = run_workers(_train, WORLD, name, True)
+    for rank in range(WORLD):
         a, b = held[rank], ahead[rank]
-        assert a["skipped"] == b["skipped"] == 1
+        assert a["skipped"] == b["skipped"] == 2
+        expected = [step in (NAN_PARAM_STEP, NAN_LOSS_STEP) for step in range(STEPS)]
+        assert a["nonfinite"] == b["nonfinite"] == expected
         for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"], strict=True)):
             for i, (x, y) in enumerate(zip(ga, gb, strict=True)):
                 assert torch.equal(x.nan_to_num(), y.nan_to_num()), (rank, step, i)
