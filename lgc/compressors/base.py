@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_MIN_NUMEL",
     "CombineMode",
     "Compressor",
+    "DecodesInto",
     "ForwardsHookCalls",
     "Payload",
     "compressor_chain",
@@ -279,6 +280,41 @@ class Compressor(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class DecodesInto:
+    """Mixin for dense payloads that ``self._decode(payload, out)`` writes into an fp32 tensor of ``numel`` entries.
+
+    EF-signSGD, QSGD and TernGrad put it before :class:`Compressor` in their bases. The workers'
+    sum is decoded payload by payload in rank order, the first straight into the result and each
+    other one through a scratch tensor; :meth:`aggregate_into` decodes into the bucket slice
+    itself when it is fp32 (no dense temporary, no copy), otherwise casts the fp32 sum once.
+    """
+
+    def _decode(self, payload: Any, out: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload) -> Tensor:
+        device = payload.tensors()[0].device
+        return self._decode(payload, torch.empty(payload.numel, dtype=torch.float32, device=device))
+
+    def aggregate(self, payloads: list[Payload]) -> Tensor:
+        total = self.decompress(payloads[0])
+        self._add_decoded(payloads[1:], total)
+        return total
+
+    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            out.copy_(self.aggregate(payloads))
+            return
+        self._decode(payloads[0], out)
+        self._add_decoded(payloads[1:], out)
+
+    def _add_decoded(self, payloads: list[Payload], total: Tensor) -> None:
+        scratch = torch.empty_like(total) if payloads else None
+        for payload in payloads:
+            assert scratch is not None
+            total += self._decode(payload, scratch)
 
 
 class ForwardsHookCalls:

@@ -61,7 +61,7 @@ from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes, unpack_uint
-from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.base import CombineMode, Compressor, DecodesInto, Payload, view_bytes_as
 from lgc.validation import PositiveInt, Seed, check
 
 __all__ = ["MAX_LEVELS", "Buckets", "Levels", "QSGDCompressor", "QuantizedPayload", "StochasticQuantizer", "code_bits"]
@@ -144,7 +144,7 @@ class Buckets:
         return torch.cat(parts) if parts else flat.new_zeros(0)
 
 
-class StochasticQuantizer(Compressor):
+class StochasticQuantizer(DecodesInto, Compressor):
     """Unbiased stochastic rounding of ``s * v / scale`` to the integers ``-s .. s``, per bucket.
 
     The shared machinery of :class:`QSGDCompressor` (``scale = ||v||_2``) and
@@ -229,18 +229,6 @@ class StochasticQuantizer(Compressor):
         else:
             codes = self._scratch(numel, torch.int32, flat.device).copy_(work).clamp_(0, 2 * s)
         return QuantizedPayload(numel=numel, scales=scales, codes=pack_uint(codes, self.code_bits))
-
-    def decompress(self, payload: Payload) -> Tensor:
-        assert isinstance(payload, QuantizedPayload)
-        return self._decode(payload, torch.empty(payload.numel, dtype=torch.float32, device=payload.codes.device))
-
-    def aggregate(self, payloads: list[Payload]) -> Tensor:
-        total = self.decompress(payloads[0])
-        scratch = torch.empty_like(total) if len(payloads) > 1 else None
-        for payload in payloads[1:]:
-            assert isinstance(payload, QuantizedPayload) and scratch is not None
-            total += self._decode(payload, scratch)
-        return total
 
     def _decode(self, payload: QuantizedPayload, out: Tensor) -> Tensor:
         """Decode into ``out`` (fp32, ``numel`` entries): ``(code - s) * scale / s`` per bucket."""

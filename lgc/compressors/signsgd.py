@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from lgc.coding.bitpack import pack_bits, packed_nbytes, unpack_bits
-from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.base import CombineMode, Compressor, DecodesInto, Payload, view_bytes_as
 
 __all__ = ["SignPayload", "SignSGDCompressor"]
 
@@ -62,7 +62,7 @@ class SignPayload(Payload):
     signs: Tensor
 
 
-class SignSGDCompressor(Compressor):
+class SignSGDCompressor(DecodesInto, Compressor):
     """EF-SGD's scaled sign: ``(||v||_1 / d) * sign(v)`` per tensor, 1 bit per entry.
 
     Use it with error feedback (the yaml default, ``error_feedback: true``): the scaled sign is
@@ -97,36 +97,6 @@ class SignSGDCompressor(Compressor):
         else:
             scale = flat.new_zeros(1)
         return SignPayload(numel=numel, scale=scale, signs=pack_bits(flat < 0))
-
-    def decompress(self, payload: Payload) -> Tensor:
-        assert isinstance(payload, SignPayload)
-        out = torch.empty(payload.numel, dtype=torch.float32, device=payload.signs.device)
-        return self._decode(payload, out)
-
-    def aggregate(self, payloads: list[Payload]) -> Tensor:
-        total = self.decompress(payloads[0])
-        scratch = torch.empty_like(total) if len(payloads) > 1 else None
-        for payload in payloads[1:]:
-            assert isinstance(payload, SignPayload) and scratch is not None
-            total += self._decode(payload, scratch)
-        return total
-
-    def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
-        """:meth:`aggregate` written into ``out``: an fp32 contiguous ``out`` is decoded into directly.
-
-        The same additions in the same order as :meth:`aggregate`; another dtype (a half-precision
-        bucket) gets the fp32 sum cast once.
-        """
-        if out.dtype != torch.float32 or not out.is_contiguous():
-            out.copy_(self.aggregate(payloads))
-            return
-        first, *rest = payloads
-        assert isinstance(first, SignPayload)
-        self._decode(first, out)
-        scratch = torch.empty_like(out) if rest else None
-        for payload in rest:
-            assert isinstance(payload, SignPayload) and scratch is not None
-            out += self._decode(payload, scratch)
 
     @staticmethod
     def _decode(payload: SignPayload, out: Tensor) -> Tensor:

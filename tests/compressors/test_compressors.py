@@ -11,10 +11,12 @@ from lgc.compressors import (
     ErrorFeedback,
     FP16Compressor,
     NoneCompressor,
+    QSGDCompressor,
     RandomBlockCompressor,
     SBCCompressor,
     SignSGDCompressor,
     SparsePayload,
+    TernGradCompressor,
     TopKCompressor,
 )
 from lgc.compressors.topk import num_selected
@@ -213,6 +215,8 @@ def test_group_maximum_topk_selection_finds_a_contiguous_run_of_large_entries(k)
         RandomBlockCompressor(0.05, shared=False),
         SBCCompressor(0.05),
         SignSGDCompressor(),
+        QSGDCompressor(levels=4, bucket_size=512),
+        TernGradCompressor(),
     ],
     ids=repr,
 )
