@@ -223,10 +223,9 @@ def golomb_encode(indices: Tensor, numel: int, b: int | None = None) -> GolombCo
     # the first count * b slots and a zero at each unary terminator.
     stream = torch.ones(num_bits, dtype=torch.bool, device=device)
     if b:
+        # Every remainder's b bits at once, most significant first: a (count, b) matrix of bits.
         remainders = (offsets & ((1 << b) - 1)).to(torch.int32 if b < 32 else torch.int64)
-        remainder_matrix = stream[:remainder_bits].view(count, b)
-        for j in range(b):  # one vectorized pass per bit of the remainder, not per position
-            remainder_matrix[:, j] = (remainders >> (b - 1 - j)) & 1
+        stream[:remainder_bits].view(count, b).copy_((remainders.unsqueeze(1) >> _bit_shifts(b, device)) & 1)
     terminators = remainder_bits + torch.cumsum(quotients + 1, dim=0) - 1
     stream[terminators] = False
 
@@ -258,12 +257,15 @@ def golomb_decode(code: GolombCode) -> Tensor:
 
     offsets = quotients << b
     if b:
-        remainder_matrix = stream[:remainder_bits].view(count, b)
-        remainders = torch.zeros(count, dtype=torch.int32 if b < 32 else torch.int64, device=device)
-        for j in range(b):
-            remainders |= remainder_matrix[:, j].to(remainders.dtype) << (b - 1 - j)
-        offsets |= remainders
+        # The bits are 0 or 1, so the sum of the shifted bits is their OR: one reduction per stream.
+        remainder_matrix = stream[:remainder_bits].view(count, b).to(torch.int64)
+        offsets |= (remainder_matrix << _bit_shifts(b, device)).sum(dim=1)
     return torch.cumsum(offsets + 1, dim=0) - 1
+
+
+def _bit_shifts(b: int, device: torch.device) -> Tensor:
+    """``[b - 1, ..., 1, 0]``: the shift of each of a remainder's ``b`` bits, most significant first."""
+    return torch.arange(b - 1, -1, -1, dtype=torch.int64, device=device)
 
 
 def _sort(positions: Tensor) -> Tensor:
