@@ -224,8 +224,9 @@ def golomb_encode(indices: Tensor, numel: int, b: int | None = None) -> GolombCo
     stream = torch.ones(num_bits, dtype=torch.bool, device=device)
     if b:
         # Every remainder's b bits at once, most significant first: a (count, b) matrix of bits.
-        remainders = (offsets & ((1 << b) - 1)).to(torch.int32 if b < 32 else torch.int64)
-        stream[:remainder_bits].view(count, b).copy_((remainders.unsqueeze(1) >> _bit_shifts(b, device)) & 1)
+        dtype = torch.int32 if b < 32 else torch.int64  # the (count, b) temporary in the narrowest that holds r
+        remainders = (offsets & ((1 << b) - 1)).to(dtype)
+        stream[:remainder_bits].view(count, b).copy_((remainders.unsqueeze(1) >> _bit_shifts(b, dtype, device)) & 1)
     terminators = remainder_bits + torch.cumsum(quotients + 1, dim=0) - 1
     stream[terminators] = False
 
@@ -258,14 +259,15 @@ def golomb_decode(code: GolombCode) -> Tensor:
     offsets = quotients << b
     if b:
         # The bits are 0 or 1, so the sum of the shifted bits is their OR: one reduction per stream.
-        remainder_matrix = stream[:remainder_bits].view(count, b).to(torch.int64)
-        offsets |= (remainder_matrix << _bit_shifts(b, device)).sum(dim=1)
+        dtype = torch.int32 if b < 32 else torch.int64
+        remainder_matrix = stream[:remainder_bits].view(count, b).to(dtype)
+        offsets |= (remainder_matrix << _bit_shifts(b, dtype, device)).sum(dim=1, dtype=torch.int64)
     return torch.cumsum(offsets + 1, dim=0) - 1
 
 
-def _bit_shifts(b: int, device: torch.device) -> Tensor:
+def _bit_shifts(b: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``[b - 1, ..., 1, 0]``: the shift of each of a remainder's ``b`` bits, most significant first."""
-    return torch.arange(b - 1, -1, -1, dtype=torch.int64, device=device)
+    return torch.arange(b - 1, -1, -1, dtype=dtype, device=device)
 
 
 def _sort(positions: Tensor) -> Tensor:

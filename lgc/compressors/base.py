@@ -285,10 +285,11 @@ class Compressor(abc.ABC):
 class DecodesInto:
     """Mixin for dense payloads that ``self._decode(payload, out)`` writes into an fp32 tensor of ``numel`` entries.
 
-    EF-signSGD, QSGD and TernGrad put it before :class:`Compressor` in their bases. The workers'
-    sum is decoded payload by payload in rank order, the first straight into the result and each
-    other one through a scratch tensor; :meth:`aggregate_into` decodes into the bucket slice
-    itself when it is fp32 (no dense temporary, no copy), otherwise casts the fp32 sum once.
+    EF-signSGD and the stochastic quantizers (QSGD, TernGrad) put it before :class:`Compressor` in
+    their bases. The workers' sum is decoded payload by payload in rank order, the first straight
+    into the result and each other one through a scratch tensor; :meth:`aggregate_into` decodes
+    into the bucket slice itself when it is fp32 (no dense temporary, no copy), otherwise casts the
+    fp32 sum once.
     """
 
     def _decode(self, payload: Any, out: Tensor) -> Tensor:

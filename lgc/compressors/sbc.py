@@ -240,15 +240,20 @@ class SBCCompressor(Compressor):
         return dense.index_fill_(0, payload.indices, payload.mean[0])  # positions are distinct
 
     def aggregate(self, payloads: list[Payload]) -> Tensor:
-        """Sum of all workers' decoded payloads in one scatter-add (their positions may overlap)."""
+        """Sum of all workers' decoded payloads (positions may overlap), one payload at a time in rank order.
+
+        Not one scatter over all of them: on a GPU that adds a position's values in an unspecified
+        order, and every rank must decode the same bits.
+        """
         if len(payloads) == 1:
             return self.decompress(payloads[0])
         for payload in payloads:
             if not isinstance(payload, SBCPayload):
                 raise TypeError(f"SBCCompressor aggregates SBCPayload, got {type(payload).__name__}")
-        indices = torch.cat([p.indices for p in payloads])  # type: ignore[attr-defined]
-        values = torch.cat([p.values for p in payloads])  # type: ignore[attr-defined]
-        return _zeros(payloads[0].numel, values.device).index_add_(0, indices, values)
+        total = _zeros(payloads[0].numel, payloads[0].mean.device)  # type: ignore[attr-defined]
+        for payload in payloads:
+            payload.add_to(total)  # type: ignore[attr-defined]
+        return total
 
     def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
         """:meth:`aggregate` written into ``out`` (the tensor's slice of the DDP bucket) without a dense temporary.

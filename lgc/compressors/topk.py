@@ -95,11 +95,17 @@ class SparsePayload(Payload):
 
 
 def scatter_add_sparse(payloads: list[SparsePayload]) -> Tensor:
-    """Sum of several sparse payloads of the same length, in one scatter-add."""
-    numel = payloads[0].numel
-    values = torch.cat([p.values.float() for p in payloads])
-    indices = torch.cat([p.indices.long() for p in payloads])
-    return values.new_zeros(numel).index_add_(0, indices, values)
+    """Sum of several sparse payloads of the same length in fp32, each payload added in turn, in the order given.
+
+    One payload at a time rather than one scatter over all of them: on a GPU ``index_add_`` adds
+    the values that meet at a position in an unspecified order (atomics), and every rank must
+    decode the same bits. On the CPU both give the same bits.
+    """
+    first = payloads[0]
+    total = torch.zeros(first.numel, dtype=torch.float32, device=first.values.device)
+    for payload in payloads:
+        payload.add_to(total)
+    return total
 
 
 def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:

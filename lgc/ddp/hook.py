@@ -115,8 +115,9 @@ class CompressionHookState(HookState):
             the same; what it costs is memory, a second fp32 residual per compressed parameter, and,
             for a parameter unused on every rank, its payload sent for nothing. Needs error feedback
             over a compressor that keeps no state of its own (``ErrorFeedback.speculates``) and whose
-            payloads are gathered: top-k, SBC, EF-signSGD, chunked top-k, DeMo. Stateless compressors
-            (``none``, ``fp16``) overlap anyway; the option changes nothing for them.
+            payloads are gathered (top-k, SBC, EF-signSGD, chunked top-k, DeMo, their quantized
+            values, ...). Stateless compressors (``none``, ``fp16``) overlap anyway; the option
+            changes nothing for them.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
     does): compressors then see unscaled gradients (see :meth:`unscale`).
@@ -168,8 +169,8 @@ class CompressionHookState(HookState):
         if overlap and not compressor.stateless and not speculates:
             raise ValueError(
                 f"overlap=True needs a step that can be encoded before the ranks agree on it: error feedback over "
-                f"a compressor that keeps no state of its own and whose payloads are gathered (topk, sbc, signsgd, "
-                f"chunked_topk, demo); {compressor!r} is not"
+                f"a compressor that keeps no state of its own and whose payloads are gathered (e.g. topk, sbc, "
+                f"signsgd, chunked_topk, demo); {compressor!r} is not"
             )
         if compressor.combine is CombineMode.SERVER:
             raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")
@@ -378,29 +379,31 @@ class CompressionHookState(HookState):
 
     def settle(self, pending: list[PendingBucket], exchanges: list[PayloadExchange], extremes: list[Tensor]) -> None:
         """The end of a step encoded ahead (:meth:`encode_ahead`): agree, then commit and decode, or pass it through."""
+        # Whatever raises before the commit drops the held step (decoding reads no held state, so
+        # the commit comes last).
         try:
             verdict = self.agree(pending, extremes)
             torch.futures.wait_all([future for exchange in exchanges for future in exchange.futures])
+            if verdict.skip:
+                self.compressor.commit(frozenset())  # type: ignore[attr-defined]
+                self.pass_through(pending)
+            else:
+                step = self.iteration
+                dense = [
+                    PayloadExchange(
+                        self, b.buffer, tuple(s for s in b.segments if not s.compressed), step, used=verdict.used
+                    )
+                    for b in pending
+                ]
+                for sent_dense, exchange, bucket in zip(dense, exchanges, pending, strict=True):
+                    torch.futures.wait_all(sent_dense.futures)
+                    sent_dense.finish()
+                    bucket.future.set_result(exchange.finish(verdict.used))
+                self.compressor.commit(verdict.used)  # type: ignore[attr-defined]
+                self.iteration = step + 1
         except BaseException:
             self.compressor.commit(frozenset())  # type: ignore[attr-defined]
             raise
-        if verdict.skip:
-            self.compressor.commit(frozenset())  # type: ignore[attr-defined]
-            self.pass_through(pending)
-        else:
-            self.compressor.commit(verdict.used)  # type: ignore[attr-defined]
-            step = self.iteration
-            dense = [
-                PayloadExchange(
-                    self, b.buffer, tuple(s for s in b.segments if not s.compressed), step, used=verdict.used
-                )
-                for b in pending
-            ]
-            for sent_dense, exchange, bucket in zip(dense, exchanges, pending, strict=True):
-                torch.futures.wait_all(sent_dense.futures)
-                sent_dense.finish()
-                bucket.future.set_result(exchange.finish(verdict.used))
-            self.iteration = step + 1
         self.scale_back(pending)
 
     def agree(self, pending: list[PendingBucket], extremes: list[Tensor] | None = None) -> StepVerdict:
