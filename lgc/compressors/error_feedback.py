@@ -65,19 +65,22 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         self._spares: dict[str, Tensor] = {}
 
     def compress(self, tensor: Tensor, key: str) -> Payload:
+        # In place: the residual buffer becomes g + beta * r, then what is not sent stays in it.
+        payload, self.residuals[key] = self._encode(self._corrected(tensor, key, into=None), key)
+        return payload
+
+    def _corrected(self, tensor: Tensor, key: str, into: Tensor | None) -> Tensor:
+        """``g + beta * r`` in fp32, written into ``into`` (``None``: into the residual itself)."""
         residual = self.residuals.get(key)
         if residual is None:
             # fp32 whatever the gradient's dtype: a half-precision residual would round away the
             # small entries it exists to accumulate.
-            corrected = tensor.to(torch.float32, copy=True)
-        else:
-            # In place: the residual buffer becomes g + beta * r, then what is not sent stays in it.
-            corrected = residual.to(tensor.device)
-            if self.decay != 1.0:
-                corrected.mul_(self.decay)
-            corrected.add_(tensor)
-        payload, self.residuals[key] = self._encode(corrected, key)
-        return payload
+            return tensor.to(torch.float32, copy=True)
+        residual = residual.to(tensor.device)
+        out = residual if into is None else into
+        if self.decay != 1.0:
+            return torch.mul(residual, self.decay, out=out).add_(tensor)
+        return torch.add(residual, tensor, out=out)
 
     def _encode(self, corrected: Tensor, key: str) -> tuple[Payload, Tensor]:
         """The payload of ``corrected`` (``g + beta * r``) and the new residual (in place where it can)."""
@@ -112,18 +115,10 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         if not self.speculates:
             raise TypeError(f"{self!r} cannot hold a step back: {self.compressor!r} keeps state of its own")
         residual = self.residuals.get(key)
-        if residual is None:
-            corrected = tensor.to(torch.float32, copy=True)
-        else:
-            residual = residual.to(tensor.device)
-            spare = self._spares.pop(key, None)
-            if spare is None or spare.shape != residual.shape or spare.device != residual.device:
-                spare = torch.empty_like(residual)
-            if self.decay != 1.0:
-                corrected = torch.mul(residual, self.decay, out=spare).add_(tensor)
-            else:
-                corrected = torch.add(residual, tensor, out=spare)
-        payload, self._pending[key] = self._encode(corrected, key)
+        spare = self._spares.pop(key, None)
+        if residual is not None and (spare is None or spare.shape != residual.shape or spare.device != tensor.device):
+            spare = torch.empty_like(residual, device=tensor.device)
+        payload, self._pending[key] = self._encode(self._corrected(tensor, key, into=spare), key)
         return payload
 
     def commit(self, keys: frozenset[str] | set[str]) -> None:

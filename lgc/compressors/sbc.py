@@ -161,6 +161,12 @@ def sbc_select(tensor: Tensor, k: int) -> SBCSelection:
     return SBCSelection(sent.positions(), mean, mean_positive, mean_negative)
 
 
+def _check_payloads(payloads: list[Payload]) -> None:
+    for payload in payloads:
+        if not isinstance(payload, SBCPayload):
+            raise TypeError(f"SBCCompressor aggregates SBCPayload, got {type(payload).__name__}")
+
+
 def _zeros(numel: int, device: torch.device) -> Tensor:
     """A dense fp32 zero tensor to scatter a few entries into.
 
@@ -247,9 +253,7 @@ class SBCCompressor(Compressor):
         """
         if len(payloads) == 1:
             return self.decompress(payloads[0])
-        for payload in payloads:
-            if not isinstance(payload, SBCPayload):
-                raise TypeError(f"SBCCompressor aggregates SBCPayload, got {type(payload).__name__}")
+        _check_payloads(payloads)
         total = _zeros(payloads[0].numel, payloads[0].mean.device)  # type: ignore[attr-defined]
         for payload in payloads:
             payload.add_to(total)  # type: ignore[attr-defined]
@@ -261,9 +265,7 @@ class SBCCompressor(Compressor):
         ``out`` is zeroed in place and every payload adds its mean at its positions, in rank
         order: the sum :meth:`aggregate` gives, without allocating and copying a whole tensor.
         """
-        for payload in payloads:
-            if not isinstance(payload, SBCPayload):
-                raise TypeError(f"SBCCompressor aggregates SBCPayload, got {type(payload).__name__}")
+        _check_payloads(payloads)
         scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SBCPayload:

@@ -185,11 +185,11 @@ def register_comm_hook(model: DistributedDataParallel, state: Any, hook: Callabl
     def buffers_then_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if bucket.is_last():
             counted.mark_last_bucket()
-        if sync.names and bucket.is_last():
-            ddp = model_ref()
-            assert ddp is not None, "DDP calls its hook only while the model lives"
-            with torch.no_grad():
-                broadcast_buffers(state.stats, sync.buffers(ddp.module), state.process_group)
+            if sync.names:
+                ddp = model_ref()
+                assert ddp is not None, "DDP calls its hook only while the model lives"
+                with torch.no_grad():
+                    broadcast_buffers(state.stats, sync.buffers(ddp.module), state.process_group)
         return hook(state, bucket)
 
     model.register_comm_hook(state, buffers_then_hook)

@@ -102,10 +102,6 @@ class PayloadExchange:
     ):
         self.state = state
         self.buffer = buffer
-        #: Encoded ahead of the step's agreement (the hook's overlap): compressed segments only, whose
-        #: payloads are gathered; state is held until :meth:`~lgc.compressors.ErrorFeedback.commit`,
-        #: and ``buffer`` is left as it is until :meth:`finish`.
-        self.pending = pending
         world_size = dist.get_world_size(state.process_group)
         compressor = state.compressor
         compressor.set_rank(dist.get_rank(state.process_group))
@@ -119,6 +115,9 @@ class PayloadExchange:
         if state.begun_step != step:
             compressor.begin_step(step)
             state.begun_step = step
+        # ``pending``: encoded ahead of the step's agreement (the hook's overlap), compressed segments
+        # only, whose payloads are gathered; state is held until ErrorFeedback.commit, and ``buffer``
+        # is left as it is until finish().
         if pending and (used is not None or compressor.combine is not CombineMode.GATHER):
             raise ValueError(
                 "an exchange encoded ahead of the agreement gathers payloads of every parameter it is given"
@@ -200,9 +199,9 @@ class PayloadExchange:
     def finish(self, used: frozenset[str] | None = None) -> Tensor:
         """Decode the finished collectives into ``buffer`` and return it.
 
-        ``used``: for an exchange encoded ahead of the agreement, the parameters some rank has a
-        gradient for; the others are left as they are in ``buffer`` (zero on every rank), as if
-        they had not been sent.
+        ``used``: for an exchange encoded ahead of the agreement (gathered payloads of compressed
+        segments only), the parameters some rank has a gradient for; the others are left as they
+        are in ``buffer`` (zero on every rank), as if they had not been sent.
         """
         started = time.perf_counter()
         try:
@@ -223,9 +222,6 @@ class PayloadExchange:
                 else:
                     (values,) = payload.tensors()
                     summed = next(pieces[values.dtype]).view_as(values)
-                if used is not None and s.name not in used:
-                    continue
-                if payload is not None:
                     decoded = compressor.decompress(compressor.payload_from_sum(summed, payload)).reshape(-1)
                 if decoded.data_ptr() != target.data_ptr():
                     target.copy_(decoded)
@@ -233,8 +229,6 @@ class PayloadExchange:
             return buffer
         if self.dense_flat is not None:
             for s, piece in zip(self.dense, self.dense_flat.split([s.numel for s in self.dense]), strict=True):
-                if used is not None and s.name not in used:
-                    continue
                 target = buffer[s.offset : s.offset + s.numel]
                 target.copy_(piece)
                 compressor.finish_aggregate(target, s.name)
