@@ -30,6 +30,11 @@ The code, step by step:
    length ``num_bits`` is not sent: it equals ``count * (b + 1)`` plus the number of one bits in the
    unary run, which the receiver counts. ``numel`` is not sent either: every worker knows the
    model's layout.
+
+CPU tensors are coded with numpy, other devices with torch: the same operations and the same
+bits (tested against each other), numpy's because its per-call cost is a fraction of torch's (SBC
+codes every tensor, most with a handful of positions: 3-4x faster per small tensor, 1.5-2x for
+ResNet-50's largest at density 0.001).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ _PHI = (1.0 + math.sqrt(5.0)) / 2.0
 _MAX_COUNT = (1 << 32) - 1
 # Number of one bits in each byte value, for counting the unary run without unpacking it.
 _POPCOUNT = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int64)
+_POPCOUNT_NUMPY = _POPCOUNT.numpy()
 
 
 def optimal_golomb_parameter(p: float) -> int:
@@ -139,6 +145,8 @@ class GolombCode:
     def to_wire(self) -> Tensor:
         """Header and stream as one ``uint8`` buffer of :attr:`nbytes` bytes, ready to allgather."""
         header = [(self.count >> (8 * i)) & 0xFF for i in range(4)] + [self.b]
+        if self.bits.device.type == "cpu":
+            return torch.from_numpy(np.concatenate([np.array(header, dtype=np.uint8), self.bits.reshape(-1).numpy()]))
         header_tensor = torch.tensor(header, dtype=torch.uint8, device=self.bits.device)
         return torch.cat([header_tensor, self.bits.reshape(-1)])
 
@@ -201,17 +209,23 @@ def golomb_encode(indices: Tensor, numel: int, b: int | None = None) -> GolombCo
     _check_parameter(b)
     if count == 0:
         return GolombCode(bits=torch.empty(0, dtype=torch.uint8, device=device), num_bits=0, count=0, b=b)
+    # numpy on the CPU: the same operations at a fraction of torch's per-call cost (SBC codes every
+    # tensor, most of them with a handful of positions); torch elsewhere, so nothing leaves the GPU.
+    encode = _encode_numpy if device.type == "cpu" else _encode_torch
+    bits, num_bits = encode(positions, numel, b)
+    return GolombCode(bits=bits, num_bits=num_bits, count=count, b=b)
 
+
+def _encode_torch(positions: Tensor, numel: int, b: int) -> tuple[Tensor, int]:
+    """Steps 1-4 of the module docstring for ``count >= 1`` int64 positions: the packed stream and its bit length."""
+    count, device = positions.numel(), positions.device
     # Step 1: gaps d >= 1 (first gap = first position + 1); sort only when the input is not sorted.
     gaps = torch.diff(positions, prepend=positions.new_full((1,), -1))
     if count > 1 and bool((gaps[1:] < 0).any()):
         positions = _sort(positions)
         gaps = torch.diff(positions, prepend=positions.new_full((1,), -1))
     first, last, smallest_gap = torch.stack([positions[0], positions[-1], gaps.min()]).tolist()
-    if first < 0 or last >= numel:
-        raise ValueError(f"positions must lie in [0, {numel}), got range [{first}, {last}]")
-    if smallest_gap < 1:
-        raise ValueError("positions must be distinct")
+    _check_range(first, last, smallest_gap, numel)
 
     # Step 2: d - 1 = q * 2**b + r.
     offsets = gaps - 1
@@ -231,7 +245,45 @@ def golomb_encode(indices: Tensor, numel: int, b: int | None = None) -> GolombCo
     stream[terminators] = False
 
     # Step 4: pack.
-    return GolombCode(bits=pack_bits(stream), num_bits=num_bits, count=count, b=b)
+    return pack_bits(stream), num_bits
+
+
+def _encode_numpy(positions: Tensor, numel: int, b: int) -> tuple[Tensor, int]:
+    """:func:`_encode_torch` in numpy, for CPU tensors: the same stream, bit for bit."""
+    positions = positions.numpy()
+    count = positions.size
+    gaps = _gaps(positions)
+    if count > 1 and (gaps[1:] < 0).any():
+        positions = np.sort(positions)
+        gaps = _gaps(positions)
+    _check_range(int(positions[0]), int(positions[-1]), int(gaps.min()), numel)
+    offsets = gaps - 1
+    quotients = offsets >> b
+    remainder_bits = count * b
+    num_bits = remainder_bits + count + int(quotients.sum())
+    stream = np.ones(num_bits, dtype=np.uint8)
+    if b:
+        dtype = np.int32 if b < 32 else np.int64
+        remainders = (offsets & ((1 << b) - 1)).astype(dtype)
+        shifts = np.arange(b - 1, -1, -1, dtype=dtype)
+        stream[:remainder_bits].reshape(count, b)[...] = (remainders[:, None] >> shifts) & 1
+    stream[remainder_bits + np.cumsum(quotients + 1) - 1] = 0
+    return torch.from_numpy(np.packbits(stream, bitorder="big")), num_bits
+
+
+def _gaps(positions: np.ndarray) -> np.ndarray:
+    """``np.diff(positions, prepend=-1)`` without its broadcast of the prepended value (a third of its cost)."""
+    gaps = np.empty_like(positions)
+    gaps[0] = positions[0] + 1
+    np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+    return gaps
+
+
+def _check_range(first: int, last: int, smallest_gap: int, numel: int) -> None:
+    if first < 0 or last >= numel:
+        raise ValueError(f"positions must lie in [0, {numel}), got range [{first}, {last}]")
+    if smallest_gap < 1:
+        raise ValueError("positions must be distinct")
 
 
 def golomb_decode(code: GolombCode) -> Tensor:
@@ -248,11 +300,18 @@ def golomb_decode(code: GolombCode) -> Tensor:
     remainder_bits = count * b
     if code.num_bits < remainder_bits + count:
         raise ValueError(f"a stream of {code.num_bits} bits cannot hold {count} code words with b={b}")
-    stream = unpack_bits(code.bits, code.num_bits)
+    decode = _decode_numpy if device.type == "cpu" else _decode_torch
+    return decode(code.bits, code.num_bits, count, b)
+
+
+def _decode_torch(bits: Tensor, num_bits: int, count: int, b: int) -> Tensor:
+    """The sorted positions of a stream of ``count >= 1`` code words of ``num_bits >= count * (b + 1)`` bits."""
+    remainder_bits = count * b
+    stream = unpack_bits(bits, num_bits)
 
     # Unary run: the k-th zero terminates the k-th quotient, so q_k = (gap between zeros) - 1.
     terminators = torch.nonzero(~stream[remainder_bits:]).squeeze(1)
-    if terminators.numel() != count or int(terminators[-1]) != code.num_bits - remainder_bits - 1:
+    if terminators.numel() != count or int(terminators[-1]) != num_bits - remainder_bits - 1:
         raise ValueError(f"corrupt Golomb stream: expected {count} unary terminators at its end")
     quotients = torch.diff(terminators, prepend=terminators.new_full((1,), -1)) - 1
 
@@ -261,8 +320,25 @@ def golomb_decode(code: GolombCode) -> Tensor:
         # The bits are 0 or 1, so the sum of the shifted bits is their OR: one reduction per stream.
         dtype = torch.int32 if b < 32 else torch.int64
         remainder_matrix = stream[:remainder_bits].view(count, b).to(dtype)
-        offsets |= (remainder_matrix << _bit_shifts(b, dtype, device)).sum(dim=1, dtype=torch.int64)
+        offsets |= (remainder_matrix << _bit_shifts(b, dtype, bits.device)).sum(dim=1, dtype=torch.int64)
     return torch.cumsum(offsets + 1, dim=0) - 1
+
+
+def _decode_numpy(bits: Tensor, num_bits: int, count: int, b: int) -> Tensor:
+    """:func:`_decode_torch` in numpy, for CPU tensors: the same positions and checks."""
+    stream = np.unpackbits(bits.numpy(), count=num_bits, bitorder="big")
+    remainder_bits = count * b
+    terminators = np.flatnonzero(stream[remainder_bits:] == 0)
+    if terminators.size != count or terminators[-1] != num_bits - remainder_bits - 1:
+        raise ValueError(f"corrupt Golomb stream: expected {count} unary terminators at its end")
+    offsets = _gaps(terminators)
+    offsets -= 1
+    offsets <<= b
+    if b:
+        dtype = np.int32 if b < 32 else np.int64
+        shifts = np.arange(b - 1, -1, -1, dtype=dtype)
+        offsets |= (stream[:remainder_bits].reshape(count, b).astype(dtype) << shifts).sum(axis=1, dtype=np.int64)
+    return torch.from_numpy(np.cumsum(offsets + 1) - 1)
 
 
 def _bit_shifts(b: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -287,6 +363,10 @@ def _count_ones_after(bits: Tensor, start: int) -> int:
     first_byte, skipped = divmod(start, 8)
     if first_byte >= bits.numel():
         return 0
+    if bits.device.type == "cpu":
+        array = bits.numpy()
+        ones = int(_POPCOUNT_NUMPY[array[first_byte:]].sum())
+        return ones - int(_POPCOUNT_NUMPY[array[first_byte] >> (8 - skipped)]) if skipped else ones
     table = _POPCOUNT.to(bits.device)
     ones = int(table[bits[first_byte:].long()].sum())
     if skipped:

@@ -85,8 +85,24 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["numpy", "torch"])
+def golomb_path(request, monkeypatch):
+    """Run a test through the CPU's numpy coder and through the torch coder used off the CPU.
+
+    The torch coder also gets the pure-torch bit packing and sort, so on the CPU it exercises
+    exactly the operations a GPU runs.
+    """
+    if request.param == "torch":
+        monkeypatch.setattr(golomb, "_encode_numpy", golomb._encode_torch)
+        monkeypatch.setattr(golomb, "_decode_numpy", golomb._decode_torch)
+        monkeypatch.setattr(golomb, "pack_bits", bitpack._pack_bits_torch)
+        monkeypatch.setattr(golomb, "unpack_bits", bitpack._unpack_bits_torch)
+        monkeypatch.setattr(golomb, "_sort", lambda t: torch.sort(t).values)
+    return request.param
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_golomb_round_trip_is_exact(case):
+def test_golomb_round_trip_is_exact(case, golomb_path):
     numel, positions = CASES[case]
     code = golomb_encode(torch.tensor(positions, dtype=torch.int64), numel)
     assert code.count == len(positions)
@@ -103,7 +119,7 @@ def test_golomb_round_trip_is_exact(case):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_golomb_stream_is_the_golomb_rice_code_words(case):
+def test_golomb_stream_is_the_golomb_rice_code_words(case, golomb_path):
     numel, positions = CASES[case]
     if case == "very_sparse_big_gaps":
         positions = [5, 1234, 56_789]  # keep the pure-Python reference small
@@ -116,7 +132,7 @@ def test_golomb_stream_is_the_golomb_rice_code_words(case):
 
 
 @pytest.mark.parametrize("b", [0, 1, 3, 12, 31, 40])
-def test_golomb_round_trip_with_a_forced_parameter(b):
+def test_golomb_round_trip_with_a_forced_parameter(b, golomb_path):
     positions = _random_positions(5000, 300, seed=b)
     code = golomb_encode(positions, 5000, b=b)
     assert code.b == b
@@ -131,7 +147,7 @@ def test_golomb_accepts_int32_and_shaped_indices():
     assert torch.equal(golomb_decode(golomb_encode(positions.int().view(8, 8), 4096)), expected)
 
 
-def test_golomb_rejects_bad_input():
+def test_golomb_rejects_bad_input(golomb_path):
     with pytest.raises(ValueError, match="distinct"):
         golomb_encode(torch.tensor([3, 7, 3]), 10)
     with pytest.raises(ValueError, match="lie in"):
@@ -144,7 +160,7 @@ def test_golomb_rejects_bad_input():
         golomb_encode(torch.tensor([1, 2]), 10, b=-1)
 
 
-def test_golomb_from_wire_rejects_corrupt_buffers():
+def test_golomb_from_wire_rejects_corrupt_buffers(golomb_path):
     wire = golomb_encode(_random_positions(10_000, 100, seed=4), 10_000).to_wire()
     with pytest.raises(ValueError):
         GolombCode.from_wire(wire[:3])
@@ -154,7 +170,7 @@ def test_golomb_from_wire_rejects_corrupt_buffers():
         GolombCode.from_wire(torch.cat([wire, torch.zeros(1, dtype=torch.uint8)]))
 
 
-def test_golomb_wire_of_a_slice_of_a_gathered_buffer():
+def test_golomb_wire_of_a_slice_of_a_gathered_buffer(golomb_path):
     codes = [golomb_encode(_random_positions(20_000, k, seed=k), 20_000) for k in (0, 1, 33, 800)]
     gathered = torch.cat([c.to_wire() for c in codes])  # what an allgather of variable sizes yields
     offset = 0
@@ -164,16 +180,22 @@ def test_golomb_wire_of_a_slice_of_a_gathered_buffer():
         offset += code.nbytes
 
 
-def test_golomb_device_agnostic_path_matches(monkeypatch):
-    """The pure-torch bit packing and sort (used off the CPU) give the same stream."""
-    positions = _random_positions(50_000, 999, seed=5)
-    expected = golomb_encode(positions, 50_000)
-    monkeypatch.setattr(golomb, "pack_bits", bitpack._pack_bits_torch)
-    monkeypatch.setattr(golomb, "unpack_bits", bitpack._unpack_bits_torch)
-    monkeypatch.setattr(golomb, "_sort", lambda t: torch.sort(t).values)
-    code = golomb_encode(positions, 50_000)
-    assert torch.equal(code.bits, expected.bits) and code.num_bits == expected.num_bits
-    assert torch.equal(golomb_decode(code), positions.sort().values)
+@pytest.mark.parametrize("b", [None, 0, 1, 5, 31, 33])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golomb_numpy_and_torch_coders_write_the_same_stream(case, b):
+    numel, positions = CASES[case]
+    if not positions:
+        return
+    tensor = torch.tensor(positions, dtype=torch.int64)
+    b = golomb.optimal_golomb_parameter(len(positions) / numel) if b is None else b
+    if case == "very_sparse_big_gaps" and b < 20:
+        b = 20  # gaps of 10**8 in unary at small b: a gigabit stream
+    bits, num_bits = golomb._encode_numpy(tensor, numel, b)
+    torch_bits, torch_num_bits = golomb._encode_torch(tensor, numel, b)
+    assert num_bits == torch_num_bits and torch.equal(bits, torch_bits)
+    decoded = golomb._decode_numpy(bits, num_bits, len(positions), b)
+    assert decoded.dtype == torch.int64 and decoded.tolist() == sorted(positions)
+    assert torch.equal(golomb._decode_torch(bits, num_bits, len(positions), b), decoded)
 
 
 # --------------------------------------------------------------------------- Golomb: code length
