@@ -304,8 +304,32 @@ def extreme_sides(values: Tensor, k: int) -> tuple[Side, Side]:
     everything after the reductions runs in numpy, elsewhere in torch, with the same result.
     """
     block = sbc_block_size(values.numel(), k)
-    side = side_numpy if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES else side_torch
+    on_numpy = values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES
+    if on_numpy and block == 1:
+        return _both_sides_numpy(values, k)
+    side = side_numpy if on_numpy else side_torch
     return side(values, k, block, largest=True), side(values, k, block, largest=False)
+
+
+def _both_sides_numpy(values: Tensor, k: int) -> tuple[Side, Side]:
+    """:func:`side_numpy`'s two direct sides (no blocks) from one ``np.partition`` with both ranks.
+
+    The tensors below the block bound's size are most of a model's tensors and each costs mostly
+    per-call overhead: one introselect places both the ``k``-th smallest and the ``k``-th largest.
+    The sides' sums are float64 sums of the same ``k`` entries as :func:`side_numpy`'s.
+    """
+    candidates = values.numpy()
+    high, low = candidates.size - k, k - 1
+    part = np.partition(candidates, [low, high] if low < high else [high, low])
+
+    def side(rank: int, chosen: np.ndarray, largest: bool) -> Side:
+        kth = part[rank]
+        return Side(
+            float(chosen.sum(dtype=np.float64)),
+            lambda: torch.from_numpy(np.flatnonzero(_first_k_numpy(candidates, kth, k, largest))),
+        )
+
+    return side(high, part[high:], True), side(low, part[:k], False)
 
 
 # -- 3. DGC's sampled threshold ----------------------------------------------------------------------

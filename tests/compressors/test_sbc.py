@@ -21,7 +21,7 @@ from lgc.coding.golomb import (
 )
 from lgc.compressors import CombineMode, ErrorFeedback
 from lgc.compressors.sbc import SBCCompressor, SBCPayload, sbc_select
-from lgc.compressors.selection import sbc_block_size, side_numpy, side_torch
+from lgc.compressors.selection import extreme_sides, sbc_block_size, side_numpy, side_torch
 from lgc.compressors.topk import num_selected
 from lgc.methods import build_compressor
 
@@ -115,6 +115,21 @@ def test_numpy_and_torch_paths_agree_bit_for_bit(largest, ties, numel, k):
     reference = torch.topk(v, k, largest=largest).values
     assert from_numpy.total == pytest.approx(reference.double().sum().item(), rel=1e-12)
     assert torch.equal(v[from_numpy.positions()].sort().values, reference.sort().values)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("numel,k", [(5000, 50), (2048, 3), (10, 6), (7, 7), (1, 1)])  # 2k > n: the sides overlap
+def test_both_direct_sides_from_one_partition_equal_each_side_on_its_own(ties, numel, k):
+    v = _randn(numel, seed=numel + k)
+    if ties:
+        v = v.mul(2).round()
+    assert sbc_block_size(numel, k) == 1
+    positive, negative = extreme_sides(v, k)
+    for side, largest in ((positive, True), (negative, False)):
+        alone = side_numpy(v, k, 1, largest)
+        assert side.total == pytest.approx(alone.total, rel=1e-14)
+        assert torch.equal(side.positions(), alone.positions())
+        assert torch.equal(side.positions(), side_torch(v, k, 1, largest).positions())
 
 
 def test_fewer_entries_of_one_sign_than_k_take_zeros_as_the_paper_does():
