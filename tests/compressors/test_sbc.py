@@ -101,17 +101,19 @@ def test_ties_and_a_ragged_tail_give_exactly_k_positions_of_the_right_values():
 
 @pytest.mark.parametrize("largest", [True, False])
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("numel,k", [(200_007, 300), (5000, 50)])  # block bound and direct path
-def test_numpy_and_torch_paths_agree_bit_for_bit(largest, ties, numel, k):
+@pytest.mark.parametrize("columns", [False, True])
+@pytest.mark.parametrize("numel,k", [(200_007, 300), (5000, 50), (100_013, 1000)])  # 64, direct, 16 per group
+def test_numpy_and_torch_paths_agree_bit_for_bit(largest, ties, columns, numel, k):
     # CPU float tensors finish the selection in numpy; other devices (and bfloat16) in torch.
     v = _randn(numel, seed=7)
     if ties:
-        v = v.round()  # many equal block maxima and entries around the bound
+        v = v.round()  # many equal group maxima and entries around the bound
     block = sbc_block_size(numel, k)
-    assert block == (64 if numel > 100_000 else 1)
-    from_numpy, from_torch = side_numpy(v, k, block, largest), side_torch(v, k, block, largest)
+    assert block == {200_007: 64, 5000: 1, 100_013: 16}[numel]
+    from_numpy, from_torch = side_numpy(v, k, block, largest, columns), side_torch(v, k, block, largest, columns)
     assert from_numpy.total == pytest.approx(from_torch.total, rel=1e-14)  # float64 sums, any order
-    assert torch.equal(from_numpy.positions(), from_torch.positions())
+    positions = from_numpy.positions()
+    assert torch.equal(positions, from_torch.positions()) and bool((positions.diff() > 0).all())  # ascending
     reference = torch.topk(v, k, largest=largest).values
     assert from_numpy.total == pytest.approx(reference.double().sum().item(), rel=1e-12)
     assert torch.equal(v[from_numpy.positions()].sort().values, reference.sort().values)
