@@ -12,6 +12,8 @@
 # The `_all` variants send every parameter through the codec (comm.min_numel=0): by default the
 # parameters under 1,024 elements (BatchNorm's, ResNet-8's first convolution) travel dense, which
 # is most of a per-step compressor's parameter bytes on ResNet-8 (lgc-report's "where the bytes go").
+# The `_delay` variants exchange the weight updates of 4 local steps, as SBC with delay does, through
+# the default's codec or LGC-RAR lean (their stages counted in exchanges).
 # Runs write to OUT (checkpoints and logs included); each finished run's summary.json is copied to
 # RESULTS/CELL/METHOD/seedN (committed as they arrive). Resumable: a run whose summary.json is in
 # RESULTS or OUT is skipped, and a stopped run resumes exactly from its last epoch's checkpoint
@@ -56,6 +58,10 @@ declare -A method=(
   [default_all]="compressor=shared_topk_int8 comm.min_numel=0"
   [lgc_rar_lean_all]="experiment=embedded/lgc_rar_lean comm.min_numel=0"
   [sbc_delay_all]="experiment=embedded/sbc_delay comm.min_numel=0"
+  [default_delay]="compressor=shared_topk_int8 comm=local_sgd comm.delay=4"
+  [default_delay_all]="compressor=shared_topk_int8 comm=local_sgd comm.delay=4 comm.min_numel=0"
+  [lgc_rar_lean_delay]="experiment=embedded/lgc_rar_lean comm=local_sgd comm.delay=4"
+  [lgc_rar_lean_delay_all]="experiment=embedded/lgc_rar_lean comm=local_sgd comm.delay=4 comm.min_numel=0"
   [diloco_h10]="experiment=diloco"
   [diloco_h50]="experiment=diloco comm.delay=50"
   [sparseloco]="experiment=sparseloco"
@@ -63,7 +69,8 @@ declare -A method=(
 )
 order=(dense fp16 powersgd topk dgc sbc sbc_delay redsync random_block qsgd terngrad signsgd shared_topk_fp16
        shared_topk_int8 default lgc_rar lgc_ps lgc_rar_linear lgc_rar_lean diloco_h10 diloco_h50 sparseloco demo
-       default_all lgc_rar_lean_all sbc_delay_all)
+       default_all lgc_rar_lean_all sbc_delay_all default_delay default_delay_all lgc_rar_lean_delay
+       lgc_rar_lean_delay_all)
 read -r -a chosen <<< "${METHODS:-${order[*]}}"
 
 declare -A cell=(

@@ -80,8 +80,9 @@ def compress(
         error_decay: error feedback's residual decay ``beta`` in ``v = beta * r + g``; ``None``
             follows the yaml (``sparseloco``: 0.95, ``demo``: 0.999, else 1: nothing fades).
         delay: SBC's communication delay: ``delay`` local optimizer steps, then the workers
-            exchange their weight updates through the compressor (:mod:`lgc.ddp.local_sgd`).
-            Without ``optimizer``, call ``state.after_optimizer_step()`` after every
+            exchange their weight updates through the compressor (:mod:`lgc.ddp.local_sgd`), or
+            through LGC's family (``"lgc_rar"``, ``"shared_topk_int8"``, ...), whose stages then
+            count exchanges. Without ``optimizer``, call ``state.after_optimizer_step()`` after every
             ``optimizer.step()``; a missed or doubled call raises at the next forward pass (run all
             but the last backward pass of an accumulated step under ``model.no_sync()``).
         outer, outer_lr, outer_momentum: with ``delay``, how the averaged update moves the

@@ -240,6 +240,27 @@ def _instantiated(value: Any, where: str) -> Any:
     return value
 
 
+def _delayed(
+    built: Compressor | CompressionHookState,
+    comm: Comm,
+    process_group: dist.ProcessGroup | None,
+    min_numel: int | None = None,
+) -> CommunicationDelayState:
+    """``built`` exchanging the weight updates of ``comm.delay`` local steps."""
+    assert comm.delay is not None
+    return CommunicationDelayState(
+        built,
+        delay=comm.delay,
+        min_numel=min_numel,
+        process_group=process_group,
+        outer=comm.outer,
+        outer_lr=comm.outer_lr,
+        outer_momentum=comm.outer_momentum,
+        fragments=comm.fragments,
+        fragment_split=comm.fragment_split,
+    )
+
+
 def _is_hook_state(obj: Any) -> bool:
     """A method that is a hook state of its own (LGC, shared-index, PyTorch's hooks), not a compressor."""
     return not isinstance(obj, Compressor) and callable(getattr(obj, "register", None))
@@ -371,10 +392,11 @@ def build_hook_state(
     ``comm.delay``, to the weight updates of ``delay`` local steps
     (:class:`~lgc.ddp.local_sgd.CommunicationDelayState`). A node whose ``_target_`` is a hook
     state (LGC, shared-index, PyTorch's hooks) is built as it is: it keeps its own residuals and
-    dense warm-up, so error feedback, ``delay``, ``start_iter`` (and, for PyTorch's hooks, which
-    compress every parameter, ``min_numel``) are refused for it; one that takes ``min_numel`` gets
-    ``comm.min_numel``. ``comm``: a ``comm`` option (:mod:`lgc.comm`, or ``lgc-train``'s node of
-    one), a :class:`~lgc.comm.Comm`, or a plain mapping of its fields.
+    dense warm-up, so error feedback, ``start_iter`` (and, for PyTorch's hooks, which compress
+    every parameter, ``min_numel`` and ``delay``) are refused for it; one that takes ``min_numel``
+    gets ``comm.min_numel``, and with ``comm.delay`` the LGC family exchanges the weight updates of
+    the local steps, its stages counted in exchanges. ``comm``: a ``comm`` option (:mod:`lgc.comm`,
+    or ``lgc-train``'s node of one), a :class:`~lgc.comm.Comm`, or a plain mapping of its fields.
     """
     comm = _comm(comm)
     method = _with_min_numel(_plain(method), comm, prefix) if isinstance(method, Mapping) else method
@@ -391,8 +413,11 @@ def build_hook_state(
         )
     if _is_hook_state(built):
         what = _what(built, name)
-        if comm.delay is not None:
-            raise ValueError(f"{comm.field('delay')} needs an lgc compressor (e.g. 'sbc', 'topk'), not {what}")
+        if comm.delay is not None and not isinstance(built, CompressionHookState):
+            raise ValueError(
+                f"{comm.field('delay')} needs an lgc compressor (e.g. 'sbc', 'topk') or an LGC-family method "
+                f"(lgc_rar, lgc_ps, shared_topk...), not {what}"
+            )
         if comm.changed("start_iter"):
             raise ValueError(
                 f"{comm.field('start_iter')} does not apply to {what}: its own knob sets the dense warm-up "
@@ -404,6 +429,9 @@ def build_hook_state(
             )
         if process_group is not None:
             built.process_group = process_group
+        if comm.delay is not None:
+            # LGC's family exchanges the weight updates as it exchanges gradients, stages counted in exchanges.
+            return _delayed(built, comm, process_group)
         return built
     if comm.delay is not None:
         if comm.changed("start_iter"):
@@ -411,17 +439,7 @@ def build_hook_state(
                 f"{comm.field('start_iter')} does not apply with {comm.field('delay')}: the local steps start at once"
             )
         # It refuses a compressor that applies weight decay itself (DGC): the updates carry it already.
-        return CommunicationDelayState(
-            built,
-            delay=comm.delay,
-            min_numel=comm.min_numel,
-            process_group=process_group,
-            outer=comm.outer,
-            outer_lr=comm.outer_lr,
-            outer_momentum=comm.outer_momentum,
-            fragments=comm.fragments,
-            fragment_split=comm.fragment_split,
-        )
+        return _delayed(built, comm, process_group, min_numel=comm.min_numel)
     return CompressionHookState(
         built,
         min_numel=comm.min_numel,

@@ -7,6 +7,7 @@ from lgc.comm import EveryStep
 from lgc.compressors import SBCCompressor
 from lgc.ddp.powersgd import PowerSGDHookState
 from lgc.learned.rar import LGCRingAllreduceState
+from lgc.learned.shared_index import SharedIndexState
 from lgc.methods import METHODS, Comm, build_compressor, build_hook_state, instantiate
 
 
@@ -60,6 +61,10 @@ def test_every_step_or_local_steps_is_chosen_in_one_place():
     local = build_hook_state(node, {"delay": 4, "outer": "sgd", "min_numel": 5})
     assert isinstance(local, CommunicationDelayState) and (local.delay, local.outer) == (4, "sgd")
     assert isinstance(every_step, HookState) and isinstance(local, HookState)
+    # The LGC family under a delay: the hook state itself exchanges the updates, its stages in exchanges.
+    shared = build_hook_state(METHODS["shared_topk_int8"].resolve(), {"delay": 4, "min_numel": 5})
+    assert isinstance(shared, CommunicationDelayState) and isinstance(shared.exchange_state, SharedIndexState)
+    assert shared.exchange_state.min_numel == 5 and shared.needs_total_steps
 
 
 @pytest.mark.parametrize(
@@ -67,7 +72,8 @@ def test_every_step_or_local_steps_is_chosen_in_one_place():
     [
         ("lgc_rar", Comm(start_iter=3), r"comm.start_iter=3 does not apply to LGC"),
         ("lgc_rar", Comm(start_iter=3, prefix=""), r"^start_iter=3 does not apply to"),
-        ("powersgd", Comm(delay=2), r"comm.delay=2 needs an lgc compressor"),
+        ("powersgd", Comm(delay=2), r"comm.delay=2 needs an lgc compressor .* or an LGC-family method"),
+        ("lgc_rar", Comm(delay=2, fragments=2), r"fragments=2 cuts parameters into pieces; LGCRingAllreduceState"),
         ("powersgd", Comm(min_numel=10), r"comm.min_numel=10 does not apply to .*every parameter"),
         ("sbc", Comm(delay=2, start_iter=3), r"comm.start_iter=3 does not apply with comm.delay=2"),
         ("topk", Comm(outer="sgd"), r"comm.outer='sgd', .* act on the exchanges of local steps: they need comm.delay"),

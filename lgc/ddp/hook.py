@@ -404,6 +404,7 @@ class CompressionHookState(HookState):
         except BaseException:
             self.compressor.commit(frozenset())  # type: ignore[attr-defined]
             raise
+        self.step_done(skipped=verdict.skip)
         self.scale_back(pending)
 
     def agree(self, pending: list[PendingBucket], extremes: list[Tensor] | None = None) -> StepVerdict:
@@ -449,7 +450,14 @@ class CompressionHookState(HookState):
             step = self.iteration
             self.compress_step(pending, verdict.used, step)
             self.iteration = step + 1
+        self.step_done(skipped=verdict.skip)
         self.scale_back(pending)
+
+    def step_done(self, skipped: bool) -> None:
+        """Called after every guarded step, here and at communication delay's exchanges (LGC books its bytes)."""
+
+    def set_world_size(self, world_size: int) -> None:
+        """Learn the number of workers before the first step (LGC checks its leader); nothing to learn here."""
 
     def scale_back(self, pending: list[PendingBucket]) -> None:
         """Back to the loss-scaled units the optimizer's GradScaler expects (a no-op without a loss scale).

@@ -115,7 +115,12 @@ class CommunicationDelayState(HookState):
 
     Args:
         compressor: applied to each parameter's weight update, e.g.
-            ``ErrorFeedback(SBCCompressor(density=0.01))``.
+            ``ErrorFeedback(SBCCompressor(density=0.01))``; or a hook state of the LGC family
+            (:class:`~lgc.learned.LGCHookState`: LGC-RAR, LGC-PS, the shared-index codecs), which
+            then exchanges the weight updates as it would exchange gradients, its stages counted in
+            exchanges (``warmup_steps=30`` is the first 30 exchanges, ``30 * delay`` local steps).
+            Such a state brings its own ``min_numel`` and exchanges whole parameters
+            (``fragments=1``).
         delay: local steps between exchanges (SBC: 1 to 100s; longer delays save bytes linearly
             but let workers drift apart, which costs accuracy on non-IID data).
         min_numel: parameters (or fragment pieces) with fewer elements exchange their update dense
@@ -169,7 +174,7 @@ class CommunicationDelayState(HookState):
 
     def __init__(
         self,
-        compressor: Compressor,
+        compressor: Compressor | CompressionHookState,
         *,
         delay: PositiveInt,
         min_numel: int | None = None,
@@ -199,7 +204,32 @@ class CommunicationDelayState(HookState):
         check("outer_momentum", outer_momentum, Momentum | None)
         lr = DILOCO_OUTER_LR if outer_lr is None else outer_lr
         momentum = DILOCO_OUTER_MOMENTUM if outer_momentum is None else outer_momentum
-        for inner in compressor_chain(compressor):
+        if isinstance(compressor, CompressionHookState):
+            what = type(compressor).__name__
+            if fragments != 1:
+                raise ValueError(
+                    f"fragments={fragments} cuts parameters into pieces; {what} codes whole parameters (its leader's "
+                    "positions and residuals are keyed by parameter): use fragments=1"
+                )
+            if min_numel is not None:
+                raise ValueError(f"min_numel={min_numel!r} is {what}'s own setting: build it with that min_numel")
+            if compressor.overlap:
+                raise ValueError(
+                    f"{what} was built with overlap=True; an exchange after the optimizer step has no backward pass "
+                    "to overlap"
+                )
+            exchange_state = compressor
+            if process_group is not None:
+                exchange_state.process_group = process_group
+        elif isinstance(compressor, Compressor):
+            exchange_state = CompressionHookState(
+                compressor, min_numel=min_numel, start_iter=0, process_group=process_group
+            )
+        else:
+            raise TypeError(
+                f"compressor must be an lgc Compressor or an LGC-family hook state, got {type(compressor).__name__}"
+            )
+        for inner in compressor_chain(exchange_state.compressor):
             if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
                 raise ValueError(
                     f"delay={delay} exchanges weight updates, which the local optimizer's weight decay already "
@@ -214,9 +244,7 @@ class CommunicationDelayState(HookState):
         self.fragment_split = fragment_split
         self.slices: tuple[FragmentSlice, ...] = ()
         self.outer_optimizer: torch.optim.SGD | None = None
-        self.exchange_state = CompressionHookState(
-            compressor, min_numel=min_numel, start_iter=0, process_group=process_group
-        )
+        self.exchange_state = exchange_state
         self.local_steps = 0
         self.synced: dict[str, Tensor] = {}
         self.synced_buffers: dict[str, Tensor] = {}
@@ -276,9 +304,25 @@ class CommunicationDelayState(HookState):
         trainable = [(name, p.shape) for name, p in module.named_parameters() if p.requires_grad]
         return split_into_fragments(trainable, self.fragments, self.fragment_split)
 
+    @property
+    def needs_total_steps(self) -> bool:  # type: ignore[override]
+        """Whether the exchange needs the run's length (LGC's stages)."""
+        return self.exchange_state.needs_total_steps
+
     def check_run(self, model: nn.Module, world_size: int, total_steps: int | None) -> None:
-        """Refuse more fragments than the model's trainable parameters can be cut into (before workers start)."""
+        """Refuse more fragments than the model's trainable parameters can be cut into (before workers start).
+
+        The exchange's own checks (LGC's stages) get the run's length in exchanges.
+        """
         self._slices_of(model)
+        exchanges = None if total_steps is None else total_steps // self.delay
+        try:
+            self.exchange_state.check_run(model, world_size, exchanges)
+        except ValueError as err:
+            raise ValueError(
+                f"{err} (under delay={self.delay} a step of {type(self.exchange_state).__name__} is an exchange of "
+                f"{self.delay} local steps: the run's {total_steps} optimizer steps make {exchanges} exchanges)"
+            ) from None
 
     def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Register :func:`local_step_hook` on ``model`` and remember its synchronized weights and buffers.
@@ -290,6 +334,7 @@ class CommunicationDelayState(HookState):
         (:class:`_LocalStepCheck`), before the weights are used.
         """
         self.module_ref = weakref.ref(model.module)
+        self.exchange_state.set_world_size(dist.get_world_size(self.process_group))
         # The compressor learns the parameters' names and shapes (DeMo and chunked top-k tile by shape).
         self.exchange_state.attach(model)
         named = self._named_parameters()
@@ -374,8 +419,10 @@ class CommunicationDelayState(HookState):
             if with_buffers:
                 self._restore_synced_buffers()
             self.stats.skipped_steps += 1
+            self.exchange_state.step_done(skipped=True)
             return
         self.exchange_state.compress_step(pending, verdict.used, exchange)
+        self.exchange_state.step_done(skipped=False)
         for s, segment in zip(pieces, segments, strict=True):
             synced = self.synced[s.key]
             averaged = update[segment.offset : segment.offset + segment.numel].view_as(synced)

@@ -317,11 +317,9 @@ class LGCHookState(CompressionHookState):
         counted.book_dense_equivalent(self.stats, buffer, self.process_group)
         return self.defer(buffer, self.layout(bucket).segments, bucket.is_last())
 
-    def run_step(self, pending: list[PendingBucket]) -> None:
-        skipped = self.stats.skipped_steps
-        super().run_step(pending)
+    def step_done(self, skipped: bool) -> None:
         # Every step's bytes go to its stage; a skipped step's (guard and dense pass-through) to "skipped".
-        self._book_stage_bytes("skipped" if self.stats.skipped_steps > skipped else None)
+        self._book_stage_bytes("skipped" if skipped else None)
 
     def compress_step(self, pending: list[PendingBucket], used: frozenset[str], step: int) -> None:
         self._begin_step(step, pending[0].buffer.device)

@@ -13,6 +13,7 @@ import lgc
 from lgc import ErrorFeedback, NoneCompressor, TopKCompressor
 from lgc.ddp.fragments import split_into_fragments
 from lgc.ddp.local_sgd import CommunicationDelayState
+from lgc.learned import LGCHookState, SharedIndexState
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +32,9 @@ def _train(rank: int, world: int, compressor, delay: int | None, steps: int, out
     model = DDP(_net())
     state = None
     if delay is not None:
-        state = CommunicationDelayState(compressor, delay=delay, min_numel=0, **(outer or {}))
+        # An LGC-family hook state brings its own min_numel.
+        min_numel = None if isinstance(compressor, LGCHookState) else 0
+        state = CommunicationDelayState(compressor, delay=delay, min_numel=min_numel, **(outer or {}))
         state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     weights, sent = [], []
@@ -67,6 +70,77 @@ def test_workers_communicate_only_every_delay_steps_and_agree_after_each_exchang
     for step in range(steps):
         same = torch.equal(results[0]["weights"][step], results[1]["weights"][step])
         assert same == ((step + 1) % delay == 0), step
+
+
+def test_a_shared_index_state_exchanges_the_exact_mean_update_at_full_density():
+    # The LGC family under a delay: the hook state exchanges the weight updates as it exchanges
+    # gradients. At density 1 with fp32 values the leader's positions are all of them and the sum
+    # is exact, so every step's weights are periodic averaging's; the first exchange is the dense
+    # warm-up, the others go through the shared-index stage (a rotating leader).
+    delay, steps = 2, 8
+    exact = SharedIndexState(values="float32", density=1.0, warmup_steps=1, min_numel=0)
+    shared = run_workers(_train, 2, exact, delay, steps)
+    averaged = run_workers(_train, 2, NoneCompressor(), delay, steps)
+    for rank in range(2):
+        for a, b in zip(averaged[rank]["weights"], shared[rank]["weights"], strict=True):
+            torch.testing.assert_close(b, a)
+        assert shared[rank]["payload"] > 0  # three exchanges through the shared-index stage
+
+
+def _lgc_exchanges(rank: int, world: int, delay: int, steps: int) -> dict:
+    model = DDP(_net())
+    lgc_state = SharedIndexState(values="int8", density=0.1, warmup_steps=2, min_numel=0, index_coding="golomb")
+    state = CommunicationDelayState(lgc_state, delay=delay)
+    state.register(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stages, sent = [], []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        (model(x) - y).square().mean().backward()
+        optimizer.step()
+        state.after_optimizer_step()
+        stages.append(lgc_state.stage.name)
+        sent.append(state.stats.bytes_sent)
+    numel = sum(p.numel() for p in model.parameters())
+    return {"stages": stages, "sent": sent, "numel": numel, "summary": state.summary_extras()["lgc"]["stages"]}
+
+
+def test_the_lgc_familys_stages_count_exchanges_and_only_exchanges_send():
+    delay, steps = 3, 12
+    results = run_workers(_lgc_exchanges, 2, delay, steps)
+    for result in results:
+        sent = result["sent"]
+        increments = [b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)]
+        assert [step for step, inc in enumerate(increments) if inc] == [2, 5, 8, 11]
+        # warmup_steps=2: the first two exchanges (six local steps) dense, then the compressed stage.
+        assert result["stages"][2] == result["stages"][5] == "WARMUP"
+        assert result["stages"][8] == result["stages"][11] == "COMPRESSED"
+        # Each dense exchange: the fp32 update and the step guard's byte per parameter (plus one).
+        dense = increments[2]
+        assert increments[5] == dense and dense >= 4 * result["numel"]
+        assert 0 < increments[8] < dense / 4 and 0 < increments[11] < dense / 4
+        assert result["summary"]["warmup"]["bytes_sent"] == 2 * dense
+        assert result["summary"]["compressed"]["bytes_sent"] == increments[8] + increments[11]
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"fragments": 2}, r"fragments=2 cuts parameters into pieces; SharedIndexState codes whole parameters"),
+        ({"min_numel": 10}, r"min_numel=10 is SharedIndexState's own setting"),
+    ],
+)
+def test_an_lgc_family_state_refuses_what_it_cannot_do_under_a_delay(settings, message):
+    with pytest.raises(ValueError, match=message):
+        CommunicationDelayState(SharedIndexState(values="int8"), delay=4, **settings)
+
+
+def test_the_lgc_familys_stages_are_checked_in_exchanges():
+    state = CommunicationDelayState(SharedIndexState(values="int8", warmup_steps=10), delay=4)
+    state.check_run(_net(), 2, 44)  # 11 exchanges: one after the warm-up
+    with pytest.raises(ValueError, match=r"warmup_steps=10 .* the run's 40 optimizer steps make 10 exchanges"):
+        state.check_run(_net(), 2, 40)
 
 
 def test_delay_rejects_non_positive_steps():
@@ -139,13 +213,17 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
         ["comm=local_sgd"],
         pytest.param(["comm=diloco"], marks=pytest.mark.slow),
         pytest.param(["comm=streaming_diloco", "comm.fragments=2"], marks=pytest.mark.slow),
+        # The LGC family: its dense warm-up exchange before the checkpoint, compressed ones after.
+        ["comm=local_sgd", "compressor=shared_topk_int8"],
+        # LGC-RAR's linear codec: warm-up, codec fitting and a compressed exchange before the checkpoint.
+        ["comm=local_sgd", "experiment=embedded/lgc_rar_lean", "compressor.warmup_steps=1", "compressor.ae_steps=1"],
     ],
-    ids=["average", "diloco", "streaming"],
+    ids=["average", "diloco", "streaming", "shared_index", "lgc_rar"],
 )
 def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
-    # 3 steps per epoch and an exchange every 2: the checkpoint after epoch 1 falls between exchanges,
+    # 7 steps per epoch and an exchange every 2: the checkpoint after epoch 1 falls between exchanges,
     # where every rank holds its own weights and momenta (and, with DiLoCo, the outer momentum).
-    common = ["trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "comm.delay=2", "scheduler.T_max=2"]
+    common = ["trainer.limit_train_batches=7", "trainer.limit_val_batches=1", "comm.delay=2", "scheduler.T_max=2"]
     common += outer
     from lgc.train import train
 
@@ -155,7 +233,7 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
     train(compose_cfg(tmp_path / "resumed", "trainer.max_epochs=2", f"ckpt_path={stopped}", *common))
 
     first = _load(stopped)["callbacks"]["CompressionCallback"]["per_rank"]
-    assert first[0]["local_steps"] == 3
+    assert first[0]["local_steps"] == 7
     # Between exchanges the ranks' weights and BatchNorm statistics differ: both are checkpointed per rank.
     for key in ("local_weights", "local_buffers"):
         local = [first[rank][key] for rank in range(2)]
@@ -163,12 +241,12 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
     straight = _load(tmp_path / "straight" / "checkpoints" / "last.ckpt")["callbacks"]["CompressionCallback"]
     resumed = _load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["callbacks"]["CompressionCallback"]
     for a, b in zip(straight["per_rank"], resumed["per_rank"], strict=True):
-        assert a["local_steps"] == b["local_steps"] == 6
+        assert a["local_steps"] == b["local_steps"] == 14
         for key in ("synced", "synced_buffers", "local_weights", "local_buffers"):
             assert a[key].keys() == b[key].keys()
             for name, tensor in a[key].items():
                 assert torch.equal(tensor, b[key][name]), (key, name)
-        if outer != ["comm=local_sgd"]:  # DiLoCo: the outer momentum is checkpointed too
+        if outer[0] != "comm=local_sgd":  # DiLoCo: the outer momentum is checkpointed too
             buffers = [[s["momentum_buffer"] for s in r["outer_optimizer"]["state"].values()] for r in (a, b)]
             assert len(buffers[0]) == len(a["synced"]) and all(map(torch.equal, *buffers))
         else:
