@@ -110,17 +110,21 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
       does not vectorize (at ``b = 8`` it costs three to five times one over the columns, which
       runs along memory), while gathering ``k`` columns costs ``k * b`` scattered reads; at these
       densities the reduction dominates.
+
+    On the CPU the search after the maxima runs in numpy (:func:`_topk_in_groups_numpy`), elsewhere
+    in torch. A NaN counts as the largest magnitude, as in ``torch.topk``.
     """
     numel = values.numel()
     block = _topk_block_size(numel, k) if k else 1
     if numel < _BLOCK_SELECTION_MIN_NUMEL or 8 * k * block > numel:
         return torch.topk(values.abs(), k, sorted=False).indices
+    search = _topk_in_groups_numpy if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES else _topk_in_groups
     if block <= _COLUMN_GROUPS_MAX_ROW_BLOCK:
         group = min(2 * block, _COLUMN_GROUPS_MAX)
         width = numel // group
-        return _topk_in_groups(values, k, values[: width * group].view(group, width), dim=0)
+        return search(values, k, values[: width * group].view(group, width), dim=0)
     num_blocks = numel // block
-    return _topk_in_groups(values, k, values[: num_blocks * block].view(num_blocks, block), dim=1)
+    return search(values, k, values[: num_blocks * block].view(num_blocks, block), dim=1)
 
 
 #: Row blocks at most this long (density above about 0.4 %) select through column groups instead.
@@ -137,11 +141,13 @@ def _topk_in_groups(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor
     fills no group) are searched directly.
     """
     across = 1 - dim
-    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_())
+    # A NaN counts as the largest magnitude (as in torch.topk): its group's maximum is infinite, and
+    # "not below the threshold" keeps it where ">=" would not.
+    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_()).nan_to_num_(nan=math.inf)
     top_groups = torch.topk(group_max, k, sorted=False)
     threshold = top_groups.values.min()
     magnitudes = grouped.index_select(across, top_groups.indices).abs_()
-    kept = (magnitudes >= threshold).nonzero()
+    kept = (magnitudes < threshold).logical_not_().nonzero()
     coordinates = list(kept.unbind(1))
     magnitudes = magnitudes[coordinates[0], coordinates[1]]
     coordinates[across] = top_groups.indices[coordinates[across]]
@@ -149,10 +155,38 @@ def _topk_in_groups(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor
     covered = grouped.numel()
     if covered < values.numel():
         tail = values[covered:].abs()
-        tail_kept = (tail >= threshold).nonzero().squeeze(1)
+        tail_kept = (tail < threshold).logical_not_().nonzero().squeeze(1)
         magnitudes = torch.cat([magnitudes, tail[tail_kept]])
         positions = torch.cat([positions, tail_kept + covered])
     return positions[torch.topk(magnitudes, k, sorted=False).indices]
+
+
+def _topk_in_groups_numpy(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor:
+    """:func:`_topk_in_groups` for CPU tensors: the group maxima in torch, the rest in numpy (as SBC's sides).
+
+    The same groups, bound and candidates; ``np.partition`` and ``np.argpartition`` (introselect)
+    in place of the two ``torch.topk`` calls, and ``np.take`` for the gathers: 25-40 % less for the
+    selection of ResNet-50's large tensors at densities 0.001 and 0.01. The ``k`` groups are the
+    first ones (in memory order) among those tied at the bound, as SBC takes them; which of several
+    entries tied at the ``k``-th magnitude are returned may differ from the torch path's choice.
+    """
+    across = 1 - dim
+    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_()).nan_to_num_(nan=math.inf).numpy()
+    rank = group_max.size - k
+    bound = np.partition(group_max, rank)[rank]
+    chosen = np.flatnonzero(_first_k_numpy(group_max, bound, k, largest=True))  # exactly k groups, ascending
+    entries = np.abs(np.take(grouped.numpy(), chosen, axis=across)).reshape(-1)
+    flat = np.flatnonzero(~(entries < bound))  # NaN kept, as in the torch path
+    positions = _positions(flat, chosen, grouped, columns=dim == 0)
+    magnitudes = entries[flat]
+    covered = grouped.numel()
+    if covered < values.numel():
+        tail = np.abs(values[covered:].numpy())
+        tail_kept = np.flatnonzero(~(tail < bound))
+        magnitudes = np.concatenate([magnitudes, tail[tail_kept]])
+        positions = np.concatenate([positions, tail_kept + covered])
+    best = np.argpartition(magnitudes, magnitudes.size - k)[magnitudes.size - k :]
+    return torch.from_numpy(positions[best].astype(np.int64, copy=False))
 
 
 # -- 2. SBC's two sides ------------------------------------------------------------------------------
