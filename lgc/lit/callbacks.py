@@ -343,7 +343,9 @@ class RunSummary(pl.Callback):
         summary.update({k: summary["metrics"][k] for k in top_level if k in summary["metrics"]})
         summary["layers"] = layers
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        save_codec = getattr(_hook_state(trainer), "save_codec", None)
+        state = _hook_state(trainer)
+        # Under communication delay LGC's state is the exchange's.
+        save_codec = getattr(getattr(state, "exchange_state", state), "save_codec", None)
         if save_codec is not None and save_codec(self.output_dir / "codec.pt") is not None:
             # LGC's trained codec, for another run's autoencoder.init.
             summary["lgc_codec"] = str(self.output_dir / "codec.pt")
