@@ -164,7 +164,7 @@ def _topk_in_groups(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor
 def _topk_in_groups_numpy(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor:
     """:func:`_topk_in_groups` for CPU tensors: the group maxima in torch, the rest in numpy (as SBC's sides).
 
-    The same groups, bound and candidates; ``np.partition`` and ``np.argpartition`` (introselect)
+    The same groups, bound and candidates; ``np.partition`` (introselect, :func:`_kth_numpy`)
     in place of the two ``torch.topk`` calls, and ``np.take`` for the gathers: 25-40 % less for the
     selection of ResNet-50's large tensors at densities 0.001 and 0.01. The ``k`` groups are the
     first ones (in memory order) among those tied at the bound, as SBC takes them; which of several
@@ -172,8 +172,7 @@ def _topk_in_groups_numpy(values: Tensor, k: int, grouped: Tensor, dim: int) -> 
     """
     across = 1 - dim
     group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_()).nan_to_num_(nan=math.inf).numpy()
-    rank = group_max.size - k
-    bound = np.partition(group_max, rank)[rank]
+    bound = _kth_numpy(group_max, k, largest=True)
     chosen = np.flatnonzero(_first_k_numpy(group_max, bound, k, largest=True))  # exactly k groups, ascending
     entries = np.abs(np.take(grouped.numpy(), chosen, axis=across)).reshape(-1)
     flat = np.flatnonzero(~(entries < bound))  # NaN kept, as in the torch path
@@ -185,7 +184,11 @@ def _topk_in_groups_numpy(values: Tensor, k: int, grouped: Tensor, dim: int) -> 
         tail_kept = np.flatnonzero(~(tail < bound))
         magnitudes = np.concatenate([magnitudes, tail[tail_kept]])
         positions = np.concatenate([positions, tail_kept + covered])
-    best = np.argpartition(magnitudes, magnitudes.size - k)[magnitudes.size - k :]
+    np.nan_to_num(magnitudes, copy=False, nan=np.inf, posinf=np.inf)  # a NaN is the largest magnitude
+    if bound > 0:  # no zero among the candidates: introselect at full speed
+        best = np.argpartition(magnitudes, magnitudes.size - k)[magnitudes.size - k :]
+    else:
+        best = np.flatnonzero(_first_k_numpy(magnitudes, _kth_numpy(magnitudes, k, largest=True), k, largest=True))
     return torch.from_numpy(positions[best].astype(np.int64, copy=False))
 
 
@@ -235,6 +238,27 @@ def _first_k_numpy(values: np.ndarray, kth: Any, k: int, largest: bool) -> np.nd
     return beyond | (tied & (np.cumsum(tied) <= missing))
 
 
+def _kth_numpy(values: np.ndarray, k: int, largest: bool) -> Any:
+    """The ``k``-th largest (smallest) entry, ``np.partition``'s, without its slowdown on a mass of zeros.
+
+    Introselect slows down 10-30x when the value it looks for is repeated many times, and the value
+    a gradient repeats is zero (parameters a batch did not touch, a residual not yet filled, a
+    mostly-zero block bound). So the entries beyond zero on the wanted side are selected alone; when
+    fewer than ``k``, the answer is zero, or lies among the entries beyond zero on the other side.
+    NaN entries are never the answer.
+    """
+    wanted = values > 0 if largest else values < 0
+    count = np.count_nonzero(wanted)
+    if count < k:
+        zeros = np.count_nonzero(values == 0)
+        if count + zeros >= k:
+            return values.dtype.type(0)
+        wanted, k = (values < 0 if largest else values > 0), k - count - zeros
+    part = values[wanted]
+    rank = part.size - k if largest else k - 1
+    return np.partition(part, rank)[rank]
+
+
 class Side(NamedTuple):
     """One side of SBC's comparison."""
 
@@ -258,10 +282,10 @@ def side_numpy(values: Tensor, k: int, block: int, largest: bool, columns: bool 
     else:
         grouped, extremes, tail = _groups(values, block, largest, columns)
         positions, candidates = _gather_numpy(grouped.numpy(), extremes.numpy(), tail.numpy(), k, largest, columns)
-    rank = candidates.size - k if largest else k - 1
-    part = np.partition(candidates, rank)
-    kth = part[rank]
-    total = float((part[rank:] if largest else part[:k]).sum(dtype=np.float64))
+    kth = _kth_numpy(candidates, k, largest)
+    beyond = candidates[candidates > kth if largest else candidates < kth]
+    # The k entries: those beyond the k-th value, and the k-th value as often as they fall short.
+    total = float(beyond.sum(dtype=np.float64) + (k - beyond.size) * np.float64(kth))
 
     def kept() -> Tensor:
         chosen = np.flatnonzero(_first_k_numpy(candidates, kth, k, largest))
@@ -345,8 +369,7 @@ def _gather_numpy(
     """:func:`_gather_torch` in numpy (the same arrays, bit for bit)."""
     num_groups = extremes.size
     both = np.concatenate([extremes, tail]) if tail.size else extremes
-    rank = both.size - k if largest else k - 1
-    bound = np.partition(both, rank)[rank]
+    bound = _kth_numpy(both, k, largest)
     chosen = np.flatnonzero(_first_k_numpy(both, bound, k, largest))
     num_full = int(np.searchsorted(chosen, num_groups))
     group_ids, tail_ids = chosen[:num_full], chosen[num_full:] - num_groups

@@ -3,6 +3,7 @@
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from distributed import run_workers
@@ -21,7 +22,7 @@ from lgc.coding.golomb import (
 )
 from lgc.compressors import CombineMode, ErrorFeedback
 from lgc.compressors.sbc import SBCCompressor, SBCPayload, sbc_select
-from lgc.compressors.selection import extreme_sides, sbc_block_size, side_numpy, side_torch
+from lgc.compressors.selection import _kth_numpy, extreme_sides, sbc_block_size, side_numpy, side_torch
 from lgc.compressors.topk import num_selected
 from lgc.methods import build_compressor
 
@@ -132,6 +133,27 @@ def test_both_direct_sides_from_one_partition_equal_each_side_on_its_own(ties, n
         assert side.total == pytest.approx(alone.total, rel=1e-14)
         assert torch.equal(side.positions(), alone.positions())
         assert torch.equal(side.positions(), side_torch(v, k, 1, largest).positions())
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("kind", ["normal", "mostly_zero", "all_zero", "one_sign", "rounded"])
+def test_the_kth_entry_is_partitions_whatever_the_mass_of_zeros(kind, largest):
+    # _kth_numpy selects around the zeros (introselect slows 10-30x on a repeated value); the answer
+    # is np.partition's for every k.
+    gen = np.random.default_rng(0)
+    values = gen.standard_normal(999).astype(np.float32)
+    if kind == "mostly_zero":
+        values[gen.random(999) < 0.97] = 0.0
+    elif kind == "all_zero":
+        values[:] = 0.0
+    elif kind == "one_sign":
+        values = np.abs(values) * (1 if largest else -1)
+        values[::3] = 0.0
+    elif kind == "rounded":
+        values = values.round()
+    for k in (1, 2, 17, 30, 500, 998, 999):
+        rank = values.size - k if largest else k - 1
+        assert _kth_numpy(values, k, largest) == np.partition(values, rank)[rank], k
 
 
 def test_fewer_entries_of_one_sign_than_k_take_zeros_as_the_paper_does():
