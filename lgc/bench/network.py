@@ -49,7 +49,10 @@ step size (``lr`` and ``momentum`` go to the worker's SGD, the rest to ``lgc.com
 step, the whole run's wire MB, the time to target and the accuracy at equal wire bytes (the
 accuracy every method had reached when it had sent as many bytes as the thriftiest one sent in
 its whole run), printed below each table.
-``--from-json`` reports a saved ``network.json`` again without measuring.
+``--from-json`` reports a saved ``network.json`` again without measuring. A run with ``--out``
+resumes: the (setting, method, seed) measurements already in ``OUT/network.json`` are kept and
+skipped, with the setting's calibration, so a long comparison can be stopped and started again; a
+``network.json`` measured with other training settings is refused rather than mixed in.
 
 Output: a markdown table (stdout and ``--out``/``network.md``), ``network.json`` (every step of
 every rank) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, and below
@@ -134,7 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default 0): time to target is reported as mean and 95 %% interval over them",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one measurement may take")
-    parser.add_argument("--out", type=Path, default=None, help="write network.md, network.json and the plot here")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write network.md, network.json and the plot here (a rerun skips what its network.json holds)",
+    )
     parser.add_argument(
         "--from-json",
         type=Path,
@@ -304,16 +312,23 @@ def run(args: argparse.Namespace) -> None:
     except netns.NetworkUnavailable as error:
         print(f"lgc-bench network: cannot build the shaped network: {error}", file=sys.stderr)
         sys.exit(2)
+    try:
+        measurements, calibrations = _measured_before(args)
+    except ValueError as error:
+        sys.exit(f"lgc-bench network: {error}")
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs")
-    measurements: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    calibrations: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="lgc-bench-network-") as scratch:
         for workers in worker_counts:
             for bandwidth in bandwidths:
                 setting = f"{workers} workers, {bandwidth}"
+                done = measurements.get(setting, {})
+                if all(_has_seed(done.get(m.label, []), seed) for m in methods for seed in seeds):
+                    print(f"{setting}: measured before, in {args.out / 'network.json'}", flush=True)
+                    continue
                 with netns.ShapedNetwork(workers, bandwidth, args.delay) as net:
-                    calibrations[setting] = _calibrate(net, args, Path(scratch) / f"{workers}-{bandwidth}-link")
+                    if setting not in calibrations:
+                        calibrations[setting] = _calibrate(net, args, Path(scratch) / f"{workers}-{bandwidth}-link")
                     fitted = _fitted_link(calibrations[setting], workers)
                     print(
                         f"{setting}: link fitted alpha {1e6 * fitted.latency_s:.0f} us, "
@@ -323,6 +338,8 @@ def run(args: argparse.Namespace) -> None:
                     for repeat, seed in enumerate(seeds):
                         order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
                         for index, method in enumerate(order):
+                            if _has_seed(measurements.get(setting, {}).get(method.label, []), seed):
+                                continue  # measured before this run (network.json in --out)
                             knobs = {**SHORT_RUN_KNOBS.get(method.name, {}), **method.knobs}
                             optimizer = {key: knobs.pop(key) for key in OPTIMIZER_KNOBS if key in knobs}
                             spec = {
@@ -353,6 +370,39 @@ def run(args: argparse.Namespace) -> None:
     except ValueError as error:
         kept = "" if args.out is None else f"; the measurements are kept in {args.out / 'network.json'}"
         sys.exit(f"lgc-bench network: {error}{kept}")
+
+
+#: The arguments a measurement depends on: a resumed run must share them with the measurements it keeps.
+_MEASURED_WITH = ("task", "steps", "batch_size", "lr", "eval_every", "delay")
+
+
+def _measured_before(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The measurements and calibrations of ``args.out/network.json`` (none without ``--out`` or the file).
+
+    Raises:
+        ValueError: the file was measured with other training settings (:data:`_MEASURED_WITH`).
+    """
+    path = None if args.out is None else args.out / "network.json"
+    if path is None or not path.is_file():
+        return {}, {}
+    record = json.loads(path.read_text())
+    saved = record.get("arguments", {})
+    differ = [
+        f"--{name.replace('_', '-')} {saved.get(name)} there, {getattr(args, name)} here"
+        for name in _MEASURED_WITH
+        if saved.get(name) != str(getattr(args, name))
+    ]
+    if differ:
+        raise ValueError(
+            f"{path} holds measurements of other training settings ({'; '.join(differ)}): give another --out, "
+            "or the same settings to resume it"
+        )
+    return record.get("raw", {}), record.get("calibrations", {})
+
+
+def _has_seed(runs: list[dict[str, Any]], seed: int) -> bool:
+    """Whether ``runs`` (one method's measurements in one setting) hold one of ``seed``."""
+    return any(run["ranks"][0]["spec"].get("seed") == seed for run in runs)
 
 
 def _keep(args: argparse.Namespace, measurements: dict[str, Any], calibrations: dict[str, Any], **report: Any) -> None:

@@ -301,3 +301,53 @@ def test_measurements_are_kept_when_the_report_cannot_be_made(tmp_path, monkeypa
     assert "raise --steps" in str(exit_info.value.code) and "measurements are kept in" in str(exit_info.value.code)
     saved = json.loads((tmp_path / "network.json").read_text())
     assert len(saved["raw"]["2 workers, 1gbit"]["lgc_rar"]) == 1
+
+
+def test_a_rerun_with_the_same_out_measures_only_what_is_missing(tmp_path, monkeypatch):
+    from lgc.bench import network
+
+    class _Net:
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    measured, calibrated = [], []
+
+    def measure(net, spec, timeout, folder):
+        measured.append((spec["method"], spec["seed"]))
+        ranks = [_rank(spec["method"], [0.1] * 4, 0.05, [0.5], 10, seed=spec["seed"]) for _ in range(2)]
+        for rank in ranks:
+            rank["steady_from"] = 10  # no report: only what is kept matters here
+        return {"ranks": ranks, "interfaces": {}}
+
+    def calibrate(net, args, folder):
+        calibrated.append(folder.name)
+        return {"samples": []}
+
+    monkeypatch.setattr(netns, "check_available", lambda **kwargs: None)
+    monkeypatch.setattr(netns, "ShapedNetwork", _Net)
+    monkeypatch.setattr(network, "_calibrate", calibrate)
+    monkeypatch.setattr(
+        network, "_fitted_link", lambda calibration, workers: type("L", (), {"latency_s": 0.0, "bytes_per_s": 1.0})
+    )
+    monkeypatch.setattr(network, "_measure", measure)
+    common = ["network", "--workers", "2", "--bandwidth", "1gbit", "--methods", "none,topk", "--steps", "4",
+              "--skip", "1", "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*common, "--seeds", "0"])
+    assert sorted(measured) == [("none", 0), ("topk", 0)] and len(calibrated) == 1
+    measured.clear()
+    with pytest.raises(SystemExit):
+        main([*common, "--seeds", "0,1"])
+    assert sorted(measured) == [("none", 1), ("topk", 1)] and len(calibrated) == 1  # the kept calibration
+    saved = json.loads((tmp_path / "network.json").read_text())["raw"]["2 workers, 1gbit"]
+    assert [run["ranks"][0]["spec"]["seed"] for run in saved["topk"]] == [0, 1]
+    measured.clear()
+    with pytest.raises(SystemExit, match=r"other training settings \(--steps 4 there, 6 here\)"):
+        main([*common[:-4], "--steps", "6", "--skip", "1", "--out", str(tmp_path), "--seeds", "0,1,2"])
+    assert measured == []
