@@ -23,6 +23,7 @@ from torch import Tensor
 __all__ = [
     "MAX_UINT_BITS",
     "byte_table",
+    "check_packed",
     "decode_bytes",
     "pack_bits",
     "pack_uint",
@@ -68,7 +69,7 @@ def unpack_bits(packed: Tensor, n: int) -> Tensor:
         packed: 1-D ``uint8`` tensor.
         n: number of bits to return, at most ``8 * packed.numel()``.
     """
-    packed = _check_packed(packed, n)
+    packed = check_packed(packed, n)
     if packed.device.type == "cpu":
         array = np.unpackbits(packed.numpy(), count=n, bitorder="big")
         return torch.from_numpy(array).view(torch.bool)  # unpackbits yields only 0 and 1
@@ -142,7 +143,7 @@ def unpack_uint(packed: Tensor, bits: int, n: int, dtype: torch.dtype = torch.in
     capacity = torch.iinfo(dtype).bits - (1 if torch.iinfo(dtype).min < 0 else 0)
     if bits > capacity:
         raise ValueError(f"{dtype} cannot hold {bits}-bit unsigned codes")
-    packed = _check_packed(packed, n * bits)
+    packed = check_packed(packed, n * bits)
     if n == 0:
         return torch.empty(0, dtype=dtype, device=packed.device)
     if bits == 1:
@@ -198,7 +199,8 @@ def _check_width(bits: int) -> None:
         raise ValueError(f"code width must be in [1, {MAX_UINT_BITS}] bits, got {bits}")
 
 
-def _check_packed(packed: Tensor, n: int) -> Tensor:
+def check_packed(packed: Tensor, n: int) -> Tensor:
+    """``packed`` (contiguous) if it is a 1-D ``uint8`` tensor holding at least ``n`` bits, else a ValueError."""
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise ValueError(f"packed bits must be a 1-D uint8 tensor, got {packed.dtype} of shape {tuple(packed.shape)}")
     if not 0 <= n <= 8 * packed.numel():

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lgc.coding.bitpack import pack_bits, packed_nbytes, unpack_bits
+from lgc.coding.bitpack import check_packed, pack_bits, packed_nbytes, unpack_bits
 
 __all__ = [
     "HEADER_BYTES",
@@ -300,8 +300,9 @@ def golomb_decode(code: GolombCode) -> Tensor:
     remainder_bits = count * b
     if code.num_bits < remainder_bits + count:
         raise ValueError(f"a stream of {code.num_bits} bits cannot hold {count} code words with b={b}")
+    bits = check_packed(code.bits, code.num_bits)  # the same errors on every path
     decode = _decode_numpy if device.type == "cpu" else _decode_torch
-    return decode(code.bits, code.num_bits, count, b)
+    return decode(bits, code.num_bits, count, b)
 
 
 def _decode_torch(bits: Tensor, num_bits: int, count: int, b: int) -> Tensor:

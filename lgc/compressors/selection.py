@@ -112,8 +112,10 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
       densities the reduction dominates.
 
     On the CPU the search after the maxima runs in numpy (:func:`_topk_in_groups_numpy`), elsewhere
-    in torch. A NaN counts as the largest magnitude, as in ``torch.topk``.
+    in torch. A tensor holding an inf or a NaN (rare: the DDP hook's step guard keeps them out)
+    takes one ``torch.topk`` of its magnitudes, so it selects as ``torch.topk`` does (NaN largest).
     """
+    values = values.detach()
     numel = values.numel()
     block = _topk_block_size(numel, k) if k else 1
     if numel < _BLOCK_SELECTION_MIN_NUMEL or 8 * k * block > numel:
@@ -141,24 +143,35 @@ def _topk_in_groups(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor
     fills no group) are searched directly.
     """
     across = 1 - dim
-    # A NaN counts as the largest magnitude (as in torch.topk): its group's maximum is infinite, and
-    # "not below the threshold" keeps it where ">=" would not.
-    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_()).nan_to_num_(nan=math.inf)
+    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_())
+    tail = values[grouped.numel() :]
+    if not (bool(group_max.isfinite().all()) and bool(tail.isfinite().all())):
+        return _topk_nonfinite(values, k)
     top_groups = torch.topk(group_max, k, sorted=False)
     threshold = top_groups.values.min()
     magnitudes = grouped.index_select(across, top_groups.indices).abs_()
-    kept = (magnitudes < threshold).logical_not_().nonzero()
+    kept = (magnitudes >= threshold).nonzero()
     coordinates = list(kept.unbind(1))
     magnitudes = magnitudes[coordinates[0], coordinates[1]]
     coordinates[across] = top_groups.indices[coordinates[across]]
     positions = coordinates[0] * grouped.stride(0) + coordinates[1] * grouped.stride(1)
     covered = grouped.numel()
     if covered < values.numel():
-        tail = values[covered:].abs()
-        tail_kept = (tail < threshold).logical_not_().nonzero().squeeze(1)
+        tail = tail.abs()
+        tail_kept = (tail >= threshold).nonzero().squeeze(1)
         magnitudes = torch.cat([magnitudes, tail[tail_kept]])
         positions = torch.cat([positions, tail_kept + covered])
     return positions[torch.topk(magnitudes, k, sorted=False).indices]
+
+
+def _topk_nonfinite(values: Tensor, k: int) -> Tensor:
+    """``torch.topk`` of the magnitudes, for a tensor holding an inf or a NaN.
+
+    A group bound cannot order them as ``torch.topk`` does (a NaN above every number, and above
+    inf, which no finite bound separates from the largest float); such a tensor is rare enough to
+    take the plain top-k.
+    """
+    return torch.topk(values.abs(), k, sorted=False).indices
 
 
 def _topk_in_groups_numpy(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor:
@@ -171,20 +184,21 @@ def _topk_in_groups_numpy(values: Tensor, k: int, grouped: Tensor, dim: int) -> 
     entries tied at the ``k``-th magnitude are returned may differ from the torch path's choice.
     """
     across = 1 - dim
-    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_()).nan_to_num_(nan=math.inf).numpy()
+    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_()).numpy()
+    tail = values[grouped.numel() :].numpy()
+    if not (np.isfinite(group_max).all() and np.isfinite(tail).all()):
+        return _topk_nonfinite(values, k)
     bound = _kth_numpy(group_max, k, largest=True)
     chosen = np.flatnonzero(_first_k_numpy(group_max, bound, k, largest=True))  # exactly k groups, ascending
     entries = np.abs(np.take(grouped.numpy(), chosen, axis=across)).reshape(-1)
-    flat = np.flatnonzero(~(entries < bound))  # NaN kept, as in the torch path
+    flat = np.flatnonzero(entries >= bound)
     positions = _positions(flat, chosen, grouped, columns=dim == 0)
     magnitudes = entries[flat]
-    covered = grouped.numel()
-    if covered < values.numel():
-        tail = np.abs(values[covered:].numpy())
-        tail_kept = np.flatnonzero(~(tail < bound))
+    if tail.size:
+        tail = np.abs(tail)
+        tail_kept = np.flatnonzero(tail >= bound)
         magnitudes = np.concatenate([magnitudes, tail[tail_kept]])
-        positions = np.concatenate([positions, tail_kept + covered])
-    np.nan_to_num(magnitudes, copy=False, nan=np.inf, posinf=np.inf)  # a NaN is the largest magnitude
+        positions = np.concatenate([positions, tail_kept + grouped.numel()])
     if bound > 0:  # no zero among the candidates: introselect at full speed
         best = np.argpartition(magnitudes, magnitudes.size - k)[magnitudes.size - k :]
     else:

@@ -97,7 +97,7 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.fragments import FRAGMENT_SPLITS, FragmentSlice, read_piece, split_into_fragments, write_piece
 from lgc.ddp.hook import CompressionHookState
-from lgc.ddp.protocol import HookState
+from lgc.ddp.protocol import HookState, RunTooShort
 from lgc.ddp.step_guard import PendingBucket
 from lgc.validation import Momentum, PositiveFloat, PositiveInt, check
 
@@ -118,7 +118,8 @@ class CommunicationDelayState(HookState):
             ``ErrorFeedback(SBCCompressor(density=0.01))``; or a hook state of the LGC family
             (:class:`~lgc.learned.LGCHookState`: LGC-RAR, LGC-PS, the shared-index codecs), which
             then exchanges the weight updates as it would exchange gradients, its stages counted in
-            exchanges (``warmup_steps=30`` is the first 30 exchanges, ``30 * delay`` local steps).
+            exchanges, a skipped one included (``warmup_steps=30`` is the first 30 exchanges,
+            ``30 * delay`` local steps).
             Such a state brings its own ``min_numel`` and exchanges whole parameters
             (``fragments=1``).
         delay: local steps between exchanges (SBC: 1 to 100s; longer delays save bytes linearly
@@ -318,10 +319,10 @@ class CommunicationDelayState(HookState):
         exchanges = None if total_steps is None else total_steps // self.delay
         try:
             self.exchange_state.check_run(model, world_size, exchanges)
-        except ValueError as err:
+        except RunTooShort as err:
             raise ValueError(
-                f"{err} (under delay={self.delay} a step of {type(self.exchange_state).__name__} is an exchange of "
-                f"{self.delay} local steps: the run's {total_steps} optimizer steps make {exchanges} exchanges)"
+                f"{err.what} >= the run's {err.total} exchanges ({total_steps} optimizer steps, an exchange every "
+                f"delay={self.delay}: {type(self.exchange_state).__name__}'s stages count exchanges)"
             ) from None
 
     def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -422,7 +423,6 @@ class CommunicationDelayState(HookState):
             self.exchange_state.step_done(skipped=True)
             return
         self.exchange_state.compress_step(pending, verdict.used, exchange)
-        self.exchange_state.step_done(skipped=False)
         for s, segment in zip(pieces, segments, strict=True):
             synced = self.synced[s.key]
             averaged = update[segment.offset : segment.offset + segment.numel].view_as(synced)
@@ -437,6 +437,7 @@ class CommunicationDelayState(HookState):
             write_piece(params[s.name], s, self.synced[s.key])
         if with_buffers:
             self._average_buffers(world_size)
+        self.exchange_state.step_done(skipped=False)  # after the buffers: their bytes belong to this exchange
 
     def _average_buffers(self, world_size: int) -> None:
         """Every worker's floating-point buffers averaged (a counted allreduce); all continue from the average.

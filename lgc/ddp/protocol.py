@@ -36,7 +36,20 @@ if TYPE_CHECKING:
 
     from lgc.ddp.collectives import CommStats
 
-__all__ = ["HookState"]
+__all__ = ["HookState", "RunTooShort"]
+
+
+class RunTooShort(ValueError):
+    """A method's stages do not fit the run (``check_run``): ``what`` does not fit in ``total`` steps.
+
+    Communication delay re-counts the run in exchanges and says so (the stages of a state it
+    exchanges through count exchanges).
+    """
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what = what
+        self.total = total
+        super().__init__(f"{what} >= the run's {total} optimizer steps")
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES
+from lgc.ddp.protocol import RunTooShort
 from lgc.validation import NonNegativeInt, PositiveFloat, PositiveInt, check
 
 __all__ = ["WARMUPS", "LGCStage", "StageSchedule"]
@@ -151,9 +152,9 @@ class StageSchedule:
     def check_total_steps(self, total_steps: int) -> None:
         """Refuse stage lengths that leave no compressed stage in a run of ``total_steps`` steps."""
         if self.warmup_steps + self.ae_steps >= total_steps:
-            raise ValueError(
-                f"LGC stages leave no compressed stage: warmup_steps={self.warmup_steps} + ae_steps={self.ae_steps} "
-                f">= the run's {total_steps} optimizer steps"
+            raise RunTooShort(
+                f"LGC stages leave no compressed stage: warmup_steps={self.warmup_steps} + ae_steps={self.ae_steps}",
+                total_steps,
             )
 
     def state_dict(self) -> dict[str, Any]:

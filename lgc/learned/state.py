@@ -223,7 +223,13 @@ class LGCHookState(CompressionHookState):
         return self.schedule.stage_at(step)
 
     def set_world_size(self, world_size: int) -> None:
-        """Fix the number of workers before they start (checks the leader; LGC-PS sizes its decoders)."""
+        """Fix the number of workers before they start (checks the leader; LGC-PS sizes its decoders).
+
+        Raises:
+            ValueError: the state was configured (or has run) for another number of workers.
+        """
+        if self.world_size is not None and self.world_size != world_size:
+            raise ValueError(f"LGC was configured for {self.world_size} workers but the group has {world_size}")
         self._check_world(world_size)
         built = self.training is None or self.training.trainer is not None
         if self.world_size != world_size or not built:
@@ -251,10 +257,7 @@ class LGCHookState(CompressionHookState):
 
     def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Attach to ``model`` and register :func:`lgc_hook` with this state (``optimizer`` is not needed)."""
-        world_size = dist.get_world_size(self.process_group)
-        if self.world_size is not None and self.world_size != world_size:
-            raise ValueError(f"LGC was configured for {self.world_size} workers but the group has {world_size}")
-        self.set_world_size(world_size)
+        self.set_world_size(dist.get_world_size(self.process_group))
         self.attach(model)
         self.buffer_sync = module_buffers.register_comm_hook(model, self, lgc_hook)
 

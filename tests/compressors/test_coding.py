@@ -160,6 +160,16 @@ def test_golomb_rejects_bad_input(golomb_path):
         golomb_encode(torch.tensor([1, 2]), 10, b=-1)
 
 
+def test_golomb_decode_refuses_a_code_whose_bits_do_not_hold_its_stream(golomb_path):
+    bits = torch.tensor([0xFF], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="cannot read 9 bits from 1 bytes"):
+        golomb_decode(GolombCode(bits=bits, num_bits=9, count=1, b=0))
+    with pytest.raises(ValueError, match="1-D uint8"):
+        golomb_decode(GolombCode(bits=bits.view(1, 1), num_bits=8, count=1, b=0))
+    with pytest.raises(ValueError, match="1-D uint8"):
+        golomb_decode(GolombCode(bits=bits.to(torch.int16), num_bits=8, count=1, b=0))
+
+
 def test_golomb_from_wire_rejects_corrupt_buffers(golomb_path):
     wire = golomb_encode(_random_positions(10_000, 100, seed=4), 10_000).to_wire()
     with pytest.raises(ValueError):

@@ -220,6 +220,27 @@ def test_group_maximum_topk_selection_takes_nan_and_inf_first_as_torch_topk(nume
         assert set(chosen.tolist()) == expected, path
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_group_maximum_topk_selection_orders_nan_inf_and_the_largest_float_as_torch_topk(dtype):
+    from lgc.compressors.selection import topk_indices
+
+    numel = 1 << 17
+    g = (_randn(numel, seed=2) * 0.01).to(dtype)
+    g[5] = torch.finfo(dtype).max  # a group maximum no finite bound tells from inf
+    g[numel // 2 + 3] = float("inf")
+    assert topk_indices(g, 1).tolist() == [numel // 2 + 3]
+    g[numel // 2 + 2] = float("nan")  # in the same group as the inf: NaN is larger still
+    assert topk_indices(g, 1).tolist() == [numel // 2 + 2]
+    assert set(topk_indices(g, 3).tolist()) == {5, numel // 2 + 2, numel // 2 + 3}
+
+
+def test_topk_selection_takes_a_tensor_that_requires_grad():
+    from lgc.compressors.selection import topk_indices
+
+    g = _randn(1 << 16, seed=3).requires_grad_()
+    assert set(topk_indices(g, 10).tolist()) == set(torch.topk(g.detach().abs(), 10).indices.tolist())
+
+
 @pytest.mark.parametrize("k", [50, 1000])  # blocks, columns
 def test_group_maximum_topk_selection_with_ties_and_a_ragged_tail(k):
     from lgc.compressors.selection import topk_indices

@@ -28,8 +28,10 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
 
 
-def _train(rank: int, world: int, compressor, delay: int | None, steps: int, outer: dict | None = None) -> dict:
-    model = DDP(_net())
+def _train(
+    rank: int, world: int, compressor, delay: int | None, steps: int, outer: dict | None = None, net=_net
+) -> dict:
+    model = DDP(net())
     state = None
     if delay is not None:
         # An LGC-family hook state brings its own min_numel.
@@ -95,8 +97,9 @@ def test_a_shared_index_state_exchanges_the_exact_mean_update_at_full_density():
 def test_the_lgc_familys_stages_count_exchanges_and_only_exchanges_send():
     delay, steps = 3, 12
     shared = SharedIndexState(values="int8", density=0.1, warmup_steps=2, min_numel=0, index_coding="golomb")
-    results = run_workers(_train, 2, shared, delay, steps)
-    numel = sum(p.numel() for p in _net().parameters())
+    # BatchNorm's statistics are averaged at every exchange: their bytes belong to that exchange's stage.
+    results = run_workers(_train, 2, shared, delay, steps, None, _bn_net)
+    numel = sum(p.numel() for p in _bn_net().parameters())
     for result in results:
         sent = result["sent"]
         increments = [b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)]
@@ -127,8 +130,18 @@ def test_an_lgc_family_state_refuses_what_it_cannot_do_under_a_delay(settings, m
 def test_the_lgc_familys_stages_are_checked_in_exchanges():
     state = CommunicationDelayState(SharedIndexState(values="int8", warmup_steps=10), delay=4)
     state.check_run(_net(), 2, 44)  # 11 exchanges: one after the warm-up
-    with pytest.raises(ValueError, match=r"warmup_steps=10 .* the run's 40 optimizer steps make 10 exchanges"):
+    with pytest.raises(ValueError, match=r"warmup_steps=10 \+ ae_steps=0 >= the run's 10 exchanges \(40 optimizer"):
         state.check_run(_net(), 2, 40)
+    with pytest.raises(ValueError, match=r"^leader_rank=3 is outside"):  # other refusals as they are
+        CommunicationDelayState(SharedIndexState(values="int8", leader_rank=3, rotate_leader=False), delay=4).check_run(
+            _net(), 2, None
+        )
+
+
+def test_an_lgc_family_state_configured_for_other_workers_is_refused_under_a_delay(group):
+    state = CommunicationDelayState(SharedIndexState(values="int8", world_size=2), delay=4)
+    with pytest.raises(ValueError, match="LGC was configured for 2 workers but the group has 1"):
+        state.register(DDP(_net()))
 
 
 def test_delay_rejects_non_positive_steps():
