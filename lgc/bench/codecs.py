@@ -457,27 +457,35 @@ def plot_codecs(results: Sequence[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg", force=False)
     from matplotlib import pyplot as plt
 
-    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False, layout="constrained")
-    for axis, result in zip(axes[0], results, strict=True):
-        codecs = list(dict.fromkeys(row["codec"] for row in result["rows"]))
-        for index, codec in enumerate(codecs):
-            for leader, marker in (("fixed", "o"), ("rotating", "^")):
-                (row,) = [r for r in result["rows"] if r["codec"] == codec and r["leader"] == leader]
-                if row["error"] is None:
-                    continue  # cannot carry this many workers' sum
-                axis.scatter(
-                    row["bits_per_value"],
-                    max(row["error"], 1e-9),
-                    marker=marker,
-                    color=f"C{index % 10}",
-                    label=f"{codec} ({leader})",
-                )
+    columns = min(3, len(results))
+    figure, axes = plt.subplots(
+        -(-len(results) // columns), columns, figsize=(5.5 * columns, 4.2 * -(-len(results) // columns) + 2.5),
+        squeeze=False, layout="constrained",
+    )  # fmt: skip
+    # One colour per codec across every panel (its marker says the leader), one key for the figure.
+    codecs = list(dict.fromkeys(row["codec"] for result in results for row in result["rows"]))
+    palette = matplotlib.colormaps["tab20"]
+    handles: dict[str, Any] = {}
+    for axis, result in zip(axes.flat, results, strict=False):
+        for row in result["rows"]:
+            if row["error"] is None:
+                continue  # cannot carry this many workers' sum
+            label = f"{row['codec']} ({row['leader']})"
+            handles[label] = axis.scatter(
+                row["bits_per_value"],
+                max(row["error"], 1e-9),
+                marker="o" if row["leader"] == "fixed" else "^",
+                color=palette(codecs.index(row["codec"]) % 20),
+                label=label,
+            )
         axis.set_yscale("log")
         axis.set_xlabel("wire bits per value (payload + the leader's message)")
         axis.set_ylabel("delivered-sum error (relative, squared)")
         axis.set_title(result["label"], fontsize=10)
         axis.grid(alpha=0.3, which="both")
-        axis.legend(fontsize=6, ncol=2)
+    for axis in axes.flat[len(results) :]:
+        axis.set_visible(False)
+    figure.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=5, fontsize=7)
     figure.savefig(path, dpi=120)
 
 
