@@ -181,30 +181,6 @@ def test_group_maximum_topk_selection_is_exact(numel, k):
     assert set(chosen.tolist()) == set(expected.tolist())
 
 
-def _group_searches(g: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """The CPU's numpy group search and the torch one (every other device's), over the same groups."""
-    from lgc.compressors import selection
-
-    numel, block = g.numel(), selection._topk_block_size(g.numel(), k)
-    if block <= selection._COLUMN_GROUPS_MAX_ROW_BLOCK:
-        rows = min(2 * block, selection._COLUMN_GROUPS_MAX)
-        grouped, dim = g[: numel // rows * rows].view(rows, -1), 0
-    else:
-        grouped, dim = g[: numel // block * block].view(-1, block), 1
-    return {
-        "numpy": selection._topk_in_groups_numpy(g, k, grouped, dim),
-        "torch": selection._topk_in_groups(g, k, grouped, dim),
-    }
-
-
-@pytest.mark.parametrize("numel,k", [(1_000_003, 1000), (262_147, 5_243), (200_000, 24_999)])  # blocks, columns
-def test_the_numpy_and_torch_group_searches_select_the_same_entries(numel, k):
-    g = _randn(numel, seed=k) * torch.linspace(0.1, 3.0, numel)
-    expected = set(torch.topk(g.abs(), k).indices.tolist())
-    for path, chosen in _group_searches(g, k).items():
-        assert chosen.dtype == torch.int64 and chosen.numel() == k and set(chosen.tolist()) == expected, path
-
-
 @pytest.mark.parametrize("numel,k", [(100_003, 100), (100_003, 1000), (1_000_003, 5000)])
 def test_group_maximum_topk_selection_takes_nan_and_inf_first_as_torch_topk(numel, k):
     from lgc.compressors.selection import topk_indices
@@ -216,8 +192,6 @@ def test_group_maximum_topk_selection_takes_nan_and_inf_first_as_torch_topk(nume
     expected = set(torch.topk(g.abs(), k).indices.tolist())
     assert {5, 7, 9} <= expected
     assert set(topk_indices(g, k).tolist()) == expected
-    for path, chosen in _group_searches(g, k).items():
-        assert set(chosen.tolist()) == expected, path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
