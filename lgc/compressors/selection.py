@@ -144,10 +144,12 @@ def _topk_in_groups(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor
     """
     across = 1 - dim
     group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_())
-    tail = values[grouped.numel() :]
-    if not (bool(group_max.isfinite().all()) and bool(tail.isfinite().all())):
-        return _topk_nonfinite(values, k)
     top_groups = torch.topk(group_max, k, sorted=False)
+    tail = values[grouped.numel() :]
+    # A non-finite group maximum is among the top k (torch.topk ranks NaN and inf highest): checking
+    # those k costs less than checking every group.
+    if not bool(top_groups.values.isfinite().all()) or (tail.numel() and not bool(tail.isfinite().all())):
+        return _topk_nonfinite(values, k)
     threshold = top_groups.values.min()
     magnitudes = grouped.index_select(across, top_groups.indices).abs_()
     kept = (magnitudes >= threshold).nonzero()
