@@ -269,32 +269,40 @@ def test_seeds_are_summarized_each_on_its_own_steady_steps_then_combined():
     assert network_results.combine_seeds(rows[:1]) == rows[0]
 
 
-def test_measurements_are_kept_when_the_report_cannot_be_made(tmp_path, monkeypatch):
+class _NoNetwork:
+    """A ShapedNetwork that builds nothing (the measurement itself is replaced too)."""
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _measure_offline(monkeypatch, measure, calibrate=lambda net, args, folder: {"samples": []}) -> None:
+    """lgc-bench network with ``measure`` and ``calibrate`` in place of the workers and the network."""
     from lgc.bench import network
 
-    class _Net:
-        def __init__(self, *args):
-            pass
+    monkeypatch.setattr(netns, "check_available", lambda **kwargs: None)
+    monkeypatch.setattr(netns, "ShapedNetwork", _NoNetwork)
+    monkeypatch.setattr(network, "_calibrate", calibrate)
+    monkeypatch.setattr(
+        network, "_fitted_link", lambda calibration, workers: type("L", (), {"latency_s": 0.0, "bytes_per_s": 1.0})
+    )
+    monkeypatch.setattr(network, "_measure", measure)
 
-        def __enter__(self):
-            return self
 
-        def __exit__(self, *exc):
-            return False
-
+def test_measurements_are_kept_when_the_report_cannot_be_made(tmp_path, monkeypatch):
     def measure(net, spec, timeout, folder):
         ranks = [_rank(spec["method"], [0.1] * 4, 0.05, [0.5], 10, seed=spec["seed"]) for _ in range(2)]
         for rank in ranks:
             rank["steady_from"] = 10  # its stages outlast the 4 steps measured
         return {"ranks": ranks, "interfaces": {}}
 
-    monkeypatch.setattr(netns, "check_available", lambda **kwargs: None)
-    monkeypatch.setattr(netns, "ShapedNetwork", _Net)
-    monkeypatch.setattr(network, "_calibrate", lambda net, args, folder: {"samples": []})
-    monkeypatch.setattr(
-        network, "_fitted_link", lambda calibration, workers: type("L", (), {"latency_s": 0.0, "bytes_per_s": 1.0})
-    )
-    monkeypatch.setattr(network, "_measure", measure)
+    _measure_offline(monkeypatch, measure)
     with pytest.raises(SystemExit) as exit_info:
         main(["network", "--workers", "2", "--bandwidth", "1gbit", "--methods", "lgc_rar", "--steps", "4",
               "--skip", "1", "--out", str(tmp_path)])  # fmt: skip
@@ -304,18 +312,6 @@ def test_measurements_are_kept_when_the_report_cannot_be_made(tmp_path, monkeypa
 
 
 def test_a_rerun_with_the_same_out_measures_only_what_is_missing(tmp_path, monkeypatch):
-    from lgc.bench import network
-
-    class _Net:
-        def __init__(self, *args):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
     measured, calibrated = [], []
 
     def measure(net, spec, timeout, folder):
@@ -329,13 +325,7 @@ def test_a_rerun_with_the_same_out_measures_only_what_is_missing(tmp_path, monke
         calibrated.append(folder.name)
         return {"samples": []}
 
-    monkeypatch.setattr(netns, "check_available", lambda **kwargs: None)
-    monkeypatch.setattr(netns, "ShapedNetwork", _Net)
-    monkeypatch.setattr(network, "_calibrate", calibrate)
-    monkeypatch.setattr(
-        network, "_fitted_link", lambda calibration, workers: type("L", (), {"latency_s": 0.0, "bytes_per_s": 1.0})
-    )
-    monkeypatch.setattr(network, "_measure", measure)
+    _measure_offline(monkeypatch, measure, calibrate)
     common = ["network", "--workers", "2", "--bandwidth", "1gbit", "--methods", "none,topk", "--steps", "4",
               "--skip", "1", "--out", str(tmp_path)]  # fmt: skip
     with pytest.raises(SystemExit):
