@@ -229,7 +229,7 @@ def _kth_numpy(values: np.ndarray, k: int, largest: bool) -> Any:
     a gradient repeats is zero (parameters a batch did not touch, a residual not yet filled, a
     mostly-zero block bound). So the entries beyond zero on the wanted side are selected alone; when
     fewer than ``k``, the answer is zero, or lies among the entries beyond zero on the other side.
-    NaN entries are never the answer.
+    For finite ``values`` (:func:`extreme_sides` sends a tensor holding an inf or a NaN elsewhere).
     """
     wanted = values > 0 if largest else values < 0
     count = np.count_nonzero(wanted)
@@ -265,6 +265,7 @@ def side_numpy(values: Tensor, k: int, block: int, largest: bool, columns: bool 
         positions, candidates = None, values.numpy()
     else:
         grouped, extremes, tail = _groups(values, block, largest, columns)
+        _check_bound(extremes, tail, largest)
         positions, candidates = _gather_numpy(grouped.numpy(), extremes.numpy(), tail.numpy(), k, largest, columns)
     kth = _kth_numpy(candidates, k, largest)
     beyond = candidates[candidates > kth if largest else candidates < kth]
@@ -283,7 +284,9 @@ def side_torch(values: Tensor, k: int, block: int, largest: bool, columns: bool 
     if block == 1:
         positions, candidates = None, values
     else:
-        positions, candidates = _gather_torch(*_groups(values, block, largest, columns), k, largest, columns)
+        grouped, extremes, tail = _groups(values, block, largest, columns)
+        _check_bound(extremes, tail, largest)
+        positions, candidates = _gather_torch(grouped, extremes, tail, k, largest, columns)
     top = torch.topk(candidates, k, largest=largest, sorted=False).values
     kth = top.min() if largest else top.max()
     total = float(top.sum(dtype=torch.float64))
@@ -375,14 +378,56 @@ def extreme_sides(values: Tensor, k: int) -> tuple[Side, Side]:
     ``torch.topk(v, k)`` and ``torch.topk(-v, k)`` up to which of several equal entries is taken
     (the first ones in memory order), through the block bound of the module docstring; on CPU
     everything after the reductions runs in numpy, elsewhere in torch, with the same result.
+
+    A tensor holding an inf or a NaN takes the reference's two ``torch.topk`` calls
+    (:func:`_sides_nonfinite`): a NaN then ranks first on both sides and makes both means NaN, as
+    in the reference. The block path sees one in the group maxima (minima) it computes anyway
+    (a NaN propagates through the reduction), the direct path in the sides' sums.
     """
     block = sbc_block_size(values.numel(), k)
     on_numpy = values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES
-    if on_numpy and block == 1:
-        return _both_sides_numpy(values, k)
-    side = side_numpy if on_numpy else side_torch
-    columns = block <= _SBC_COLUMN_GROUPS_MAX
-    return side(values, k, block, True, columns), side(values, k, block, False, columns)
+    try:
+        if on_numpy and block == 1:
+            sides = _both_sides_numpy(values, k)
+        else:
+            side = side_numpy if on_numpy else side_torch
+            columns = block <= _SBC_COLUMN_GROUPS_MAX
+            sides = side(values, k, block, True, columns), side(values, k, block, False, columns)
+    except _NonFinite:
+        return _sides_nonfinite(values, k)
+    if not all(math.isfinite(side.total) for side in sides):
+        return _sides_nonfinite(values, k)
+    return sides
+
+
+class _NonFinite(Exception):
+    """A side's group bound met an inf or a NaN (:func:`extreme_sides` then takes :func:`_sides_nonfinite`)."""
+
+
+def _check_bound(extremes: Tensor, tail: Tensor, largest: bool) -> None:
+    """Raise :class:`_NonFinite` when the groups' maxima (minima) or the leftover entries hold an inf or a NaN.
+
+    The largest of the maxima is NaN when any group holds a NaN and inf when one holds +inf; a
+    -inf shows in the other side's minima, and :func:`extreme_sides` always computes both.
+    """
+    for part in (extremes, tail):
+        if part.numel() and not bool(torch.isfinite(part.max() if largest else part.min())):
+            raise _NonFinite
+
+
+def _sides_nonfinite(values: Tensor, k: int) -> tuple[Side, Side]:
+    """SBC's two sides as its reference computes them, ``torch.topk(v, k)`` and ``torch.topk(-v, k)``.
+
+    For a tensor holding an inf or a NaN, which the block bound cannot order as ``torch.topk``
+    does (a NaN above every number on both sides); rare enough to take the plain top-k calls.
+    """
+
+    def side(signed: Tensor, sign: float) -> Side:
+        top = torch.topk(signed, k, sorted=False)
+        positions = top.indices.sort().values
+        return Side(sign * float(top.values.sum(dtype=torch.float64)), lambda: positions)
+
+    return side(values, 1.0), side(-values, -1.0)
 
 
 def _both_sides_numpy(values: Tensor, k: int) -> tuple[Side, Side]:

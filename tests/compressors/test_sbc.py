@@ -164,6 +164,33 @@ def test_fewer_entries_of_one_sign_than_k_take_zeros_as_the_paper_does():
     assert 123 in selection.positions.tolist() and selection.positions.numel() == 100
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy and torch paths
+@pytest.mark.parametrize("numel,k", [(200_007, 200), (100_013, 1000), (5000, 50)])  # rows, columns, direct
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "nan_and_inf", "k_nans"])
+def test_an_inf_or_a_nan_is_ranked_as_the_references_two_topk_calls_rank_it(dtype, numel, k, bad):
+    # The block bound cannot order them (and the zero-robust k-th entry would fail with fewer than k
+    # finite entries): such a tensor takes the reference's topk(v, k) and topk(-v, k).
+    v = _randn(numel, seed=3).to(dtype)
+    where = {"nan": [17], "inf": [numel // 2], "-inf": [numel - 1], "nan_and_inf": [5, numel // 3]}
+    spots = where.get(bad, list(range(0, numel, max(1, numel // (k + 5))))[: k + 3])
+    v[spots] = {"inf": math.inf, "-inf": -math.inf}.get(bad, math.nan)
+    if bad == "nan_and_inf":
+        v[spots[1]] = math.inf
+    selection = sbc_select(v, k)
+    positive, positions, mean_positive, mean_negative = _reference(v, k)
+    assert selection.positive == positive
+    assert math.isnan(selection.mean_positive) == math.isnan(mean_positive)
+    assert math.isnan(selection.mean_negative) == math.isnan(mean_negative)
+    if bad in ("inf", "-inf"):  # one infinite side wins, with an infinite mean, as in the reference
+        assert selection.positive == (bad == "inf") and math.isinf(selection.mean.item())
+        assert spots[0] in selection.positions.tolist()
+    else:  # a NaN leads both sides: both means NaN, and the comparison falls to the negative side
+        assert not selection.positive and math.isnan(selection.mean.item())
+        assert bad == "k_nans" or spots[0] in selection.positions.tolist()  # (a +inf ranks last on this side)
+    assert selection.positions.numel() == k and bool((selection.positions.diff() > 0).all())
+    assert torch.equal(selection.positions, positions)  # the same topk calls: the same picks among NaNs
+
+
 # ---------------------------------------------------------------------------------------------
 # payload content and size
 
