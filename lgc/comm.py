@@ -95,7 +95,7 @@ class EveryStep:
     #: rest of the backward pass, instead of holding every bucket until the step's last one.
     #: Bitwise the same results; costs a second fp32 residual per compressed parameter. For error
     #: feedback over a compressor without state of its own whose payloads are gathered (top-k, SBC,
-    #: EF-signSGD, chunked top-k, DeMo; :class:`~lgc.ddp.CompressionHookState`).
+    #: EF-signSGD, chunked top-k, DeMo) and for DGC (:class:`~lgc.ddp.CompressionHookState`).
     overlap: bool = False
 
     def to_comm(self) -> Comm:

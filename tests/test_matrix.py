@@ -98,6 +98,7 @@ METHODS = (
     Method("topk_overlap", "topk", ("comm.overlap=true",)),
     Method("sbc_overlap", "sbc", ("compressor.density=0.05", "comm.overlap=true")),
     Method("signsgd_overlap", "signsgd", ("comm.overlap=true",)),
+    Method("dgc_overlap", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2", "comm.overlap=true")),
     Method("redsync", "redsync", ("compressor.density=0.05",)),
     Method("redsync_search", "redsync", ("compressor.density=0.05", "compressor.method=threshold_binary_search")),
     Method("random_block", "random_block", ("compressor.density=0.1",)),

@@ -22,7 +22,12 @@ of 0.1 % (the paper: 270x-600x compression, ResNet-50's gradient from 97 MB to 0
    refused at the first compressed step rather than left at 25 % for the whole run.
 
 The top-k threshold is estimated from a strided sample instead of a full top-k, as the paper and
-its authors' code do (see :func:`lgc.compressors.selection.sampled_topk` for the exact rule). The accumulator ``v`` *is*
+its authors' code do (see :func:`lgc.compressors.selection.sampled_topk` for the exact rule); the
+sample's start is drawn per parameter and step from ``(seed, step count, name)``, so one
+parameter's draws do not depend on which others a step compressed. That lets the DDP hook's
+``overlap`` encode each bucket as it arrives, its momentum and accumulator written into second
+buffers and committed once the ranks agree on the step (:meth:`DGCCompressor.compress_pending`),
+bitwise as the held step. The accumulator ``v`` *is*
 the error-feedback residual, so DGC is never wrapped in :class:`lgc.compressors.ErrorFeedback`.
 
 **When DGC is exactly momentum SGD.** With density 1 and momentum factor masking *off*, every
@@ -54,8 +59,8 @@ selection kernel is :mod:`lgc.compressors.selection`.
 
 from __future__ import annotations
 
+import hashlib
 import math
-import random
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
@@ -189,7 +194,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             spread is about ``1 / sqrt(density * sample size)``) at the cost of a larger gather.
         exact_below_numel: tensors with fewer entries use an exact ``torch.topk``: for them
             sampling saves nothing and gives fewer exact counts.
-        seed: seed of the random generator that draws the sample's start.
+        seed: seed of the sample's start, drawn per parameter and step (:class:`_SampleStart`).
 
     Example::
 
@@ -262,8 +267,16 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self.decay_momenta: dict[str, Tensor] = {}
         #: How the last :meth:`compress` selected its entries (diagnostics; not saved).
         self.last_selection: SelectionInfo | None = None
-        # Python's generator, not torch's: it pickles without tensors (spawned workers get a copy).
-        self._rng = random.Random(self.seed)
+        #: Per-key count of the steps that key was compressed in: with ``seed`` and the key it
+        #: draws the sampled threshold's start (:class:`_SampleStart`), so a key's draws do not
+        #: depend on which other keys a step compressed (the hook's overlap encodes a parameter
+        #: before knowing whether some rank uses it).
+        self.draws: dict[str, int] = {}
+        #: A step encoded ahead of the ranks' agreement (:meth:`compress_pending`): key -> the held
+        #: (accumulator, momentum or None), until :meth:`commit`.
+        self._pending: dict[str, tuple[Tensor, Tensor | None]] = {}
+        #: Second buffers the held steps are written into, per (key, "v" or "u") (never saved).
+        self._spares: dict[tuple[str, str], Tensor] = {}
         #: The model's parameters by name (:meth:`attach_parameters`), read by the weight decay.
         #: Per process: never pickled (:meth:`__getstate__`) nor checkpointed (:meth:`state_dict`).
         self._parameters: Mapping[str, Tensor] | None = None
@@ -292,7 +305,12 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         # must not carry (or share) them; the worker's hook attaches its own.
         state = self.__dict__.copy()
         state["_parameters"] = None
+        # Second buffers are scratch and a held step belongs to this process: neither travels.
+        state["_pending"], state["_spares"] = {}, {}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"_pending": {}, "_spares": {}, "draws": {}, **state})
 
     # -- schedule --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -370,53 +388,121 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             raise ValueError(f"parameter {key!r} has {weight.numel()} elements but its update {like.numel()}")
         return weight.detach().reshape(-1)
 
-    def _accumulate(self, u: Tensor | None, v: Tensor, grad: Tensor, scale: float) -> None:
-        """Momentum correction on one span, in place: ``u = m*u + g; v += u`` (or the variants); ``g = scale*grad``."""
-        if u is None:
+    def _accumulate(
+        self, u: Tensor | None, v: Tensor, grad: Tensor, scale: float, u_out: Tensor | None, v_out: Tensor
+    ) -> None:
+        """Momentum correction on one span: ``u' = m*u + g; v' = v + u'`` (or the variants); ``g = scale*grad``.
+
+        Written into ``u_out`` and ``v_out``: ``u`` and ``v`` themselves (in place), or second
+        buffers for a step held until the ranks agree (:meth:`compress_pending`), by the same
+        operations either way, so both give the same bits.
+        """
+        if u is None or u_out is None:
             # No momentum: u would be g every step, so v += g is all there is (top-k with EF).
-            v.add_(grad, alpha=scale)
+            torch.add(v, grad, alpha=scale, out=v_out)
         elif self.nesterov:
-            u.add_(grad, alpha=scale).mul_(self.momentum)
-            v.add_(u).add_(grad, alpha=scale)
+            torch.add(u, grad, alpha=scale, out=u_out).mul_(self.momentum)
+            torch.add(v, u_out, out=v_out).add_(grad, alpha=scale)
         else:
             if scale == 1.0:
                 # One fused pass: g + m*u as an FMA (1 ulp from torch.optim.SGD's mul_ then add_).
-                torch.add(grad, u, alpha=self.momentum, out=u)
+                torch.add(grad, u, alpha=self.momentum, out=u_out)
             else:
-                u.mul_(self.momentum).add_(grad, alpha=scale)
-            v.add_(u)
+                torch.mul(u, self.momentum, out=u_out).add_(grad, alpha=scale)
+            torch.add(v, u_out, out=v_out)
 
     def compress(self, tensor: Tensor, key: str) -> SparsePayload:
+        payload, _ = self._compress(tensor, key, held=False)
+        self.draws[key] = self.draws.get(key, 0) + 1
+        return payload
+
+    # -- encoding ahead of the step's agreement (the hook's overlap) ------------------------------------
+    #: The hook's ``overlap`` may encode a step before the ranks agree on it (:meth:`compress_pending`).
+    speculates = True
+
+    def compress_pending(self, tensor: Tensor, key: str) -> SparsePayload:
+        """:meth:`compress`'s payload, the step's momentum and accumulator held aside until :meth:`commit`.
+
+        ``u`` and ``v`` stay as they are; the step writes ``m*u + g`` and ``v + u'`` into a second
+        buffer per key (one more fp32 copy of each, no extra pass), selects from it and zeroes the
+        sent entries there. :meth:`commit` swaps the buffers of the parameters the ranks used; a
+        dropped step leaves everything as before it, draws included.
+        """
+        payload, held = self._compress(tensor, key, held=True)
+        assert held is not None
+        self._pending[key] = held
+        return payload
+
+    def commit(self, keys: frozenset[str] | set[str]) -> None:
+        """Adopt the held step of ``keys``; drop the others' (their state stays as before the step).
+
+        ``commit(frozenset())`` drops the whole step (the ranks agreed to skip it).
+        """
+        for key, (v, u) in self._pending.items():
+            if key in keys:
+                v, self.velocities[key] = self.velocities.get(key), v
+                if u is not None:
+                    u, self.momenta[key] = self.momenta.get(key), u
+                self.draws[key] = self.draws.get(key, 0) + 1
+            # The buffers left over (the step's, or those it replaced) serve the next held step.
+            for which, spare in (("v", v), ("u", u)):
+                if spare is not None:
+                    self._spares[(key, which)] = spare
+        self._pending = {}
+
+    def _spare(self, key: str, which: str, like: Tensor) -> Tensor:
+        spare = self._spares.pop((key, which), None)
+        if spare is None or spare.shape != like.shape or spare.device != like.device:
+            spare = torch.empty_like(like)
+        return spare
+
+    def _compress(
+        self, tensor: Tensor, key: str, held: bool
+    ) -> tuple[SparsePayload, tuple[Tensor, Tensor | None] | None]:
+        """One step of DGC for ``key``: in place, or (``held``) into second buffers returned with the payload."""
         grad, scale = self._clipped(tensor)
         numel = grad.numel()
-        v = self._buffer(self.velocities, key, grad)
-        u = None if self.momentum == 0.0 else self._buffer(self.momenta, key, grad)
+        # A held step stores nothing: a key it meets first starts from zeros kept outside the stores.
+        if held and key not in self.velocities:
+            v = torch.zeros(numel, dtype=torch.float32, device=grad.device)
+            u = None if self.momentum == 0.0 else torch.zeros_like(v)
+        else:
+            v = self._buffer(self.velocities, key, grad)
+            u = None if self.momentum == 0.0 else self._buffer(self.momenta, key, grad)
+        v_out = self._spare(key, "v", v) if held else v
+        u_out = None if u is None else (self._spare(key, "u", u) if held else u)
         k = num_selected(numel, self.current_density)
         if k == numel or numel < self.exact_below_numel:
-            self._accumulate(u, v, grad, scale)
+            self._accumulate(u, v, grad, scale, u_out, v_out)
             if k == numel:
                 positions = torch.arange(numel, device=v.device)
                 self.last_selection = SelectionInfo("all", k, numel, 0, math.nan)
             else:
-                positions = exact_topk(v, k)
+                positions = exact_topk(v_out, k)
                 self.last_selection = SelectionInfo("exact", k, numel, 0, math.nan)
         else:
             # Accumulate span by span and scan each span's column maxima while it is in cache.
-            scan = ColumnScan(v)
+            scan = ColumnScan(v_out)
             for span, (start, stop) in enumerate(scan.spans):
-                part = None if u is None else u[start:stop]
-                self._accumulate(part, v[start:stop], grad[start:stop], scale)
+                u_part = None if u is None else u[start:stop]
+                u_out_part = None if u_out is None else u_out[start:stop]
+                self._accumulate(u_part, v[start:stop], grad[start:stop], scale, u_out_part, v_out[start:stop])
                 scan.scan(span)
             positions, self.last_selection = sampled_topk(
-                v, k, sample_fraction=self.sample_fraction, rng=self._rng, scan=scan
+                v_out,
+                k,
+                sample_fraction=self.sample_fraction,
+                rng=_SampleStart(self.seed, key, self.draws.get(key, 0)),
+                scan=scan,
             )
-        values = v.index_select(0, positions)
+        values = v_out.index_select(0, positions)
         # The sent entries leave the accumulator, exactly (v_before == decoded + v_after), and
         # with momentum factor masking the momentum that produced them stops, too.
-        v.index_fill_(0, positions, 0.0)
-        if u is not None and self.momentum_masking:
-            u.index_fill_(0, positions, 0.0)
-        return SparsePayload(numel=numel, values=values, indices=positions.to(index_dtype_for(numel)))
+        v_out.index_fill_(0, positions, 0.0)
+        if u_out is not None and self.momentum_masking:
+            u_out.index_fill_(0, positions, 0.0)
+        payload = SparsePayload(numel=numel, values=values, indices=positions.to(index_dtype_for(numel)))
+        return payload, ((v_out, u_out) if held else None)
 
     def apply_momentum(self, tensor: Tensor, key: str) -> Tensor:
         """Momentum (and clipping) for a tensor that is sent dense instead of compressed.
@@ -489,7 +575,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             "velocities": cpu(self.velocities),
             "dense_momenta": cpu(self.dense_momenta),
             "decay_momenta": cpu(self.decay_momenta),
-            "rng": self._rng.getstate(),
+            "draws": dict(self.draws),
             "epoch": self.epoch,
         }
 
@@ -498,7 +584,9 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self.velocities = {key: t.clone() for key, t in state["velocities"].items()}
         self.dense_momenta = {key: t.clone() for key, t in state.get("dense_momenta", {}).items()}
         self.decay_momenta = {key: t.clone() for key, t in state.get("decay_momenta", {}).items()}
-        self._rng.setstate(state["rng"])
+        # (A checkpoint written before the draws were counted per key starts their count at zero.)
+        self.draws = {key: int(count) for key, count in state.get("draws", {}).items()}
+        self._pending, self._spares = {}, {}
         # Restored, not told: a resumed program must still advance the schedule itself.
         self._schedule(state["epoch"])
 
@@ -561,3 +649,23 @@ def check_optimizer_momentum(
         )
     if any(isinstance(c, ErrorFeedback) for c in chain):
         raise ValueError("DGC keeps its own error feedback (its accumulator v); set compressor.error_feedback=false")
+
+
+class _SampleStart:
+    """The sampled threshold's random start for one key's ``count``-th compressed step.
+
+    A hash of ``(seed, count, key)`` in place of a generator's next draw: a key's draws never
+    depend on which other keys a step compressed, so a step encoded before the ranks agree on it
+    (:meth:`DGCCompressor.compress_pending`) draws what :meth:`DGCCompressor.compress` would, and a
+    resumed run repeats them (the counts are in the checkpoint). ``randrange`` is all
+    :func:`~lgc.compressors.selection.sampled_topk` asks of its ``rng``.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, seed: int, key: str, count: int) -> None:
+        digest = hashlib.blake2b(f"{seed}:{count}:{key}".encode(), digest_size=8).digest()
+        self.value = int.from_bytes(digest, "little")
+
+    def randrange(self, stop: int) -> int:
+        return self.value % stop

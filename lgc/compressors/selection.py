@@ -51,7 +51,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ from torch import Tensor
 __all__ = [
     "ColumnScan",
     "SelectionInfo",
+    "StartDraw",
     "Side",
     "exact_topk",
     "extreme_sides",
@@ -589,12 +590,18 @@ def exact_topk(x: Tensor, k: int) -> Tensor:
     return torch.topk(x.abs(), k, sorted=False).indices
 
 
+class StartDraw(Protocol):
+    """What :func:`sampled_topk` draws its sample's start from: ``random.Random`` or DGC's per-key draw."""
+
+    def randrange(self, stop: int, /) -> int: ...
+
+
 def sampled_topk(
     x: Tensor,
     k: int,
     *,
     sample_fraction: float = 0.01,
-    rng: random.Random | None = None,
+    rng: StartDraw | None = None,
     threshold: float | None = None,
     scan: ColumnScan | None = None,
 ) -> tuple[Tensor, SelectionInfo]:
@@ -625,7 +632,7 @@ def sampled_topk(
         x: flat tensor to select from.
         k: target count, ``1 <= k``.
         sample_fraction: minimum fraction of entries in the sample.
-        rng: draws the sample's start; ``None`` uses Python's global generator.
+        rng: draws the sample's start (``randrange(stride)``); ``None`` uses Python's global generator.
         threshold: use this initial threshold instead of the sampled estimate.
         scan: the column maxima of ``x`` if the caller already computed them (the compressor does,
             fused with its accumulation pass).

@@ -14,8 +14,8 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    :mod:`lgc.ddp.step_guard`. Stateless compressors (``none``, ``fp16``) need neither: they run
    bucket by bucket as the buckets become ready, overlapping communication with the backward
    pass, and an inf or NaN simply passes through their sum (the step is counted as skipped all the
-   same). With ``overlap``, error feedback over a compressor without state of its own encodes each
-   bucket as it arrives into held state and starts its collectives at once; the same agreement
+   same). With ``overlap``, error feedback over a compressor without state of its own (or DGC)
+   encodes each bucket as it arrives into held state and starts its collectives at once; the same agreement
    then commits or drops the step (:meth:`CompressionHookState.encode_ahead`).
 4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
    in the gradient's dtype (by default the method's own threshold: none for DeMo and SparseLoCo,
@@ -112,12 +112,13 @@ class CompressionHookState(HookState):
         overlap: encode every bucket as it arrives and start its collectives at once, so they
             overlap the rest of the backward pass, instead of holding every bucket until the step's
             last one (:meth:`encode_ahead`). Results, state and the step guard's policy are bitwise
-            the same; what it costs is memory, a second fp32 residual per compressed parameter, and,
-            for a parameter unused on every rank, its payload sent for nothing. Needs error feedback
-            over a compressor that keeps no state of its own (``ErrorFeedback.speculates``) and whose
-            payloads are gathered (top-k, SBC, EF-signSGD, chunked top-k, DeMo, their quantized
-            values, ...). Stateless compressors (``none``, ``fp16``) overlap anyway; the option
-            changes nothing for them.
+            the same; what it costs is memory, a second fp32 residual per compressed parameter (DGC:
+            a second momentum and accumulator), and, for a parameter unused on every rank, its
+            payload sent for nothing. Needs a compressor that can hold a step back (``speculates``)
+            and whose payloads are gathered: error feedback over a compressor that keeps no state of
+            its own (top-k, SBC, EF-signSGD, chunked top-k, DeMo, their quantized values, ...), or
+            DGC. Stateless compressors (``none``, ``fp16``) overlap anyway; the option changes
+            nothing for them.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
     does): compressors then see unscaled gradients (see :meth:`unscale`).
@@ -168,9 +169,9 @@ class CompressionHookState(HookState):
         speculates = getattr(compressor, "speculates", False) and compressor.combine is CombineMode.GATHER
         if overlap and not compressor.stateless and not speculates:
             raise ValueError(
-                f"overlap=True needs a step that can be encoded before the ranks agree on it: error feedback over "
-                f"a compressor that keeps no state of its own and whose payloads are gathered (e.g. topk, sbc, "
-                f"signsgd, chunked_topk, demo); {compressor!r} is not"
+                f"overlap=True needs a step that can be encoded before the ranks agree on it, with payloads that "
+                f"are gathered: error feedback over a compressor that keeps no state of its own (e.g. topk, sbc, "
+                f"signsgd, chunked_topk, demo) or dgc; {compressor!r} is not"
             )
         if compressor.combine is CombineMode.SERVER:
             raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")
@@ -340,7 +341,8 @@ class CompressionHookState(HookState):
         """Encode a bucket as it arrives and start its collectives; settle the step at its last bucket.
 
         The compressor encodes every compressed parameter of the bucket into held state
-        (:meth:`~lgc.compressors.ErrorFeedback.compress_pending`) and the allgather of the payloads
+        (``compress_pending``: :meth:`~lgc.compressors.ErrorFeedback.compress_pending`,
+        :meth:`~lgc.compressors.DGCCompressor.compress_pending`) and the allgather of the payloads
         starts at once, in bucket order on every rank, while the backward pass goes on. ``buffer``
         is left as it is. At the step's last bucket the ranks agree (:meth:`agree`, the same
         reduction as without overlap), then (:meth:`settle`):

@@ -306,7 +306,7 @@ def test_attached_weights_are_neither_pickled_nor_checkpointed():
     assert copy.compressor.weight_decay == 1e-4 and torch.equal(
         copy.compressor.velocities["weight"], dgc.velocities["weight"]
     )
-    assert set(dgc.state_dict()) == {"momenta", "velocities", "dense_momenta", "decay_momenta", "rng", "epoch"}
+    assert set(dgc.state_dict()) == {"momenta", "velocities", "dense_momenta", "decay_momenta", "draws", "epoch"}
     # DGC's own buffers, not the model's weights.
     assert sorted(dgc.state_dict()["velocities"]) == sorted(dgc.state_dict()["decay_momenta"]) == ["weight"]
 

@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc import ErrorFeedback, FP16Compressor, SBCCompressor, SignSGDCompressor, TopKCompressor
-from lgc.compressors import DGCCompressor, QuantizedValues, RandomBlockCompressor
+from lgc.compressors import DGCCompressor, QuantizedValues, RandomBlockCompressor, RedSyncCompressor
+from lgc.compressors import dgc as dgc_module
 from lgc.ddp import CompressionHookState
 from lgc.ddp import hook as hook_module
 from lgc.ddp.collectives import record_collectives
@@ -69,13 +70,70 @@ def test_a_dropped_first_step_leaves_no_residual():
     assert torch.equal(ef.residuals["w"], plain.residuals["w"])
 
 
+DGC_VARIANTS = {
+    "momentum": {},
+    "nesterov": {"nesterov": True},
+    "clipped": {"clip_norm": 0.5},  # the accumulation's scale != 1 branch
+    "no_momentum": {"momentum": 0.0},
+    "no_masking": {"momentum_masking": False},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DGC_VARIANTS))
+def test_dgc_compress_pending_then_commit_is_compress(variant):
+    """DGC held back: compress()'s payloads, momenta, accumulators and draws bitwise; a dropped step moves nothing."""
+    knobs = {"density": 0.01, "warmup_densities": [], "exact_below_numel": 1000, **DGC_VARIANTS[variant]}
+    held, plain = DGCCompressor(**knobs), DGCCompressor(**knobs)
+    assert held.speculates
+    generator = torch.Generator().manual_seed(0)
+    sizes = {"big": 50_000, "small": 300, "late": 40_000}  # sampled threshold, exact top-k, first seen at step 2
+    for step in range(7):
+        grads = {key: torch.randn(n, generator=generator) for key, n in sizes.items() if key != "late" or step >= 2}
+        before = held.state_dict()
+        payloads = {key: held.compress_pending(g, key) for key, g in grads.items()}
+        _assert_same_state(held.state_dict(), before)
+        if step in (2, 4):  # the ranks agreed to skip the step (at 2, the step "late" would have begun with)
+            held.commit(frozenset())
+            _assert_same_state(held.state_dict(), before)
+            continue
+        kept = set(grads) - {"small"} if step == 5 else set(grads)  # "small" unused on every rank at step 5
+        held.commit(frozenset(kept))
+        for key in sorted(kept):
+            assert _same_payload(payloads[key], plain.compress(grads[key], key)), (step, key)
+        _assert_same_state(held.state_dict(), plain.state_dict())
+    assert held.draws == plain.draws == {"big": 5, "small": 4, "late": 3}
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a["draws"] == b["draws"] and a["epoch"] == b["epoch"]
+    for store in ("momenta", "velocities", "dense_momenta", "decay_momenta"):
+        assert a[store].keys() == b[store].keys(), store
+        assert all(torch.equal(a[store][key], b[store][key]) for key in a[store]), store
+
+
+def test_dgc_draws_its_sample_start_per_parameter_and_step():
+    # The hook's overlap encodes a parameter before knowing whether it is used: one key's draws
+    # must not depend on the others'. They differ between steps and keys, and repeat on resume.
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    alone, mixed = DGCCompressor(density=0.001, warmup_densities=[]), DGCCompressor(density=0.001, warmup_densities=[])
+    starts = set()
+    for step in range(4):
+        mixed.compress(x * 0.5, f"other{step}")
+        assert _same_payload(alone.compress(x, "w"), mixed.compress(x, "w")), step
+    for step in range(20):
+        draw = dgc_module._SampleStart(0, "w", step).randrange(1_000_003)
+        assert draw == dgc_module._SampleStart(0, "w", step).randrange(1_000_003)
+        starts.add(draw)
+    assert len(starts) == 20 and dgc_module._SampleStart(0, "v", 0).value != dgc_module._SampleStart(0, "w", 0).value
+
+
 @pytest.mark.parametrize(
     "compressor",
     [
-        lambda: DGCCompressor(density=0.1, momentum=0.9),
         lambda: ErrorFeedback(RandomBlockCompressor(density=0.1)),
+        lambda: RedSyncCompressor(density=0.1),
     ],
-    ids=["dgc", "random_block"],
+    ids=["random_block", "redsync"],
 )
 def test_overlap_is_refused_for_a_compressor_with_state_of_its_own(compressor):
     with pytest.raises(ValueError, match="overlap=True needs"):
@@ -85,7 +143,7 @@ def test_overlap_is_refused_for_a_compressor_with_state_of_its_own(compressor):
 @pytest.mark.parametrize(
     ("node", "comm", "match"),
     [
-        ({"_target_": "lgc.compressors.DGCCompressor", "density": 0.1}, {"overlap": True}, "overlap=True needs"),
+        ({"_target_": "lgc.compressors.QSGDCompressor"}, {"overlap": True}, "overlap=True needs"),
         ({"_target_": "lgc.compressors.TopKCompressor", "density": 0.1}, {"overlap": True, "delay": 2}, "delay"),
     ],
 )
@@ -96,7 +154,7 @@ def test_overlap_is_refused_where_it_cannot_apply(node, comm, match):
 
 def test_overlap_is_refused_for_summed_payloads():
     # A ring allreduce's sum depends on what else is in the flat: unused parameters would change it.
-    with pytest.raises(ValueError, match="whose payloads are gathered"):
+    with pytest.raises(ValueError, match="with payloads that are gathered"):
         CompressionHookState(ErrorFeedback(FP16Compressor()), overlap=True)
 
 
@@ -106,6 +164,9 @@ def test_the_stateless_and_the_speculating_accept_overlap():
     node = {"_target_": "lgc.compressors.TopKCompressor", "density": 0.1}
     state = build_hook_state(node, {"overlap": True}, error_feedback=True)
     assert state.overlap and isinstance(state.compressor, ErrorFeedback)
+    assert CompressionHookState(DGCCompressor(density=0.1), overlap=True).overlap
+    node = {"_target_": "lgc.compressors.DGCCompressor", "density": 0.1, "warmup_densities": []}
+    assert build_hook_state(node, {"overlap": True}, error_feedback=False).overlap
 
 
 # -- in DDP ------------------------------------------------------------------------------------------
@@ -133,7 +194,10 @@ class _Net(nn.Module):
         return self.head(hidden) + self.aux(hidden) if use_aux else self.head(hidden)
 
 
-def _error_feedback(name: str) -> ErrorFeedback:
+def _error_feedback(name: str) -> ErrorFeedback | DGCCompressor:
+    if name.startswith("dgc"):  # DGC keeps its own residual (the accumulator), momentum and weight decay's momentum
+        nesterov = name == "dgc_nesterov"
+        return DGCCompressor(density=0.1, weight_decay=1e-3, nesterov=nesterov, steps_per_epoch=2, exact_below_numel=0)
     base, _, decay = name.partition(":decay=")
     return ErrorFeedback(COMPRESSORS[base](), float(decay or 1.0))
 
@@ -201,7 +265,9 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["topk", "sbc", "signsgd", "quantized_topk", "topk_fp16_values:decay=0.95"])
+@pytest.mark.parametrize(
+    "name", ["topk", "sbc", "signsgd", "quantized_topk", "topk_fp16_values:decay=0.95", "dgc", "dgc_nesterov"]
+)
 def test_overlap_changes_when_collectives_start_and_nothing_else(name):
     held = run_workers(_train, WORLD, name, False)
     ahead = run_workers(_train, WORLD, name, True)
@@ -214,9 +280,16 @@ def test_overlap_changes_when_collectives_start_and_nothing_else(name):
             for i, (x, y) in enumerate(zip(ga, gb, strict=True)):
                 assert torch.equal(x.nan_to_num(), y.nan_to_num()), (rank, step, i)
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
-        residuals_a, residuals_b = a["state"]["residuals"], b["state"]["residuals"]
-        assert set(residuals_a) == set(residuals_b) and "aux.weight" in residuals_a
-        assert all(torch.equal(residuals_a[key], residuals_b[key]) for key in residuals_a)
+        if name.startswith("dgc"):  # with its warm-up (steps_per_epoch), sampled thresholds and weight decay
+            _assert_same_state(a["state"], b["state"])
+            residuals_a = a["state"]["velocities"]
+            # Compressed steps 1-7 less the two skipped: hook steps 1-5 (epoch 5 // 2); aux used in 3 of them.
+            assert a["state"]["epoch"] == 2 and a["state"]["draws"]["aux.weight"] == 3
+        else:
+            residuals_a, residuals_b = a["state"]["residuals"], b["state"]["residuals"]
+            assert set(residuals_a) == set(residuals_b)
+            assert all(torch.equal(residuals_a[key], residuals_b[key]) for key in residuals_a)
+        assert "aux.weight" in residuals_a
         # A compressed step (past the dense first one): with overlap the first bucket's payloads
         # leave before DDP hands over the next bucket; without it, after the last bucket.
         steady = b["events"][1]
