@@ -7,7 +7,7 @@
 # Methods: dense, PyTorch's fp16 and PowerSGD hooks, DGC, lgc-train's default (shared-index int8),
 # SBC with delay 4 (and with every parameter through it), DiLoCo H = 10, SparseLoCo H = 10, DeMo,
 # LGC-RAR, and LGC-RAR lean and the default with delay 4 (every parameter through the codec).
-# Resumable: lgc-bench network keeps every measurement in OUT/network.json as it arrives and a
+# Resumable: lgc-bench network keeps every measurement in OUT/network.json.gz as it arrives and a
 # rerun skips what is there. Needs root and iproute2, and a quiet machine (timings).
 #   sudo experiments/fashion_mnist_network.sh [OUT]
 #   STEPS=600 TARGET=0.85 BANDWIDTHS=100mbit sudo experiments/fashion_mnist_network.sh

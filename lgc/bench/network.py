@@ -49,13 +49,15 @@ step size (``lr`` and ``momentum`` go to the worker's SGD, the rest to ``lgc.com
 step, the whole run's wire MB, the time to target and the accuracy at equal wire bytes (the
 accuracy every method had reached when it had sent as many bytes as the thriftiest one sent in
 its whole run), printed below each table.
-``--from-json`` reports a saved ``network.json`` again without measuring. A run with ``--out``
-resumes: the (setting, method, seed) measurements already in ``OUT/network.json`` are kept and
-skipped, with the setting's calibration, so a long comparison can be stopped and started again; a
-``network.json`` measured with other training settings is refused rather than mixed in.
+``--from-json`` reports a saved ``network.json.gz`` (or a plain ``.json``) again without measuring.
+A run with ``--out`` resumes: the (setting, method, seed) measurements already in
+``OUT/network.json.gz`` are kept and skipped, with the setting's calibration, so a long comparison
+can be stopped and started again; a record measured with other training settings is refused rather
+than mixed in.
 
-Output: a markdown table (stdout and ``--out``/``network.md``), ``network.json`` (every step of
-every rank) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, and below
+Output: a markdown table (stdout and ``--out``/``network.md``), ``network.json.gz`` (every step
+of every rank, gzipped JSON with floats to 6 significant digits, rewritten whole after every
+measurement) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, and below
 against the wire bytes a worker sent; one line
 per method, a panel per setting). Needs root and iproute2; without them it says what is missing
 and exits with status 2 before creating anything. Every namespace and interface it creates is
@@ -65,6 +67,7 @@ removed at the end, on Ctrl-C and when a worker crashes.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import socket
@@ -100,7 +103,10 @@ from lgc.bench.network_results import (
 from lgc.bench.network_worker import TASKS
 from lgc.ddp.collectives import CollectiveCall
 
-__all__ = ["add_arguments", "run", "validate"]
+__all__ = ["RECORD", "add_arguments", "read_record", "run", "validate", "write_record"]
+
+#: The file in ``--out`` that holds every measurement (:func:`write_record`).
+RECORD = "network.json.gz"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,13 +147,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=None,
-        help="write network.md, network.json and the plot here (a rerun skips what its network.json holds)",
+        help="write network.md, network.json.gz and the plot here (a rerun skips what its network.json.gz holds)",
     )
     parser.add_argument(
         "--from-json",
         type=Path,
         default=None,
-        help="measure nothing: report a saved network.json again (--target, --skip and --out apply)",
+        help="measure nothing: report a saved network.json.gz (or .json) again (--target, --skip and --out apply)",
     )
 
 
@@ -324,7 +330,7 @@ def run(args: argparse.Namespace) -> None:
                 setting = f"{workers} workers, {bandwidth}"
                 done = measurements.get(setting, {})
                 if all(_has_seed(done.get(m.label, []), seed) for m in methods for seed in seeds):
-                    print(f"{setting}: measured before, in {args.out / 'network.json'}", flush=True)
+                    print(f"{setting}: measured before, in {args.out / RECORD}", flush=True)
                     continue
                 with netns.ShapedNetwork(workers, bandwidth, args.delay) as net:
                     if setting not in calibrations:
@@ -339,7 +345,7 @@ def run(args: argparse.Namespace) -> None:
                         order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
                         for index, method in enumerate(order):
                             if _has_seed(measurements.get(setting, {}).get(method.label, []), seed):
-                                continue  # measured before this run (network.json in --out)
+                                continue  # measured before this run (the record in --out)
                             knobs = {**SHORT_RUN_KNOBS.get(method.name, {}), **method.knobs}
                             optimizer = {key: knobs.pop(key) for key in OPTIMIZER_KNOBS if key in knobs}
                             spec = {
@@ -368,7 +374,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         _report(args, measurements, calibrations)
     except ValueError as error:
-        kept = "" if args.out is None else f"; the measurements are kept in {args.out / 'network.json'}"
+        kept = "" if args.out is None else f"; the measurements are kept in {args.out / RECORD}"
         sys.exit(f"lgc-bench network: {error}{kept}")
 
 
@@ -377,15 +383,19 @@ _MEASURED_WITH = ("task", "steps", "batch_size", "lr", "eval_every", "delay")
 
 
 def _measured_before(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The measurements and calibrations of ``args.out/network.json`` (none without ``--out`` or the file).
+    """The measurements and calibrations of ``args.out``'s record (none without ``--out`` or the file).
+
+    The record is :data:`RECORD`, or a plain ``network.json`` left by a run that wrote one.
 
     Raises:
         ValueError: the file was measured with other training settings (:data:`_MEASURED_WITH`).
     """
-    path = None if args.out is None else args.out / "network.json"
-    if path is None or not path.is_file():
+    if args.out is None:
         return {}, {}
-    record = json.loads(path.read_text())
+    path = next((p for p in (args.out / RECORD, args.out / "network.json") if p.is_file()), None)
+    if path is None:
+        return {}, {}
+    record = read_record(path)
     saved = record.get("arguments", {})
     differ = [
         f"--{name.replace('_', '-')} {saved.get(name)} there, {getattr(args, name)} here"
@@ -406,14 +416,51 @@ def _has_seed(runs: list[dict[str, Any]], seed: int) -> bool:
 
 
 def _keep(args: argparse.Namespace, measurements: dict[str, Any], calibrations: dict[str, Any], **report: Any) -> None:
-    """With ``--out``: every measurement so far in ``network.json`` (read again with ``--from-json``),
-    and the report's ``results`` and ``over_seeds`` once it is made."""
+    """With ``--out``: every measurement so far in :data:`RECORD` (read again with ``--from-json``),
+    and the report's ``results`` and ``over_seeds`` once it is made.
+
+    Written to a temporary file and renamed over the record, so a run stopped while writing leaves
+    the previous record whole; a plain ``network.json`` it was resumed from is then removed.
+    """
     if args.out is None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     arguments = {k: str(v) for k, v in vars(args).items()}
     record = {"arguments": arguments, **report, "calibrations": calibrations, "raw": measurements}
-    (args.out / "network.json").write_text(json.dumps(record))
+    write_record(args.out / RECORD, record)
+    (args.out / "network.json").unlink(missing_ok=True)
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """``record`` as gzipped JSON at ``path``, floats to 6 significant digits, replacing the file atomically.
+
+    Per-step timings and accuracies need no more digits; this keeps a 72-measurement comparison
+    (1,000 steps of 4 ranks each) at a few MB. The gzip header carries neither a time stamp nor a
+    file name, so the same record gives the same bytes.
+    """
+    scratch = path.with_name(path.name + ".tmp")
+    with open(scratch, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as zipped:
+        zipped.write(json.dumps(_compact(record)).encode())
+    os.replace(scratch, path)
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """A record :func:`write_record` wrote (``.gz``), or a plain JSON one."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as text:
+            return json.load(text)
+    return json.loads(path.read_text())
+
+
+def _compact(value: Any) -> Any:
+    """``value`` with every float rounded to 6 significant digits (inf and NaN stay as they are)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {key: _compact(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_compact(item) for item in value]
+    return value
 
 
 def _fitted_link(calibration: dict[str, Any], workers: int) -> Any:
@@ -459,12 +506,12 @@ def _report(
         (args.out / "network.md").write_text(report + "\n")
         _keep(args, measurements, calibrations, results=results, over_seeds=seed_results)
         plot_results(results, args.target, args.out / "accuracy_vs_time.png")
-        print(f"wrote {args.out / 'network.md'}, network.json and accuracy_vs_time.png")
+        print(f"wrote {args.out / 'network.md'}, {RECORD} and accuracy_vs_time.png")
 
 
 def _from_json(args: argparse.Namespace) -> None:
-    """``--from-json``: the report of a saved ``network.json``, with this version's summary and cost model."""
-    saved = json.loads(args.from_json.read_text())
+    """``--from-json``: the report of a saved record, with this version's summary and cost model."""
+    saved = read_record(args.from_json)
     arguments = saved["arguments"]
     for name in ("task", "steps", "delay"):
         setattr(args, name, arguments[name])

@@ -10,7 +10,7 @@ import torch
 from distributed import run_workers
 from scipy import stats
 
-from lgc.bench import netns, network_results
+from lgc.bench import netns, network, network_results
 from lgc.bench.cli import main
 from lgc.bench.network_worker import build_model
 
@@ -137,7 +137,7 @@ def test_two_workers_over_a_shaped_link_report_every_method_and_leave_nothing_be
             "--steps", "12", "--eval-every", "6", "--skip", "2", "--target", "0.3", "--out", str(tmp_path),
         ]
     )  # fmt: skip
-    saved = json.loads((tmp_path / "network.json").read_text())
+    saved = network.read_record(tmp_path / network.RECORD)
     rows = {row["method"]: row for row in saved["results"]["2 workers, 1gbit"]}
     assert set(rows) == {"none", "topk"}
     # Dense fp32 with 2 workers: the ring sends the whole model once per step.
@@ -284,8 +284,6 @@ class _NoNetwork:
 
 def _measure_offline(monkeypatch, measure, calibrate=lambda net, args, folder: {"samples": []}) -> None:
     """lgc-bench network with ``measure`` and ``calibrate`` in place of the workers and the network."""
-    from lgc.bench import network
-
     monkeypatch.setattr(netns, "check_available", lambda **kwargs: None)
     monkeypatch.setattr(netns, "ShapedNetwork", _NoNetwork)
     monkeypatch.setattr(network, "_calibrate", calibrate)
@@ -307,7 +305,7 @@ def test_measurements_are_kept_when_the_report_cannot_be_made(tmp_path, monkeypa
         main(["network", "--workers", "2", "--bandwidth", "1gbit", "--methods", "lgc_rar", "--steps", "4",
               "--skip", "1", "--out", str(tmp_path)])  # fmt: skip
     assert "raise --steps" in str(exit_info.value.code) and "measurements are kept in" in str(exit_info.value.code)
-    saved = json.loads((tmp_path / "network.json").read_text())
+    saved = network.read_record(tmp_path / network.RECORD)
     assert len(saved["raw"]["2 workers, 1gbit"]["lgc_rar"]) == 1
 
 
@@ -335,9 +333,43 @@ def test_a_rerun_with_the_same_out_measures_only_what_is_missing(tmp_path, monke
     with pytest.raises(SystemExit):
         main([*common, "--seeds", "0,1"])
     assert sorted(measured) == [("none", 1), ("topk", 1)] and len(calibrated) == 1  # the kept calibration
-    saved = json.loads((tmp_path / "network.json").read_text())["raw"]["2 workers, 1gbit"]
+    saved = network.read_record(tmp_path / network.RECORD)["raw"]["2 workers, 1gbit"]
     assert [run["ranks"][0]["spec"]["seed"] for run in saved["topk"]] == [0, 1]
     measured.clear()
     with pytest.raises(SystemExit, match=r"other training settings \(--steps 4 there, 6 here\)"):
         main([*common[:-4], "--steps", "6", "--skip", "1", "--out", str(tmp_path), "--seeds", "0,1,2"])
     assert measured == []
+
+
+def test_a_plain_json_record_is_resumed_and_replaced_by_the_compact_one(tmp_path, monkeypatch):
+    # A record kept as plain JSON (every float at full precision) is read, resumed and rewritten
+    # gzipped with floats at 6 significant digits; the same record gives the same bytes.
+    measured = []
+
+    def measure(net, spec, timeout, folder):
+        measured.append((spec["method"], spec["seed"]))
+        ranks = [_rank(spec["method"], [0.1234567891] * 4, 0.05, [0.5], 10, seed=spec["seed"]) for _ in range(2)]
+        for rank in ranks:
+            rank["steady_from"] = 10
+        return {"ranks": ranks, "interfaces": {}}
+
+    _measure_offline(monkeypatch, measure, lambda net, args, folder: {"samples": []})
+    common = ["network", "--workers", "2", "--bandwidth", "1gbit", "--methods", "none", "--steps", "4",
+              "--skip", "1", "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*common, "--seeds", "0"])
+    record = network.read_record(tmp_path / network.RECORD)
+    (tmp_path / network.RECORD).unlink()
+    (tmp_path / "network.json").write_text(json.dumps(record))
+    measured.clear()
+    with pytest.raises(SystemExit):
+        main([*common, "--seeds", "0,1"])
+    assert measured == [("none", 1)] and not (tmp_path / "network.json").exists()
+    runs = network.read_record(tmp_path / network.RECORD)["raw"]["2 workers, 1gbit"]["none"]
+    assert [run["ranks"][0]["spec"]["seed"] for run in runs] == [0, 1]
+    assert runs[1]["ranks"][0]["steps"][0]["wall_s"] == 0.123457
+    again = tmp_path / "again.json.gz"
+    network.write_record(again, network.read_record(tmp_path / network.RECORD))
+    network.write_record(tmp_path / "twice.json.gz", network.read_record(tmp_path / network.RECORD))
+    assert again.read_bytes() == (tmp_path / "twice.json.gz").read_bytes()
+    assert not list(tmp_path.glob("*.tmp"))
