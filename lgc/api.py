@@ -100,9 +100,9 @@ def compress(
         overlap: encode and send every bucket as soon as DDP hands it over, overlapping the
             collectives with the rest of the backward pass (default ``False``: held until the
             step's last bucket). Bitwise the same training; costs a second fp32 residual per
-            compressed parameter. Error feedback over a compressor without state of its own whose payloads
-            are gathered (top-k, SBC, EF-signSGD, chunked top-k, DeMo), and DGC, only
-            (:class:`~lgc.ddp.CompressionHookState`).
+            compressed parameter (DGC: a second momentum and accumulator). Error feedback over a
+            compressor without state of its own whose payloads are gathered (top-k, SBC,
+            EF-signSGD, chunked top-k, DeMo), and DGC, only (:class:`~lgc.ddp.CompressionHookState`).
         process_group: the group to communicate in (default: the world).
         optimizer_momentum / optimizer_weight_decay: what the optimizer will apply, for DGC when the
             optimizer is not built yet (one or the other: ``optimizer`` is checked directly).

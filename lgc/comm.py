@@ -93,9 +93,10 @@ class EveryStep:
     start_iter: int = 1
     #: Encode and send each bucket as soon as DDP hands it over, overlapping communication with the
     #: rest of the backward pass, instead of holding every bucket until the step's last one.
-    #: Bitwise the same results; costs a second fp32 residual per compressed parameter. For error
-    #: feedback over a compressor without state of its own whose payloads are gathered (top-k, SBC,
-    #: EF-signSGD, chunked top-k, DeMo) and for DGC (:class:`~lgc.ddp.CompressionHookState`).
+    #: Bitwise the same results; costs a second fp32 residual per compressed parameter (DGC: a
+    #: second momentum and accumulator). For error feedback over a compressor without state of its
+    #: own whose payloads are gathered (top-k, SBC, EF-signSGD, chunked top-k, DeMo) and for DGC
+    #: (:class:`~lgc.ddp.CompressionHookState`).
     overlap: bool = False
 
     def to_comm(self) -> Comm:

@@ -28,7 +28,7 @@ send / recv    point to point                             ``alpha + L / B`` (cou
 * ``decode_per_peer(m)``: methods whose payloads are allgathered decode one payload per worker;
   the decode time measured with one worker is charged again for every other worker.
 * Overlap: stateless per-bucket hooks (dense allreduce, the fp16 hooks: nothing held back to the
-  step's end) and the hook's ``overlap`` (error feedback over top-k, SBC, EF-signSGD) communicate
+  step's end) and the hook's ``overlap`` (error feedback over top-k, SBC, EF-signSGD; DGC) communicate
   while the backward pass goes on, except what is issued at the last bucket (its payloads, the
   module buffers, the step guard's agreement: :attr:`MethodProfile.trailing`), which is ready only
   when the backward pass ends: their step is

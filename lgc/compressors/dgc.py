@@ -438,7 +438,9 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
 
         ``commit(frozenset())`` drops the whole step (the ranks agreed to skip it).
         """
-        for key, (v, u) in self._pending.items():
+        # Taken first: a commit interrupted halfway leaves no held step for the hook's drop to reuse.
+        pending, self._pending = self._pending, {}
+        for key, (v, u) in pending.items():
             if key in keys:
                 v, self.velocities[key] = self.velocities.get(key), v
                 if u is not None:
@@ -446,9 +448,14 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
                 self.draws[key] = self.draws.get(key, 0) + 1
             # The buffers left over (the step's, or those it replaced) serve the next held step.
             for which, spare in (("v", v), ("u", u)):
-                if spare is not None:
+                if spare is not None and spare is not self.velocities.get(key) and spare is not self.momenta.get(key):
                     self._spares[(key, which)] = spare
-        self._pending = {}
+
+    def _state(self, store: dict[str, Tensor], key: str, like: Tensor, held: bool) -> Tensor:
+        """``store[key]`` (:meth:`_buffer`); a held step stores nothing, so a key it meets first starts from zeros."""
+        if held and key not in store:
+            return torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        return self._buffer(store, key, like)
 
     def _spare(self, key: str, which: str, like: Tensor) -> Tensor:
         spare = self._spares.pop((key, which), None)
@@ -462,13 +469,8 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         """One step of DGC for ``key``: in place, or (``held``) into second buffers returned with the payload."""
         grad, scale = self._clipped(tensor)
         numel = grad.numel()
-        # A held step stores nothing: a key it meets first starts from zeros kept outside the stores.
-        if held and key not in self.velocities:
-            v = torch.zeros(numel, dtype=torch.float32, device=grad.device)
-            u = None if self.momentum == 0.0 else torch.zeros_like(v)
-        else:
-            v = self._buffer(self.velocities, key, grad)
-            u = None if self.momentum == 0.0 else self._buffer(self.momenta, key, grad)
+        v = self._state(self.velocities, key, grad, held)
+        u = None if self.momentum == 0.0 else self._state(self.momenta, key, grad, held)
         v_out = self._spare(key, "v", v) if held else v
         u_out = None if u is None else (self._spare(key, "u", u) if held else u)
         k = num_selected(numel, self.current_density)

@@ -116,7 +116,7 @@ class PayloadExchange:
             compressor.begin_step(step)
             state.begun_step = step
         # ``pending``: encoded ahead of the step's agreement (the hook's overlap), compressed segments
-        # only, whose payloads are gathered; state is held until ErrorFeedback.commit, and ``buffer``
+        # only, whose payloads are gathered; state is held until the compressor's commit, and ``buffer``
         # is left as it is until finish().
         if pending and (used is not None or compressor.combine is not CombineMode.GATHER):
             raise ValueError(

@@ -443,8 +443,14 @@ class CompressionHookState(HookState):
     def run_step(self, pending: list[PendingBucket]) -> None:
         """Run one guarded step over all its buckets and complete their futures.
 
-        Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared.
+        Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared. The step's
+        schedule (the compressor's ``begin_step``: DGC's warm-up epoch, random-block's offsets) is
+        set before the agreement, as :meth:`encode_ahead` sets it at the step's first bucket: a
+        skipped step has the number of the step that retries it, so both set the same schedule.
         """
+        if self.begun_step != self.iteration:
+            self.compressor.begin_step(self.iteration)
+            self.begun_step = self.iteration
         verdict = self.agree(pending)
         if verdict.skip:
             self.pass_through(pending)

@@ -104,6 +104,20 @@ def test_dgc_compress_pending_then_commit_is_compress(variant):
     assert held.draws == plain.draws == {"big": 5, "small": 4, "late": 3}
 
 
+def test_a_dropped_dgc_step_creates_no_state_even_where_one_store_lacks_the_key():
+    # A checkpoint written with momentum 0 has accumulators and no momenta: a held step resumed
+    # with momentum must not create the momentum before its commit.
+    without = DGCCompressor(density=0.1, momentum=0.0, warmup_densities=[])
+    without.compress(torch.arange(8.0), "w")
+    dgc = DGCCompressor(density=0.1, momentum=0.9, warmup_densities=[])
+    dgc.load_state_dict(without.state_dict())
+    before = dgc.state_dict()
+    dgc.compress_pending(torch.ones(8), "w")
+    dgc.commit(frozenset())
+    _assert_same_state(dgc.state_dict(), before)
+    assert dgc.momenta == {}
+
+
 def _assert_same_state(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and a["draws"] == b["draws"] and a["epoch"] == b["epoch"]
     for store in ("momenta", "velocities", "dense_momenta", "decay_momenta"):
@@ -115,11 +129,12 @@ def test_dgc_draws_its_sample_start_per_parameter_and_step():
     # The hook's overlap encodes a parameter before knowing whether it is used: one key's draws
     # must not depend on the others'. They differ between steps and keys, and repeat on resume.
     x = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
-    alone, mixed = DGCCompressor(density=0.001, warmup_densities=[]), DGCCompressor(density=0.001, warmup_densities=[])
+    alone, mixed = DGCCompressor(density=0.01, warmup_densities=[]), DGCCompressor(density=0.01, warmup_densities=[])
     starts = set()
     for step in range(4):
         mixed.compress(x * 0.5, f"other{step}")
         assert _same_payload(alone.compress(x, "w"), mixed.compress(x, "w")), step
+        assert mixed.last_selection.path == "threshold"  # the kept entries depend on the sampled start
     for step in range(20):
         draw = dgc_module._SampleStart(0, "w", step).randrange(1_000_003)
         assert draw == dgc_module._SampleStart(0, "w", step).randrange(1_000_003)
@@ -197,7 +212,8 @@ class _Net(nn.Module):
 def _error_feedback(name: str) -> ErrorFeedback | DGCCompressor:
     if name.startswith("dgc"):  # DGC keeps its own residual (the accumulator), momentum and weight decay's momentum
         nesterov = name == "dgc_nesterov"
-        return DGCCompressor(density=0.1, weight_decay=1e-3, nesterov=nesterov, steps_per_epoch=2, exact_below_numel=0)
+        # Three steps per epoch: the step skipped for rank 1's NaN is hook step 3, the first of an epoch.
+        return DGCCompressor(density=0.1, weight_decay=1e-3, nesterov=nesterov, steps_per_epoch=3, exact_below_numel=0)
     base, _, decay = name.partition(":decay=")
     return ErrorFeedback(COMPRESSORS[base](), float(decay or 1.0))
 
@@ -228,7 +244,7 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
         state = CompressionHookState(_error_feedback(name), min_numel=100, overlap=overlap)
         state.register(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        grads, step_events, traces = [], [], []
+        grads, step_events, traces, epochs = [], [], [], []
         for step in range(STEPS):
             events.clear()
             x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -246,6 +262,7 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
             assert state.compressor._pending == {}, f"step {step}: held state left after the step"
             traces.append((trace.last_bucket_from, len(trace)))
             grads.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
+            epochs.append(getattr(state.compressor, "epoch", None))  # DGC's warm-up epoch, skipped steps included
             step_events.append(list(events))
             if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in net.parameters()):
                 optimizer.step()
@@ -260,6 +277,7 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
         "skipped": state.stats.skipped_steps,
         "nonfinite": [any(g is not None and not bool(torch.isfinite(g).all()) for g in step) for step in grads],
         "events": step_events,
+        "epochs": epochs,
         "traces": traces,
     }
 
@@ -283,8 +301,10 @@ def test_overlap_changes_when_collectives_start_and_nothing_else(name):
         if name.startswith("dgc"):  # with its warm-up (steps_per_epoch), sampled thresholds and weight decay
             _assert_same_state(a["state"], b["state"])
             residuals_a = a["state"]["velocities"]
-            # Compressed steps 1-7 less the two skipped: hook steps 1-5 (epoch 5 // 2); aux used in 3 of them.
-            assert a["state"]["epoch"] == 2 and a["state"]["draws"]["aux.weight"] == 3
+            # Compressed steps 1-7 less the two skipped: hook steps 1-5; aux used in 3 of them. The
+            # epoch after every step, the skipped ones included (the first skip opens epoch 1).
+            assert a["epochs"] == b["epochs"] == [0, 0, 0, 1, 1, 1, 1, 1]
+            assert a["state"]["draws"]["aux.weight"] == 3
         else:
             residuals_a, residuals_b = a["state"]["residuals"], b["state"]["residuals"]
             assert set(residuals_a) == set(residuals_b)
