@@ -7,7 +7,10 @@ compressed stage is timed); then ``--rounds`` interleaved rounds time ``--steps`
 method and of the no-communication step (``no_sync``: forward, backward and optimizer, DDP
 communicates nothing). Reported per method: median wall time, median CPU time summed over the
 workers' processes (all their threads), both as multiples of the no-communication step measured in
-the same rounds, and the load average.
+the same rounds, the same as means over every timed step, and the load average. A method with
+``delay`` (communication delay: local steps, then an exchange) is read by its mean, which counts its
+exchanges at their share when the timed steps (``--rounds`` x ``--steps``) are a multiple of the
+delay (the report says when they are not); its median is a local step.
 
 A method is an ``lgc.compress`` name, optionally with knobs after a colon, ``;``-separated, dotted
 for nested knobs and YAML-valued; e.g. LGC-RAR with a narrower autoencoder::
@@ -38,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs, sgd_for, steady_from
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "step_rows"]
 
 METHODS = "none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
 
@@ -127,22 +130,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = mp.Manager().dict()
         mp.spawn(_worker, args=(args, specs, f"file://{scratch}/store", results), nprocs=args.workers)
         per_rank = [json.loads(results[rank]) for rank in range(args.workers)]
-    rows = {}
-    for label in per_rank[0]:
-        walls = [statistics.median(w for w, _ in rank[label]) for rank in per_rank]
-        # CPU of one step summed over the workers, median over steps.
-        cpus = [sum(rank[label][i][1] for rank in per_rank) for i in range(len(per_rank[0][label]))]
-        rows[label] = (max(walls), statistics.median(cpus))
-    wall0, cpu0 = rows[NO_COMM]
+    rows = step_rows(per_rank)
+    timed = args.rounds * args.steps
+    uneven = [spec.label for spec in specs if (spec.knobs.get("delay") or 1) > 1 and timed % spec.knobs["delay"]]
     print(
         f"# DDP step overhead: {args.model}, {args.workers} gloo workers on this machine, batch {args.batch_size} "
         f"of {args.image_size}x{args.image_size}, density {args.density}, {args.threads} thread(s) each, "
         f"{args.rounds} rounds x {args.steps} steps\n"
     )
-    print("| method | wall (ms) | x no-comm | CPU, all workers (ms) | x no-comm |")
-    print("|---|---|---|---|---|")
-    for label, (wall, cpu) in rows.items():
-        print(f"| {label} | {1000 * wall:.0f} | {wall / wall0:.2f} | {1000 * cpu:.0f} | {cpu / cpu0:.2f} |")
+    print(
+        "| method | wall (ms) | x no-comm | CPU, all workers (ms) | x no-comm | mean wall (ms) | x no-comm "
+        "| mean CPU (ms) | x no-comm |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, row in rows.items():
+        print(
+            f"| {label} | {1000 * row['wall_s']:.0f} | {row['wall_x']:.2f} | {1000 * row['cpu_s']:.0f} "
+            f"| {row['cpu_x']:.2f} | {1000 * row['mean_wall_s']:.0f} | {row['mean_wall_x']:.2f} "
+            f"| {1000 * row['mean_cpu_s']:.0f} | {row['mean_cpu_x']:.2f} |"
+        )
+    print(
+        "\nMedians are the step of a method that sends every step; with a delay most steps are local and "
+        "only the mean (every step timed, the exchanges included) is its cost."
+    )
+    if uneven:
+        print(
+            f"The {timed} timed steps per method (--rounds x --steps) are not a multiple of the delay of "
+            f"{', '.join(uneven)}: their means count a share of exchanges that is not theirs."
+        )
     end = os.getloadavg()
     start_text, end_text = (" ".join(f"{x:.2f}" for x in values) for values in (load, end))
     print(f"\nload average at start {start_text}, at end {end_text}")
@@ -151,11 +166,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "density": args.density,
         "load_average": [load, end],
-        "rows": {
-            label: {"wall_s": w, "cpu_s": c, "wall_x": w / wall0, "cpu_x": c / cpu0} for label, (w, c) in rows.items()
-        },
+        "rows": rows,
     }
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(table, handle, indent=2)
     return table
+
+
+def step_rows(per_rank: list[dict[str, list[list[float]]]]) -> dict[str, dict[str, float]]:
+    """Each method's step from every rank's ``(wall, cpu)`` seconds per timed step, against ``no_sync``'s.
+
+    ``wall_s``: the slowest rank's median step; ``cpu_s``: the median over steps of the CPU summed
+    over the ranks; ``mean_wall_s`` and ``mean_cpu_s``: the same with means, which count every
+    step (a delay's exchanges among its local steps); ``*_x``: each as a multiple of ``no_sync``'s.
+    """
+    rows: dict[str, dict[str, float]] = {}
+    for label in per_rank[0]:
+        steps = range(len(per_rank[0][label]))
+        cpus = [sum(rank[label][i][1] for rank in per_rank) for i in steps]
+        rows[label] = {
+            "wall_s": max(statistics.median(w for w, _ in rank[label]) for rank in per_rank),
+            "cpu_s": statistics.median(cpus),
+            "mean_wall_s": max(statistics.fmean(w for w, _ in rank[label]) for rank in per_rank),
+            "mean_cpu_s": statistics.fmean(cpus),
+        }
+    reference = rows[NO_COMM]
+    for row in rows.values():
+        row.update({f"{name[:-2]}_x": row[name] / reference[name] for name in list(row)})
+    return rows

@@ -144,8 +144,28 @@ def test_step_benchmark_times_lgc_past_its_stages_against_no_communication(tmp_p
     narrow = "lgc_rar:autoencoder.encoder_channels=[8,8,8,8];autoencoder.decoder_channels=[8,8,8,8]"
     main(
         ["step", "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--density", "0.01",
-         "--steps", "1", "--rounds", "1", "--methods", f"topk,{narrow}", "--json", str(out)]
+         "--steps", "2", "--rounds", "1", "--methods", f"topk,{narrow},sbc:delay=2", "--json", str(out)]
     )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
-    assert list(rows) == ["no_sync", "topk", narrow]
-    assert rows["no_sync"]["cpu_x"] == 1.0 and all(row["cpu_s"] > 0 and row["wall_s"] > 0 for row in rows.values())
+    assert list(rows) == ["no_sync", "topk", narrow, "sbc:delay=2"]
+    assert rows["no_sync"]["cpu_x"] == rows["no_sync"]["mean_cpu_x"] == 1.0
+    assert all(row["cpu_s"] > 0 and row["wall_s"] > 0 and row["mean_cpu_s"] > 0 for row in rows.values())
+
+
+def test_step_rows_read_a_delayed_method_by_its_mean_and_every_step_method_by_its_median():
+    from lgc.bench.step import step_rows
+
+    # Two ranks, four timed steps each: no_sync steps 1.0 s; a delay of 4 exchanges once (5.0 s).
+    per_rank = [
+        {"no_sync": [[1.0, 0.5]] * 4, "sbc:delay=4": [[1.0, 0.5], [1.0, 0.5], [1.0, 0.5], [5.0, 2.5]]},
+        {"no_sync": [[1.0, 0.5]] * 4, "sbc:delay=4": [[1.0, 0.5], [1.0, 0.5], [1.0, 0.5], [6.0, 2.5]]},
+    ]
+    rows = step_rows(per_rank)
+    assert rows["no_sync"] == {
+        "wall_s": 1.0, "cpu_s": 1.0, "mean_wall_s": 1.0, "mean_cpu_s": 1.0,
+        "wall_x": 1.0, "cpu_x": 1.0, "mean_wall_x": 1.0, "mean_cpu_x": 1.0,
+    }  # fmt: skip
+    delayed = rows["sbc:delay=4"]
+    assert delayed["wall_s"] == delayed["wall_x"] == 1.0 and delayed["cpu_s"] == 1.0  # the median: a local step
+    assert delayed["mean_wall_s"] == 9.0 / 4  # the slower rank's mean, its exchange included
+    assert delayed["mean_cpu_s"] == delayed["mean_cpu_x"] == (1.0 + 1.0 + 1.0 + 5.0) / 4
