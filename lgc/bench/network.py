@@ -20,7 +20,9 @@ round, so slow drifts hit all alike) the workers train ``--steps`` steps of ``--
   measured in the same run;
 * training seconds until the validation accuracy first reaches ``--target`` (evaluated every
   ``--eval-every`` steps on the synchronized model, for local-step methods too; evaluation is off
-  the clock) and the final accuracy; over ``--seeds`` (each seed one round over all methods: its
+  the clock; the learning rate follows ``--schedule``, by default a cosine to 0 over ``--steps``,
+  under which the curves rise steadily where a constant rate makes them swing by points between
+  evaluations) and the final accuracy; over ``--seeds`` (each seed one round over all methods: its
   initialization and batches), their mean and 95 % interval, and each method's time to target as
   a multiple of the **no-communication bound**: dense's steps to the target on that seed times its
   compute-only step, the time any method would need if communication were free
@@ -100,7 +102,7 @@ from lgc.bench.network_results import (
     summarize,
     validation_table,
 )
-from lgc.bench.network_worker import TASKS
+from lgc.bench.network_worker import SCHEDULES, TASKS, WorkerSpec
 from lgc.ddp.collectives import CollectiveCall
 
 __all__ = ["RECORD", "add_arguments", "read_record", "run", "validate", "write_record"]
@@ -133,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=150, help="training steps per method (default 150)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=WorkerSpec.schedule,
+        help="the learning rate over the run: cosine (to 0 at the last step, as lgc-train anneals, so the "
+        "accuracy curves settle instead of swinging from one evaluation to the next) or constant (default cosine)",
+    )
     parser.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
     parser.add_argument("--target", type=float, default=0.9, help="target validation accuracy (default 0.9)")
     parser.add_argument("--skip", type=int, default=5, help="steps left out of the per-step medians (default 5)")
@@ -355,6 +364,7 @@ def run(args: argparse.Namespace) -> None:
                                 "steps": args.steps,
                                 "batch_size": args.batch_size,
                                 "lr": args.lr,
+                                "schedule": args.schedule,
                                 "eval_every": args.eval_every,
                                 "seed": seed,
                                 "data_root": data_root,
@@ -379,7 +389,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 #: The arguments a measurement depends on: a resumed run must share them with the measurements it keeps.
-_MEASURED_WITH = ("task", "steps", "batch_size", "lr", "eval_every", "delay")
+_MEASURED_WITH = ("task", "steps", "batch_size", "lr", "schedule", "eval_every", "delay")
 
 
 def _measured_before(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import time
@@ -60,6 +61,8 @@ __all__ = ["TASKS", "WorkerSpec", "build_model", "load_task_data", "main", "run_
 #: validated on its 10,000 test images: the task that separates methods), and torchvision ResNets
 #: (larger gradients) on the 8x8 digits with the CIFAR stem, where compute stays cheap.
 TASKS = ("digits", "fashion_mnist", "resnet18", "resnet50")
+#: The learning rate over a measurement's steps: a cosine to 0 at the last step, or constant.
+SCHEDULES = ("cosine", "constant")
 
 
 @dataclass
@@ -73,6 +76,8 @@ class WorkerSpec:
     steps: int = 120
     batch_size: int = 32
     lr: float = 0.05
+    #: One of :data:`SCHEDULES` (:func:`lr_factor`).
+    schedule: str = "cosine"
     momentum: float = 0.9
     eval_every: int = 10
     compute_steps: int = 5
@@ -188,6 +193,19 @@ def time_collectives(spec: WorkerSpec) -> dict[str, Any]:
     return {"rank": rank, "world_size": world, "spec": asdict(spec), "collectives": results}
 
 
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (from 0) of ``steps``, as a multiple of ``lr``.
+
+    ``cosine``: ``(1 + cos(pi * step / steps)) / 2``, from 1 at the first step towards 0 after the
+    last (what ``lgc-train``'s cosine schedule does per step); ``constant``: 1.
+    """
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * step / steps))
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train ``spec.steps`` steps in an initialized process group; returns this rank's record."""
     import lgc
@@ -198,6 +216,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     torch.manual_seed(spec.seed)
     model = DistributedDataParallel(build_model(spec.task))
     optimizer = sgd_for(spec.method, model, spec.lr, spec.momentum)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(spec.schedule, step, spec.steps))
     loss_fn = nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(spec.seed * 1000 + rank)
 
@@ -246,6 +265,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         x, y = batch()
         before = state.stats.as_dict()
         codec_before = dict(codec) if codec is not None else None
+        lr = optimizer.param_groups[0]["lr"]
         with record_collectives() as trace:
             wall, cpu = time.perf_counter(), time.process_time()
             optimizer.zero_grad()
@@ -253,11 +273,13 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             loss.backward()
             optimizer.step()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        scheduler.step()
         training_s += wall
         after = state.stats.as_dict()
         record = {
             "wall_s": wall,
             "cpu_s": cpu,
+            "lr": lr,
             "loss": float(loss),
             "wire_bytes_sent": after["wire_bytes_sent"] - before["wire_bytes_sent"],
             "wire_bytes_received": after["wire_bytes_received"] - before["wire_bytes_received"],
