@@ -277,6 +277,8 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self._pending: dict[str, tuple[Tensor, Tensor | None]] = {}
         #: Second buffers the held steps are written into, per (key, "v" or "u") (never saved).
         self._spares: dict[tuple[str, str], Tensor] = {}
+        #: The schedule (epoch, density) before the last :meth:`begin_step`, until a held step commits.
+        self._before_step: tuple[int, float] | None = None
         #: The model's parameters by name (:meth:`attach_parameters`), read by the weight decay.
         #: Per process: never pickled (:meth:`__getstate__`) nor checkpointed (:meth:`state_dict`).
         self._parameters: Mapping[str, Tensor] | None = None
@@ -306,11 +308,11 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         state = self.__dict__.copy()
         state["_parameters"] = None
         # Second buffers are scratch and a held step belongs to this process: neither travels.
-        state["_pending"], state["_spares"] = {}, {}
+        state["_pending"], state["_spares"], state["_before_step"] = {}, {}, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_pending": {}, "_spares": {}, "draws": {}, **state})
+        self.__dict__.update({"_pending": {}, "_spares": {}, "draws": {}, "_before_step": None, **state})
 
     # -- schedule --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -328,6 +330,8 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
 
         The hook calls it before the first tensor of every compressed step, on every rank alike.
         """
+        # What a dropped held step restores (drop), cleared when a held step commits.
+        self._before_step = (self.epoch, self.current_density)
         if self.steps_per_epoch is not None:
             self._schedule(step // self.steps_per_epoch)
         elif not self._epoch_told and self.current_density > self.density:
@@ -436,10 +440,12 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
     def commit(self, keys: frozenset[str] | set[str]) -> None:
         """Adopt the held step of ``keys``; drop the others' (their state stays as before the step).
 
-        ``commit(frozenset())`` drops the whole step (the ranks agreed to skip it).
+        ``commit(frozenset())``: no parameter was used (the step's schedule stands); a step the
+        ranks agreed to skip is dropped by :meth:`drop`.
         """
         # Taken first: a commit interrupted halfway leaves no held step for the hook's drop to reuse.
         pending, self._pending = self._pending, {}
+        self._before_step = None
         for key, (v, u) in pending.items():
             if key in keys:
                 v, self.velocities[key] = self.velocities.get(key), v
@@ -450,6 +456,18 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
             for which, spare in (("v", v), ("u", u)):
                 if spare is not None and spare is not self.velocities.get(key) and spare is not self.momenta.get(key):
                     self._spares[(key, which)] = spare
+
+    def drop(self) -> None:
+        """Drop the held step (the ranks agreed to skip it, or it failed): its buffers and its schedule.
+
+        The hook began the step (:meth:`begin_step`) before the ranks agreed on it; a step skipped
+        on the held path is never begun, so the warm-up's epoch and density return to what they
+        were, and the step that retries it begins it again.
+        """
+        before = self._before_step
+        self.commit(frozenset())
+        if before is not None:
+            self.epoch, self.current_density = before
 
     def _state(self, store: dict[str, Tensor], key: str, like: Tensor, held: bool) -> Tensor:
         """``store[key]`` (:meth:`_buffer`); a held step stores nothing, so a key it meets first starts from zeros."""
@@ -588,7 +606,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self.decay_momenta = {key: t.clone() for key, t in state.get("decay_momenta", {}).items()}
         # (A checkpoint written before the draws were counted per key starts their count at zero.)
         self.draws = {key: int(count) for key, count in state.get("draws", {}).items()}
-        self._pending, self._spares = {}, {}
+        self._pending, self._spares, self._before_step = {}, {}, None
         # Restored, not told: a resumed program must still advance the schedule itself.
         self._schedule(state["epoch"])
 

@@ -137,6 +137,10 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
                 self._spares[key] = spare
         self._pending = {}
 
+    def drop(self) -> None:
+        """Drop the held step (the ranks agreed to skip it): ``commit(frozenset())``."""
+        self.commit(frozenset())
+
     def decompress(self, payload: Payload) -> Tensor:
         return self.compressor.decompress(payload)
 

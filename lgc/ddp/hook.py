@@ -370,7 +370,7 @@ class CompressionHookState(HookState):
             self.ahead.append(PayloadExchange(self, source, compressed, self.iteration, pending=True))
         except BaseException:
             self.pending, self.ahead, self.ahead_extremes = [], [], []
-            self.compressor.commit(frozenset())  # type: ignore[attr-defined]
+            self.drop_held()
             raise
         if is_last:
             pending, self.pending = self.pending, []
@@ -387,7 +387,7 @@ class CompressionHookState(HookState):
             verdict = self.agree(pending, extremes)
             torch.futures.wait_all([future for exchange in exchanges for future in exchange.futures])
             if verdict.skip:
-                self.compressor.commit(frozenset())  # type: ignore[attr-defined]
+                self.drop_held()
                 self.pass_through(pending)
             else:
                 step = self.iteration
@@ -404,10 +404,20 @@ class CompressionHookState(HookState):
                 self.compressor.commit(verdict.used)  # type: ignore[attr-defined]
                 self.iteration = step + 1
         except BaseException:
-            self.compressor.commit(frozenset())  # type: ignore[attr-defined]
+            self.drop_held()
             raise
         self.step_done(skipped=verdict.skip)
         self.scale_back(pending)
+
+    def drop_held(self) -> None:
+        """Drop a step encoded ahead (skipped, or failed): the compressor's held state and its schedule.
+
+        ``begin_step`` ran at the step's first bucket, before the agreement; the compressor undoes
+        what it moved (DGC's warm-up epoch) and the step that retries this one begins it again, so
+        a skipped step leaves the state as the held path, which never began it, does.
+        """
+        self.compressor.drop()  # type: ignore[attr-defined]
+        self.begun_step = -1
 
     def agree(self, pending: list[PendingBucket], extremes: list[Tensor] | None = None) -> StepVerdict:
         """One small allreduce (MAX of a byte per parameter, plus one) that every rank decides the step by.
@@ -443,14 +453,8 @@ class CompressionHookState(HookState):
     def run_step(self, pending: list[PendingBucket]) -> None:
         """Run one guarded step over all its buckets and complete their futures.
 
-        Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared. The step's
-        schedule (the compressor's ``begin_step``: DGC's warm-up epoch, random-block's offsets) is
-        set before the agreement, as :meth:`encode_ahead` sets it at the step's first bucket: a
-        skipped step has the number of the step that retries it, so both set the same schedule.
+        Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared.
         """
-        if self.begun_step != self.iteration:
-            self.compressor.begin_step(self.iteration)
-            self.begun_step = self.iteration
         verdict = self.agree(pending)
         if verdict.skip:
             self.pass_through(pending)

@@ -93,7 +93,7 @@ def test_dgc_compress_pending_then_commit_is_compress(variant):
         payloads = {key: held.compress_pending(g, key) for key, g in grads.items()}
         _assert_same_state(held.state_dict(), before)
         if step in (2, 4):  # the ranks agreed to skip the step (at 2, the step "late" would have begun with)
-            held.commit(frozenset())
+            held.drop()
             _assert_same_state(held.state_dict(), before)
             continue
         kept = set(grads) - {"small"} if step == 5 else set(grads)  # "small" unused on every rank at step 5
@@ -102,6 +102,25 @@ def test_dgc_compress_pending_then_commit_is_compress(variant):
             assert _same_payload(payloads[key], plain.compress(grads[key], key)), (step, key)
         _assert_same_state(held.state_dict(), plain.state_dict())
     assert held.draws == plain.draws == {"big": 5, "small": 4, "late": 3}
+
+
+def test_a_dropped_dgc_step_undoes_the_warm_up_epoch_it_began_and_its_retry_begins_it_again():
+    dgc = DGCCompressor(density=0.01, steps_per_epoch=2)  # the paper's warm-up: 25 %, then 6.25 %, ...
+    dgc.begin_step(1)
+    dgc.compress_pending(torch.ones(100), "w")
+    dgc.commit(frozenset({"w"}))
+    assert (dgc.epoch, dgc.current_density) == (0, 0.25)
+    dgc.begin_step(2)  # the hook begins the step at its first bucket, before the ranks agree
+    assert (dgc.epoch, dgc.current_density) == (1, 0.0625)
+    dgc.compress_pending(torch.ones(100), "w")
+    dgc.drop()  # skipped: as if never begun
+    assert (dgc.epoch, dgc.current_density) == (0, 0.25) and dgc.draws == {"w": 1}
+    dgc.begin_step(2)
+    dgc.compress_pending(torch.ones(100), "w")
+    dgc.commit(frozenset())  # begun and agreed, but no parameter used: the epoch stands
+    assert (dgc.epoch, dgc.current_density) == (1, 0.0625)
+    dgc.drop()  # nothing held, nothing begun since: nothing to undo
+    assert (dgc.epoch, dgc.current_density) == (1, 0.0625)
 
 
 def test_a_dropped_dgc_step_creates_no_state_even_where_one_store_lacks_the_key():
@@ -302,8 +321,8 @@ def test_overlap_changes_when_collectives_start_and_nothing_else(name):
             _assert_same_state(a["state"], b["state"])
             residuals_a = a["state"]["velocities"]
             # Compressed steps 1-7 less the two skipped: hook steps 1-5; aux used in 3 of them. The
-            # epoch after every step, the skipped ones included (the first skip opens epoch 1).
-            assert a["epochs"] == b["epochs"] == [0, 0, 0, 1, 1, 1, 1, 1]
+            # epoch after every step: the first skip would have opened epoch 1, the retry opens it.
+            assert a["epochs"] == b["epochs"] == [0, 0, 0, 0, 1, 1, 1, 1]
             assert a["state"]["draws"]["aux.weight"] == 3
         else:
             residuals_a, residuals_b = a["state"]["residuals"], b["state"]["residuals"]
