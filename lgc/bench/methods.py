@@ -115,13 +115,19 @@ class MethodSpec(NamedTuple):
     knobs: dict[str, Any]
 
 
-def parse_methods(text: str) -> list[MethodSpec]:
-    """Comma-separated ``name[:knobs]`` entries (commas inside ``[...]`` belong to a value)."""
+def parse_methods(text: str, plain: tuple[str, ...] = ()) -> list[MethodSpec]:
+    """Comma-separated ``name[:knobs]`` entries (commas inside ``[...]`` belong to a value).
+
+    ``plain``: names a benchmark takes besides the ``lgc.compress`` methods (no knobs).
+    """
     from lgc.api import METHODS as KNOWN
 
     specs = []
     for entry in filter(None, (part.strip() for part in re.split(r",(?![^\[]*\])", text))):
         name, _, knobs = entry.partition(":")
+        if name in plain and not knobs:
+            specs.append(MethodSpec(entry, name, {}))
+            continue
         if name not in KNOWN:
             raise ValueError(f"unknown method {name!r} in {entry!r}; known: {', '.join(sorted(KNOWN))}")
         specs.append(MethodSpec(entry, name, parse_overrides(knobs)))

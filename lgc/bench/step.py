@@ -5,9 +5,12 @@
 sizes), past the method's own warm-up stages (LGC: past its autoencoder training, so its
 compressed stage is timed); then ``--rounds`` interleaved rounds time ``--steps`` steps of every
 method and of the no-communication step (``no_sync``: forward, backward and optimizer, DDP
-communicates nothing). Reported per method: median wall time, median CPU time summed over the
-workers' processes (all their threads), both as multiples of the no-communication step measured in
-the same rounds, the same as means over every timed step, and the load average. A method with
+communicates nothing); ``ddp`` is DDP's own allreduce without a hook, beside which ``none`` shows
+what lgc's dense hook adds. Reported per method: median wall time, median CPU time summed over
+the workers' processes (all their threads), both as multiples of the no-communication step measured in
+the same rounds, the same as means over every timed step, and the load average. With ``--device
+cuda`` each worker is one GPU (NCCL; ``--workers`` at most the GPUs there are), every step is timed
+between two device synchronizations, and the CPU time is the host's. A method with
 ``delay`` (communication delay: local steps, then an exchange) is read by its mean, which counts its
 exchanges at their share when the timed steps (``--rounds`` x ``--steps``) are a multiple of the
 delay (the report says when they are not); its median is a local step.
@@ -43,7 +46,9 @@ from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs,
 
 __all__ = ["add_arguments", "run", "step_rows"]
 
-METHODS = "none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
+METHODS = "ddp,none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
+#: DDP's own allreduce, no communication hook: what lgc's dense hook (``none``) costs beside it.
+PLAIN_DDP = "ddp"
 
 
 def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store: str, results: Any) -> None:
@@ -51,22 +56,31 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
     from lgc.models.torchvision_resnet import torchvision_resnet
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=args.workers)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = {"backend": "nccl", "device_id": device} if cuda else {"backend": "gloo"}
+    dist.init_process_group(**backend, init_method=store, rank=rank, world_size=args.workers)
     torch.manual_seed(0)
-    base = torchvision_resnet(int(args.model.removeprefix("resnet")), num_classes=1000, stem="imagenet")
+    base = torchvision_resnet(int(args.model.removeprefix("resnet")), num_classes=1000, stem="imagenet").to(device)
     generator = torch.Generator().manual_seed(rank)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
-        return x, torch.randint(1000, (args.batch_size,), generator=generator)
+        return x.to(device), torch.randint(1000, (args.batch_size,), generator=generator).to(device)
+
+    def synchronize() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
 
     runs: dict[str, Any] = {}
     for spec in [MethodSpec(NO_COMM, NO_COMM, {}), *specs]:
-        model = DistributedDataParallel(copy.deepcopy(base))
+        model = DistributedDataParallel(copy.deepcopy(base), device_ids=[rank] if cuda else None)
         optimizer = sgd_for(spec.name, model, lr=1e-3)
         warm = 2
-        if spec.name != NO_COMM:
+        if spec.name not in (NO_COMM, PLAIN_DDP):
             # lgc.compress merges dict knobs (LGC's autoencoder) into the method's defaults key by key.
             knobs = {**profile_knobs(args.density).get(spec.name, {}), **spec.knobs}
             state = lgc.compress(model, spec.name, optimizer=optimizer, **knobs)
@@ -78,6 +92,7 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
         model, optimizer, _, no_comm = runs[label]
         x, y = batch()
         dist.barrier()
+        synchronize()
         wall, cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         if no_comm:
@@ -86,6 +101,7 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
         else:
             loss_fn(model(x), y).backward()
         optimizer.step()
+        synchronize()
         return time.perf_counter() - wall, time.process_time() - cpu
 
     for label, (_, _, warm, _) in runs.items():
@@ -106,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=METHODS, help="comma-separated name[:key=value;...] (default %(default)s)")
     parser.add_argument("--density", type=float, default=0.001, help="the sparsifiers' and LGC's density")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu: gloo workers on this machine's cores; cuda: one NCCL worker per GPU (default cpu)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=64)
@@ -121,8 +143,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(
             f"--workers, --rounds and --steps must be >= 1, got {args.workers}, {args.rounds}, {args.steps}"
         )
+    if args.device == "cuda":
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise SystemExit("--device cuda: no CUDA device is available")
+        if args.workers > gpus:
+            raise SystemExit(f"--device cuda runs one NCCL worker per GPU: --workers {args.workers}, but {gpus} GPU(s)")
     try:
-        specs = parse_methods(args.methods)
+        specs = parse_methods(args.methods, plain=(PLAIN_DDP,))
     except ValueError as error:
         raise SystemExit(f"--methods: {error}") from None
     load = os.getloadavg()
@@ -132,9 +160,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_rank = [json.loads(results[rank]) for rank in range(args.workers)]
     rows = step_rows(per_rank)
     timed = args.rounds * args.steps
+    where = "NCCL workers, one GPU each" if args.device == "cuda" else "gloo workers on this machine"
     uneven = [spec.label for spec in specs if (spec.knobs.get("delay") or 1) > 1 and timed % spec.knobs["delay"]]
     print(
-        f"# DDP step overhead: {args.model}, {args.workers} gloo workers on this machine, batch {args.batch_size} "
+        f"# DDP step overhead: {args.model}, {args.workers} {where}, batch {args.batch_size} "
         f"of {args.image_size}x{args.image_size}, density {args.density}, {args.threads} thread(s) each, "
         f"{args.rounds} rounds x {args.steps} steps\n"
     )
@@ -163,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"\nload average at start {start_text}, at end {end_text}")
     table = {
         "model": args.model,
+        "device": args.device,
         "workers": args.workers,
         "density": args.density,
         "load_average": [load, end],

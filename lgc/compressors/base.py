@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "ForwardsHookCalls",
     "Payload",
     "compressor_chain",
+    "keyed_seed",
     "method_min_numel",
     "view_bytes_as",
 ]
@@ -53,6 +55,19 @@ def view_bytes_as(buffer: Tensor, dtype: torch.dtype) -> Tensor:
     if buffer.storage_offset() % itemsize:
         buffer = buffer.clone()
     return buffer.view(dtype)
+
+
+def keyed_seed(seed: int, key: str, count: int) -> int:
+    """A 64-bit seed for ``key``'s ``count``-th draw under ``seed``: a hash, not a generator's next draw.
+
+    A compressor that draws per tensor from it (DGC's sampled threshold, QSGD's and TernGrad's
+    rounding) draws the same numbers for a tensor whatever other tensors a step compressed and in
+    whatever order: DDP's bucket order (rebuilt after the first iteration, so a resumed run's first
+    step sees another), the overlap path encoding a parameter some rank may not use. Its checkpoint
+    is the per-key counts.
+    """
+    digest = hashlib.blake2b(f"{seed}:{count}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def method_min_numel(compressor: Any) -> int:

@@ -59,7 +59,6 @@ selection kernel is :mod:`lgc.compressors.selection`.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
@@ -68,7 +67,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload, compressor_chain
+from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload, compressor_chain, keyed_seed
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.selection import ColumnScan, SelectionInfo, exact_topk, sampled_topk
 from lgc.compressors.topk import (
@@ -674,7 +673,7 @@ def check_optimizer_momentum(
 class _SampleStart:
     """The sampled threshold's random start for one key's ``count``-th compressed step.
 
-    A hash of ``(seed, count, key)`` in place of a generator's next draw: a key's draws never
+    :func:`~lgc.compressors.base.keyed_seed` in place of a generator's next draw: a key's draws never
     depend on which other keys a step compressed, so a step encoded before the ranks agree on it
     (:meth:`DGCCompressor.compress_pending`) draws what :meth:`DGCCompressor.compress` would, and a
     resumed run repeats them (the counts are in the checkpoint). ``randrange`` is all
@@ -684,8 +683,7 @@ class _SampleStart:
     __slots__ = ("value",)
 
     def __init__(self, seed: int, key: str, count: int) -> None:
-        digest = hashlib.blake2b(f"{seed}:{count}:{key}".encode(), digest_size=8).digest()
-        self.value = int.from_bytes(digest, "little")
+        self.value = keyed_seed(seed, key, count)
 
     def randrange(self, stop: int) -> int:
         return self.value % stop

@@ -35,14 +35,19 @@ at most ``2.8 d + 32`` bits). Here every code has the same width: packing and un
 few vectorized passes, and the payload has a fixed size for a given ``numel``
 (``variable_size = False``), so the DDP hook allgathers without exchanging sizes first.
 
-**Randomness.** Each compressor owns a :class:`torch.Generator` per device, seeded from ``seed``
-and saved by :meth:`~StochasticQuantizer.state_dict`, so a resumed run draws the same numbers.
-Draws are consumed in call order (the DDP hook's order is deterministic). Nothing rank-specific
-is needed for correctness: every worker's quantization is unbiased whatever the seed, so ranks
-may share one. With a shared seed the workers use the *same* uniforms, so their rounding errors
-are positively correlated and averaging over ``M`` workers reduces the quantization variance by
-less than ``1 / M`` (not at all for identical gradients); pass a different ``seed`` per rank
-(e.g. ``seed + rank``) when independent noise matters.
+**Randomness.** Each tensor's uniforms come from a generator seeded, at every call, with a hash
+of ``seed``, the tensor's name and how many times it was compressed before
+(:func:`~lgc.compressors.base.keyed_seed`); the counts are the state
+(:meth:`~StochasticQuantizer.state_dict`). A tensor's draws therefore never depend on which other
+tensors a step compressed or in what order, so a resumed run draws the same numbers even though
+DDP's first step after a restart groups the parameters into other buckets than the checkpointed
+run's (DDP rebuilds them after its first iteration). A CPU and a CUDA generator give different
+numbers for the same seed. Nothing rank-specific is needed for correctness: every worker's
+quantization is unbiased whatever the seed, so ranks may share one. With a shared seed the workers
+use the *same* uniforms, so their rounding errors are positively correlated and averaging over
+``M`` workers reduces the quantization variance by less than ``1 / M`` (not at all for identical
+gradients); pass a different ``seed`` per rank (e.g. ``seed + rank``) when independent noise
+matters.
 
 Payloads carry bit-packed codes, which cannot be summed by an allreduce: they are allgathered
 (:attr:`CombineMode.GATHER`) and :meth:`~StochasticQuantizer.aggregate` decodes and sums them.
@@ -61,7 +66,7 @@ from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes, unpack_uint
-from lgc.compressors.base import CombineMode, Compressor, DecodesInto, Payload, view_bytes_as
+from lgc.compressors.base import CombineMode, Compressor, DecodesInto, Payload, keyed_seed, view_bytes_as
 from lgc.validation import PositiveInt, Seed, check
 
 __all__ = ["MAX_LEVELS", "Buckets", "Levels", "QSGDCompressor", "QuantizedPayload", "StochasticQuantizer", "code_bits"]
@@ -177,10 +182,11 @@ class StochasticQuantizer(DecodesInto, Compressor):
         self.seed = seed
         #: Bits per element on the wire (the scales come on top).
         self.code_bits = code_bits(levels)
-        # Random state per device ("cpu", "cuda:0"): a generator lives on one device only.
+        #: How many times each key was compressed: with ``seed`` and the key, the seed of its next
+        #: draws (:func:`~lgc.compressors.base.keyed_seed`); the whole random state.
+        self.draws: dict[str, int] = {}
+        # One generator per device ("cpu", "cuda:0"), reseeded before every tensor's draws.
         self._generators: dict[str, torch.Generator] = {}
-        # Generator states loaded for devices not used yet in this process (applied on first use).
-        self._pending_states: dict[str, Tensor] = {}
         # Scratch buffers per (device, dtype): a fresh gradient-sized CPU allocation costs as much as
         # several arithmetic passes (page faults), so the uniforms and codes go to reused buffers.
         self._workspace: dict[tuple[str, torch.dtype], Tensor] = {}
@@ -210,7 +216,7 @@ class StochasticQuantizer(DecodesInto, Compressor):
         multiplier = torch.where(torch.isfinite(multiplier), multiplier, 0.0)
         # u + s with u ~ U[0, 1); adding y = s * v / scale in [-s, s] gives s + y + u in [0, 2 s + 1).
         work = self._scratch(numel, torch.float32, flat.device)
-        work.uniform_(s, s + 1.0, generator=self.generator(flat.device))
+        work.uniform_(s, s + 1.0, generator=self.generator(flat.device, key))
         for out, values, factor in zip(
             buckets.views(work), buckets.views(flat), buckets.columns(multiplier), strict=True
         ):
@@ -263,18 +269,15 @@ class StochasticQuantizer(DecodesInto, Compressor):
 
     # Randomness -----------------------------------------------------------------------------
 
-    def generator(self, device: torch.device | str) -> torch.Generator:
-        """This compressor's generator on ``device`` (created from ``seed`` or a loaded state)."""
+    def generator(self, device: torch.device | str, key: str) -> torch.Generator:
+        """The generator for ``key``'s next draws on ``device``: seeded from ``(seed, key, count)``, count advanced."""
         name = str(torch.device(device))
         gen = self._generators.get(name)
         if gen is None:
-            gen = torch.Generator(device=name)
-            state = self._pending_states.pop(name, None)
-            if state is None:
-                gen.manual_seed(self.seed)
-            else:
-                gen.set_state(state)
-            self._generators[name] = gen
+            gen = self._generators[name] = torch.Generator(device=name)
+        count = self.draws.get(key, 0)
+        gen.manual_seed(keyed_seed(self.seed, key, count))
+        self.draws[key] = count + 1
         return gen
 
     def _scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -287,22 +290,21 @@ class StochasticQuantizer(DecodesInto, Compressor):
         return buffer[:numel]
 
     def state_dict(self) -> dict[str, Any]:
-        """The seed and every device's generator state (CPU byte tensors)."""
-        states = {name: state.clone() for name, state in self._pending_states.items()}
-        states.update({name: gen.get_state() for name, gen in self._generators.items()})
-        return {"seed": self.seed, "generators": states}
+        """The seed and every key's count of draws."""
+        return {"seed": self.seed, "draws": dict(self.draws)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if set(state) != {"seed", "generators"}:
-            raise ValueError(f"{type(self).__name__} state needs keys 'seed' and 'generators', got {sorted(state)}")
+        if set(state) != {"seed", "draws"}:
+            raise ValueError(
+                f"{type(self).__name__} state needs keys 'seed' and 'draws' (each tensor's count of draws), "
+                f"got {sorted(state)}"
+            )
         self.seed = int(state["seed"])
-        self._generators = {}
-        self._pending_states = {name: s.clone() for name, s in state["generators"].items()}
+        self.draws = {str(key): int(count) for key, count in state["draws"].items()}
 
-    # Generators do not pickle; the hook state is pickled to spawned workers and checkpoints.
+    # Generators do not pickle (the hook state is pickled to spawned workers); the draws are the state.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pending_states"] = self.state_dict()["generators"]
         state["_generators"] = {}
         state["_workspace"] = {}
         state["_tables"] = {}

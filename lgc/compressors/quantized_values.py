@@ -77,8 +77,12 @@ def quantize_values(values: Tensor, bits: int, range_sigmas: float) -> tuple[Ten
     # All values equal (or one value): every code is the middle bin, whose centroid is exact.
     width = torch.where((width > 0) & torch.isfinite(width), width, torch.ones_like(width))
     codes = torch.round(centered / width + bins // 2).clamp_(0, bins - 1).long()
-    sums = values.new_zeros(bins).index_add_(0, codes, values)
-    counts = values.new_zeros(bins).index_add_(0, codes, torch.ones_like(values))
+    # Each bin's sum as a reduction over a (bins, n) mask, not index_add_: on a GPU index_add_ adds
+    # the many values of one bin with atomics in no fixed order, so the table (and every decoded
+    # value) would differ in its last bits from call to call on the same input.
+    members = codes.unsqueeze(0) == torch.arange(bins, device=codes.device).unsqueeze(1)
+    sums = torch.where(members, values, 0.0).sum(1)
+    counts = members.sum(1).to(values.dtype)
     table = torch.where(counts > 0, sums / counts.clamp(min=1), mean.expand(bins))
     return codes, table
 

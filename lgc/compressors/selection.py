@@ -116,11 +116,16 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
     faster alone but 8 % slower in top-k's round trip at density 0.01 (its large temporaries), the
     same at 0.001. A tensor holding an inf or a NaN (rare: the DDP hook's step guard keeps them out)
     takes one ``torch.topk`` of its magnitudes, so it selects as ``torch.topk`` does (NaN largest).
+
+    On a GPU it is one ``torch.topk`` of the magnitudes: the search's host synchronizations (the
+    finite check, ``nonzero``) stall the device for more than the radix selection costs (measured on
+    an H200 over ResNet-50's 161 tensors: error feedback, selection and decoding per tensor took
+    51 ms through the search, 24 ms through ``torch.topk`` alone).
     """
     values = values.detach()
     numel = values.numel()
     block = _topk_block_size(numel, k) if k else 1
-    if numel < _BLOCK_SELECTION_MIN_NUMEL or 8 * k * block > numel:
+    if values.device.type != "cpu" or numel < _BLOCK_SELECTION_MIN_NUMEL or 8 * k * block > numel:
         return torch.topk(values.abs(), k, sorted=False).indices
     if block <= _COLUMN_GROUPS_MAX_ROW_BLOCK:
         group = min(2 * block, _COLUMN_GROUPS_MAX)

@@ -31,8 +31,9 @@ Here each worker sends its own ``s_t`` (4 bytes per bucket) with its codes; payl
 allgathered (:attr:`CombineMode.GATHER`) and every worker's ternary vector is decoded with its
 own scale and summed, which keeps each worker unbiased.
 
-Randomness: a :class:`torch.Generator` per device seeded from ``seed``, saved in the state dict;
-ranks may share the seed (see :mod:`lgc.compressors.qsgd` for what that does to the variance).
+Randomness: per tensor and call, from ``seed``, the tensor's name and its count of draws (the
+state), as QSGD's; ranks may share the seed (see :mod:`lgc.compressors.qsgd` for what that does to
+the variance).
 """
 
 from __future__ import annotations

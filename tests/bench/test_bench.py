@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lgc.bench.cli import main
 from lgc.bench.compressors import resnet50_numels
@@ -150,6 +151,27 @@ def test_step_benchmark_times_lgc_past_its_stages_against_no_communication(tmp_p
     assert list(rows) == ["no_sync", "topk", narrow, "sbc:delay=2"]
     assert rows["no_sync"]["cpu_x"] == rows["no_sync"]["mean_cpu_x"] == 1.0
     assert all(row["cpu_s"] > 0 and row["wall_s"] > 0 and row["mean_cpu_s"] > 0 for row in rows.values())
+
+
+def test_step_on_cuda_wants_one_gpu_per_worker_before_any_worker_starts(no_workers, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit, match="--device cuda: no CUDA device is available"):
+        main(["step", "--device", "cuda"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="one NCCL worker per GPU: --workers 2, but 1 GPU"):
+        main(["step", "--device", "cuda", "--workers", "2"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_step_benchmark_on_a_gpu_over_nccl(tmp_path):
+    out = tmp_path / "step.json"
+    main(
+        ["step", "--device", "cuda", "--workers", "1", "--model", "resnet18", "--image-size", "32",
+         "--steps", "2", "--rounds", "1", "--methods", "topk,dgc", "--json", str(out)]
+    )  # fmt: skip
+    table = json.loads(out.read_text())
+    assert table["device"] == "cuda" and list(table["rows"]) == ["no_sync", "topk", "dgc"]
+    assert all(row["wall_s"] > 0 for row in table["rows"].values())
 
 
 def test_step_rows_read_a_delayed_method_by_its_mean_and_every_step_method_by_its_median():

@@ -181,6 +181,18 @@ def test_group_maximum_topk_selection_is_exact(numel, k):
     assert set(chosen.tolist()) == set(expected.tolist())
 
 
+@pytest.mark.parametrize("numel,k", [(1_000, 10), (100_003, 100), (1_000_003, 5000)])
+def test_topk_selection_is_exact_on_every_device(reference_device, numel, k):
+    # On a GPU it is torch.topk itself; the magnitudes it ranks must be those of the input.
+    from lgc.compressors.selection import topk_indices
+
+    g = (_randn(numel, seed=k) * torch.linspace(0.1, 3.0, numel)).to(reference_device)
+    g[3] = float("nan")
+    chosen = topk_indices(g, k)
+    assert chosen.device == g.device and chosen.unique().numel() == k
+    assert set(chosen.tolist()) == set(torch.topk(g.abs().cpu(), k).indices.tolist())
+
+
 @pytest.mark.parametrize("numel,k", [(100_003, 100), (100_003, 1000), (1_000_003, 5000)])
 def test_group_maximum_topk_selection_takes_nan_and_inf_first_as_torch_topk(numel, k):
     from lgc.compressors.selection import topk_indices

@@ -329,6 +329,24 @@ def test_state_dict_round_trip_reproduces_the_random_draws(make):
     assert torch.equal(ef.residuals["w"], other.residuals["w"])
 
 
+@pytest.mark.parametrize("make", [QSGDCompressor, TernGradCompressor], ids=["qsgd", "terngrad"])
+def test_draws_follow_the_tensor_not_the_order_it_came_in(make):
+    # DDP's first step after a restart groups the parameters into other buckets than the run it
+    # resumes: a tensor's draws must not depend on which tensors came before it.
+    forward, backward = make(seed=5), make(seed=5)
+    grads = {key: _randn(600, seed=i) for i, key in enumerate(("a", "b", "c"))}
+    for step in range(2):
+        first = {key: forward.compress(g, key) for key, g in grads.items()}
+        second = {key: backward.compress(g, key) for key, g in reversed(grads.items())}
+        for key in grads:
+            assert torch.equal(first[key].codes, second[key].codes), f"step {step}, {key}"
+    assert forward.state_dict() == {"seed": 5, "draws": {"a": 2, "b": 2, "c": 2}} == backward.state_dict()
+    # A key's next draws differ from its last: the count moves the seed.
+    assert not torch.equal(forward.compress(grads["a"], "a").codes, first["a"].codes)
+    with pytest.raises(ValueError, match="'draws'"):
+        make().load_state_dict({"seed": 0, "generators": {"cpu": torch.Generator().get_state()}})
+
+
 def test_signsgd_is_stateless():
     assert SignSGDCompressor().state_dict() == {}
     with pytest.raises(ValueError, match="stateless"):

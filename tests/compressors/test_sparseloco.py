@@ -319,6 +319,18 @@ def test_sparseloco_on_resnet8_sends_the_references_entries_through_every_parame
 # -- quantized values ------------------------------------------------------------------------------
 
 
+def test_quantizer_table_is_the_same_bits_on_every_call(reference_device):
+    # A bin's sum is a reduction in a fixed order: on a GPU, index_add_'s atomics are not.
+    values = (_randn(50_000) * 3).to(reference_device)
+    codes, table = quantize_values(values, bits=2, range_sigmas=6.0)
+    for _ in range(5):
+        again = quantize_values(values, bits=2, range_sigmas=6.0)
+        assert torch.equal(again[0], codes) and torch.equal(again[1], table)
+    members = [values[codes == code].double() for code in range(4)]
+    expected = torch.stack([m.mean() if m.numel() else values.double().mean() for m in members]).float()
+    torch.testing.assert_close(table, expected, rtol=1e-6, atol=0)
+
+
 def test_quantizer_decodes_each_code_to_its_bins_centroid():
     values = _randn(1000) * 3
     codes, table = quantize_values(values, bits=2, range_sigmas=6.0)
