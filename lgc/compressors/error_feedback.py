@@ -82,9 +82,15 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
             return torch.mul(residual, self.decay, out=out).add_(tensor)
         return torch.add(residual, tensor, out=out)
 
-    def _encode(self, corrected: Tensor, key: str) -> tuple[Payload, Tensor]:
-        """The payload of ``corrected`` (``g + beta * r``) and the new residual (in place where it can)."""
-        payload = self.compressor.compress(corrected, key)
+    def _encode(self, corrected: Tensor, key: str, held: bool = False) -> tuple[Payload, Tensor]:
+        """The payload of ``corrected`` (``g + beta * r``) and the new residual (in place where it can).
+
+        ``held``: a step encoded ahead of the agreement; a compressor that holds steps back itself
+        holds its own state too.
+        """
+        holds = held and self._inner_holds
+        encode = self.compressor.compress_pending if holds else self.compressor.compress  # type: ignore[attr-defined]
+        payload = encode(corrected, key)
         if isinstance(payload, SparsePayload):
             # Cheaper than a dense decode: subtract what was sent at the sent positions only.
             payload.subtract_from(corrected)
@@ -95,12 +101,19 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
     # -- encoding ahead of the step's agreement (the hook's overlap) ------------------------------------
     @property
     def speculates(self) -> bool:
-        """Whether :meth:`compress_pending` is available: the wrapped compressor keeps no state of its own.
+        """Whether :meth:`compress_pending` is available: the wrapped compressor keeps no state, or holds it back.
 
-        Then the residual is the only state a step moves, and a step can be encoded into a second
-        buffer before the ranks agree on it (:meth:`commit`).
+        The wrapped compressor keeps no state of its own, or holds a step back itself (its own
+        ``compress_pending`` and ``commit``: QSGD's and TernGrad's counts of draws). Then a step can
+        be encoded into a second buffer before the ranks agree on it (:meth:`commit`).
         """
-        return self.compressor.stateless or self.compressor.pure_encoding
+        return self.compressor.stateless or self.compressor.pure_encoding or self._inner_holds
+
+    @property
+    def _inner_holds(self) -> bool:
+        """Whether the wrapped compressor holds a step back itself (its state moves with every call)."""
+        inner = self.compressor
+        return not (inner.stateless or inner.pure_encoding) and getattr(inner, "speculates", False)
 
     def compress_pending(self, tensor: Tensor, key: str) -> Payload:
         """:meth:`compress` with the same payload, the new residual held aside until :meth:`commit`.
@@ -118,7 +131,7 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         spare = self._spares.pop(key, None)
         if residual is not None and (spare is None or spare.shape != residual.shape or spare.device != tensor.device):
             spare = torch.empty_like(residual, device=tensor.device)
-        payload, self._pending[key] = self._encode(self._corrected(tensor, key, into=spare), key)
+        payload, self._pending[key] = self._encode(self._corrected(tensor, key, into=spare), key, held=True)
         return payload
 
     def commit(self, keys: frozenset[str] | set[str]) -> None:
@@ -126,6 +139,8 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
 
         ``commit(frozenset())`` drops the whole step (the ranks agreed to skip it).
         """
+        if self._inner_holds:
+            self.compressor.commit(keys)
         for key, held in self._pending.items():
             current = self.residuals.get(key)
             if key in keys:

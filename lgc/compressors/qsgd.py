@@ -185,6 +185,9 @@ class StochasticQuantizer(DecodesInto, Compressor):
         #: How many times each key was compressed: with ``seed`` and the key, the seed of its next
         #: draws (:func:`~lgc.compressors.base.keyed_seed`); the whole random state.
         self.draws: dict[str, int] = {}
+        #: A step encoded ahead of the ranks' agreement (:meth:`compress_pending`): key -> its count
+        #: after the step, adopted by :meth:`commit`.
+        self._pending: dict[str, int] = {}
         # One generator per device ("cpu", "cuda:0"), reseeded before every tensor's draws.
         self._generators: dict[str, torch.Generator] = {}
         # Scratch buffers per (device, dtype): a fresh gradient-sized CPU allocation costs as much as
@@ -207,6 +210,36 @@ class StochasticQuantizer(DecodesInto, Compressor):
         return 4 * Buckets(numel, self.bucket_size).count + packed_nbytes(numel * self.code_bits)
 
     def compress(self, tensor: Tensor, key: str) -> QuantizedPayload:
+        count = self.draws.get(key, 0)
+        payload = self._quantize(tensor, key, count)
+        self.draws[key] = count + 1
+        return payload
+
+    # -- encoding ahead of the step's agreement (the hook's overlap) ------------------------------------
+    #: The hook's ``overlap`` may encode a step before the ranks agree on it: a key's draws follow
+    #: from its count alone, which :meth:`commit` advances.
+    speculates = True
+
+    def compress_pending(self, tensor: Tensor, key: str) -> QuantizedPayload:
+        """:meth:`compress`'s payload, the key's count of draws left as it is until :meth:`commit`."""
+        count = self.draws.get(key, 0)
+        payload = self._quantize(tensor, key, count)
+        self._pending[key] = count + 1
+        return payload
+
+    def commit(self, keys: frozenset[str] | set[str]) -> None:
+        """Advance the counts of ``keys`` by the held step; the others' stay (``frozenset()``: drop it)."""
+        pending, self._pending = self._pending, {}
+        for key, count in pending.items():
+            if key in keys:
+                self.draws[key] = count
+
+    def drop(self) -> None:
+        """Drop the held step (the ranks agreed to skip it): ``commit(frozenset())``."""
+        self.commit(frozenset())
+
+    def _quantize(self, tensor: Tensor, key: str, count: int) -> QuantizedPayload:
+        """The payload of ``tensor`` with ``key``'s ``count``-th draws."""
         flat = tensor.reshape(-1).contiguous().float()
         numel, s = flat.numel(), self.levels
         buckets = Buckets(numel, self.bucket_size)
@@ -216,7 +249,7 @@ class StochasticQuantizer(DecodesInto, Compressor):
         multiplier = torch.where(torch.isfinite(multiplier), multiplier, 0.0)
         # u + s with u ~ U[0, 1); adding y = s * v / scale in [-s, s] gives s + y + u in [0, 2 s + 1).
         work = self._scratch(numel, torch.float32, flat.device)
-        work.uniform_(s, s + 1.0, generator=self.generator(flat.device, key))
+        work.uniform_(s, s + 1.0, generator=self._generator(flat.device, key, count))
         for out, values, factor in zip(
             buckets.views(work), buckets.views(flat), buckets.columns(multiplier), strict=True
         ):
@@ -269,16 +302,13 @@ class StochasticQuantizer(DecodesInto, Compressor):
 
     # Randomness -----------------------------------------------------------------------------
 
-    def generator(self, device: torch.device | str, key: str) -> torch.Generator:
-        """The generator for ``key``'s next draws on ``device``: seeded from ``(seed, key, count)``, count advanced."""
+    def _generator(self, device: torch.device | str, key: str, count: int) -> torch.Generator:
+        """This device's generator, seeded for ``key``'s ``count``-th draws (:func:`keyed_seed`)."""
         name = str(torch.device(device))
         gen = self._generators.get(name)
         if gen is None:
             gen = self._generators[name] = torch.Generator(device=name)
-        count = self.draws.get(key, 0)
-        gen.manual_seed(keyed_seed(self.seed, key, count))
-        self.draws[key] = count + 1
-        return gen
+        return gen.manual_seed(keyed_seed(self.seed, key, count))
 
     def _scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A reused buffer of ``numel`` entries (contents undefined), grown to the largest tensor seen."""
@@ -306,6 +336,7 @@ class StochasticQuantizer(DecodesInto, Compressor):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_generators"] = {}
+        state["_pending"] = {}
         state["_workspace"] = {}
         state["_tables"] = {}
         return state

@@ -12,7 +12,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc import ErrorFeedback, FP16Compressor, SBCCompressor, SignSGDCompressor, TopKCompressor
-from lgc.compressors import DGCCompressor, QuantizedValues, RandomBlockCompressor, RedSyncCompressor
+from lgc.compressors import (
+    DGCCompressor,
+    QSGDCompressor,
+    QuantizedValues,
+    RandomBlockCompressor,
+    RedSyncCompressor,
+    TernGradCompressor,
+)
 from lgc.compressors import dgc as dgc_module
 from lgc.ddp import CompressionHookState
 from lgc.ddp import hook as hook_module
@@ -25,6 +32,9 @@ COMPRESSORS = {
     "sbc": lambda: SBCCompressor(density=0.1),
     "signsgd": SignSGDCompressor,
     "quantized_topk": lambda: QuantizedValues(TopKCompressor(density=0.1), bits=2),
+    # Their counts of draws are state of their own: error feedback holds them back with its residuals.
+    "qsgd": lambda: QSGDCompressor(bucket_size=64),
+    "terngrad": lambda: TernGradCompressor(bucket_size=64),
 }
 
 
@@ -56,6 +66,23 @@ def test_compress_pending_then_commit_is_compress(name, dtype, decay):
         assert set(held.residuals) == set(plain.residuals)
         for key in held.residuals:
             assert torch.equal(held.residuals[key], plain.residuals[key]), (step, key)
+        assert held.compressor.state_dict() == plain.compressor.state_dict(), step  # QSGD's counts of draws
+
+
+@pytest.mark.parametrize("make", [QSGDCompressor, TernGradCompressor], ids=["qsgd", "terngrad"])
+def test_a_stochastic_quantizer_holds_its_draws_back_until_the_commit(make):
+    held, plain = make(bucket_size=64), make(bucket_size=64)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(5):
+        g = torch.randn(300, generator=generator)
+        payload = held.compress_pending(g, "w")
+        assert held.draws == plain.draws, step  # nothing moves before the commit
+        if step == 2:
+            held.drop()  # the ranks agreed to skip the step
+            continue
+        held.commit(frozenset({"w"}))
+        assert _same_payload(payload, plain.compress(g, "w")), step
+        assert held.draws == plain.draws == {"w": step if step > 2 else step + 1}
 
 
 def test_a_dropped_first_step_leaves_no_residual():
@@ -177,7 +204,7 @@ def test_overlap_is_refused_for_a_compressor_with_state_of_its_own(compressor):
 @pytest.mark.parametrize(
     ("node", "comm", "match"),
     [
-        ({"_target_": "lgc.compressors.QSGDCompressor"}, {"overlap": True}, "overlap=True needs"),
+        ({"_target_": "lgc.compressors.RandomBlockCompressor"}, {"overlap": True}, "overlap=True needs"),
         ({"_target_": "lgc.compressors.TopKCompressor", "density": 0.1}, {"overlap": True, "delay": 2}, "delay"),
     ],
 )
@@ -228,7 +255,9 @@ class _Net(nn.Module):
         return self.head(hidden) + self.aux(hidden) if use_aux else self.head(hidden)
 
 
-def _error_feedback(name: str) -> ErrorFeedback | DGCCompressor:
+def _error_feedback(name: str) -> ErrorFeedback | DGCCompressor | QSGDCompressor:
+    if name == "qsgd_alone":  # as the method's config runs it: no error feedback, its draws its only state
+        return QSGDCompressor(bucket_size=64)
     if name.startswith("dgc"):  # DGC keeps its own residual (the accumulator), momentum and weight decay's momentum
         nesterov = name == "dgc_nesterov"
         # Three steps per epoch: the step skipped for rank 1's NaN is hook step 3, the first of an epoch.
@@ -303,7 +332,18 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "name", ["topk", "sbc", "signsgd", "quantized_topk", "topk_fp16_values:decay=0.95", "dgc", "dgc_nesterov"]
+    "name",
+    [
+        "topk",
+        "sbc",
+        "signsgd",
+        "quantized_topk",
+        "topk_fp16_values:decay=0.95",
+        "dgc",
+        "dgc_nesterov",
+        "qsgd_alone",
+        "terngrad",
+    ],
 )
 def test_overlap_changes_when_collectives_start_and_nothing_else(name):
     held = run_workers(_train, WORLD, name, False)
@@ -324,7 +364,12 @@ def test_overlap_changes_when_collectives_start_and_nothing_else(name):
             # epoch after every step: the first skip would have opened epoch 1, the retry opens it.
             assert a["epochs"] == b["epochs"] == [0, 0, 0, 0, 1, 1, 1, 1]
             assert a["state"]["draws"]["aux.weight"] == 3
+        elif name == "qsgd_alone":
+            # Steps 1-7 less the two skipped; aux used in 3 of them.
+            assert a["state"] == b["state"] and a["state"]["draws"]["aux.weight"] == 3
+            residuals_a = a["state"]["draws"]
         else:
+            assert a["state"]["compressor"] == b["state"]["compressor"]
             residuals_a, residuals_b = a["state"]["residuals"], b["state"]["residuals"]
             assert set(residuals_a) == set(residuals_b)
             assert all(torch.equal(residuals_a[key], residuals_b[key]) for key in residuals_a)
