@@ -101,6 +101,11 @@ METHODS = (
     Method("dgc_overlap", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2", "comm.overlap=true")),
     Method("qsgd_overlap", "qsgd", ("comm.overlap=true",)),
     Method("terngrad_overlap", "terngrad", ("comm.overlap=true", "compressor.error_feedback=true")),
+    Method(
+        "redsync_overlap",
+        "redsync",
+        ("compressor.density=0.05", "compressor.reuse_threshold=true", "comm.overlap=true"),
+    ),
     Method("redsync", "redsync", ("compressor.density=0.05",)),
     Method("redsync_search", "redsync", ("compressor.density=0.05", "compressor.method=threshold_binary_search")),
     Method("random_block", "random_block", ("compressor.density=0.1",)),

@@ -183,6 +183,9 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
         self.quantize = bool(quantize)
         #: Per-key threshold to try first next step (only with ``reuse_threshold``); saved.
         self.thresholds: dict[str, float] = {}
+        #: A step encoded ahead of the ranks' agreement (:meth:`compress_pending`): key -> the
+        #: threshold it left (None: none), adopted by :meth:`commit`.
+        self._pending: dict[str, float | None] = {}
         self.counting_passes = 0
         self.counted_elements = 0
         # Reused scratch buffers (|v| and a comparison mask) per (device, dtype): allocating and
@@ -385,6 +388,35 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
         return SparsePayload.from_wire(wire, numel)
 
     # ----------------------------------------------------------------------------------------
+    # encoding ahead of the step's agreement (the hook's overlap)
+
+    #: The hook's ``overlap`` may encode a step before the ranks agree on it: the only state a step
+    #: moves is its key's threshold, held aside until :meth:`commit`.
+    speculates = True
+
+    def compress_pending(self, tensor: Tensor, key: str) -> Payload:
+        """:meth:`compress`'s payload, the key's threshold left as it was until :meth:`commit`."""
+        before = self.thresholds.get(key)
+        payload = self.compress(tensor, key)
+        self._pending[key] = self.thresholds.get(key)
+        if before is None:
+            self.thresholds.pop(key, None)
+        else:
+            self.thresholds[key] = before
+        return payload
+
+    def commit(self, keys: frozenset[str] | set[str]) -> None:
+        """Adopt the thresholds the held step left for ``keys``; the others' stay (``frozenset()``: drop it)."""
+        pending, self._pending = self._pending, {}
+        for key, threshold in pending.items():
+            if key in keys and threshold is not None:
+                self.thresholds[key] = threshold
+
+    def drop(self) -> None:
+        """Drop the held step (the ranks agreed to skip it): ``commit(frozenset())``."""
+        self.commit(frozenset())
+
+    # ----------------------------------------------------------------------------------------
     # state
 
     def state_dict(self) -> dict[str, Any]:
@@ -398,7 +430,7 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
 
     def __getstate__(self) -> dict[str, Any]:
         # Scratch buffers are caches: never pickle them into spawned workers or checkpoints.
-        return {**self.__dict__, "_scratch": {}}
+        return {**self.__dict__, "_scratch": {}, "_pending": {}}
 
     def __repr__(self) -> str:
         return (

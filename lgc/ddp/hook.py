@@ -117,8 +117,8 @@ class CompressionHookState(HookState):
             payload sent for nothing. Needs a compressor that can hold a step back (``speculates``)
             and whose payloads are gathered: error feedback over a compressor that keeps no state of
             its own (top-k, SBC, EF-signSGD, chunked top-k, DeMo, their quantized values, ...),
-            DGC, or QSGD and TernGrad (with or without error feedback: they hold back their counts
-            of draws). Stateless compressors (``none``, ``fp16``) overlap anyway; the option changes
+            DGC, QSGD and TernGrad (with or without error feedback: they hold back their counts of
+            draws), or error feedback over RedSync (its thresholds held back). Stateless compressors (``none``, ``fp16``) overlap anyway; the option changes
             nothing for them.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback

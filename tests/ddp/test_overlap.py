@@ -35,6 +35,11 @@ COMPRESSORS = {
     # Their counts of draws are state of their own: error feedback holds them back with its residuals.
     "qsgd": lambda: QSGDCompressor(bucket_size=64),
     "terngrad": lambda: TernGradCompressor(bucket_size=64),
+    # Each key's threshold, tried first the next step.
+    "redsync": lambda: RedSyncCompressor(density=0.1, reuse_threshold=True),
+    "redsync_search": lambda: RedSyncCompressor(
+        density=0.1, reuse_threshold=True, method="threshold_binary_search", epsilon=1e-3
+    ),
 }
 
 
@@ -191,10 +196,10 @@ def test_dgc_draws_its_sample_start_per_parameter_and_step():
 @pytest.mark.parametrize(
     "compressor",
     [
-        lambda: ErrorFeedback(RandomBlockCompressor(density=0.1)),
-        lambda: RedSyncCompressor(density=0.1),
+        lambda: ErrorFeedback(RandomBlockCompressor(density=0.1, shared=False)),
+        lambda: RandomBlockCompressor(density=0.1, shared=False),
     ],
-    ids=["random_block", "redsync"],
+    ids=["random_block_error_feedback", "random_block"],
 )
 def test_overlap_is_refused_for_a_compressor_with_state_of_its_own(compressor):
     with pytest.raises(ValueError, match="overlap=True needs"):
@@ -343,6 +348,7 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
         "dgc_nesterov",
         "qsgd_alone",
         "terngrad",
+        "redsync",
     ],
 )
 def test_overlap_changes_when_collectives_start_and_nothing_else(name):
