@@ -118,8 +118,8 @@ class CompressionHookState(HookState):
             and whose payloads are gathered: error feedback over a compressor that keeps no state of
             its own (top-k, SBC, EF-signSGD, chunked top-k, DeMo, their quantized values, ...),
             DGC, QSGD and TernGrad (with or without error feedback: they hold back their counts of
-            draws), or error feedback over RedSync (its thresholds held back). Stateless compressors (``none``, ``fp16``) overlap anyway; the option changes
-            nothing for them.
+            draws), or error feedback over RedSync (its thresholds held back). Stateless
+            compressors (``none``, ``fp16``) overlap anyway; the option changes nothing for them.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
     does): compressors then see unscaled gradients (see :meth:`unscale`).
