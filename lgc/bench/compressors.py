@@ -10,10 +10,11 @@ DGC is timed past its warm-up epochs, at the requested density.
 
 The reference every time is divided by ("x fp16") is the cheapest honest thing a DDP fp16 hook
 does: for every tensor, ``half.copy_(g)`` then ``out.copy_(half)`` into buffers allocated once
-before timing. Two more references run in the same rounds: an exact ``torch.topk`` of the whole
-flat gradient ("x topk"), and the fp16 round trip this benchmark used to divide by, ``g.half().float()``
-of the flat gradient, which allocates 100 MB per call and mostly measures page faults (shown so
-readers see the difference; no ratio uses it).
+before timing. Three more references run in the same rounds: an exact ``torch.topk`` of the whole
+flat gradient ("x topk"); every tensor's exact top-k with the gradient laid out as one flat, as a
+bucket-level codec would select (:func:`~lgc.compressors.segment_topk.segment_topk`, selection
+only); and ``g.half().float()`` of the flat gradient, which allocates 100 MB per call and mostly
+measures page faults (shown so readers see the difference; no ratio uses it).
 
 How it is timed. Every candidate (references and compressors) runs once untimed (this also fills
 the error-feedback residuals), then ``--repeats`` interleaved rounds run each candidate once, in
@@ -61,6 +62,8 @@ from typing import Any
 import torch
 
 from lgc.compressors import Compressor
+from lgc.compressors.segment_topk import segment_topk
+from lgc.compressors.topk import num_selected
 
 __all__ = ["benchmark_compressors", "golomb_bits", "interleaved_schedule", "resnet50_numels", "resnet50_shapes"]
 
@@ -138,8 +141,10 @@ def _configured_compressors(density: float) -> dict[str, Compressor]:
     return compressors
 
 
-def _references(grads: dict[str, torch.Tensor], k: int) -> list[_Candidate]:
+def _references(grads: dict[str, torch.Tensor], k: int, density: float) -> list[_Candidate]:
     flat = torch.cat(list(grads.values()))
+    numels = [grad.numel() for grad in grads.values()]
+    ks = [num_selected(numel, density) for numel in numels]
     # Allocated once, before timing: what a DDP fp16 hook reuses step after step.
     halves = {key: torch.empty_like(grad, dtype=torch.half) for key, grad in grads.items()}
     outs = {key: torch.empty_like(grad) for key, grad in grads.items()}
@@ -157,6 +162,11 @@ def _references(grads: dict[str, torch.Tensor], k: int) -> list[_Candidate]:
             "torch_topk_flat",
             f"exact torch.topk of the flat gradient's magnitudes, k={k} (the x topk reference)",
             lambda: torch.topk(flat.abs(), k, sorted=False),
+        ),
+        _Candidate(
+            "segment_topk_flat",
+            "exact top-k of every tensor, the gradient as one flat (bucket-level selection, no error feedback)",
+            lambda: segment_topk(flat, numels, ks),
         ),
         _Candidate(
             "fp16_flat_alloc",
@@ -264,7 +274,7 @@ def benchmark_compressors(
     configured = _configured_compressors(density)
     if unknown := sorted(set(only or ()) - set(configured)):
         raise ValueError(f"no compressor config named {unknown}; configured: {sorted(configured)}")
-    candidates = _references(grads, k) + [
+    candidates = _references(grads, k, density) + [
         _compressor_candidate(name, compressor, grads, weights)
         for name, compressor in configured.items()
         if not only or name in only

@@ -34,7 +34,7 @@ def test_compressor_benchmark_reports_every_configured_compressor(tmp_path, caps
     # The x fp16 reference is the per-tensor fp16 round trip into reused buffers: 1.0 by construction.
     references = {row["name"]: row for row in result["references"]}
     assert result["reference"] == "fp16_per_layer"
-    assert set(references) == {"fp16_per_layer", "torch_topk_flat", "fp16_flat_alloc"}
+    assert set(references) == {"fp16_per_layer", "torch_topk_flat", "segment_topk_flat", "fp16_flat_alloc"}
     assert "reused buffers" in references["fp16_per_layer"]["description"]
     fp16 = references["fp16_per_layer"]
     assert fp16["x_fp16_wall"] == 1.0

@@ -1,0 +1,151 @@
+"""Exact top-k of every segment of a flat tensor at once: the selection a bucket-level codec needs.
+
+A DDP bucket is one flat tensor holding many parameters. A per-tensor compressor selects each
+parameter's ``k`` largest magnitudes separately (:func:`~lgc.compressors.selection.topk_indices`,
+or one ``torch.topk``, per parameter): a few small kernels each, which on a GPU cost far more than
+the arithmetic (ResNet-50's 161 tensors: 18 ms for top-k's encode and decode on an H200, against
+0.6 ms for one ``torch.topk`` of the whole flat; ``experiments/results/gpu_h200/``).
+:func:`segment_topk` selects exactly the same entries for every segment in a fixed number of
+passes over the flat, however many segments there are:
+
+1. **Block maxima.** The magnitudes' maxima over blocks of ``b`` consecutive entries of the flat
+   (one reduction over an ``(n / b, b)`` view). A block that lies inside one segment is *interior*
+   to it; a block across a boundary, and the tail that fills no block, are searched entry by entry.
+2. **A threshold per segment.** ``t_i``, the ``k_i``-th largest maximum among segment ``i``'s
+   interior blocks (``torch.topk`` along the rows of ``(segments, blocks)`` matrices padded with -1,
+   one per power of two of the segments' block counts, so padding never doubles the blocks). Those
+   ``k_i`` maxima are ``k_i`` distinct entries of the segment, so its ``k_i``-th largest magnitude
+   is at least ``t_i``, and every entry it keeps is at least ``t_i``. A segment with fewer than
+   ``k_i`` interior blocks (a small one) gets ``t_i = -1``: all its entries are candidates.
+3. **Candidates.** The entries of the interior blocks whose maximum reaches their segment's
+   ``t_i``, and of the blocks across boundaries and the tail, that are at least ``t_i``: usually
+   little over ``k_i`` per segment.
+4. **Exact top-k among them.** Candidates ordered by segment, then by magnitude (largest first,
+   equal magnitudes by position): the first ``k_i`` of each segment.
+
+Ties at a segment's ``k_i``-th magnitude are broken by position (the lower first), where
+``torch.topk`` breaks them as its kernel happens to: the selected magnitudes are the same. A
+segment holding an inf or a NaN falls back to one ``torch.topk`` of its magnitudes, which ranks NaN
+and inf highest (one host synchronization per call detects them, in the block maxima and the
+boundary entries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["segment_block_size", "segment_topk"]
+
+#: Longest block (as :func:`~lgc.compressors.selection.topk_indices`'s block search).
+_MAX_BLOCK = 128
+
+
+def segment_block_size(numel: int, k: int) -> int:
+    """A power of two near ``numel / (8 k)`` in ``[4, 128]``: the blocks' maxima are 8 k or more.
+
+    With ``numel / b >= 8 k`` blocks, a segment of average density has several times more interior
+    blocks than entries to keep, so its threshold excludes most blocks.
+    """
+    if k <= 0:
+        return _MAX_BLOCK
+    return 1 << min(max(2, (numel // (8 * k)).bit_length() - 1), _MAX_BLOCK.bit_length() - 1)
+
+
+def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block: int | None = None) -> Tensor:
+    """Positions in ``values`` of every segment's ``k`` entries of largest magnitude, exactly.
+
+    Args:
+        values: a flat tensor, the segments laid end to end (a DDP bucket's parameters).
+        numels: each segment's length; they sum to ``values.numel()``.
+        ks: how many entries to keep of each segment (``0 <= k <= numel``).
+        block: the block length of step 1 (default :func:`segment_block_size` of the totals).
+
+    Returns:
+        int64 positions, segment by segment in the order given, ``ks[i]`` of segment ``i``, each
+        segment's largest magnitude first.
+
+    Raises:
+        ValueError: ``numels`` do not sum to ``values.numel()``, or a ``k`` is outside ``[0, numel]``.
+    """
+    values = values.detach().reshape(-1)
+    n, segments = values.numel(), len(numels)
+    if sum(numels) != n or len(ks) != segments:
+        raise ValueError(f"numels must sum to values.numel() ({n}) with one k each, got {sum(numels)} and {len(ks)} ks")
+    bad = [(i, k, m) for i, (k, m) in enumerate(zip(ks, numels, strict=True)) if not 0 <= k <= m]
+    if bad:
+        raise ValueError(f"every k must lie in [0, numel]; segment {bad[0][0]} has k={bad[0][1]}, numel={bad[0][2]}")
+    device = values.device
+    if n == 0 or sum(ks) == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    b = block if block is not None else segment_block_size(n, sum(ks))
+    magnitudes = values.abs()
+    sizes = torch.tensor(list(numels), dtype=torch.int64, device=device)
+    k = torch.tensor(list(ks), dtype=torch.int64, device=device)
+    ends = sizes.cumsum(0)
+    starts = ends - sizes
+
+    # 1. Block maxima; the interior blocks of each segment and their place in its row.
+    blocks = n // b
+    maxima = magnitudes[: blocks * b].view(blocks, b).amax(1)
+    first = torch.div(starts + b - 1, b, rounding_mode="floor")  # a segment's first interior block
+    last = torch.div(ends, b, rounding_mode="floor")  # one past its last
+    interior = (last - first).clamp(min=0)
+    block_start = torch.arange(blocks, device=device) * b
+    owner = torch.searchsorted(ends, block_start, right=True).clamp(max=segments - 1)
+    inside = (block_start >= starts[owner]) & (block_start + b <= ends[owner])
+
+    # A non-finite magnitude anywhere: every segment through torch.topk (NaN and inf ranked highest).
+    tail = magnitudes[blocks * b :]
+    if not bool(torch.isfinite(maxima).all()) or (tail.numel() and not bool(torch.isfinite(tail).all())):
+        return _per_segment(magnitudes, numels, ks)
+
+    # 2. Per segment, the k-th largest of its interior maxima (-1 where it has fewer than k). The
+    # segments that have k or more go into padded (segments, blocks) matrices, one per power of two
+    # of their block count, so the padding stays under the blocks themselves.
+    thresholds = torch.full((segments,), -1.0, dtype=maxima.dtype, device=device)
+    ranked = (interior >= k) & (k > 0)
+    size_class = torch.where(ranked, torch.log2(interior.clamp(min=1).double()).ceil().long(), -1)
+    ids = torch.nonzero(inside).squeeze(1)
+    id_class = size_class[owner[ids]]
+    for c in torch.unique(size_class[ranked]).tolist():
+        members = torch.nonzero(size_class == c).squeeze(1)
+        row_of = torch.full((segments,), -1, dtype=torch.int64, device=device)
+        row_of[members] = torch.arange(members.numel(), device=device)
+        width = int(interior[members].max())
+        rows = torch.full((members.numel(), width), -1.0, dtype=maxima.dtype, device=device)
+        mine = ids[id_class == c]
+        rows[row_of[owner[mine]], mine - first[owner[mine]]] = maxima[mine]
+        top = torch.topk(rows, int(k[members].max()), dim=1).values
+        thresholds[members] = top.gather(1, (k[members] - 1).unsqueeze(1)).squeeze(1)
+    thresholds = torch.where(k == 0, torch.full_like(thresholds, float("inf")), thresholds)
+
+    # 3. Candidates: interior blocks reaching their threshold, every other block and the tail.
+    keep = ~inside | (maxima >= thresholds[owner])
+    chosen_blocks = torch.nonzero(keep).squeeze(1)
+    positions = (chosen_blocks.unsqueeze(1) * b + torch.arange(b, device=device)).reshape(-1)
+    if tail.numel():
+        positions = torch.cat([positions, torch.arange(blocks * b, n, device=device)])
+    segment = torch.searchsorted(ends, positions, right=True)
+    candidate = magnitudes[positions]
+    hit = candidate >= thresholds[segment]
+    positions, segment, candidate = positions[hit], segment[hit], candidate[hit]
+
+    # 4. By segment, then magnitude (largest first; equal ones in position order): the first k of each.
+    order = torch.argsort(candidate, descending=True, stable=True)
+    order = order[torch.argsort(segment[order], stable=True)]
+    positions, segment = positions[order], segment[order]
+    rank = torch.arange(segment.numel(), device=device) - torch.searchsorted(segment, segment)
+    return positions[rank < k[segment]]
+
+
+def _per_segment(magnitudes: Tensor, numels: Sequence[int], ks: Sequence[int]) -> Tensor:
+    """One ``torch.topk`` per segment (NaN and inf ranked highest), largest first, as positions in the flat."""
+    out, offset = [], 0
+    for numel, k in zip(numels, ks, strict=True):
+        if k:
+            out.append(torch.topk(magnitudes[offset : offset + numel], k).indices + offset)
+        offset += numel
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device=magnitudes.device)

@@ -1,0 +1,83 @@
+"""segment_topk: every segment's exact top-k of a flat tensor at once, against torch.topk per segment."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lgc.compressors.segment_topk import segment_block_size, segment_topk
+
+
+def _reference(values: torch.Tensor, numels: list[int], ks: list[int]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for numel, k in zip(numels, ks, strict=True):
+        out.append(torch.topk(values[offset : offset + numel].abs(), k).values)
+        offset += numel
+    return out
+
+
+def _check(values: torch.Tensor, numels: list[int], ks: list[int], positions: torch.Tensor) -> None:
+    assert positions.dtype == torch.int64 and positions.numel() == sum(ks)
+    start, offset = 0, 0
+    for numel, k, expected in zip(numels, ks, _reference(values, numels, ks), strict=True):
+        mine = positions[start : start + k]
+        assert bool(((mine >= offset) & (mine < offset + numel)).all()), "a position outside its segment"
+        assert mine.unique().numel() == k
+        chosen = values[mine].abs()
+        assert torch.equal(chosen, chosen.sort(descending=True).values), "each segment's largest first"
+        assert torch.equal(chosen, expected), "the magnitudes torch.topk keeps"
+        start, offset = start + k, offset + numel
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 2500), min_size=1, max_size=7),
+    fractions=st.lists(st.floats(0, 1), min_size=7, max_size=7),
+    block=st.sampled_from([None, 4, 8, 128]),
+    seed=st.integers(0, 2**16),
+    ties=st.booleans(),
+)
+def test_every_segment_keeps_what_torch_topk_keeps(numels, fractions, block, seed, ties):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(sum(numels), generator=g)
+    if ties:  # few distinct magnitudes: ties at the k-th are the rule
+        values = torch.randint(-3, 4, (sum(numels),), generator=g).float()
+    ks = [round(f * n) for f, n in zip(fractions, numels, strict=False)]
+    _check(values, numels, ks, segment_topk(values, numels, ks, block=block))
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.3])
+def test_resnet_like_segments_on_every_device(reference_device, density):
+    # Large and small segments together: many interior blocks, padded rows of several widths.
+    numels = [4_096, 147_456, 64, 64, 589_824, 1_000, 16_384, 3, 262_147]
+    ks = [max(1, round(n * density)) for n in numels]
+    values = (torch.randn(sum(numels), generator=torch.Generator().manual_seed(1)) * 3).to(reference_device)
+    positions = segment_topk(values, numels, ks)
+    assert positions.device == values.device
+    _check(values.cpu(), numels, ks, positions.cpu())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_entry_is_ranked_as_torch_topk_ranks_it(bad):
+    numels, ks = [5_000, 3_001, 700], [10, 4, 2]
+    values = torch.randn(sum(numels), generator=torch.Generator().manual_seed(2))
+    values[[17, 5_000 + 3_000, 8_001 + 699]] = bad  # an interior block, a segment's last entry, the tail
+    positions = segment_topk(values, numels, ks)
+    assert {17, 8_000, 8_700} <= set(positions.tolist())
+    _check(values.nan_to_num(posinf=1e30, neginf=-1e30, nan=1e30), numels, ks, positions)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="must sum to values.numel"):
+        segment_topk(torch.zeros(10), [4, 5], [1, 1])
+    with pytest.raises(ValueError, match="segment 1 has k=6, numel=5"):
+        segment_topk(torch.zeros(10), [5, 5], [1, 6])
+    assert segment_topk(torch.zeros(10), [5, 5], [0, 0]).numel() == 0
+
+
+def test_block_size_is_a_power_of_two_near_an_eighth_of_the_kept_density():
+    assert segment_block_size(25_557_032, 25_557) == 64  # 0.1 %: 25.5 M / (8 x 25.5 k) = 125
+    assert segment_block_size(25_557_032, 255_570) == 8  # 1 %
+    assert (
+        segment_block_size(1000, 999) == 4 and segment_block_size(10**9, 1) == 128 and segment_block_size(5, 0) == 128
+    )
