@@ -95,7 +95,8 @@ class EveryStep:
     #: rest of the backward pass, instead of holding every bucket until the step's last one.
     #: Bitwise the same results; costs a second fp32 residual per compressed parameter (DGC: a
     #: second momentum and accumulator). For error feedback over a compressor without state of its
-    #: own whose payloads are gathered (top-k, SBC, EF-signSGD, chunked top-k, DeMo) and for DGC
+    #: own whose payloads are gathered (top-k, SBC, EF-signSGD, chunked top-k, DeMo), and for DGC,
+    #: QSGD, TernGrad and RedSync, which hold their own state back too
     #: (:class:`~lgc.ddp.CompressionHookState`).
     overlap: bool = False
 

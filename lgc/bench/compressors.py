@@ -39,8 +39,8 @@ reference or row has ``name``, ``description``, ``wall_ms`` and ``cpu_ms`` (medi
 ``wall_ms_runs`` and ``cpu_ms_runs`` (one per round), ``x_fp16_wall`` and ``x_fp16_cpu`` (over the
 per-layer fp16 reference), ``x_torch_topk_wall`` and ``x_torch_topk_cpu`` (ratios are ``null``
 where the reference's median is 0, as a tiny ``--numel`` can finish within a tick of the CPU
-clock), and ``bits_per_element`` (``null`` for ``torch_topk_flat``, which is not a codec);
-compressor rows also carry ``compressor`` (the config name).
+clock), and ``bits_per_element`` (``null`` for ``torch_topk_flat`` and ``segment_topk_flat``,
+which are not codecs); compressor rows also carry ``compressor`` (the config name).
 
 Its length (about 410 lines) is the timing protocol above and the table; SBC's Golomb-parameter
 sweep (:func:`golomb_bits`) stays beside them because it times the same ResNet-50 gradient.

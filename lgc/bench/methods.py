@@ -125,7 +125,9 @@ def parse_methods(text: str, plain: tuple[str, ...] = ()) -> list[MethodSpec]:
     specs = []
     for entry in filter(None, (part.strip() for part in re.split(r",(?![^\[]*\])", text))):
         name, _, knobs = entry.partition(":")
-        if name in plain and not knobs:
+        if name in plain:
+            if knobs:
+                raise ValueError(f"{name!r} takes no knobs, got {entry!r}")
             specs.append(MethodSpec(entry, name, {}))
             continue
         if name not in KNOWN:

@@ -153,7 +153,9 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         self._pending = {}
 
     def drop(self) -> None:
-        """Drop the held step (the ranks agreed to skip it): ``commit(frozenset())``."""
+        """Drop the held step (the ranks agreed to skip it): its residuals, and the wrapped compressor's held step."""
+        if self._inner_holds:
+            self.compressor.drop()  # type: ignore[attr-defined]
         self.commit(frozenset())
 
     def decompress(self, payload: Payload) -> Tensor:

@@ -331,6 +331,7 @@ class StochasticQuantizer(DecodesInto, Compressor):
             )
         self.seed = int(state["seed"])
         self.draws = {str(key): int(count) for key, count in state["draws"].items()}
+        self._pending = {}
 
     # Generators do not pickle (the hook state is pickled to spawned workers); the draws are the state.
     def __getstate__(self) -> dict[str, Any]:

@@ -66,6 +66,30 @@ def quantized_values_nbytes(
     return packed_nbytes(layout.count * bits) + 4 * (1 << bits) + packed_nbytes(layout.count * layout.bits)
 
 
+#: Bins summed per reduction on a GPU: (bins, n) masks of at most this many rows.
+_BINS_PER_PASS = 16
+
+
+def _bin_sums(values: Tensor, codes: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+    """Each bin's sum and count of ``values`` (fp32), the same bits on every call.
+
+    On the CPU ``index_add_`` adds in order. On a GPU it adds a bin's many values with atomics in
+    no fixed order, so the table (and every decoded value) would differ in its last bits from call
+    to call on the same input: there each bin's sum is a reduction over a mask, up to
+    :data:`_BINS_PER_PASS` bins per pass.
+    """
+    if values.device.type == "cpu":
+        sums = values.new_zeros(bins).index_add_(0, codes, values)
+        return sums, values.new_zeros(bins).index_add_(0, codes, torch.ones_like(values))
+    sums, counts = [], []
+    for first in range(0, bins, _BINS_PER_PASS):
+        ids = torch.arange(first, min(first + _BINS_PER_PASS, bins), device=codes.device)
+        members = codes.unsqueeze(0) == ids.unsqueeze(1)
+        sums.append(torch.where(members, values, 0.0).sum(1))
+        counts.append(members.sum(1).to(values.dtype))
+    return torch.cat(sums), torch.cat(counts)
+
+
 def quantize_values(values: Tensor, bits: int, range_sigmas: float) -> tuple[Tensor, Tensor]:
     """The codes (int64, in ``[0, 2**bits)``) and the fp32 table of bin centroids for ``values``."""
     bins = 1 << bits
@@ -77,12 +101,7 @@ def quantize_values(values: Tensor, bits: int, range_sigmas: float) -> tuple[Ten
     # All values equal (or one value): every code is the middle bin, whose centroid is exact.
     width = torch.where((width > 0) & torch.isfinite(width), width, torch.ones_like(width))
     codes = torch.round(centered / width + bins // 2).clamp_(0, bins - 1).long()
-    # Each bin's sum as a reduction over a (bins, n) mask, not index_add_: on a GPU index_add_ adds
-    # the many values of one bin with atomics in no fixed order, so the table (and every decoded
-    # value) would differ in its last bits from call to call on the same input.
-    members = codes.unsqueeze(0) == torch.arange(bins, device=codes.device).unsqueeze(1)
-    sums = torch.where(members, values, 0.0).sum(1)
-    counts = members.sum(1).to(values.dtype)
+    sums, counts = _bin_sums(values, codes, bins)
     table = torch.where(counts > 0, sums / counts.clamp(min=1), mean.expand(bins))
     return codes, table
 

@@ -184,7 +184,7 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
         #: Per-key threshold to try first next step (only with ``reuse_threshold``); saved.
         self.thresholds: dict[str, float] = {}
         #: A step encoded ahead of the ranks' agreement (:meth:`compress_pending`): key -> the
-        #: threshold it left (None: none), adopted by :meth:`commit`.
+        #: threshold it left (None: it left none, removing any), adopted by :meth:`commit`.
         self._pending: dict[str, float | None] = {}
         self.counting_passes = 0
         self.counted_elements = 0
@@ -397,19 +397,28 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
     def compress_pending(self, tensor: Tensor, key: str) -> Payload:
         """:meth:`compress`'s payload, the key's threshold left as it was until :meth:`commit`."""
         before = self.thresholds.get(key)
-        payload = self.compress(tensor, key)
-        self._pending[key] = self.thresholds.get(key)
-        if before is None:
-            self.thresholds.pop(key, None)
-        else:
-            self.thresholds[key] = before
+        try:
+            payload = self.compress(tensor, key)
+            self._pending[key] = self.thresholds.get(key)
+        finally:
+            if before is None:
+                self.thresholds.pop(key, None)
+            else:
+                self.thresholds[key] = before
         return payload
 
     def commit(self, keys: frozenset[str] | set[str]) -> None:
-        """Adopt the thresholds the held step left for ``keys``; the others' stay (``frozenset()``: drop it)."""
+        """Adopt the thresholds the held step left for ``keys`` (or their removal); the others' stay.
+
+        ``commit(frozenset())`` drops the step.
+        """
         pending, self._pending = self._pending, {}
         for key, threshold in pending.items():
-            if key in keys and threshold is not None:
+            if key not in keys:
+                continue
+            if threshold is None:
+                self.thresholds.pop(key, None)  # the search found none that passes: as compress() leaves it
+            else:
                 self.thresholds[key] = threshold
 
     def drop(self) -> None:
@@ -427,6 +436,7 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
         if unknown:
             raise ValueError(f"RedSyncCompressor got unknown state keys {sorted(unknown)}")
         self.thresholds = {str(key): float(value) for key, value in state.get("thresholds", {}).items()}
+        self._pending = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # Scratch buffers are caches: never pickle them into spawned workers or checkpoints.

@@ -24,10 +24,10 @@ passes over the flat, however many segments there are:
    equal magnitudes by position): the first ``k_i`` of each segment.
 
 Ties at a segment's ``k_i``-th magnitude are broken by position (the lower first), where
-``torch.topk`` breaks them as its kernel happens to: the selected magnitudes are the same. A
-segment holding an inf or a NaN falls back to one ``torch.topk`` of its magnitudes, which ranks NaN
-and inf highest (one host synchronization per call detects them, in the block maxima and the
-boundary entries).
+``torch.topk`` breaks them as its kernel happens to: the selected magnitudes are the same. An inf
+or a NaN anywhere in the flat sends every segment to one ``torch.topk`` of its magnitudes, which
+ranks NaN and inf highest and breaks ties as it happens to (one host synchronization per call
+detects them, in the block maxima and the tail).
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ _MAX_BLOCK = 128
 
 
 def segment_block_size(numel: int, k: int) -> int:
-    """A power of two near ``numel / (8 k)`` in ``[4, 128]``: the blocks' maxima are 8 k or more.
+    """A power of two near ``numel / (8 k)`` in ``[4, 128]``.
 
-    With ``numel / b >= 8 k`` blocks, a segment of average density has several times more interior
-    blocks than entries to keep, so its threshold excludes most blocks.
+    Then there are about ``8 k`` blocks or more (fewer where the block stops at 4, at densities
+    above about 3 %): a segment of average density has several times more interior blocks than
+    entries to keep, so its threshold excludes most blocks.
     """
     if k <= 0:
         return _MAX_BLOCK
@@ -68,7 +69,8 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
         segment's largest magnitude first.
 
     Raises:
-        ValueError: ``numels`` do not sum to ``values.numel()``, or a ``k`` is outside ``[0, numel]``.
+        ValueError: ``numels`` do not sum to ``values.numel()``, a ``k`` is outside ``[0, numel]``, or
+            ``block`` is below 1.
     """
     values = values.detach().reshape(-1)
     n, segments = values.numel(), len(numels)
@@ -77,6 +79,8 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
     bad = [(i, k, m) for i, (k, m) in enumerate(zip(ks, numels, strict=True)) if not 0 <= k <= m]
     if bad:
         raise ValueError(f"every k must lie in [0, numel]; segment {bad[0][0]} has k={bad[0][1]}, numel={bad[0][2]}")
+    if block is not None and block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
     device = values.device
     if n == 0 or sum(ks) == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
@@ -107,7 +111,7 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
     # of their block count, so the padding stays under the blocks themselves.
     thresholds = torch.full((segments,), -1.0, dtype=maxima.dtype, device=device)
     ranked = (interior >= k) & (k > 0)
-    size_class = torch.where(ranked, torch.log2(interior.clamp(min=1).double()).ceil().long(), -1)
+    size_class = torch.where(ranked, torch.log2(interior.clamp(min=1).float()).ceil().long(), -1)
     ids = torch.nonzero(inside).squeeze(1)
     id_class = size_class[owner[ids]]
     for c in torch.unique(size_class[ranked]).tolist():

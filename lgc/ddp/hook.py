@@ -14,9 +14,10 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    :mod:`lgc.ddp.step_guard`. Stateless compressors (``none``, ``fp16``) need neither: they run
    bucket by bucket as the buckets become ready, overlapping communication with the backward
    pass, and an inf or NaN simply passes through their sum (the step is counted as skipped all the
-   same). With ``overlap``, error feedback over a compressor without state of its own (or DGC)
-   encodes each bucket as it arrives into held state and starts its collectives at once; the same agreement
-   then commits or drops the step (:meth:`CompressionHookState.encode_ahead`).
+   same). With ``overlap``, a compressor that can hold a step back (error feedback over a
+   compressor without state of its own, DGC, QSGD, TernGrad, error feedback over RedSync) encodes
+   each bucket as it arrives into held state and starts its collectives at once; the same
+   agreement then commits or drops the step (:meth:`CompressionHookState.encode_ahead`).
 4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
    in the gradient's dtype (by default the method's own threshold: none for DeMo and SparseLoCo,
    whose references compress every tensor).
@@ -172,7 +173,8 @@ class CompressionHookState(HookState):
             raise ValueError(
                 f"overlap=True needs a step that can be encoded before the ranks agree on it, with payloads that "
                 f"are gathered: error feedback over a compressor that keeps no state of its own (e.g. topk, sbc, "
-                f"signsgd, chunked_topk, demo) or dgc; {compressor!r} is not"
+                f"signsgd, chunked_topk, demo), dgc, qsgd, terngrad or redsync; {compressor!r} is not (random-block "
+                f"and LGC's and the shared-index codecs' states move with every step)"
             )
         if compressor.combine is CombineMode.SERVER:
             raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")

@@ -124,6 +124,9 @@ def test_step_methods_take_nested_knobs_and_bad_ones_are_named():
         parse_methods("lgc_rarr")
     with pytest.raises(ValueError, match="names a method twice"):
         parse_methods("dgc,dgc")
+    assert parse_methods("ddp,dgc", plain=("ddp",))[0] == ("ddp", "ddp", {})
+    with pytest.raises(ValueError, match="'ddp' takes no knobs"):
+        parse_methods("ddp:x=1", plain=("ddp",))
     with pytest.raises(ValueError, match="key=value, got 'density'"):
         parse_overrides("density")
     with pytest.raises(ValueError, match="sets a field of 'a'"):

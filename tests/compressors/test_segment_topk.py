@@ -72,6 +72,8 @@ def test_bad_arguments_are_named():
         segment_topk(torch.zeros(10), [4, 5], [1, 1])
     with pytest.raises(ValueError, match="segment 1 has k=6, numel=5"):
         segment_topk(torch.zeros(10), [5, 5], [1, 6])
+    with pytest.raises(ValueError, match="block must be >= 1, got 0"):
+        segment_topk(torch.zeros(10), [5, 5], [1, 1], block=0)
     assert segment_topk(torch.zeros(10), [5, 5], [0, 0]).numel() == 0
 
 

@@ -328,7 +328,7 @@ def test_quantizer_table_is_the_same_bits_on_every_call(reference_device):
         assert torch.equal(again[0], codes) and torch.equal(again[1], table)
     members = [values[codes == code].double() for code in range(4)]
     expected = torch.stack([m.mean() if m.numel() else values.double().mean() for m in members]).float()
-    torch.testing.assert_close(table, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(table, expected, rtol=1e-4, atol=0)  # fp32 sums of some 10,000 values each
 
 
 def test_quantizer_decodes_each_code_to_its_bins_centroid():

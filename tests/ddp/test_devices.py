@@ -41,7 +41,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: The step whose state is checkpointed and resumed from.
 RESUME_AFTER = 5
 INJECT = 3
-#: Methods whose state is keyed by DDP's bucket index: the first step after a restart is dense.
+#: Methods whose state is keyed by DDP's bucket index: the first step after a restart is a plain
+#: allreduce, and the steps after it follow from that one (finite, not the uninterrupted run's).
 FIRST_STEP_DENSE_AFTER_RESUME = {"powersgd", "batched_powersgd"}
 
 
@@ -128,7 +129,9 @@ def test_method_on_each_device(device, method, dtype):
         assert all(g.device == device for g in grads[-1]), f"{method.name}: a gradient left the device"
         if inject:
             assert not finite, f"{method.name}: the injected inf was not delivered"
-            changed = [k for k, v in _flat_state(state.state_dict()).items() if not _same(before[k], v)]
+            after = _flat_state(state.state_dict())
+            assert set(after) == set(before), f"{method.name}: a skipped step changed the state's keys"
+            changed = [k for k, v in after.items() if not _same(before[k], v)]
             if method.name in _STATELESS:
                 changed = [k for k in changed if k != "/iteration"]
             assert not changed, f"{method.name}: a skipped step changed state {changed[:5]}"

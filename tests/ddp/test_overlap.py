@@ -90,6 +90,27 @@ def test_a_stochastic_quantizer_holds_its_draws_back_until_the_commit(make):
         assert held.draws == plain.draws == {"w": step if step > 2 else step + 1}
 
 
+def test_redsync_held_step_that_removes_its_threshold_removes_it_at_the_commit():
+    # Binary search drops a key's threshold when none passes k to 2k - 1 entries (here: all ties);
+    # the next step must then search afresh on both paths, not try the stale threshold first.
+    def make():
+        return ErrorFeedback(RedSyncCompressor(density=0.01, method="threshold_binary_search", reuse_threshold=True))
+
+    held, plain = make(), make()
+    generator = torch.Generator().manual_seed(0)
+    skewed = torch.randn(10_000, generator=generator) * 0.01
+    skewed[:120], skewed[120:190], skewed[5_000] = 4.0, 2.568, 20.0
+    for step, target in enumerate([torch.randn(10_000, generator=generator), torch.ones(10_000), skewed]):
+        g = target - plain.residuals.get("w", torch.zeros(10_000))
+        expected = plain.compress(g.clone(), "w")
+        payload = held.compress_pending(g.clone(), "w")
+        held.commit(frozenset({"w"}))
+        assert held.compressor.thresholds == plain.compressor.thresholds, step
+        assert _same_payload(payload, expected), step
+        assert torch.equal(held.residuals["w"], plain.residuals["w"]), step
+    assert "w" in plain.compressor.thresholds  # the last step found one again
+
+
 def test_a_dropped_first_step_leaves_no_residual():
     ef, plain = ErrorFeedback(TopKCompressor(density=0.25)), ErrorFeedback(TopKCompressor(density=0.25))
     g = torch.arange(8.0)
