@@ -102,9 +102,9 @@ def compress(
             step's last bucket). Bitwise the same training; costs a second fp32 residual per
             compressed parameter (DGC: a second momentum and accumulator). Error feedback over a
             compressor without state of its own whose payloads are gathered (top-k, SBC,
-            EF-signSGD, chunked top-k, DeMo), DGC, QSGD, TernGrad and RedSync, which hold their
-            own state back too; random-block, LGC and the shared-index codecs refuse it
-            (:class:`~lgc.ddp.CompressionHookState`).
+            EF-signSGD, chunked top-k, DeMo), DGC, QSGD, TernGrad, RedSync and random-block with
+            unshared offsets, which hold their own state back too; LGC, the shared-index codecs
+            and summed payloads refuse it (:class:`~lgc.ddp.CompressionHookState`).
         process_group: the group to communicate in (default: the world).
         optimizer_momentum / optimizer_weight_decay: what the optimizer will apply, for DGC when the
             optimizer is not built yet (one or the other: ``optimizer`` is checked directly).

@@ -96,7 +96,7 @@ class EveryStep:
     #: Bitwise the same results; costs a second fp32 residual per compressed parameter (DGC: a
     #: second momentum and accumulator). For error feedback over a compressor without state of its
     #: own whose payloads are gathered (top-k, SBC, EF-signSGD, chunked top-k, DeMo), and for DGC,
-    #: QSGD, TernGrad and RedSync, which hold their own state back too
+    #: QSGD, TernGrad, RedSync and unshared random-block, which hold their own state back too
     #: (:class:`~lgc.ddp.CompressionHookState`).
     overlap: bool = False
 

@@ -102,6 +102,11 @@ METHODS = (
     Method("qsgd_overlap", "qsgd", ("comm.overlap=true",)),
     Method("terngrad_overlap", "terngrad", ("comm.overlap=true", "compressor.error_feedback=true")),
     Method(
+        "random_block_unshared_overlap",
+        "random_block",
+        ("compressor.density=0.1", "compressor.shared=false", "comm.overlap=true"),
+    ),
+    Method(
         "redsync_overlap",
         "redsync",
         ("compressor.density=0.05", "compressor.reuse_threshold=true", "comm.overlap=true"),

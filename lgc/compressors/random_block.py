@@ -186,12 +186,45 @@ class RandomBlockCompressor(Compressor):
         #: Current step (from begin_step, or advanced when a key repeats outside the hook).
         self.step = 0
         self._keys_this_step: set[str] = set()
+        #: A step encoded ahead of the ranks' agreement (:meth:`compress_pending`): its keys, and
+        #: the step and keys before :meth:`begin_step` moved them, until :meth:`commit` or :meth:`drop`.
+        self._pending: set[str] = set()
+        self._before_step: tuple[int, set[str]] | None = None
 
     # ----------------------------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:
+        self._before_step = (self.step, set(self._keys_this_step))
         self.step = int(step)
         self._keys_this_step.clear()
+
+    # -- encoding ahead of the step's agreement (the hook's overlap; unshared offsets only) -------------
+    #: The hook's ``overlap`` may encode a step before the ranks agree on it, where payloads are
+    #: gathered (``shared=False``); shared offsets sum their payloads, which overlap cannot.
+    speculates = True
+
+    def compress_pending(self, tensor: Tensor, key: str) -> BlockPayload:
+        """:meth:`compress`'s payload; the key counts as compressed this step only once :meth:`commit` keeps it."""
+        payload = self.compress(tensor, key)
+        self._pending.add(key)
+        return payload
+
+    def commit(self, keys: frozenset[str] | set[str]) -> None:
+        """Keep the held step for ``keys``; the others count as not compressed this step.
+
+        ``commit(frozenset())``: no parameter was used (the step stands); a step the ranks agreed to
+        skip is dropped by :meth:`drop`.
+        """
+        pending, self._pending = self._pending, set()
+        self._keys_this_step -= pending - set(keys)
+        self._before_step = None
+
+    def drop(self) -> None:
+        """Drop the held step: the step and keys return to what they were before :meth:`begin_step`."""
+        before = self._before_step
+        self.commit(frozenset())
+        if before is not None:
+            self.step, self._keys_this_step = before[0], set(before[1])
 
     def set_rank(self, rank: int) -> None:
         self.rank = int(rank)
@@ -262,6 +295,7 @@ class RandomBlockCompressor(Compressor):
         self.step = int(state["step"])
         self._keys_this_step = set(state["keys_this_step"])
         self.shared_seed = int(state["shared_seed"])
+        self._pending, self._before_step = set(), None
 
     def __repr__(self) -> str:
         return f"RandomBlockCompressor(density={self.density}, shared={self.shared}, seed={self.seed})"

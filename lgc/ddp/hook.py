@@ -15,7 +15,7 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    bucket by bucket as the buckets become ready, overlapping communication with the backward
    pass, and an inf or NaN simply passes through their sum (the step is counted as skipped all the
    same). With ``overlap``, a compressor that can hold a step back (error feedback over a
-   compressor without state of its own, DGC, QSGD, TernGrad, error feedback over RedSync) encodes
+   compressor without state of its own, DGC, QSGD, TernGrad, RedSync, unshared random-block) encodes
    each bucket as it arrives into held state and starts its collectives at once; the same
    agreement then commits or drops the step (:meth:`CompressionHookState.encode_ahead`).
 4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
@@ -119,8 +119,9 @@ class CompressionHookState(HookState):
             and whose payloads are gathered: error feedback over a compressor that keeps no state of
             its own (top-k, SBC, EF-signSGD, chunked top-k, DeMo, their quantized values, ...),
             DGC, QSGD and TernGrad (with or without error feedback: they hold back their counts of
-            draws), or error feedback over RedSync (its thresholds held back). Stateless
-            compressors (``none``, ``fp16``) overlap anyway; the option changes nothing for them.
+            draws), or error feedback over RedSync (its thresholds held back) or over random-block
+            with unshared offsets (its step held back). Stateless compressors (``none``, ``fp16``)
+            overlap anyway; the option changes nothing for them.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
     does): compressors then see unscaled gradients (see :meth:`unscale`).
@@ -173,8 +174,8 @@ class CompressionHookState(HookState):
             raise ValueError(
                 f"overlap=True needs a step that can be encoded before the ranks agree on it, with payloads that "
                 f"are gathered: error feedback over a compressor that keeps no state of its own (e.g. topk, sbc, "
-                f"signsgd, chunked_topk, demo), dgc, qsgd, terngrad or redsync; {compressor!r} is not (random-block "
-                f"and LGC's and the shared-index codecs' states move with every step)"
+                f"signsgd, chunked_topk, demo), dgc, qsgd, terngrad, redsync or random_block with shared=false; "
+                f"{compressor!r} is not"
             )
         if compressor.combine is CombineMode.SERVER:
             raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")
