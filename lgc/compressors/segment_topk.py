@@ -85,7 +85,6 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
     if n == 0 or sum(ks) == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
     b = block if block is not None else segment_block_size(n, sum(ks))
-    magnitudes = values.abs()
     sizes = torch.tensor(list(numels), dtype=torch.int64, device=device)
     k = torch.tensor(list(ks), dtype=torch.int64, device=device)
     ends = sizes.cumsum(0)
@@ -93,7 +92,9 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
 
     # 1. Block maxima; the interior blocks of each segment and their place in its row.
     blocks = n // b
-    maxima = magnitudes[: blocks * b].view(blocks, b).amax(1)
+    # max(amax, -amin) per row: no gradient-sized |x| is written (and NaN and inf show through).
+    rows_view = values[: blocks * b].view(blocks, b)
+    maxima = torch.maximum(rows_view.amax(1), rows_view.amin(1).neg())
     first = torch.div(starts + b - 1, b, rounding_mode="floor")  # a segment's first interior block
     last = torch.div(ends, b, rounding_mode="floor")  # one past its last
     interior = (last - first).clamp(min=0)
@@ -102,9 +103,9 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
     inside = (block_start >= starts[owner]) & (block_start + b <= ends[owner])
 
     # A non-finite magnitude anywhere: every segment through torch.topk (NaN and inf ranked highest).
-    tail = magnitudes[blocks * b :]
+    tail = values[blocks * b :]
     if not bool(torch.isfinite(maxima).all()) or (tail.numel() and not bool(torch.isfinite(tail).all())):
-        return _per_segment(magnitudes, numels, ks)
+        return _per_segment(values.abs(), numels, ks)
 
     # 2. Per segment, the k-th largest of its interior maxima (-1 where it has fewer than k). The
     # segments that have k or more go into padded (segments, blocks) matrices, one per power of two
@@ -133,7 +134,7 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
     if tail.numel():
         positions = torch.cat([positions, torch.arange(blocks * b, n, device=device)])
     segment = torch.searchsorted(ends, positions, right=True)
-    candidate = magnitudes[positions]
+    candidate = values[positions].abs()
     hit = candidate >= thresholds[segment]
     positions, segment, candidate = positions[hit], segment[hit], candidate[hit]
 
