@@ -10,7 +10,7 @@
 set -euo pipefail
 out=${1:-experiments/results/step_cost}
 mkdir -p "$out"
-methods="torch_fp16,powersgd,topk,dgc,sbc,redsync,shared_topk_int8,lgc_rar,demo"
+methods="ddp,none,torch_fp16,powersgd,topk,dgc,sbc,redsync,shared_topk_int8,lgc_rar,demo"
 methods+=",sbc:delay=4,sbc:delay=4;min_numel=0,sparseloco:delay=10"
 for density in ${DENSITIES:-0.001 0.01}; do
   lgc-bench step --density "$density" --steps 10 --rounds 2 --methods "$methods" \
