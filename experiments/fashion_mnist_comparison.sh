@@ -3,7 +3,8 @@
 # 10,000 test images for validation), ResNet-8, plain SGD with Nesterov momentum and a cosine
 # schedule to 0 over EPOCHS epochs, 32 images per worker, every method over SEEDS, in two cells:
 #   iid4: 4 workers, IID shards;   dir8: 8 workers, Dirichlet(0.5) shards (both simulated on the
-#   CPU cores with ddp.oversubscribe=true).
+#   CPU cores with ddp.oversubscribe=true), where every method averages the workers' module buffers
+#   (the per-step ones every step, comm.buffers=average; the local-step ones at their exchanges).
 # Each method runs with its paper's settings as the embedded experiments scale them; DGC's warm-up
 # (4 densities) is scaled to 2.5 % of the run, as in the paper (4 of 160 epochs). `default` is
 # lgc-train's default compressor as it runs (shared-index int8, Golomb positions, one warm-up step);
@@ -30,9 +31,7 @@ out=${1:-outputs/fashion_mnist_comparison}
 results=${RESULTS:-experiments/results/fashion_mnist}
 epochs=${EPOCHS:-4}
 seeds=${SEEDS:-0 1 2}
-# dir8 runs only when asked for (CELLS=dir8): under plain DDP's rule for module buffers every rank
-# evaluates with rank 0's BatchNorm statistics, from its own skewed shard (experiments/README.md).
-cells=${CELLS:-iid4}
+cells=${CELLS:-iid4 dir8}
 jobs_max=${JOBS:-1}
 [[ $jobs_max =~ ^[1-9][0-9]*$ ]] || { echo "JOBS=$jobs_max must be a positive integer" >&2; exit 2; }
 failed=()
@@ -79,6 +78,15 @@ declare -A cell=(
   [iid4]="trainer.devices=4"
   [dir8]="trainer.devices=8 data.partition=dirichlet data.alpha=0.5"
 )
+# The methods that exchange the weight updates of local steps: they average the workers' module
+# buffers at every exchange. The per-step methods average them every step in the Dirichlet cell
+# (comm.buffers=average), where rank 0's BatchNorm statistics describe rank 0's skewed shard only.
+local_steps=" sbc_delay sbc_delay_all default_delay default_delay_all lgc_rar_lean_delay lgc_rar_lean_delay_all
+  diloco_h10 diloco_h50 sparseloco "
+declare -A per_step_buffers=(
+  [iid4]=""
+  [dir8]="comm.buffers=average"
+)
 
 for name in $cells; do
   [[ -v "cell[$name]" ]] || { echo "unknown cell $name (iid4, dir8)" >&2; exit 2; }
@@ -90,6 +98,7 @@ for name in $cells; do
     [[ -v "method[$m]" ]] || { echo "unknown method $m" >&2; exit 2; }
     extra=()
     [[ $m == dgc ]] && extra=("compressor.steps_per_epoch=$dgc_epoch")
+    [[ -n ${per_step_buffers[$name]} && $local_steps != *" $m "* ]] && extra+=("${per_step_buffers[$name]}")
     for seed in $seeds; do
       dir="$out/$name/$m/seed$seed" kept="$results/$name/$m/seed$seed"
       if [ -f "$dir/summary.json" ] && [ ! -f "$kept/summary.json" ]; then

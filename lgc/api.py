@@ -53,6 +53,7 @@ def compress(
     min_numel: int | None = None,
     start_iter: int | None = None,
     overlap: bool | None = None,
+    buffers: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     optimizer_momentum: float | None = None,
     optimizer_weight_decay: float | None = None,
@@ -105,6 +106,11 @@ def compress(
             EF-signSGD, chunked top-k, DeMo), DGC, QSGD, TernGrad, RedSync and random-block with
             unshared offsets, which hold their own state back too; LGC, the shared-index codecs
             and summed payloads refuse it (:class:`~lgc.ddp.CompressionHookState`).
+        buffers: module buffers (BatchNorm's running statistics) every step: ``"broadcast"``
+            (rank 0's on every rank, as DDP keeps them; the default) or ``"average"`` (the
+            floating-point ones averaged over the workers, for shards that differ in
+            distribution); counted either way. Not with ``delay``, which averages them at every
+            exchange (:mod:`lgc.ddp.buffers`).
         process_group: the group to communicate in (default: the world).
         optimizer_momentum / optimizer_weight_decay: what the optimizer will apply, for DGC when the
             optimizer is not built yet (one or the other: ``optimizer`` is checked directly).
@@ -142,6 +148,7 @@ def compress(
         min_numel=min_numel,
         start_iter=start_iter,
         overlap=overlap,
+        buffers=buffers,
         delay=delay,
         outer=outer,
         outer_lr=outer_lr,

@@ -45,6 +45,8 @@ class Comm:
     start_iter: int | None = 1
     #: Every step: encode and send each bucket as it arrives (:class:`~lgc.ddp.CompressionHookState`'s ``overlap``).
     overlap: bool | None = False
+    #: Every step: module buffers from rank 0 (``broadcast``) or averaged over the workers (``average``).
+    buffers: str | None = "broadcast"
     #: Local optimizer steps per exchange of weight updates (SBC's communication delay); None: every step.
     delay: int | None = None
     #: With ``delay``: ``average`` (SBC) or ``sgd`` (DiLoCo's outer Nesterov SGD).
@@ -99,9 +101,14 @@ class EveryStep:
     #: QSGD, TernGrad, RedSync and unshared random-block, which hold their own state back too
     #: (:class:`~lgc.ddp.CompressionHookState`).
     overlap: bool = False
+    #: Module buffers (BatchNorm's running statistics) every step: ``broadcast`` (rank 0's on every
+    #: rank, as DDP keeps them) or ``average`` (the floating-point ones averaged over the workers:
+    #: on shards that differ in distribution, rank 0's statistics describe rank 0's data only).
+    #: Counted either way (:mod:`lgc.ddp.buffers`).
+    buffers: str = "broadcast"
 
     def to_comm(self) -> Comm:
-        return Comm(min_numel=self.min_numel, start_iter=self.start_iter, overlap=self.overlap)
+        return Comm(min_numel=self.min_numel, start_iter=self.start_iter, overlap=self.overlap, buffers=self.buffers)
 
 
 @dataclasses.dataclass

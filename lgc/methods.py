@@ -35,6 +35,7 @@ from lgc.comm import COMM_OPTIONS, Comm, DiLoCo, EveryStep, LocalSGD
 from lgc.compressors import Compressor, ErrorFeedback
 from lgc.compressors.base import compressor_chain
 from lgc.compressors.dgc import DGCCompressor
+from lgc.ddp.buffers import check_buffer_mode
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
@@ -405,6 +406,12 @@ def build_hook_state(
         fields = ", ".join(comm.field(name) for name in _LOCAL_STEP_FIELDS)
         raise ValueError(f"{fields} act on the exchanges of local steps: they need {comm.prefix}delay")
     built = build_compressor(method, error_feedback=error_feedback, error_decay=error_decay, prefix=prefix, name=name)
+    check_buffer_mode(comm.buffers, f"{comm.prefix}buffers")
+    if comm.delay is not None and comm.changed("buffers"):
+        raise ValueError(
+            f"{comm.field('buffers')} applies to every-step exchanges; with {comm.field('delay')} each worker keeps "
+            "its own buffers between exchanges and they are averaged at every exchange"
+        )
     if comm.overlap and (_is_hook_state(built) or comm.delay is not None):
         what = f"{comm.field('delay')}, whose exchanges come after the optimizer" if comm.delay else _what(built, name)
         raise ValueError(
@@ -429,6 +436,8 @@ def build_hook_state(
             )
         if process_group is not None:
             built.process_group = process_group
+        if comm.changed("buffers"):
+            built.buffers = comm.buffers
         if comm.delay is not None:
             # LGC's family exchanges the weight updates as it exchanges gradients, stages counted in exchanges.
             return _delayed(built, comm, process_group)
@@ -446,4 +455,5 @@ def build_hook_state(
         start_iter=comm.start_iter,
         process_group=process_group,
         overlap=comm.overlap,  # type: ignore[arg-type]
+        buffers=comm.buffers,  # type: ignore[arg-type]
     )

@@ -19,10 +19,27 @@ def _compose(*overrides: str):
 
 def test_the_default_option_is_every_step_with_the_general_records_defaults():
     cfg = _compose()
-    assert set(cfg.comm) == {"min_numel", "start_iter", "overlap"}
+    assert set(cfg.comm) == {"min_numel", "start_iter", "overlap", "buffers"}
     assert EveryStep().to_comm() == Comm()
     state = build_hook_state(cfg.compressor, cfg.comm)
     assert type(state) is CompressionHookState and state.start_iter == 1 and not state.overlap
+    assert state.buffers == "broadcast"
+
+
+def test_buffers_reach_every_per_step_state_and_are_refused_with_local_steps():
+    assert build_hook_state(
+        _compose("comm.buffers=average").compressor, _compose("comm.buffers=average").comm
+    ).buffers == ("average")
+    for method in ("shared_topk_int8", "lgc_rar", "torch_fp16", "powersgd"):  # hook states of their own
+        with initialize_config_module("lgc.conf", version_base="1.3"):
+            cfg = compose("train", overrides=[f"compressor={method}", "logger=none", "comm.buffers=average"])
+        assert build_hook_state(cfg.compressor, cfg.comm).buffers == "average", method
+    with pytest.raises(ValueError, match="comm.buffers must be one of broadcast, average, got 'rank0'"):
+        build_hook_state(METHODS["sbc"].resolve(), {"buffers": "rank0"})
+    with pytest.raises(ValueError, match="comm.buffers='average' applies to every-step exchanges"):
+        build_hook_state(METHODS["sbc"].resolve(), {"buffers": "average", "delay": 4})
+    with pytest.raises(Exception, match="buffers"):  # not a field of comm=local_sgd: Hydra refuses it
+        _compose("comm=local_sgd", "comm.delay=4", "comm.buffers=average")
 
 
 def test_overlap_reaches_the_hook_and_is_refused_by_a_hook_state_of_its_own():

@@ -26,7 +26,13 @@ then, and ``summary.json``'s ``buffer_sync`` says ``none``. How, by method famil
   ``wire_bytes_sent`` and ``wire_buffer_bytes_sent``, within the step they belong to (LGC's stage
   statistics book them with the step's gradients). The dense equivalent holds the same
   broadcast: plain DDP sends it once per training step too (and once more before each
-  evaluation). ``buffer_sync``: ``broadcast``.
+  evaluation). ``buffer_sync``: ``broadcast``. With ``buffers="average"`` (``comm.buffers``) the
+  floating-point buffers are averaged over the workers instead, at the same point, one counted
+  allreduce per dtype (:func:`average_buffers`; the others, such as BatchNorm's batch counter,
+  still broadcast from rank 0): on shards that differ in distribution (Dirichlet partitions), rank
+  0's statistics describe rank 0's data only, and every rank would evaluate with them; averaged,
+  they describe every worker's. The dense equivalent stays plain DDP's broadcast. ``buffer_sync``:
+  ``average``.
 * communication delay (:mod:`lgc.ddp.local_sgd`, :func:`keep_buffers_local`): nothing is sent
   between exchanges, so each worker's statistics follow its own local weights (DDP's broadcast
   would overwrite them with rank 0's before every local step); the method averages the
@@ -55,19 +61,28 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 
 __all__ = [
+    "AVERAGE",
     "AVERAGE_AT_EXCHANGE",
     "BROADCAST",
+    "BUFFER_MODES",
     "NO_SYNC",
     "BufferSync",
     "average_buffers",
     "book_dense_buffer_broadcast",
+    "average_step_buffers",
     "broadcast_buffers",
+    "check_buffer_mode",
     "keep_buffers_local",
     "register_comm_hook",
 ]
 
 #: ``summary.json``'s ``buffer_sync`` for the per-step methods: rank 0's buffers broadcast every step, counted.
 BROADCAST = "broadcast"
+#: ``buffer_sync`` for the per-step methods with ``buffers="average"``: every worker's floating-point
+#: buffers averaged every step, counted.
+AVERAGE = "average"
+#: How a per-step method keeps module buffers in step (``comm.buffers``; the first is the default).
+BUFFER_MODES = (BROADCAST, AVERAGE)
 #: ``buffer_sync`` for communication delay: local between exchanges, averaged at them, counted.
 AVERAGE_AT_EXCHANGE = "average_at_exchange"
 #: ``buffer_sync`` of a model built with ``broadcast_buffers=False``: every worker keeps its own buffers.
@@ -155,8 +170,10 @@ def broadcast_buffers(stats: CommStats, buffers: list[Tensor], group: dist.Proce
     book_dense_buffer_broadcast(stats, buffers, group)
 
 
-def register_comm_hook(model: DistributedDataParallel, state: Any, hook: Callable[..., Any]) -> BufferSync:
-    """``model.register_comm_hook(state, hook)``, and rank 0's buffers broadcast once per step, counted.
+def register_comm_hook(
+    model: DistributedDataParallel, state: Any, hook: Callable[..., Any], buffers: str = BROADCAST
+) -> BufferSync:
+    """``model.register_comm_hook(state, hook)``, and the buffers kept in step once per step, counted.
 
     The broadcast comes with the step's last bucket, just before ``hook``'s call for it, so every
     rank issues it at the same point and every byte of a step is spent within the hook calls of
@@ -167,14 +184,18 @@ def register_comm_hook(model: DistributedDataParallel, state: Any, hook: Callabl
         model: the DDP model.
         state: the hook state (``state.stats`` counts, ``state.process_group`` is the group).
         hook: the DDP communication hook.
+        buffers: :data:`BROADCAST` (rank 0's, as DDP does) or :data:`AVERAGE` (the floating-point
+            buffers averaged over the workers; see the module docstring).
 
     Returns:
         The buffers kept in step (none for a model built with ``broadcast_buffers=False``).
 
     Raises:
-        ValueError: ``model`` has a buffer communication hook (see the module docstring).
+        ValueError: ``model`` has a buffer communication hook (see the module docstring), or
+            ``buffers`` is not one of :data:`BUFFER_MODES`.
     """
-    sync = _buffer_sync(model, BROADCAST)
+    check_buffer_mode(buffers)
+    sync = _buffer_sync(model, buffers)
     # Weakly: DDP's reducer (C++) holds this hook, so a strong reference to the model (or to
     # anything that leads back to it, such as a Lightning module's trainer) would close a cycle
     # through the reducer that the garbage collector cannot see, and the model would never be
@@ -189,12 +210,39 @@ def register_comm_hook(model: DistributedDataParallel, state: Any, hook: Callabl
                 ddp = model_ref()
                 assert ddp is not None, "DDP calls its hook only while the model lives"
                 with torch.no_grad():
-                    broadcast_buffers(state.stats, sync.buffers(ddp.module), state.process_group)
+                    kept = sync.buffers(ddp.module)
+                    if sync.mode == AVERAGE:
+                        average_step_buffers(state.stats, kept, state.process_group)
+                    else:
+                        broadcast_buffers(state.stats, kept, state.process_group)
         return hook(state, bucket)
 
     model.register_comm_hook(state, buffers_then_hook)
     _turn_off_forward_broadcast(model)
     return sync
+
+
+def check_buffer_mode(buffers: Any, name: str = "buffers") -> str:
+    """``buffers`` if it is one of :data:`BUFFER_MODES`, else a ValueError naming it."""
+    if buffers not in BUFFER_MODES:
+        raise ValueError(f"{name} must be one of {', '.join(BUFFER_MODES)}, got {buffers!r}")
+    return buffers
+
+
+def average_step_buffers(stats: CommStats, buffers: list[Tensor], group: dist.ProcessGroup | None) -> None:
+    """A per-step method's ``buffers="average"``: floating-point buffers averaged, the others broadcast; counted.
+
+    A non-finite mean leaves the floating-point buffers as they were on every rank (each rank sees
+    the same mean, so each decides alike). The dense equivalent books plain DDP's broadcast.
+    """
+    floating = [b for b in buffers if b.is_floating_point()]
+    others = [b for b in buffers if not b.is_floating_point()]
+    if floating:
+        average_buffers(stats, floating, dist.get_world_size(group), group)
+    if others:
+        broadcast_buffers(stats, others, group)  # books their dense broadcast
+    if floating:
+        book_dense_buffer_broadcast(stats, floating, group)
 
 
 def keep_buffers_local(model: DistributedDataParallel) -> BufferSync:

@@ -154,6 +154,7 @@ class CompressionHookState(HookState):
         "layer_stats",  # parameter name -> LayerStats (bytes per parameter, for the per-layer table)
         "codec_seconds",  # "encode" / "decode" -> wall seconds spent compressing / decoding; per process
         "buffer_sync",  # the module buffers kept in step (lgc.ddp.buffers.BufferSync), set by register(); per process
+        "buffers",  # how: lgc.ddp.buffers.BUFFER_MODES
     )
 
     def __init__(
@@ -164,7 +165,9 @@ class CompressionHookState(HookState):
         start_iter: int = 1,
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = False,
+        buffers: str = module_buffers.BROADCAST,
     ) -> None:
+        module_buffers.check_buffer_mode(buffers)
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be an lgc Compressor, got {compressor!r}")
         if not isinstance(overlap, bool):
@@ -208,6 +211,7 @@ class CompressionHookState(HookState):
         #: payloads, for benchmarks (``lgc-bench network``); not saved in checkpoints.
         self.codec_seconds = {"encode": 0.0, "decode": 0.0}
         self.buffer_sync: module_buffers.BufferSync | None = None
+        self.buffers = buffers
 
     def book_layer(self, name: str, numel: int, compressed: bool, nbytes: int) -> None:
         """Count ``nbytes`` of payload (logical bytes) for one parameter in one step."""
@@ -271,10 +275,11 @@ class CompressionHookState(HookState):
         """Attach to ``model`` and register :func:`compression_hook` with this state (``optimizer`` is not needed).
 
         Module buffers (BatchNorm statistics) go from rank 0 to every rank once per step, counted,
-        instead of DDP's broadcast before forward passes (:func:`lgc.ddp.buffers.register_comm_hook`).
+        instead of DDP's broadcast before forward passes, or are averaged over the workers with
+        ``buffers="average"`` (:func:`lgc.ddp.buffers.register_comm_hook`).
         """
         self.attach(model)
-        self.buffer_sync = module_buffers.register_comm_hook(model, self, compression_hook)
+        self.buffer_sync = module_buffers.register_comm_hook(model, self, compression_hook, self.buffers)
 
     def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[Segment, ...]:
         """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed."""

@@ -69,6 +69,8 @@ class TorchHookState(HookState):
     guards_steps = False
     #: The module buffers kept in step (:class:`lgc.ddp.buffers.BufferSync`), set by :meth:`register`.
     buffer_sync: module_buffers.BufferSync | None = None
+    #: How module buffers are kept in step (:data:`lgc.ddp.buffers.BUFFER_MODES`; ``comm.buffers``).
+    buffers: str = module_buffers.BROADCAST
 
     def __init__(self, hook: str = "fp16") -> None:
         if hook not in _HOOKS:
@@ -107,7 +109,7 @@ class TorchHookState(HookState):
 
     def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Register the wrapped hook; module buffers go from rank 0 once per step, counted (:mod:`lgc.ddp.buffers`)."""
-        self.buffer_sync = module_buffers.register_comm_hook(model, self, _wrapped_torch_hook)
+        self.buffer_sync = module_buffers.register_comm_hook(model, self, _wrapped_torch_hook, self.buffers)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stats": vars(self.stats).copy()}

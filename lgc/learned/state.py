@@ -259,7 +259,7 @@ class LGCHookState(CompressionHookState):
         """Attach to ``model`` and register :func:`lgc_hook` with this state (``optimizer`` is not needed)."""
         self.set_world_size(dist.get_world_size(self.process_group))
         self.attach(model)
-        self.buffer_sync = module_buffers.register_comm_hook(model, self, lgc_hook)
+        self.buffer_sync = module_buffers.register_comm_hook(model, self, lgc_hook, self.buffers)
 
     def learned_description(self, latent_dtype: str) -> str:
         """What a learned state does, for summaries and logs."""

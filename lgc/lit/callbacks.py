@@ -254,8 +254,9 @@ class RunSummary(pl.Callback):
     validation saw the synchronized model; with communication delay every fragment's last
     synchronized weights and the buffers of the last exchange, otherwise the model every rank
     shares), ``buffer_sync`` (how module buffers were kept in step: ``broadcast``, rank 0's sent
-    to every rank once per step, ``average_at_exchange``, or ``none`` for a model built with
-    ``broadcast_buffers=False``; :mod:`lgc.ddp.buffers`) with
+    to every rank once per step, ``average``, averaged over the workers once per step,
+    ``average_at_exchange``, or ``none`` for a model built with ``broadcast_buffers=False``;
+    :mod:`lgc.ddp.buffers`) with
     ``wire_buffer_bytes_sent`` (their bytes, part of ``wire_bytes_sent``), the resolved config, and
     ``environment`` (torch and Python versions, the machine's CPU count, rank 0's torch threads,
     the workers: what ``fit_time_s`` depends on), ``hydra``: the option of every config group and

@@ -46,6 +46,9 @@ def _train(rank: int, world: int, method: str, steps: int) -> dict:
     if method == "hooked":
         state = CompressionHookState(NoneCompressor(), min_numel=0)
         state.register(model)
+    elif method == "averaged":
+        state = CompressionHookState(NoneCompressor(), min_numel=0, buffers="average")
+        state.register(model)
     elif method == "delay":
         state = CommunicationDelayState(NoneCompressor(), delay=3, min_numel=0)
         state.register(model)
@@ -82,6 +85,7 @@ def _train(rank: int, world: int, method: str, steps: int) -> dict:
         "weights": weights,
         "evaluations": evaluations,
         "stats": state.stats.as_dict() if state is not None else {},
+        "mode": state.buffer_sync.mode if state is not None else None,
     }
 
 
@@ -117,6 +121,44 @@ def test_per_step_methods_send_rank_0s_buffers_once_per_step_counted_and_train_a
         == sent_steps * gradients + rank0["wire_buffer_bytes_sent"]
     )
     assert rank1["wire_bytes_sent"] == rank1["wire_dense_equivalent_bytes"] == sent_steps * gradients
+
+
+@pytest.mark.multiprocess
+def test_per_step_methods_can_average_the_workers_buffers_every_step_counted():
+    """``buffers="average"``: after every step each rank holds the mean of the ranks' statistics (each
+    moved by its own batch from the common value), not rank 0's; the floating-point buffers go in one
+    counted allreduce, the int64 batch counter still from rank 0; the dense equivalent is plain DDP's."""
+    steps = 4
+    results = run_workers(_train, 2, "averaged", steps)
+    previous = torch.zeros(32)
+    for step in range(steps + 1):
+        local = [(1 - MOMENTUM) * previous + MOMENTUM * result["means"][step] for result in results]
+        for result in results:
+            torch.testing.assert_close(result["buffers"][step], (local[0] + local[1]) / 2, rtol=1e-5, atol=1e-7)
+        assert torch.equal(results[0]["buffers"][step], results[1]["buffers"][step])
+        assert not torch.allclose(results[0]["buffers"][step], local[0])  # not rank 0's
+        previous = results[0]["buffers"][step]
+    sent_steps = steps + 1
+    rank0, rank1 = results[0]["stats"], results[1]["stats"]
+    assert results[0]["mode"] == results[1]["mode"] == "average"
+    # A ring allreduce of L bytes among 2 sends L per worker; rank 0's tree broadcast of the counter.
+    assert rank0["wire_buffer_bytes_sent"] == sent_steps * (FLOAT_BUFFER_BYTES + INT_BUFFER_BYTES)
+    assert rank1["wire_buffer_bytes_sent"] == sent_steps * FLOAT_BUFFER_BYTES
+    gradients = 4 * sum(p.numel() for p in _bn_net().parameters())
+    assert rank0["wire_dense_equivalent_bytes"] == sent_steps * (gradients + FLOAT_BUFFER_BYTES + INT_BUFFER_BYTES)
+    assert rank1["wire_dense_equivalent_bytes"] == sent_steps * gradients
+
+
+def test_buffers_mode_is_checked_and_refused_with_a_delay(group):
+    model = DDP(_bn_net())
+    with pytest.raises(ValueError, match="buffers must be one of broadcast, average, got 'mean'"):
+        lgc.compress(model, "topk", buffers="mean")
+    with pytest.raises(ValueError, match="buffers='average' applies to every-step exchanges"):
+        lgc.compress(model, "sbc", delay=4, buffers="average")
+    with pytest.raises(ValueError, match="buffers must be one of"):
+        CompressionHookState(NoneCompressor(), buffers="local")
+    state = lgc.compress(model, "torch_fp16", buffers="average")
+    assert state.buffer_sync.mode == "average"
 
 
 @pytest.mark.multiprocess
