@@ -37,22 +37,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["segment_block_size", "segment_topk"]
+from lgc.compressors.selection import _TOPK_MAX_BLOCK, _topk_block_size
 
-#: Longest block (as :func:`~lgc.compressors.selection.topk_indices`'s block search).
-_MAX_BLOCK = 128
+__all__ = ["segment_block_size", "segment_topk"]
 
 
 def segment_block_size(numel: int, k: int) -> int:
-    """A power of two near ``numel / (8 k)`` in ``[4, 128]``.
+    """:func:`~lgc.compressors.selection.topk_indices`'s block: a power of two near ``numel / (8 k)`` in ``[4, 128]``.
 
     Then there are about ``8 k`` blocks or more (fewer where the block stops at 4, at densities
     above about 3 %): a segment of average density has several times more interior blocks than
     entries to keep, so its threshold excludes most blocks.
     """
-    if k <= 0:
-        return _MAX_BLOCK
-    return 1 << min(max(2, (numel // (8 * k)).bit_length() - 1), _MAX_BLOCK.bit_length() - 1)
+    return _topk_block_size(numel, k) if k > 0 else _TOPK_MAX_BLOCK
 
 
 def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block: int | None = None) -> Tensor:
