@@ -7,15 +7,16 @@
 #          bucket-level selection (segment_topk_flat) beside the per-tensor compressors;
 #   lgc-bench step --device cuda: ResNet-50's DDP step over NCCL, one worker, batch 32 of 224x224,
 #          at densities 0.1 % and 1 %, DDP's own allreduce (ddp) and the no-communication step beside;
-#   experiments/gpu_pass_probe.py: where the top-k pass spends its time.
+#   experiments/gpu_pass_probe.py, gpu_topk_profile.py, gpu_hook_profile.py: where the top-k pass,
+#          error feedback over top-k a bucket at once, and the DDP hook spend their time.
 #   experiments/gpu_checks.sh [OUT]      (default outputs/gpu_checks; every log and JSON lands there)
 set -uo pipefail
 out=${1:-outputs/gpu_checks}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
-python -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ddp/test_devices.py tests/compressors tests/bench/test_bench.py \
-  -k "cuda or gpu" > "$out/pytest.log" 2>&1
+python -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ddp/test_devices.py tests/ddp/test_hook.py tests/compressors \
+  tests/bench/test_bench.py -k "cuda or gpu" > "$out/pytest.log" 2>&1
 tail -1 "$out/pytest.log"
 lgc-bench compressors --device cuda --json "$out/compressors.json" > "$out/compressors.md" 2>&1
 grep "^|" "$out/compressors.md" | head -24
@@ -27,3 +28,7 @@ for density in 0.001 0.01; do
 done
 python experiments/gpu_pass_probe.py > "$out/pass_probe.md" 2>&1
 tail -8 "$out/pass_probe.md"
+python experiments/gpu_topk_profile.py > "$out/topk_profile.md" 2>&1
+grep "^##" "$out/topk_profile.md"
+python experiments/gpu_hook_profile.py > "$out/hook_profile.md" 2>&1
+grep "^##" "$out/hook_profile.md"

@@ -3,10 +3,13 @@
 Every compressor configured in ``conf/compressor/`` (with its yaml's error-feedback setting and
 the requested density) compresses and decompresses a gradient with ResNet-50's parameter shapes
 (25,557,032 elements; all of them by default, ``--min-numel`` leaves small ones out as the hook's
-``min_numel`` does), tensor by tensor as the DDP hook sees them: one flat tensor per parameter,
-with the parameters' shapes attached as the hook attaches them (DeMo and chunked top-k tile by
-shape; ``--numel`` sizes are vectors).
-DGC is timed past its warm-up epochs, at the requested density.
+``min_numel`` does), as the DDP hook hands it a bucket: one flat slice per parameter of one flat
+gradient, with the parameters' shapes attached as the hook attaches them (DeMo and chunked top-k
+tile by shape; ``--numel`` sizes are vectors), encoded by ``compress_many`` and decoded into the
+slices of one flat by ``aggregate_many``. DGC is timed past its warm-up epochs, at the requested
+density. Error feedback over top-k runs twice more, tensor by tensor (``topk_per_tensor``) and as
+one flat (``topk_bucketed``, :meth:`~lgc.compressors.ErrorFeedback.compress_many`), whichever the
+device's default (the ``topk`` row) is.
 
 The reference every time is divided by ("x fp16") is the cheapest honest thing a DDP fp16 hook
 does: for every tensor, ``half.copy_(g)`` then ``out.copy_(half)`` into buffers allocated once
@@ -49,6 +52,7 @@ sweep (:func:`golomb_bits`) stays beside them because it times the same ResNet-5
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -182,8 +186,11 @@ def _compressor_candidate(
 ) -> _Candidate:
     # Weights for the compressors that read them (DGC's weight decay), as the DDP hook attaches them.
     compressor.attach_parameters(weights)
-    total = sum(grad.numel() for grad in grads.values())
-    outs = {key: torch.empty_like(grad) for key, grad in grads.items()}  # the bucket, reused every step
+    keys, tensors = list(grads), list(grads.values())
+    total = sum(grad.numel() for grad in tensors)
+    # The bucket the sums are decoded into, reused every step.
+    bucket = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
+    outs = list(bucket.split([t.numel() for t in tensors]))
     candidate = _Candidate(name, repr(compressor), run=lambda: None, compressor=name)
     step = 0
 
@@ -191,15 +198,13 @@ def _compressor_candidate(
         nonlocal step
         compressor.begin_step(step)  # as the hook does before every compressed step
         step += 1
-        payload_bytes = 0
-        for key, grad in grads.items():
-            payload = compressor.compress(grad, key)
-            # Decoded as the DDP hook decodes: straight into the tensor's slice of the bucket, then
-            # completed there (DGC's weight decay).
-            compressor.aggregate_into([payload], outs[key])
-            compressor.finish_aggregate(outs[key], key)
-            payload_bytes += payload.nbytes
-        candidate.bits_per_element = 8 * payload_bytes / total
+        # As the DDP hook does with one bucket: every tensor encoded, then every sum decoded
+        # straight into the tensor's slice of the bucket and completed there (DGC's weight decay).
+        payloads = compressor.compress_many(tensors, keys)
+        compressor.aggregate_many([[payload] for payload in payloads], outs)
+        for key, out in zip(keys, outs, strict=True):
+            compressor.finish_aggregate(out, key)
+        candidate.bits_per_element = 8 * sum(payload.nbytes for payload in payloads) / total
 
     candidate.run = round_trip
     return candidate
@@ -261,13 +266,12 @@ def benchmark_compressors(
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
     shapes = {f"t{i}": (n,) if isinstance(n, int) else tuple(n) for i, n in enumerate(numels)}
-    grads = {
-        key: torch.randn(math.prod(shape), device=dev, generator=gen)
-        for key, shape in shapes.items()
-        if math.prod(shape) >= min_numel
-    }
-    if not grads:
+    kept = {key: math.prod(shape) for key, shape in shapes.items() if math.prod(shape) >= min_numel}
+    if not kept:
         raise ValueError(f"no tensor has at least min_numel={min_numel} elements")
+    # The tensors are slices of one flat gradient, as a DDP bucket holds them.
+    flat = torch.randn(sum(kept.values()), device=dev, generator=gen)
+    grads = dict(zip(kept, flat.split(list(kept.values())), strict=True))
     total = sum(grad.numel() for grad in grads.values())
     k = max(1, round(density * total))
     weights = {key: torch.randn(shapes[key], device=dev, generator=gen) for key in grads}
@@ -279,6 +283,13 @@ def benchmark_compressors(
         for name, compressor in configured.items()
         if not only or name in only
     ]
+    if "topk" in configured and (not only or "topk" in only):
+        # Both encodings of error feedback over top-k, whichever the device's default is.
+        for bucketed in (False, True):
+            variant = copy.deepcopy(configured["topk"])
+            variant.bucketed = bucketed  # type: ignore[attr-defined]
+            label = "topk_bucketed" if bucketed else "topk_per_tensor"
+            candidates.append(_compressor_candidate(label, variant, grads, weights))
     schedule = interleaved_schedule([candidate.name for candidate in candidates], repeats)  # names unique
     by_name = {candidate.name: candidate for candidate in candidates}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import enum
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -119,8 +119,18 @@ class Payload:
 
     def to_wire(self) -> Tensor:
         """All wire tensors as one contiguous ``uint8`` buffer of ``nbytes`` bytes."""
-        parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in self.tensors()]
+        parts = self.wire_parts()
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def wire_parts(self) -> list[Tensor]:
+        """:meth:`to_wire`'s bytes as ``uint8`` pieces, in order, not yet joined.
+
+        The hook packs a bucket's payloads with one ``torch.cat`` of every payload's pieces rather
+        than one per payload. A payload that writes its own :meth:`to_wire` is one piece.
+        """
+        if type(self).to_wire is not Payload.to_wire:
+            return [self.to_wire()]
+        return [t.contiguous().reshape(-1).view(torch.uint8) for t in self.tensors()]
 
 
 #: How lgc-train's config names the optimizer's momentum and weight decay (the default ``sources``).
@@ -185,6 +195,17 @@ class Compressor(abc.ABC):
     def compress(self, tensor: Tensor, key: str) -> Payload:
         """Encode one flat tensor; ``key`` names it so per-tensor state can be kept."""
 
+    def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
+        """Encode every tensor of one bucket: ``[compress(t, key) for ...]``, in the order given.
+
+        The DDP hook hands a step's compressed parameters of one bucket together, so a compressor
+        may encode them in a fixed number of passes instead of a few kernels per tensor (error
+        feedback over top-k on a GPU: :meth:`~lgc.compressors.ErrorFeedback.compress_many`). An
+        override leaves the state the loop would, bit for bit, and returns payloads that decode to
+        the same bits (a sparse payload's (value, index) pairs may come in another order).
+        """
+        return [self.compress(tensor, key) for tensor, key in zip(tensors, keys, strict=True)]
+
     @abc.abstractmethod
     def decompress(self, payload: Payload) -> Tensor:
         """Decode a payload (or, for :attr:`CombineMode.SUM`, a sum of payloads) to a flat tensor."""
@@ -225,6 +246,16 @@ class Compressor(abc.ABC):
         the bucket instead of building a dense sum and copying it. The default copies :meth:`aggregate`.
         """
         out.copy_(self.aggregate(payloads))
+
+    def aggregate_many(self, payloads: Sequence[list[Payload]], outs: Sequence[Tensor]) -> None:
+        """:meth:`aggregate_into` for every tensor of one bucket: ``payloads[i]`` (every rank's) into ``outs[i]``.
+
+        The hook decodes a bucket's gathered payloads with this; a compressor may decode them in a
+        fixed number of passes (top-k's family on a GPU: :func:`~lgc.compressors.topk.scatter_add_sparse_many`)
+        as long as every ``outs[i]`` gets the bits the loop would write.
+        """
+        for received, out in zip(payloads, outs, strict=True):
+            self.aggregate_into(received, out)
 
     def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
         """What to send for a tensor the hook sends dense (smaller than ``min_numel``).

@@ -13,16 +13,29 @@ is subtracted, ``beta = 0.999``): both are error feedback whose memory decays.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, Payload
-from lgc.compressors.topk import SparsePayload
+from lgc.compressors.segment_topk import segment_topk
+from lgc.compressors.topk import SparsePayload, TopKCompressor
 from lgc.validation import PositiveFraction, check
 
 __all__ = ["ErrorFeedback"]
+
+#: Largest tensor whose top-k indices are int32 (the batched path sends int32 indices only).
+_INT32_NUMEL = torch.iinfo(torch.int32).max
+
+
+class _FlatResiduals(NamedTuple):
+    """One bucket's residuals laid end to end: ``views[i]`` is ``residuals[keys[i]]``, a slice of ``flat``."""
+
+    flat: Tensor
+    views: tuple[Tensor, ...]
+    numels: tuple[int, ...]
 
 
 class ErrorFeedback(ForwardsHookCalls, Compressor):
@@ -38,6 +51,11 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         decay: the factor ``beta`` in ``v = beta * r + g``, in (0, 1]. 1 (default) is plain error
             feedback: nothing is lost. Below 1 the unsent part fades geometrically and the residual
             is a momentum of the inputs: SparseLoCo's 0.95, DeMo's 0.999.
+        bucketed: how :meth:`compress_many` encodes a bucket's tensors over top-k: as one flat, in
+            a fixed number of passes (``True``), or tensor by tensor (``False``). ``None``
+            (default): flat on a GPU, where a few kernels per tensor cost more than the arithmetic,
+            and tensor by tensor on the CPU, where the per-tensor selection is the faster one
+            (``lgc-bench compressors`` measures both). The payloads and residuals are the same.
 
     Example::
 
@@ -48,12 +66,19 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         True
     """
 
-    def __init__(self, compressor: Compressor, decay: PositiveFraction = 1.0) -> None:
+    def __init__(self, compressor: Compressor, decay: PositiveFraction = 1.0, bucketed: bool | None = None) -> None:
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("error feedback is already applied; do not wrap ErrorFeedback twice")
         check("decay", decay, PositiveFraction)
+        if bucketed not in (None, True, False):
+            raise ValueError(f"bucketed must be None, True or False, got {bucketed!r}")
+        if bucketed is True and type(compressor) is not TopKCompressor:
+            raise ValueError(
+                f"bucketed=True needs a TopKCompressor (the one with a bucket-level path), got {compressor!r}"
+            )
         self.compressor = compressor
         self.decay = float(decay)
+        self.bucketed = bucketed
         self.combine = compressor.combine
         self.variable_size = compressor.variable_size
         self.needs_shared_seed = compressor.needs_shared_seed
@@ -63,11 +88,101 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         self._pending: dict[str, Tensor] = {}
         #: Per-key second buffers that :meth:`compress_pending` writes into (never saved).
         self._spares: dict[str, Tensor] = {}
+        #: Bucket (its keys in order) -> its residuals as one flat (:meth:`compress_many`; never saved).
+        self._flats: dict[tuple[str, ...], _FlatResiduals] = {}
 
     def compress(self, tensor: Tensor, key: str) -> Payload:
         # In place: the residual buffer becomes g + beta * r, then what is not sent stays in it.
         payload, self.residuals[key] = self._encode(self._corrected(tensor, key, into=None), key)
         return payload
+
+    def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
+        """One bucket's tensors at once; over top-k (``bucketed``), as one flat in a fixed number of passes.
+
+        The residuals of the bucket's tensors become slices of one flat fp32 tensor (built when the
+        bucket is first seen, or when its residuals were replaced since: a checkpoint loaded, a held
+        step committed, DDP's buckets rebuilt; ``residuals[key]`` stays each tensor's residual, so
+        checkpoints keep one tensor per key and survive any bucketing). Then, whatever the number of
+        tensors:
+
+        1. ``r = beta * r + g`` as two multi-tensor operations (``torch._foreach_mul_``,
+           ``torch._foreach_add_``: one kernel for many tensors on a GPU); a tensor without a
+           residual yet takes its gradient, as :meth:`compress` does;
+        2. every tensor's exact top-k of the flat (:func:`~lgc.compressors.segment_topk.segment_topk`,
+           ``k = ceil(density * numel)`` each, as :class:`~lgc.compressors.TopKCompressor` keeps);
+        3. the values gathered and subtracted from the flat at once (one ``index_add_``), and every
+           tensor's payload a slice of the gathered values and of the indices made local.
+
+        The arithmetic per entry is :meth:`compress`'s, so residuals are bitwise equal and every
+        payload holds the same (value, index) pairs, in another order: each tensor's largest
+        magnitude first, where ``torch.topk`` leaves its order unspecified. Only a tie at a tensor's
+        k-th magnitude can select other entries of the same magnitude (the lower index here).
+        """
+        if not self._flat_path(tensors):
+            return super().compress_many(tensors, keys)
+        inner = self.compressor
+        assert isinstance(inner, TopKCompressor)
+        flat, views, numels = self._flat_residuals(tensors, keys)
+        ks = [inner.selected_count(numel) for numel in numels]
+        positions = segment_topk(flat, numels, ks)
+        values = flat[positions].to(inner.value_dtype)
+        flat.index_add_(0, positions, values.to(flat.dtype), alpha=-1)
+        device = flat.device
+        counts = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
+        starts = torch.tensor([0, *numels[:-1]], dtype=torch.int64).cumsum(0).to(device, non_blocking=True)
+        local = (positions - torch.repeat_interleave(starts, counts, output_size=positions.numel())).to(torch.int32)
+        return [
+            SparsePayload(numel=numel, values=v, indices=i)
+            for numel, v, i in zip(numels, values.split(ks), local.split(ks), strict=True)
+        ]
+
+    def _flat_path(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether :meth:`compress_many` encodes ``tensors`` as one flat (see ``bucketed``)."""
+        if type(self.compressor) is not TopKCompressor or len(tensors) < 2:
+            return False
+        device = tensors[0].device
+        if self.bucketed is False or (self.bucketed is None and device.type == "cpu"):
+            return False
+        return all(t.device == device and 0 < t.numel() <= _INT32_NUMEL and t.dim() == 1 for t in tensors)
+
+    def _flat_residuals(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> _FlatResiduals:
+        """``beta * r + g`` of every tensor, in place in the bucket's flat residual (built when needed)."""
+        signature = tuple(keys)
+        numels = tuple(t.numel() for t in tensors)
+        group = self._flats.get(signature)
+        fresh: list[int] = []
+        if (
+            group is None
+            or group.numels != numels
+            or group.flat.device != tensors[0].device
+            or any(self.residuals.get(key) is not view for key, view in zip(keys, group.views, strict=True))
+        ):
+            # Built anew: a bucket that shares a key with this one is stale now (DDP rebuilt its buckets).
+            for other in [other for other in self._flats if not set(other).isdisjoint(signature)]:
+                del self._flats[other]
+            flat = torch.zeros(sum(numels), dtype=torch.float32, device=tensors[0].device)
+            views = tuple(flat.split(numels))
+            for i, (key, view) in enumerate(zip(keys, views, strict=True)):
+                residual = self.residuals.get(key)
+                if residual is None:
+                    fresh.append(i)
+                elif residual.numel() != view.numel():
+                    raise ValueError(
+                        f"the residual of {key!r} has {residual.numel()} entries, its tensor {view.numel()}"
+                    )
+                else:
+                    view.copy_(residual.reshape(-1))
+                self.residuals[key] = view
+            group = self._flats[signature] = _FlatResiduals(flat, views, numels)
+        carried = [i for i in range(len(keys)) if i not in fresh] if fresh else range(len(keys))
+        old = [group.views[i] for i in carried]
+        if old:
+            if self.decay != 1.0:
+                torch._foreach_mul_(old, self.decay)
+            torch._foreach_add_(old, [tensors[i] for i in carried])
+        for i in fresh:
+            group.views[i].copy_(tensors[i])
+        return group
 
     def _corrected(self, tensor: Tensor, key: str, into: Tensor | None) -> Tensor:
         """``g + beta * r`` in fp32, written into ``into`` (``None``: into the residual itself)."""
@@ -167,6 +282,9 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
     def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
         self.compressor.aggregate_into(payloads, out)
 
+    def aggregate_many(self, payloads: Sequence[list[Payload]], outs: Sequence[Tensor]) -> None:
+        self.compressor.aggregate_many(payloads, outs)
+
     def payload_from_sum(self, summed: Tensor, own: Payload) -> Payload:
         return self.compressor.payload_from_sum(summed, own)
 
@@ -190,10 +308,10 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
 
     def __getstate__(self) -> dict[str, Any]:
         # Second buffers are scratch and a held step belongs to this process: neither travels.
-        return {**self.__dict__, "_pending": {}, "_spares": {}}
+        return {**self.__dict__, "_pending": {}, "_spares": {}, "_flats": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_pending": {}, "_spares": {}, **state})
+        self.__dict__.update({"_pending": {}, "_spares": {}, "_flats": {}, "bucketed": None, **state})
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -203,9 +321,10 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {key: r.clone() for key, r in state["residuals"].items()}
-        self._pending, self._spares = {}, {}
+        self._pending, self._spares, self._flats = {}, {}, {}
         self.compressor.load_state_dict(state["compressor"])
 
     def __repr__(self) -> str:
         decay = "" if self.decay == 1.0 else f", decay={self.decay:g}"
-        return f"ErrorFeedback({self.compressor!r}{decay})"
+        bucketed = "" if self.bucketed is None else f", bucketed={self.bucketed}"
+        return f"ErrorFeedback({self.compressor!r}{decay}{bucketed})"

@@ -9,6 +9,7 @@ Lin et al. 2018, the "residual gradient compression" every sparsifier in this pa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "num_selected",
     "scatter_add_sparse",
     "scatter_add_sparse_into",
+    "scatter_add_sparse_many",
     "sparse_mean",
     "wire_float_dtype",
 ]
@@ -122,6 +124,34 @@ def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:
         payload.add_to(out)
 
 
+def scatter_add_sparse_many(payloads: Sequence[list[SparsePayload]], outs: Sequence[Tensor]) -> None:
+    """:func:`scatter_add_sparse_into` of every tensor of a bucket at once, in a fixed number of passes.
+
+    ``payloads[i]`` holds every rank's payload of tensor ``i`` (the same ranks, in the same order,
+    for every tensor). The sums are built in one zeroed fp32 flat: per rank, its values of every
+    tensor are concatenated and added with one ``index_add_`` at their positions in the flat (a
+    rank's positions are distinct, so the adds do not meet within one call, and the ranks are added
+    in the order given). The flat's slices are then copied into ``outs`` (``torch._foreach_copy_``,
+    one kernel on a GPU, cast once into a half-precision bucket). Every position gets the fp32 sum
+    of the ranks' values in rank order, as the loop's, so the bits are the loop's.
+    """
+    if not payloads:
+        return
+    numels = [out.numel() for out in outs]
+    first = payloads[0][0].values
+    flat = torch.zeros(sum(numels), dtype=torch.float32, device=first.device)
+    starts = torch.tensor([0, *numels[:-1]], dtype=torch.int64).cumsum(0).to(first.device, non_blocking=True)
+    for rank in range(len(payloads[0])):
+        mine = [received[rank] for received in payloads]
+        counts = [p.values.numel() for p in mine]
+        indices = torch.cat([p.indices for p in mine]).long()
+        shift = torch.repeat_interleave(
+            starts, torch.tensor(counts, dtype=torch.int64).to(first.device, non_blocking=True), output_size=sum(counts)
+        )
+        flat.index_add_(0, indices.add_(shift), torch.cat([p.values for p in mine]).float())
+    torch._foreach_copy_(list(outs), [piece.view_as(out) for piece, out in zip(flat.split(numels), outs, strict=True)])
+
+
 class ScatterAddAggregation:
     """Mixin for compressors whose payloads are :class:`SparsePayload`: the workers' payloads sum by scatter-add.
 
@@ -133,6 +163,18 @@ class ScatterAddAggregation:
 
     def aggregate_into(self, payloads: list[Payload], out: Tensor) -> None:
         scatter_add_sparse_into(payloads, out)  # type: ignore[arg-type]
+
+    def aggregate_many(self, payloads: Sequence[list[Payload]], outs: Sequence[Tensor]) -> None:
+        """A bucket at once on a GPU (:func:`scatter_add_sparse_many`); tensor by tensor on the CPU (cheaper there).
+
+        On the CPU the flat costs a pass over the bucket more than the loop's zeroing; on a GPU the
+        loop's few kernels per tensor cost more than the arithmetic.
+        """
+        if len(outs) < 2 or outs[0].device.type == "cpu":
+            for received, out in zip(payloads, outs, strict=True):
+                scatter_add_sparse_into(received, out)  # type: ignore[arg-type]
+            return
+        scatter_add_sparse_many(payloads, outs)  # type: ignore[arg-type]
 
 
 #: The values of the ``aggregate`` knob of :class:`SparseMeanAggregation` (see :func:`sparse_mean`).

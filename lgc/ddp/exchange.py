@@ -31,7 +31,7 @@ from lgc.compressors.base import CombineMode, Compressor, Payload
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 
-__all__ = ["PayloadExchange", "Segment", "average_compressed"]
+__all__ = ["PayloadExchange", "Segment", "average_compressed", "encode_buffers", "prepare_compressor"]
 
 
 class ExchangeHost(Protocol):
@@ -81,6 +81,46 @@ def average_compressed(
     return torch.futures.collect_all(exchange.futures).then(lambda _: exchange.finish())
 
 
+def prepare_compressor(state: ExchangeHost, device: torch.device, step: int) -> None:
+    """What the compressor learns before it encodes ``step``: rank, world size, rank 0's seed (once), the step.
+
+    Every rank calls it at the same point (the seed's broadcast is a collective).
+    """
+    compressor = state.compressor
+    compressor.set_rank(dist.get_rank(state.process_group))
+    compressor.set_world_size(dist.get_world_size(state.process_group))
+    if compressor.needs_shared_seed and not state.seed_shared:
+        # Once, on every rank at the same point: everyone adopts rank 0's seed.
+        seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=device)
+        counted.broadcast(state.stats, seed, 0, state.process_group)
+        compressor.set_shared_seed(int(seed.item()))
+        state.seed_shared = True
+    if state.begun_step != step:
+        compressor.begin_step(step)
+        state.begun_step = step
+
+
+def encode_buffers(
+    state: ExchangeHost, buffers: list[tuple[Tensor, tuple[Segment, ...]]], step: int, used: frozenset[str]
+) -> dict[str, Payload]:
+    """Every compressed, used segment of several buffers (a step's buckets) in one ``compress_many``.
+
+    A compressor that encodes a bucket in a fixed number of passes (error feedback over top-k on a
+    GPU) then makes them once per step rather than once per bucket. The payloads go to each
+    bucket's :class:`PayloadExchange` (``encoded``); the encoding is the same as bucket by bucket.
+    """
+    if not buffers:
+        return {}
+    prepare_compressor(state, buffers[0][0].device, step)
+    started = time.perf_counter()
+    chosen = [(buffer, s) for buffer, segments in buffers for s in segments if s.compressed and s.name in used]
+    payloads = state.compressor.compress_many(
+        [buffer[s.offset : s.offset + s.numel] for buffer, s in chosen], [s.name for _, s in chosen]
+    )
+    state.codec_seconds["encode"] += time.perf_counter() - started
+    return {s.name: payload for (_, s), payload in zip(chosen, payloads, strict=True)}
+
+
 class PayloadExchange:
     """The collectives of one compressed step of one buffer, and the decoding of their results.
 
@@ -99,22 +139,13 @@ class PayloadExchange:
         *,
         used: frozenset[str] | None = None,
         pending: bool = False,
+        encoded: dict[str, Payload] | None = None,
     ):
         self.state = state
         self.buffer = buffer
         world_size = dist.get_world_size(state.process_group)
         compressor = state.compressor
-        compressor.set_rank(dist.get_rank(state.process_group))
-        compressor.set_world_size(world_size)
-        if compressor.needs_shared_seed and not state.seed_shared:
-            # Once, on every rank at the same point: everyone adopts rank 0's seed.
-            seed = torch.tensor([compressor.shared_seed], dtype=torch.int64, device=buffer.device)
-            counted.broadcast(state.stats, seed, 0, state.process_group)
-            compressor.set_shared_seed(int(seed.item()))
-            state.seed_shared = True
-        if state.begun_step != step:
-            compressor.begin_step(step)
-            state.begun_step = step
+        prepare_compressor(state, buffer.device, step)
         # ``pending``: encoded ahead of the step's agreement (the hook's overlap), compressed segments
         # only, whose payloads are gathered; state is held until the compressor's commit, and ``buffer``
         # is left as it is until finish().
@@ -136,9 +167,17 @@ class PayloadExchange:
             sent = compressor.transform_dense(piece, s.name)
             if sent is not piece:
                 piece.copy_(sent)
-        encode = compressor.compress_pending if pending else compressor.compress  # type: ignore[attr-defined]
+        pieces = [buffer[s.offset : s.offset + s.numel] for s in self.sparse]
         #: This worker's payload of every compressed segment, in segment order.
-        self.own = [encode(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
+        self.own: list[Payload]
+        if encoded is not None:
+            if pending:
+                raise ValueError("an exchange encoded ahead of the agreement encodes its own payloads")
+            self.own = [encoded[s.name] for s in self.sparse]
+        elif pending:
+            self.own = [compressor.compress_pending(p, s.name) for p, s in zip(pieces, self.sparse, strict=True)]  # type: ignore[attr-defined]
+        else:
+            self.own = compressor.compress_many(pieces, [s.name for s in self.sparse])
         state.codec_seconds["encode"] += time.perf_counter() - started
         #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
         self.received: dict[str, list[Payload]] = {}
@@ -179,19 +218,23 @@ class PayloadExchange:
             futures.append(_allreduce(state, self.dense_flat))
         self.gathered: list[Tensor] = []
         if self.own:
-            wires = [p.to_wire() for p in self.own]
-            local_sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64, device=buffer.device)
+            # Every payload's pieces joined by one cat (not one per payload, then one of them all).
+            parts = [p.wire_parts() for p in self.own]
+            # Known on the host: a fixed-size payload's sizes cost no copy from the device.
+            local_sizes = torch.tensor([sum(piece.numel() for piece in pieces) for pieces in parts], dtype=torch.int64)
             if state.compressor.variable_size:
-                size_lists, work = counted.all_gather(state.stats, local_sizes, state.process_group)
+                size_lists, work = counted.all_gather(state.stats, local_sizes.to(buffer.device), state.process_group)
                 # Blocking on purpose: the payload allgather below needs the sizes.
                 work.wait()
                 self.sizes = torch.stack(size_lists).cpu()
             else:
-                self.sizes = local_sizes.cpu().expand(world_size, -1)
+                self.sizes = local_sizes.expand(world_size, -1)
             max_total = int(self.sizes.sum(dim=1).max())
-            packed = torch.cat(wires)
-            if packed.numel() < max_total:
-                packed = torch.cat([packed, packed.new_zeros(max_total - packed.numel())])
+            pieces = [piece for payload_pieces in parts for piece in payload_pieces]
+            own_total = sum(piece.numel() for piece in pieces)
+            if own_total < max_total:
+                pieces.append(pieces[0].new_zeros(max_total - own_total))
+            packed = torch.cat(pieces)
             self.gathered, work = _allgather(state, packed, world_size)
             futures.append(work.get_future())
         return futures
@@ -238,6 +281,7 @@ class PayloadExchange:
                 for g, row in zip(self.gathered, self.sizes, strict=True)
             ]
             rank = dist.get_rank(self.state.process_group)
+            decoded: list[Segment] = []
             for s, own in zip(self.sparse, self.own, strict=True):
                 received = [
                     compressor.payload_from_wire(next(wires_of_rank), s.numel, key=s.name) for wires_of_rank in per_rank
@@ -246,8 +290,12 @@ class PayloadExchange:
                 if used is not None and s.name not in used:
                     continue
                 self.received[s.name] = received
-                target = buffer[s.offset : s.offset + s.numel]
-                compressor.aggregate_into(received, target)
+                decoded.append(s)
+            # The bucket's sums at once (one pass per rank where the compressor batches them), then
+            # each completed in turn.
+            targets = [buffer[s.offset : s.offset + s.numel] for s in decoded]
+            compressor.aggregate_many([self.received[s.name] for s in decoded], targets)
+            for s, target in zip(decoded, targets, strict=True):
                 compressor.finish_aggregate(target, s.name)
         return buffer
 

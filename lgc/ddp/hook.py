@@ -51,7 +51,7 @@ from lgc.compressors.base import CombineMode, Compressor, method_min_numel
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
-from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed
+from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, encode_buffers
 from lgc.ddp.protocol import HookState
 from lgc.ddp.step_guard import PendingBucket, StepVerdict, agree_flags, all_finite, allreduce_as_they_are, run_holding
 
@@ -81,14 +81,23 @@ def _residual_store(compressor: Compressor) -> dict[str, Tensor]:
     return _residual_store(inner) if isinstance(inner, Compressor) else {}
 
 
-def bucket_extremes(buffer: Tensor, segments: tuple[Segment, ...]) -> Tensor:
-    """Every segment's smallest and largest entry, a ``(segments, 2)`` table: the step guard's look at a gradient."""
-    return torch.stack(
-        [
-            torch.stack(torch.aminmax(buffer[s.offset : s.offset + s.numel])) if s.numel else buffer.new_zeros(2)
-            for s in segments
-        ]
-    )
+def bucket_maxima(buffer: Tensor, segments: tuple[Segment, ...]) -> Tensor:
+    """Every segment's largest magnitude (NaN or inf where it holds one): the step guard's look at a gradient.
+
+    One multi-tensor infinity norm (``torch._foreach_norm``: one kernel for many tensors on a GPU)
+    instead of a reduction per parameter. The norm propagates NaN, as torch's max reductions do
+    (tested on every device). A segment is used where its maximum is nonzero (NaN counts as
+    nonzero; its step is skipped anyway).
+    """
+    views = [buffer[s.offset : s.offset + s.numel] for s in segments if s.numel]
+    if not views:
+        return buffer.new_zeros(len(segments))
+    norms = torch.stack(torch._foreach_norm(views, float("inf")))
+    if len(views) == len(segments):
+        return norms
+    maxima = buffer.new_zeros(len(segments))
+    maxima[[i for i, s in enumerate(segments) if s.numel]] = norms
+    return maxima
 
 
 class _BucketLayout(NamedTuple):
@@ -146,7 +155,7 @@ class CompressionHookState(HookState):
         "pending",  # buckets of the current step, run together at its last bucket (the step guard)
         "overlap",  # encode each bucket as it arrives (encode_ahead) instead of at the step's last bucket
         "ahead",  # overlap: the current step's exchanges, started as their buckets arrived
-        "ahead_extremes",  # overlap: their buckets' extremes per parameter (the step guard's look), kept for agree
+        "ahead_maxima",  # overlap: their buckets' maxima per parameter (the step guard's look), kept for agree
         "nonfinite_lock",  # stateless compressors: guards the skipped-step count set from callbacks
         "nonfinite_step",  # stateless compressors: the last step counted as non-finite
         # stats
@@ -202,7 +211,7 @@ class CompressionHookState(HookState):
         self.pending: list[PendingBucket] = []
         self.overlap = overlap
         self.ahead: list[PayloadExchange] = []
-        self.ahead_extremes: list[Tensor] = []
+        self.ahead_maxima: list[Tensor] = []
         self.nonfinite_lock = threading.Lock()
         self.nonfinite_step = -1
         self.stats = CommStats()
@@ -315,7 +324,7 @@ class CompressionHookState(HookState):
         state.update(
             pending=[],
             ahead=[],
-            ahead_extremes=[],
+            ahead_maxima=[],
             nonfinite_lock=None,
             nonfinite_step=-1,
             loss_scale=None,
@@ -367,33 +376,33 @@ class CompressionHookState(HookState):
         """
         future: torch.futures.Future[Tensor] = torch.futures.Future()
         self.pending.append(PendingBucket(buffer, segments, future))
-        extremes = bucket_extremes(buffer, segments)
-        self.ahead_extremes.append(extremes)
+        maxima = bucket_maxima(buffer, segments)
+        self.ahead_maxima.append(maxima)
         # A rank that sees an inf or NaN knows the step will be skipped: it encodes zeros instead
         # (its payloads are never decoded), so every compressor gets finite input and every rank
         # issues the same collectives.
-        finite = bool(torch.isfinite(extremes).all())
+        finite = bool(torch.isfinite(maxima).all())
         source = buffer if finite else torch.zeros_like(buffer)
         compressed = tuple(s for s in segments if s.compressed)
         try:
             self.ahead.append(PayloadExchange(self, source, compressed, self.iteration, pending=True))
         except BaseException:
-            self.pending, self.ahead, self.ahead_extremes = [], [], []
+            self.pending, self.ahead, self.ahead_maxima = [], [], []
             self.drop_held()
             raise
         if is_last:
             pending, self.pending = self.pending, []
             exchanges, self.ahead = self.ahead, []
-            tables, self.ahead_extremes = self.ahead_extremes, []
+            tables, self.ahead_maxima = self.ahead_maxima, []
             run_holding([bucket.future for bucket in pending], lambda: self.settle(pending, exchanges, tables))
         return future
 
-    def settle(self, pending: list[PendingBucket], exchanges: list[PayloadExchange], extremes: list[Tensor]) -> None:
+    def settle(self, pending: list[PendingBucket], exchanges: list[PayloadExchange], maxima: list[Tensor]) -> None:
         """The end of a step encoded ahead (:meth:`encode_ahead`): agree, then commit and decode, or pass it through."""
         # Whatever raises before the commit drops the held step (decoding reads no held state, so
         # the commit comes last).
         try:
-            verdict = self.agree(pending, extremes)
+            verdict = self.agree(pending, maxima)
             torch.futures.wait_all([future for exchange in exchanges for future in exchange.futures])
             if verdict.skip:
                 self.drop_held()
@@ -428,22 +437,22 @@ class CompressionHookState(HookState):
         self.compressor.drop()  # type: ignore[attr-defined]
         self.begun_step = -1
 
-    def agree(self, pending: list[PendingBucket], extremes: list[Tensor] | None = None) -> StepVerdict:
+    def agree(self, pending: list[PendingBucket], maxima: list[Tensor] | None = None) -> StepVerdict:
         """One small allreduce (MAX of a byte per parameter, plus one) that every rank decides the step by.
 
-        Each rank looks at its own gradients once (``aminmax`` per parameter: finite? nonzero?;
-        ``extremes``: those already taken, one ``(parameters, 2)`` table per bucket, see
-        :func:`bucket_extremes`); the reduction tells every rank whether some rank saw an inf or
+        Each rank looks at its own gradients once (every parameter's largest magnitude, per bucket:
+        finite? nonzero?; ``maxima``: those already taken, one per bucket, see
+        :func:`bucket_maxima`); the reduction tells every rank whether some rank saw an inf or
         NaN, and which parameters have a nonzero gradient on some rank. Its bytes are counted like
         any other collective's.
         """
         names = [s.name for bucket in pending for s in bucket.segments]
-        if extremes is None:
-            extremes = [bucket_extremes(bucket.buffer, bucket.segments) for bucket in pending]
-        table = torch.cat(extremes).float()
+        if maxima is None:
+            maxima = [bucket_maxima(bucket.buffer, bucket.segments) for bucket in pending]
+        table = torch.cat(maxima).float()
         finite = torch.isfinite(table).all()
         # NaN != 0 is True, so a NaN parameter also counts as used (it is skipped anyway).
-        flags = torch.cat([(~finite).reshape(1), (table != 0).any(dim=1)]).to(torch.uint8)
+        flags = torch.cat([(~finite).reshape(1), table != 0]).to(torch.uint8)
         flags = agree_flags(self.stats, flags, self.process_group)
         used = frozenset(name for name, flag in zip(names, flags[1:].tolist(), strict=True) if flag)
         return StepVerdict(skip=bool(flags[0]), used=used)
@@ -503,8 +512,13 @@ class CompressionHookState(HookState):
         buffer.div_(world_size * self.step_scale if self.step_scale != 1.0 else world_size)
 
     def compress_step(self, pending: list[PendingBucket], used: frozenset[str], step: int) -> None:
-        """Average every bucket of a finite step through the compressor (collectives in bucket order)."""
-        exchanges = [PayloadExchange(self, b.buffer, b.segments, step, used=used) for b in pending]
+        """Average every bucket of a finite step through the compressor (collectives in bucket order).
+
+        The step's compressed parameters are encoded together first (:func:`encode_buffers`: one
+        ``compress_many`` over every bucket), then each bucket's collectives are issued.
+        """
+        encoded = encode_buffers(self, [(b.buffer, b.segments) for b in pending], step, used)
+        exchanges = [PayloadExchange(self, b.buffer, b.segments, step, used=used, encoded=encoded) for b in pending]
         for exchange, bucket in zip(exchanges, pending, strict=True):
             torch.futures.wait_all(exchange.futures)
             bucket.future.set_result(exchange.finish())

@@ -1,11 +1,14 @@
 """segment_topk: every segment's exact top-k of a flat tensor at once, against torch.topk per segment."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lgc.compressors.segment_topk import segment_block_size, segment_topk
+from lgc.compressors import segment_topk as segment_topk_module
+from lgc.compressors.segment_topk import _thresholds_by_class, _thresholds_padded, segment_block_size, segment_topk
 
 
 def _reference(values: torch.Tensor, numels: list[int], ks: list[int]) -> list[torch.Tensor]:
@@ -83,3 +86,43 @@ def test_block_size_is_a_power_of_two_near_an_eighth_of_the_kept_density():
     assert (
         segment_block_size(1000, 999) == 4 and segment_block_size(10**9, 1) == 128 and segment_block_size(5, 0) == 128
     )
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 3000), min_size=1, max_size=8),
+    fractions=st.lists(st.floats(0, 1), min_size=8, max_size=8),
+    block=st.sampled_from([4, 8, 32, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_gpu_thresholds_from_one_padded_matrix_are_the_class_loops(numels, fractions, block, seed):
+    """Step 2 on a GPU (one matrix, geometry from the host) and on the CPU (a matrix per size class) agree."""
+    values = torch.randn(sum(numels), generator=torch.Generator().manual_seed(seed))
+    ks = [round(f * n) for f, n in zip(fractions, numels, strict=False)]
+    blocks = values.numel() // block
+    rows = values[: blocks * block].view(blocks, block)
+    maxima = torch.maximum(rows.amax(1), rows.amin(1).neg())
+    sizes, k = torch.tensor(numels), torch.tensor(ks)
+    ends = sizes.cumsum(0)
+    starts = ends - sizes
+    first = torch.div(starts + block - 1, block, rounding_mode="floor")
+    interior = (torch.div(ends, block, rounding_mode="floor") - first).clamp(min=0)
+    block_start = torch.arange(blocks) * block
+    owner = torch.searchsorted(ends, block_start, right=True).clamp(max=len(numels) - 1)
+    inside = (block_start >= starts[owner]) & (block_start + block <= ends[owner])
+    with mock.patch.object(segment_topk_module, "_MAX_PADDING", 10**9):  # never declined here
+        padded = _thresholds_padded(maxima, numels, ks, block)
+    assert padded is not None
+    assert torch.equal(padded, _thresholds_by_class(maxima, k, first, interior, owner, inside))
+
+
+def test_the_padded_matrix_declines_when_it_would_be_mostly_padding():
+    """One large segment among many ranked small ones: the class loop runs instead."""
+    numels = [100_000] + [64] * 40
+    values = torch.randn(sum(numels), generator=torch.Generator().manual_seed(5))
+    rows = values[: values.numel() // 4 * 4].view(-1, 4)
+    maxima = torch.maximum(rows.amax(1), rows.amin(1).neg())
+    with mock.patch.object(segment_topk_module, "_PADDED_FREE_ENTRIES", 0):
+        assert _thresholds_padded(maxima, numels, [1] * len(numels), 4) is None  # 41 rows x 25,000 > 2 x 102,560
+        assert _thresholds_padded(maxima, numels[:2], [1, 1], 4) is not None
+    assert _thresholds_padded(maxima, numels, [1] * len(numels), 4) is not None, "1 M entries: small enough"

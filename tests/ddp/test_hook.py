@@ -211,3 +211,66 @@ def test_none_sends_half_precision_gradients_as_plain_ddp_does(dtype):
         assert stats["dense_equivalent_bytes"] == 3 * 2 * result["numel"]
         assert stats["bytes_sent"] == stats["dense_equivalent_bytes"]
         assert stats["compression_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_step_guard_look_sees_every_nan_and_inf_and_every_nonzero_parameter(reference_device, dtype):
+    """bucket_maxima: each segment's largest magnitude; NaN and inf show wherever they sit in a large segment."""
+    from lgc.ddp.exchange import Segment
+    from lgc.ddp.hook import bucket_maxima
+
+    numels = [300_001, 0, 5, 70_000, 1]
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    segments = tuple(Segment(f"p{i}", o, n, True) for i, (o, n) in enumerate(zip(offsets, numels, strict=True)))
+    gen = torch.Generator().manual_seed(0)
+    clean = torch.randn(sum(numels), generator=gen).to(dtype)
+    clean[offsets[2] : offsets[2] + 5] = 0.0
+    clean[offsets[2] + 1] = -0.0
+    maxima = bucket_maxima(clean.to(reference_device), segments).cpu()
+    zero = torch.tensor(0.0, dtype=dtype)
+    expected = [clean[o : o + n].abs().max() if n else zero for o, n in zip(offsets, numels, strict=True)]
+    assert torch.equal(maxima, torch.stack(expected)), "each segment's largest magnitude; empty and zero ones 0"
+    for position in [0, 1, 4095, 65_536, 131_071, 299_999, 300_000, offsets[3] + 69_999, offsets[4]]:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            buffer = clean.clone()
+            buffer[position] = bad
+            maxima = bucket_maxima(buffer.to(reference_device), segments).cpu()
+            owner = max(i for i, o in enumerate(offsets) if o <= position and numels[i])
+            assert not bool(torch.isfinite(maxima[owner])), (position, bad)
+            assert bool(torch.isfinite(maxima[[i for i in range(len(numels)) if i != owner]]).all())
+
+
+def _train_bucketed(rank: int, world: int, bucketed: bool, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = DDP(_net(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
+    state = register_compression_hook(model, ErrorFeedback(TopKCompressor(0.05), bucketed=bucketed), min_numel=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    grads = []
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        if step == 3:  # a checkpoint in the middle: one tensor per key, loaded back into the flat's place
+            state.load_state_dict(state.state_dict())
+    return {
+        "grads": grads,
+        "residuals": {k: v.clone() for k, v in state.compressor.residuals.items()},
+        "flats": len(state.compressor._flats),
+        "stats": state.stats.as_dict(),
+    }
+
+
+def test_a_step_encoded_as_one_flat_trains_as_tensor_by_tensor():
+    """ErrorFeedback(TopK, bucketed=True) in DDP (the GPU's default path, forced on gloo): the same bits."""
+    steps = 7
+    loop = run_workers(_train_bucketed, 2, False, steps)
+    flat = run_workers(_train_bucketed, 2, True, steps)
+    for by_loop, by_flat in zip(loop, flat, strict=True):
+        assert by_flat["flats"] == 1 and by_loop["flats"] == 0, "one flat for the step's parameters"
+        for step, (want, have) in enumerate(zip(by_loop["grads"], by_flat["grads"], strict=True)):
+            assert all(torch.equal(a, b) for a, b in zip(want, have, strict=True)), step
+        assert by_loop["residuals"].keys() == by_flat["residuals"].keys()
+        assert all(torch.equal(by_loop["residuals"][k], by_flat["residuals"][k]) for k in by_loop["residuals"])
+        assert by_loop["stats"] == by_flat["stats"], "the same bytes on the wire"

@@ -1,0 +1,174 @@
+"""Error feedback over top-k, a bucket at once (compress_many, bucketed): the per-tensor path's payloads and state."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lgc.compressors import ErrorFeedback, SignSGDCompressor, TopKCompressor
+from lgc.compressors.topk import SparsePayload, scatter_add_sparse_into, scatter_add_sparse_many
+
+
+def _pairs(payload: SparsePayload) -> list[tuple[int, int]]:
+    """A payload's (index, value bits) pairs in index order: what it says, whatever the order on the wire."""
+    bits = payload.values.view(torch.int16 if payload.values.element_size() == 2 else torch.int32)
+    return sorted(zip(payload.indices.tolist(), bits.tolist(), strict=True))
+
+
+def _step(loop: ErrorFeedback, batched: ErrorFeedback, grads: list[torch.Tensor], keys: list[str]) -> None:
+    expected = loop.compress_many(grads, keys)
+    got = batched.compress_many(grads, keys)
+    for key, want, have in zip(keys, expected, got, strict=True):
+        assert isinstance(have, SparsePayload) and have.numel == want.numel
+        assert have.values.dtype == want.values.dtype and have.indices.dtype == want.indices.dtype
+        assert have.nbytes == want.nbytes and have.to_wire().numel() == want.to_wire().numel()
+        assert _pairs(have) == _pairs(want), key
+        assert torch.equal(loop.residuals[key], batched.residuals[key]), key
+
+
+def _distinct(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """``n`` random values of distinct magnitudes: a tie at a tensor's k-th magnitude may select other entries.
+
+    bf16 has 8 significant bits, so its randn values tie often; its magnitudes are drawn without
+    replacement from the 7,936 bf16 numbers between 2^-47 and 2^15 (within float16's range).
+    """
+    if dtype == torch.float32:
+        return torch.randn(n, generator=gen)
+    bits = (torch.randperm(0x4700 - 0x2800, generator=gen)[:n] + 0x2800).to(torch.int16)
+    signs = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
+    return bits.view(torch.bfloat16) * signs.to(torch.bfloat16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    numels=st.lists(st.integers(1, 1300), min_size=2, max_size=6),
+    density=st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]),
+    decay=st.sampled_from([1.0, 0.95]),
+    value_dtype=st.sampled_from(["float32", "float16"]),
+    grad_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_bucket_at_once_is_the_per_tensor_loop(numels, density, decay, value_dtype, grad_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    loop = ErrorFeedback(TopKCompressor(density, value_dtype), decay, bucketed=False)
+    batched = ErrorFeedback(TopKCompressor(density, value_dtype), decay, bucketed=True)
+    keys = [f"p{i}" for i in range(len(numels))]
+    for _ in range(3):
+        bucket = _distinct(sum(numels), grad_dtype, gen)  # the grads are slices of one bucket
+        grads = list(bucket.split(numels))
+        _step(loop, batched, grads, keys)
+        assert torch.equal(bucket, torch.cat(grads)), "the gradient is read, not written"
+    flat = batched._flats[tuple(keys)].flat
+    assert all(batched.residuals[key].data_ptr() >= flat.data_ptr() for key in keys), "residuals are the flat's slices"
+
+
+def test_residuals_survive_a_new_bucketing_a_checkpoint_and_per_tensor_calls():
+    """DDP rebuilds its buckets after the first step; a checkpoint holds one tensor per key; the hook may mix paths."""
+    gen = torch.Generator().manual_seed(0)
+    numels = [700, 50, 1300, 9, 4000]
+    keys = [f"p{i}" for i in range(len(numels))]
+    loop = ErrorFeedback(TopKCompressor(0.01), bucketed=False)
+    batched = ErrorFeedback(TopKCompressor(0.01), bucketed=True)
+
+    def grads() -> list[torch.Tensor]:
+        return list(torch.randn(sum(numels), generator=gen).split(numels))
+
+    _step(loop, batched, grads(), keys)  # one bucket of everything
+    g = grads()
+    _step(loop, batched, g[:2], keys[:2])  # rebuilt: two buckets
+    _step(loop, batched, g[2:], keys[2:])
+    assert set(batched._flats) == {tuple(keys[:2]), tuple(keys[2:])}, "the stale bucket's flat is let go"
+    g = grads()
+    for key, grad in zip(keys[:2], g[:2], strict=True):  # per tensor into the flat's slices
+        assert _pairs(loop.compress(grad, key)) == _pairs(batched.compress(grad, key))
+    _step(loop, batched, g[2:], keys[2:])
+    state = batched.state_dict()
+    assert all(r.untyped_storage().nbytes() == 4 * r.numel() for r in state["residuals"].values()), "one tensor per key"
+    resumed = ErrorFeedback(TopKCompressor(0.01), bucketed=True)
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        g = grads()
+        _step(loop, resumed, g, keys)
+
+
+def test_a_held_step_and_its_commit_leave_the_flat_consistent():
+    """compress_pending writes other buffers; a commit replaces residuals, and the next bucket rebuilds its flat."""
+    gen = torch.Generator().manual_seed(1)
+    numels = [500, 800]
+    keys = ["a", "b"]
+    loop = ErrorFeedback(TopKCompressor(0.02), bucketed=False)
+    batched = ErrorFeedback(TopKCompressor(0.02), bucketed=True)
+    _step(loop, batched, list(torch.randn(1300, generator=gen).split(numels)), keys)
+    g = list(torch.randn(1300, generator=gen).split(numels))
+    for ef in (loop, batched):
+        for key, grad in zip(keys, g, strict=True):
+            ef.compress_pending(grad, key)
+        ef.commit(frozenset({"a"}))
+    for key in keys:
+        assert torch.equal(loop.residuals[key], batched.residuals[key])
+    _step(loop, batched, list(torch.randn(1300, generator=gen).split(numels)), keys)
+
+
+def test_nonfinite_input_selects_as_the_per_tensor_path():
+    """An inf or NaN (the hook's step guard keeps them out; a direct caller may not) ranks highest in both paths."""
+    numels = [300, 400]
+    bucket = torch.randn(700, generator=torch.Generator().manual_seed(2))
+    bucket[5], bucket[410] = float("nan"), float("-inf")
+    loop = ErrorFeedback(TopKCompressor(0.01), bucketed=False)
+    batched = ErrorFeedback(TopKCompressor(0.01), bucketed=True)
+    grads, keys = list(bucket.split(numels)), ["a", "b"]
+    expected, got = loop.compress_many(grads, keys), batched.compress_many(grads, keys)
+    for want, have in zip(expected, got, strict=True):
+        assert sorted(want.indices.tolist()) == sorted(have.indices.tolist())
+    assert 5 in got[0].indices.tolist() and 110 in got[1].indices.tolist(), "NaN and inf ranked highest"
+
+
+def test_the_default_batches_on_a_gpu_only():
+    ef = ErrorFeedback(TopKCompressor(0.01))
+    grads = [torch.randn(100), torch.randn(200)]
+    assert not ef._flat_path(grads), "the CPU's per-tensor selection is the faster one"
+    assert ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads)
+    assert not ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads[:1]), "one tensor: nothing to batch"
+    with pytest.raises(ValueError, match="bucketed must be None, True or False, got 'yes'"):
+        ErrorFeedback(TopKCompressor(0.01), bucketed="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"bucketed=True needs a TopKCompressor .*got SignSGD"):
+        ErrorFeedback(SignSGDCompressor(), bucketed=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_the_bucket_is_the_per_tensor_loop():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    numels = [64 * 64 * 9, 17, 256 * 128, 5000]
+    keys = [f"p{i}" for i in range(len(numels))]
+    loop = ErrorFeedback(TopKCompressor(0.001), bucketed=False)
+    batched = ErrorFeedback(TopKCompressor(0.001))
+    for _ in range(3):
+        _step(loop, batched, list(torch.randn(sum(numels), device="cuda", generator=gen).split(numels)), keys)
+    assert tuple(keys) in batched._flats, "the default batches on a GPU"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+)
+def test_a_bucket_decoded_at_once_is_the_loop(out_dtype, ranks, device):
+    """scatter_add_sparse_many: every tensor's fp32 sum of the ranks' payloads in rank order, cast once."""
+    gen = torch.Generator().manual_seed(4)
+    numels = [900, 1, 40, 2500]
+    per_tensor = []
+    for numel in numels:
+        received = []
+        for _ in range(ranks):
+            k = int(torch.randint(0, numel + 1, (1,), generator=gen))  # k = 0 included
+            indices = torch.randperm(numel, generator=gen)[:k].to(torch.int32)
+            values = torch.randn(k, generator=gen).to(torch.float16)
+            received.append(SparsePayload(numel=numel, values=values.to(device), indices=indices.to(device)))
+        per_tensor.append(received)
+    bucket = torch.full((sum(numels) + 7,), 9.0, dtype=out_dtype, device=device)  # a bucket's slices, a dense part
+    outs = list(bucket[7:].split(numels))
+    expected = torch.full_like(bucket, 9.0)
+    for received, out in zip(per_tensor, expected[7:].split(numels), strict=True):
+        scatter_add_sparse_into(received, out)
+    scatter_add_sparse_many(per_tensor, outs)
+    assert torch.equal(bucket.view(torch.uint8), expected.view(torch.uint8))
