@@ -195,6 +195,14 @@ class Compressor(abc.ABC):
     def compress(self, tensor: Tensor, key: str) -> Payload:
         """Encode one flat tensor; ``key`` names it so per-tensor state can be kept."""
 
+    def batches_on(self, device: torch.device) -> bool:
+        """Whether :meth:`compress_many` encodes many tensors in a fixed number of passes on ``device``.
+
+        Then the hook hands it a whole step's tensors at once (every bucket); otherwise bucket by
+        bucket, each bucket's collectives starting while the next is encoded. False by default.
+        """
+        return False
+
     def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
         """Encode every tensor of one bucket: ``[compress(t, key) for ...]``, in the order given.
 

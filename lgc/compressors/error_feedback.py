@@ -136,13 +136,17 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
             for numel, v, i in zip(numels, values.split(ks), local.split(ks), strict=True)
         ]
 
+    def batches_on(self, device: torch.device) -> bool:
+        """Whether :meth:`compress_many` encodes as one flat on ``device`` (over top-k; see ``bucketed``)."""
+        if type(self.compressor) is not TopKCompressor or self.bucketed is False:
+            return False
+        return self.bucketed is True or device.type != "cpu"
+
     def _flat_path(self, tensors: Sequence[Tensor]) -> bool:
         """Whether :meth:`compress_many` encodes ``tensors`` as one flat (see ``bucketed``)."""
-        if type(self.compressor) is not TopKCompressor or len(tensors) < 2:
+        if len(tensors) < 2 or not self.batches_on(tensors[0].device):
             return False
         device = tensors[0].device
-        if self.bucketed is False or (self.bucketed is None and device.type == "cpu"):
-            return False
         return all(t.device == device and 0 < t.numel() <= _INT32_NUMEL and t.dim() == 1 for t in tensors)
 
     def _flat_residuals(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> _FlatResiduals:

@@ -84,15 +84,20 @@ def _residual_store(compressor: Compressor) -> dict[str, Tensor]:
 def bucket_maxima(buffer: Tensor, segments: tuple[Segment, ...]) -> Tensor:
     """Every segment's largest magnitude (NaN or inf where it holds one): the step guard's look at a gradient.
 
-    One multi-tensor infinity norm (``torch._foreach_norm``: one kernel for many tensors on a GPU)
-    instead of a reduction per parameter. The norm propagates NaN, as torch's max reductions do
-    (tested on every device). A segment is used where its maximum is nonzero (NaN counts as
-    nonzero; its step is skipped anyway).
+    On a GPU one multi-tensor infinity norm (``torch._foreach_norm``: one kernel for many tensors)
+    instead of a reduction per parameter; on the CPU ``aminmax`` per parameter, which vectorizes
+    there where the norm does not (ResNet-50's gradient on one thread: 15 ms against 84 ms). Both
+    propagate NaN, as torch's max reductions do (tested on every device). A segment is used where
+    its maximum is nonzero (NaN counts as nonzero; its step is skipped anyway).
     """
     views = [buffer[s.offset : s.offset + s.numel] for s in segments if s.numel]
     if not views:
         return buffer.new_zeros(len(segments))
-    norms = torch.stack(torch._foreach_norm(views, float("inf")))
+    if buffer.device.type == "cpu":
+        extremes = torch.stack([torch.stack(torch.aminmax(view)) for view in views])
+        norms = torch.maximum(extremes[:, 1], extremes[:, 0].neg())
+    else:
+        norms = torch.stack(torch._foreach_norm(views, float("inf")))
     if len(views) == len(segments):
         return norms
     maxima = buffer.new_zeros(len(segments))
@@ -514,10 +519,14 @@ class CompressionHookState(HookState):
     def compress_step(self, pending: list[PendingBucket], used: frozenset[str], step: int) -> None:
         """Average every bucket of a finite step through the compressor (collectives in bucket order).
 
-        The step's compressed parameters are encoded together first (:func:`encode_buffers`: one
-        ``compress_many`` over every bucket), then each bucket's collectives are issued.
+        A compressor that encodes many tensors in a fixed number of passes (``batches_on`` the
+        device: error feedback over top-k on a GPU) encodes the step's compressed parameters
+        together first (:func:`encode_buffers`, one ``compress_many`` over every bucket); the others
+        bucket by bucket, each bucket's collectives starting while the next one is encoded.
         """
-        encoded = encode_buffers(self, [(b.buffer, b.segments) for b in pending], step, used)
+        encoded = None
+        if pending and self.compressor.batches_on(pending[0].buffer.device):
+            encoded = encode_buffers(self, [(b.buffer, b.segments) for b in pending], step, used)
         exchanges = [PayloadExchange(self, b.buffer, b.segments, step, used=used, encoded=encoded) for b in pending]
         for exchange, bucket in zip(exchanges, pending, strict=True):
             torch.futures.wait_all(exchange.futures)

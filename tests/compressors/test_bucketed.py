@@ -127,6 +127,9 @@ def test_the_default_batches_on_a_gpu_only():
     ef = ErrorFeedback(TopKCompressor(0.01))
     grads = [torch.randn(100), torch.randn(200)]
     assert not ef._flat_path(grads), "the CPU's per-tensor selection is the faster one"
+    assert not ef.batches_on(torch.device("cpu")) and ef.batches_on(torch.device("cuda"))
+    assert not ErrorFeedback(TopKCompressor(0.01), bucketed=False).batches_on(torch.device("cuda"))
+    assert not ErrorFeedback(SignSGDCompressor()).batches_on(torch.device("cuda")), "top-k only"
     assert ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads)
     assert not ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads[:1]), "one tensor: nothing to batch"
     with pytest.raises(ValueError, match="bucketed must be None, True or False, got 'yes'"):
