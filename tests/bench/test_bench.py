@@ -22,7 +22,12 @@ def test_compressor_benchmark_reports_every_configured_compressor(tmp_path, caps
     main(["compressors", "--numel", "5000", "70000", "--repeats", "1", "--density", "0.01", "--json", str(out)])
     result = json.loads(out.read_text())
     rows = {row["compressor"]: row for row in result["rows"]}
-    assert set(rows) == set(_configured_compressors(0.01)) >= {"none", "fp16", "topk", "dgc"}
+    variants = {"topk_per_tensor", "topk_bucketed"}  # error feedback over top-k both ways it encodes
+    assert set(rows) == set(_configured_compressors(0.01)) | variants
+    assert set(rows) >= {"none", "fp16", "topk", "dgc"}
+    assert "bucketed=True" in rows["topk_bucketed"]["description"]
+    assert "bucketed=False" in rows["topk_per_tensor"]["description"]
+    assert all(rows[v]["bits_per_element"] == rows["topk"]["bits_per_element"] for v in variants)
     assert result["numel"] == 75_000
     assert rows["none"]["bits_per_element"] == 32
     assert rows["fp16"]["bits_per_element"] == 16
