@@ -38,6 +38,8 @@ from distributed import run_workers
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lgc.compressors import ErrorFeedback
+
 pytestmark = pytest.mark.multiprocess
 
 CONF = Path(__file__).resolve().parents[1] / "lgc" / "conf" / "compressor"
@@ -75,6 +77,8 @@ class Method(NamedTuple):
     exact: float | None = None
     #: Communication delay: weights are exchanged every this many steps, gradients stay local.
     delay: int | None = None
+    #: Error feedback over top-k encoding a step as one flat (ErrorFeedback.bucketed), as on a GPU.
+    bucketed: bool | None = None
 
     @property
     def guard_step(self) -> int:
@@ -91,6 +95,9 @@ METHODS = (
     Method("topk", "topk"),
     Method("topk_exact", "topk", ("compressor.density=1.0",), exact=0.0),
     Method("topk_fp16_values", "topk", ("compressor.value_dtype=float16",)),
+    # A GPU's default path (a step's parameters as one flat), forced on the CPU.
+    Method("topk_bucketed", "topk", bucketed=True),
+    Method("topk_fp16_values_bucketed", "topk", ("compressor.value_dtype=float16",), bucketed=True),
     # The matrix is a plain training loop (no set_epoch): DGC's warm-up follows its steps.
     Method("dgc", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2")),
     Method("sbc", "sbc", ("compressor.density=0.05",)),
@@ -331,6 +338,9 @@ def _train(case: Case, node: dict, comm: dict, rank: int, *, reference: bool, om
     net, model = _ddp(case)
     plain = _ddp(case) if reference else None
     state = _hook_state(node, comm, net)
+    if method.bucketed is not None:
+        assert isinstance(state.compressor, ErrorFeedback)
+        state.compressor.bucketed = method.bucketed
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     grads, plain_grads, states, nonfinite = [], [], {}, []

@@ -72,7 +72,7 @@ def test_min_numel_leaves_small_tensors_out_of_compressors_and_references(tmp_pa
     main([*argv, "--json", str(out)])
     result = json.loads(out.read_text())
     assert (result["numel"], result["tensors"], result["min_numel"]) == (5000, 1, 1024)
-    assert [row["compressor"] for row in result["rows"]] == ["topk"]
+    assert [row["compressor"] for row in result["rows"]] == ["topk", "topk_per_tensor", "topk_bucketed"]
     assert result["rows"][0]["bits_per_element"] == 64 * 5 / 5000  # density 0.001 by default: k = 5
 
 
