@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -49,7 +50,7 @@ class CombineMode(enum.Enum):
 
 def view_bytes_as(buffer: Tensor, dtype: torch.dtype) -> Tensor:
     """Reinterpret a 1-D ``uint8`` tensor as ``dtype``, copying only when it is misaligned."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if buffer.numel() % itemsize:
         raise ValueError(f"{buffer.numel()} bytes are not a whole number of {dtype} elements")
     if buffer.storage_offset() % itemsize:
@@ -96,6 +97,12 @@ def compressor_chain(obj: Any) -> list[Any]:
     return chain
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A payload dataclass's field names, in declaration order (``dataclasses.fields`` is slow per call)."""
+    return tuple(f.name for f in fields(cls))
+
+
 @dataclass
 class Payload:
     """What one worker puts on the wire for one flat tensor.
@@ -110,7 +117,8 @@ class Payload:
 
     def tensors(self) -> tuple[Tensor, ...]:
         """The tensors that go on the wire, in a fixed order."""
-        return tuple(getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor))
+        values = (getattr(self, name) for name in _field_names(type(self)))
+        return tuple(value for value in values if isinstance(value, Tensor))
 
     @property
     def nbytes(self) -> int:

@@ -86,7 +86,7 @@ def chunked_topk_nbytes(
     value_dtype: str | torch.dtype = "float32",
 ) -> int:
     """Exact wire bytes of a :class:`ChunkedTopKCompressor` payload: values, then packed positions."""
-    value_size = torch.empty((), dtype=wire_float_dtype(value_dtype)).element_size()
+    value_size = wire_float_dtype(value_dtype).itemsize
     return tile_layout(shape, chunk, k, tiling).nbytes(value_size)
 
 

@@ -107,7 +107,7 @@ class SignMeanPayload(SparsePayload):
     @classmethod
     def from_wire(cls, wire: Tensor, numel: int, value_dtype: torch.dtype = torch.float32) -> SignMeanPayload:
         index_dtype = index_dtype_for(numel)
-        index_size = torch.empty((), dtype=index_dtype).element_size()
+        index_size = index_dtype.itemsize
         if wire.numel() < 8 + index_size or (wire.numel() - 8) % index_size:
             raise ValueError(f"a sign-mean payload of {wire.numel()} bytes does not parse")
         means = view_bytes_as(wire[:8], torch.float32)

@@ -191,7 +191,7 @@ class TileLayout:
     def parse(self, wire: Tensor, value_dtype: torch.dtype, what: str) -> tuple[Tensor, Tensor, Tensor]:
         """Split a wire of :attr:`count` values and packed positions: (values, packed positions, positions)."""
         count = self.count
-        value_bytes = count * torch.empty((), dtype=value_dtype).element_size()
+        value_bytes = count * value_dtype.itemsize
         expected = value_bytes + packed_nbytes(count * self.bits)
         if wire.numel() != expected:
             raise ValueError(f"{what} has {expected} bytes, got {wire.numel()}")

@@ -74,8 +74,8 @@ class SparsePayload(Payload):
     def from_wire(cls, wire: Tensor, numel: int, value_dtype: torch.dtype = torch.float32) -> SparsePayload:
         """Parse what :meth:`to_wire` wrote; ``value_dtype`` is the writer's (its compressor's configuration)."""
         index_dtype = index_dtype_for(numel)
-        value_size = torch.empty((), dtype=value_dtype).element_size()
-        pair_size = value_size + torch.empty((), dtype=index_dtype).element_size()
+        value_size = value_dtype.itemsize
+        pair_size = value_size + index_dtype.itemsize
         if wire.numel() % pair_size:
             raise ValueError(f"a sparse payload of {wire.numel()} bytes is not a whole number of pairs")
         k = wire.numel() // pair_size

@@ -189,7 +189,7 @@ class StepContext:
         plan, code = self.plan, self.code
         rows = num_chunks(plan.k, code.chunk)
         scale_bytes = 4 * rows if scales else 0
-        value_bytes = 0 if values is None else plan.k * torch.empty((), dtype=values).itemsize
+        value_bytes = 0 if values is None else plan.k * values.itemsize
         wire = None
         if self.rank == self.leader:
             positions = code.in_wire_order(plan.top_positions(v), v)
@@ -218,7 +218,7 @@ def latent_wire_dtype(name: str) -> torch.dtype:
 
 def latent_bytes(codec: Any, rows: int, dtype: torch.dtype) -> int:
     """Wire size of ``codec``'s latent code of ``rows`` chunks in ``dtype``."""
-    return math.prod(codec.latent_shape(rows)) * torch.empty((), dtype=dtype).itemsize
+    return math.prod(codec.latent_shape(rows)) * dtype.itemsize
 
 
 def send_parameters(
