@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lgc.compressors.segment_topk import segment_topk
 from lgc.compressors.selection import topk_indices
 from lgc.compressors.topk import num_selected
 from lgc.ddp.step_guard import PendingBucket
@@ -54,7 +55,11 @@ class StepPlan(NamedTuple):
 
         What :meth:`scatter` of a zero vector holding ``values`` at ``positions`` writes, without
         building that vector: each gradient is zeroed in place and gets its share of the values.
+        On a GPU the vector is built (:meth:`put_flat`): a few kernels instead of two per parameter.
         """
+        if positions.device.type != "cpu":
+            self.put_flat(positions, values)
+            return
         for part in self.compressed:
             part.grad.zero_()
         if not positions.numel():
@@ -70,6 +75,22 @@ class StepPlan(NamedTuple):
                 grad = part.grad.view(-1)
                 grad.index_put_((positions[start:end] - offset,), values[start:end].to(grad.dtype))
                 start = end
+
+    def put_flat(self, positions: Tensor, values: Tensor) -> None:
+        """:meth:`put` through a zeroed cat-space vector: one ``index_put_``, one multi-tensor copy out.
+
+        The same bits as :meth:`put`'s loop: each value is cast once into its gradient's dtype
+        (through fp32, which holds every half-precision value exactly).
+        """
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=values.device)
+        flat.index_put_((positions,), values.float())
+        grads = [part.grad for part in self.compressed]
+        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(flat.split(self.sizes), grads, strict=True)])
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every compressed parameter's length."""
+        return [part.grad.numel() for part in self.compressed]
 
     def corrected(self, residuals: Mapping[str, Tensor]) -> Tensor:
         """Error feedback's ``v = residual + g`` of every compressed parameter, in cat space (fp32).
@@ -121,14 +142,21 @@ class StepPlan(NamedTuple):
             residuals[part.name] = v[offset : offset + part.grad.numel()]
 
     def top_positions(self, v: Tensor, density: float | None = None) -> Tensor:
-        """Every compressed parameter's top-k positions of ``v`` (cat space), parameter by parameter.
+        """Every compressed parameter's top-k positions of ``v`` (cat space).
 
-        ``density`` None: the plan's ``ks``; otherwise ``ceil(density * n)`` per parameter.
+        ``density`` None: the plan's ``ks``; otherwise ``ceil(density * n)`` per parameter. On the
+        CPU parameter by parameter (:func:`~lgc.compressors.selection.topk_indices`); on a GPU all
+        at once (:func:`~lgc.compressors.segment_topk.segment_topk`, a fixed number of passes
+        however many parameters). The same positions (a tie at a parameter's k-th magnitude
+        aside), in another order: callers order them themselves.
         """
+        numels = self.sizes
+        ks = list(self.ks) if density is None else [num_selected(n, density) for n in numels]
+        if v.device.type != "cpu":
+            return segment_topk(v, numels, ks)
         pieces = []
-        for part, offset, k in zip(self.compressed, self.cat_offsets, self.ks, strict=True):
-            n = part.grad.numel()
-            pieces.append(topk_indices(v[offset : offset + n], k if density is None else num_selected(n, density)))
+        for offset, n, k in zip(self.cat_offsets, numels, ks, strict=True):
+            pieces.append(topk_indices(v[offset : offset + n], k))
             pieces[-1] += offset
         return torch.cat(pieces)
 

@@ -12,6 +12,7 @@ import torch
 from lgc.autoencoder import AutoencoderTrainer, GradientAutoencoder
 from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
 from lgc.coding import golomb_encode, packed_nbytes
+from lgc.compressors.segment_topk import segment_topk
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.exchange import Segment
 from lgc.ddp.step_guard import PendingBucket
@@ -282,15 +283,27 @@ def test_residuals_kept_as_one_vector_are_updated_in_place_and_put_writes_only_t
     assert a[3] == -1.0 and b[0] == -2.0 and b[29] == -3.0 and int((a != 0).sum() + (b != 0).sum()) == 3
     assert torch.equal(pending[0].buffer[30:], torch.arange(30, 36, dtype=torch.float32))
     assert torch.equal(pending[1].buffer[50:], torch.arange(150, 155, dtype=torch.float32))
+    # put_flat (a GPU's put, through one cat-space vector) writes the same bits, half-precision values too.
+    for values in (torch.tensor([-3.0, -1.0, -2.0]), torch.tensor([-3.1, 1e-3, 7.7], dtype=torch.float16)):
+        plan.put(torch.tensor([79, 3, 50]), values)
+        expected = [b.buffer.clone() for b in pending]
+        pending[0].buffer[:30].fill_(5.0)  # the compressed gradients: whatever was there before
+        pending[1].buffer[:50].fill_(5.0)
+        plan.put_flat(torch.tensor([79, 3, 50]), values)
+        assert all(torch.equal(b.buffer, e) for b, e in zip(pending, expected, strict=True))
 
 
-def test_top_positions_are_each_parameters_top_k_in_cat_space():
+def test_top_positions_are_each_parameters_top_k_in_cat_space(reference_device):
+    """Parameter by parameter on the CPU, all at once (segment_topk) on a GPU: the same positions."""
     pending, order = _pending()
     plan = plan_step(pending, frozenset(order), order, density=0.1)
-    v = plan.corrected({})
+    v = plan.corrected({}).to(reference_device)
     # a.weight holds 100..149, b.weight 0..29: the largest of each, offset into cat space.
     assert sorted(plan.top_positions(v).tolist()) == [45, 46, 47, 48, 49, 77, 78, 79]
     assert sorted(plan.top_positions(v, density=0.02).tolist()) == [49, 79]
+    random = torch.randn(plan.numel, generator=torch.Generator().manual_seed(0)).to(reference_device)
+    flat = segment_topk(random, [p.grad.numel() for p in plan.compressed], list(plan.ks))
+    assert sorted(plan.top_positions(random).tolist()) == sorted(flat.tolist()), "the GPU's selection"
 
 
 # -- the byte book -----------------------------------------------------------------------------------
