@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, Payload
 from lgc.compressors.segment_topk import segment_topk
-from lgc.compressors.topk import SparsePayload, TopKCompressor
+from lgc.compressors.topk import SparsePayload, TopKCompressor, segment_starts
 from lgc.validation import PositiveFraction, check
 
 __all__ = ["ErrorFeedback"]
@@ -127,10 +127,7 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         positions = segment_topk(flat, numels, ks)
         values = flat[positions].to(inner.value_dtype)
         flat.index_add_(0, positions, values.to(flat.dtype), alpha=-1)
-        device = flat.device
-        counts = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
-        starts = torch.tensor([0, *numels[:-1]], dtype=torch.int64).cumsum(0).to(device, non_blocking=True)
-        local = (positions - torch.repeat_interleave(starts, counts, output_size=positions.numel())).to(torch.int32)
+        local = (positions - segment_starts(numels, ks, flat.device)).to(torch.int32)
         return [
             SparsePayload(numel=numel, values=v, indices=i)
             for numel, v, i in zip(numels, values.split(ks), local.split(ks), strict=True)

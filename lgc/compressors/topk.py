@@ -31,6 +31,7 @@ __all__ = [
     "scatter_add_sparse",
     "scatter_add_sparse_into",
     "scatter_add_sparse_many",
+    "segment_starts",
     "sparse_mean",
     "wire_float_dtype",
 ]
@@ -124,6 +125,17 @@ def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:
         payload.add_to(out)
 
 
+def segment_starts(numels: Sequence[int], counts: Sequence[int], device: torch.device) -> Tensor:
+    """Each of ``sum(counts)`` entries' segment start: segment ``i`` (``numels[i]`` long) has ``counts[i]`` entries.
+
+    What turns positions local to each segment of a flat into positions in the flat (add it) and
+    back (subtract it), for entries listed segment by segment.
+    """
+    starts = torch.tensor([0, *numels[:-1]], dtype=torch.int64).cumsum(0).to(device, non_blocking=True)
+    repeats = torch.tensor(list(counts), dtype=torch.int64).to(device, non_blocking=True)
+    return torch.repeat_interleave(starts, repeats, output_size=sum(counts))
+
+
 def scatter_add_sparse_many(payloads: Sequence[list[SparsePayload]], outs: Sequence[Tensor]) -> None:
     """:func:`scatter_add_sparse_into` of every tensor of a bucket at once, in a fixed number of passes.
 
@@ -140,15 +152,11 @@ def scatter_add_sparse_many(payloads: Sequence[list[SparsePayload]], outs: Seque
     numels = [out.numel() for out in outs]
     first = payloads[0][0].values
     flat = torch.zeros(sum(numels), dtype=torch.float32, device=first.device)
-    starts = torch.tensor([0, *numels[:-1]], dtype=torch.int64).cumsum(0).to(first.device, non_blocking=True)
     for rank in range(len(payloads[0])):
         mine = [received[rank] for received in payloads]
-        counts = [p.values.numel() for p in mine]
         indices = torch.cat([p.indices for p in mine]).long()
-        shift = torch.repeat_interleave(
-            starts, torch.tensor(counts, dtype=torch.int64).to(first.device, non_blocking=True), output_size=sum(counts)
-        )
-        flat.index_add_(0, indices.add_(shift), torch.cat([p.values for p in mine]).float())
+        indices += segment_starts(numels, [p.values.numel() for p in mine], first.device)
+        flat.index_add_(0, indices, torch.cat([p.values for p in mine]).float())
     torch._foreach_copy_(list(outs), [piece.view_as(out) for piece, out in zip(flat.split(numels), outs, strict=True)])
 
 
@@ -171,8 +179,7 @@ class ScatterAddAggregation:
         loop's few kernels per tensor cost more than the arithmetic.
         """
         if len(outs) < 2 or outs[0].device.type == "cpu":
-            for received, out in zip(payloads, outs, strict=True):
-                scatter_add_sparse_into(received, out)  # type: ignore[arg-type]
+            super().aggregate_many(payloads, outs)  # type: ignore[misc]
             return
         scatter_add_sparse_many(payloads, outs)  # type: ignore[arg-type]
 

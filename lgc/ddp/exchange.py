@@ -167,7 +167,6 @@ class PayloadExchange:
             sent = compressor.transform_dense(piece, s.name)
             if sent is not piece:
                 piece.copy_(sent)
-        pieces = [buffer[s.offset : s.offset + s.numel] for s in self.sparse]
         #: This worker's payload of every compressed segment, in segment order.
         self.own: list[Payload]
         if encoded is not None:
@@ -175,8 +174,9 @@ class PayloadExchange:
                 raise ValueError("an exchange encoded ahead of the agreement encodes its own payloads")
             self.own = [encoded[s.name] for s in self.sparse]
         elif pending:
-            self.own = [compressor.compress_pending(p, s.name) for p, s in zip(pieces, self.sparse, strict=True)]  # type: ignore[attr-defined]
+            self.own = [compressor.compress_pending(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]  # type: ignore[attr-defined]
         else:
+            pieces = [buffer[s.offset : s.offset + s.numel] for s in self.sparse]
             self.own = compressor.compress_many(pieces, [s.name for s in self.sparse])
         state.codec_seconds["encode"] += time.perf_counter() - started
         #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
