@@ -64,10 +64,12 @@ __all__ = [
     "Side",
     "exact_topk",
     "extreme_sides",
+    "group_maxima",
     "sampled_topk",
     "sbc_block_size",
     "side_numpy",
     "side_torch",
+    "topk_grouping",
     "topk_indices",
 ]
 
@@ -123,16 +125,39 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
     51 ms through the search, 24 ms through ``torch.topk`` alone).
     """
     values = values.detach()
+    grouping = topk_grouping(values, k)
+    if grouping is None:
+        return torch.topk(values.abs(), k, sorted=False).indices
+    return _topk_in_groups(values, k, *grouping)
+
+
+def topk_grouping(values: Tensor, k: int) -> tuple[Tensor, int] | None:
+    """The groups :func:`topk_indices` bounds the ``k``-th magnitude of ``values`` by, or ``None``.
+
+    A 2-D view of ``values`` (its first ``rows * cols`` entries) and the dimension along which a
+    group runs (``1``: rows are blocks of consecutive entries; ``0``: columns); :func:`group_maxima`
+    of that view is the one streaming pass the selection makes. ``None`` where ``torch.topk`` of
+    the magnitudes is taken directly (off the CPU, small tensors, high densities).
+    """
     numel = values.numel()
     block = _topk_block_size(numel, k) if k else 1
     if values.device.type != "cpu" or numel < _BLOCK_SELECTION_MIN_NUMEL or 8 * k * block > numel:
-        return torch.topk(values.abs(), k, sorted=False).indices
+        return None
     if block <= _COLUMN_GROUPS_MAX_ROW_BLOCK:
         group = min(2 * block, _COLUMN_GROUPS_MAX)
         width = numel // group
-        return _topk_in_groups(values, k, values[: width * group].view(group, width), dim=0)
+        return values[: width * group].view(group, width), 0
     num_blocks = numel // block
-    return _topk_in_groups(values, k, values[: num_blocks * block].view(num_blocks, block), dim=1)
+    return values[: num_blocks * block].view(num_blocks, block), 1
+
+
+def group_maxima(grouped: Tensor, dim: int) -> Tensor:
+    """Every group's largest magnitude (NaN where a group holds one), groups along ``dim`` of ``grouped``.
+
+    ``amax`` and ``amin`` rather than one ``abs().amax()``: on the CPU the pair is several times
+    faster than ``aminmax(dim=...)`` or an infinity norm, which do not vectorize along short rows.
+    """
+    return torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_())
 
 
 #: Row blocks at most this long (density above about 0.4 %) select through column groups instead.
@@ -149,7 +174,7 @@ def _topk_in_groups(values: Tensor, k: int, grouped: Tensor, dim: int) -> Tensor
     fills no group) are searched directly.
     """
     across = 1 - dim
-    group_max = torch.maximum(grouped.amax(dim=dim), grouped.amin(dim=dim).neg_())
+    group_max = group_maxima(grouped, dim)
     top_groups = torch.topk(group_max, k, sorted=False)
     tail = values[grouped.numel() :]
     # A non-finite group maximum is among the top k (torch.topk ranks NaN and inf highest): checking

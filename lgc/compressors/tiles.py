@@ -60,6 +60,7 @@ __all__ = [
     "TileLayout",
     "TiledCompressorMixin",
     "index_bits",
+    "rows_topk",
     "smaller_split",
     "tile_layout",
 ]
@@ -147,7 +148,8 @@ class TileLayout:
     def select(self, ordered: Tensor) -> Tensor:
         """Positions (within their tile, int64) of each tile's ``keep`` largest magnitudes, tile by tile.
 
-        ``torch.topk`` per tile; a tile that keeps all its entries lists them in order.
+        Each tile's exact top-``keep`` (:func:`rows_topk`); a tile that keeps all its entries lists
+        them in order.
         """
         parts, start = [], 0
         for group in self.groups:
@@ -155,7 +157,7 @@ class TileLayout:
             if group.keep == group.size:
                 parts.append(torch.arange(group.size, device=ordered.device).repeat(group.tiles))
             else:
-                parts.append(torch.topk(rows.abs(), group.keep, dim=1, sorted=False).indices.reshape(-1))
+                parts.append(rows_topk(rows, group.keep).reshape(-1))
             start += group.tiles * group.size
         if not parts:
             return torch.empty(0, dtype=torch.int64, device=ordered.device)
@@ -201,6 +203,43 @@ class TileLayout:
         else:
             positions = unpack_uint(packed, self.bits, count)
         return view_bytes_as(wire[:value_bytes], value_dtype), packed, positions
+
+
+#: Columns per tile row in :func:`rows_topk`'s bound (measured best of 4, 8 and 16 on ResNet-50's tiles).
+_ROW_GROUP_HEIGHT = 8
+
+
+def rows_topk(rows: Tensor, keep: int) -> Tensor:
+    """Every row's ``keep`` largest magnitudes, exactly: their positions in the row, ``(rows, keep)`` int64.
+
+    What ``torch.topk(rows.abs(), keep, dim=1).indices`` selects (up to which of equal magnitudes
+    is taken, and in another order within a row), by the bound :func:`~lgc.compressors.selection.topk_indices`
+    uses, row by row: each row of ``n`` entries is viewed as ``8 x (n / 8)`` and its columns (8
+    entries ``n / 8`` apart) are the groups. A row's ``keep`` largest entries lie in its ``keep``
+    columns of largest maxima (those maxima are ``keep`` distinct entries, so the ``keep``-th
+    largest entry is at least the ``keep``-th largest column maximum, and a column holding a
+    larger entry has a larger maximum). So one streaming pass (the column maxima, ``amax`` and
+    ``amin`` along memory), a top-``keep`` of ``n / 8`` maxima and a top-``keep`` of the
+    ``8 * keep`` gathered candidates replace the top-``keep`` of ``n`` magnitudes and the
+    ``abs()`` copy of the rows. A NaN ranks highest in both, as in ``torch.topk``, so the same
+    entries are chosen when a row holds one.
+
+    On ResNet-50's DeMo tiles (one CPU thread, loaded machine) 1.7-2.3x faster than ``torch.topk``
+    of the magnitudes; used on the CPU where the candidates are at most a quarter of the row, and
+    ``torch.topk`` otherwise (on a GPU its batched selection has not been measured against this).
+    """
+    tiles, size = rows.shape
+    height = _ROW_GROUP_HEIGHT
+    if rows.device.type != "cpu" or size % height or 4 * height * keep > size:
+        return torch.topk(rows.abs(), keep, dim=1, sorted=False).indices
+    width = size // height
+    grid = rows.view(tiles, height, width)
+    column_max = torch.maximum(grid.amax(dim=1), grid.amin(dim=1).neg_())
+    columns = torch.topk(column_max, keep, dim=1, sorted=False).indices
+    candidates = grid.gather(2, columns.unsqueeze(1).expand(tiles, height, keep)).view(tiles, height * keep)
+    best = torch.topk(candidates.abs_(), keep, dim=1, sorted=False).indices
+    row, column = best.div(keep, rounding_mode="floor"), best.remainder(keep)
+    return row.mul_(width).add_(columns.gather(1, column))
 
 
 def tile_layout(shape: int | Sequence[int], chunk: int, k: int, tiling: str = "shape") -> TileLayout:
