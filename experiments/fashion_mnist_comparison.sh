@@ -20,9 +20,11 @@
 # RESULTS or OUT is skipped, and a stopped run resumes exactly from its last epoch's checkpoint
 # (ckpt_path), so the sweep can run over several sittings. After each cell, lgc-report writes
 # RESULTS/CELL/report (the table over seeds: mean and 95 % interval, the gap to dense paired by
-# seed). About 4 min per 4-worker run on 2 cores. JOBS=N runs N at once (on a machine with at least
-# N x workers cores; each worker then gets cores / (N x workers) torch threads), each run's output
-# in OUT/CELL/METHOD/seedN.log; a failed run is listed at the end and the others go on.
+# seed); after the cells, experiments/lgc_verdict.py writes RESULTS/lgc_verdict.md (LGC's best
+# setting against DGC and the best non-learned codec, cell by cell). About 4 min per 4-worker run
+# on 2 cores. JOBS=N runs N at once (on a machine with at least N x workers cores; each worker then
+# gets cores / (N x workers) torch threads), each run's output in OUT/CELL/METHOD/seedN.log; a
+# failed run is listed at the end and the others go on.
 #   experiments/fashion_mnist_comparison.sh [OUT]
 #   CELLS=iid4 SEEDS="0 1 2" EPOCHS=4 METHODS="dense topk" JOBS=1 experiments/fashion_mnist_comparison.sh
 # Needs the dataset: apt-get install dataset-fashion-mnist (or FASHION_MNIST_ROOT).
@@ -131,6 +133,7 @@ for name in $cells; do
   done
   lgc-report "$results/$name" --label folder --out "$results/$name/report" --json "$results/$name/report/rows.json"
 done
+python "$(dirname "$0")/lgc_verdict.py" "$results" > /dev/null  # RESULTS/lgc_verdict.md from the cells' reports
 if (( ${#failed[@]} )); then
   printf 'unfinished: %s\n' "${failed[@]}" | sort -u >&2
   exit 1
