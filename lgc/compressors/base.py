@@ -25,8 +25,10 @@ __all__ = [
     "Compressor",
     "DecodesInto",
     "ForwardsHookCalls",
+    "HoldsSteps",
     "Payload",
     "compressor_chain",
+    "holds_steps",
     "keyed_seed",
     "method_min_numel",
     "view_bytes_as",
@@ -378,6 +380,38 @@ class DecodesInto:
         for payload in payloads:
             assert scratch is not None
             total += self._decode(payload, scratch)
+
+
+class HoldsSteps:
+    """Mixin for a compressor that can encode a step before the ranks agree on it (the hook's ``overlap``).
+
+    :meth:`compress_pending` returns :meth:`~Compressor.compress`'s payload and holds the state
+    the step would move (residuals, momenta, counts of draws, thresholds) aside; once every rank's
+    look at the step is in, the hook keeps it for the parameters that were used (:meth:`commit`)
+    or drops it whole (:meth:`drop`, a skipped step), so a step encoded ahead trains bitwise as one
+    encoded after the agreement. Error feedback, DGC, QSGD and TernGrad, RedSync and random-block
+    put it before :class:`Compressor` in their bases.
+    """
+
+    #: Whether :meth:`compress_pending` is available (error feedback: only over a wrapped compressor that allows it).
+    speculates: bool = True
+
+    def compress_pending(self, tensor: Tensor, key: str) -> Payload:
+        """:meth:`~Compressor.compress`'s payload, the state the step moves held aside until :meth:`commit`."""
+        raise NotImplementedError
+
+    def commit(self, keys: frozenset[str] | set[str]) -> None:
+        """Adopt the held step for ``keys``; for the others, the state stays as before the step."""
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        """Drop the held step (the ranks agreed to skip it): ``commit(frozenset())``, unless a compressor says more."""
+        self.commit(frozenset())
+
+
+def holds_steps(compressor: Compressor) -> bool:
+    """Whether ``compressor`` can encode a step ahead of the ranks' agreement (:class:`HoldsSteps`, ``speculates``)."""
+    return isinstance(compressor, HoldsSteps) and compressor.speculates
 
 
 class ForwardsHookCalls:

@@ -67,7 +67,15 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload, compressor_chain, keyed_seed
+from lgc.compressors.base import (
+    OPTIMIZER_SOURCES,
+    CombineMode,
+    Compressor,
+    HoldsSteps,
+    Payload,
+    compressor_chain,
+    keyed_seed,
+)
 from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.selection import ColumnScan, SelectionInfo, exact_topk, sampled_topk
 from lgc.compressors.topk import (
@@ -97,7 +105,7 @@ StepsPerEpoch = Annotated[
 ]
 
 
-class DGCCompressor(ScatterAddAggregation, Compressor):
+class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
     """Deep Gradient Compression: momentum-corrected, masked, warmed-up top-k (Lin et al. 2018).
 
     Per tensor (``key``, the parameter name in the DDP hook) the compressor keeps the momentum
@@ -419,9 +427,7 @@ class DGCCompressor(ScatterAddAggregation, Compressor):
         self.draws[key] = self.draws.get(key, 0) + 1
         return payload
 
-    # -- encoding ahead of the step's agreement (the hook's overlap) ------------------------------------
-    #: The hook's ``overlap`` may encode a step before the ranks agree on it (:meth:`compress_pending`).
-    speculates = True
+    # -- encoding ahead of the step's agreement (the hook's overlap: HoldsSteps) -------------------------
 
     def compress_pending(self, tensor: Tensor, key: str) -> SparsePayload:
         """:meth:`compress`'s payload, the step's momentum and accumulator held aside until :meth:`commit`.

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import Compressor, ForwardsHookCalls, Payload
+from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload, holds_steps
 from lgc.compressors.segment_topk import segment_topk
 from lgc.compressors.topk import SparsePayload, TopKCompressor, segment_starts
 from lgc.validation import PositiveFraction, check
@@ -38,7 +38,7 @@ class _FlatResiduals(NamedTuple):
     numels: tuple[int, ...]
 
 
-class ErrorFeedback(ForwardsHookCalls, Compressor):
+class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
     """Wraps ``compressor`` and feeds back what it did not send.
 
     Residuals are kept per ``key`` (the parameter name in the DDP hook), in fp32 whatever the
@@ -204,9 +204,8 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         ``held``: a step encoded ahead of the agreement; a compressor that holds steps back itself
         holds its own state too.
         """
-        holds = held and self._inner_holds
-        encode = self.compressor.compress_pending if holds else self.compressor.compress  # type: ignore[attr-defined]
-        payload = encode(corrected, key)
+        holder = self._holder if held else None
+        payload = holder.compress_pending(corrected, key) if holder else self.compressor.compress(corrected, key)
         if isinstance(payload, SparsePayload):
             # Cheaper than a dense decode: subtract what was sent at the sent positions only.
             payload.subtract_from(corrected)
@@ -223,13 +222,16 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
         ``compress_pending`` and ``commit``: QSGD's and TernGrad's counts of draws). Then a step can
         be encoded into a second buffer before the ranks agree on it (:meth:`commit`).
         """
-        return self.compressor.stateless or self.compressor.pure_encoding or self._inner_holds
+        return self.compressor.stateless or self.compressor.pure_encoding or self._holder is not None
 
     @property
-    def _inner_holds(self) -> bool:
-        """Whether the wrapped compressor holds a step back itself (its state moves with every call)."""
+    def _holder(self) -> HoldsSteps | None:
+        """The wrapped compressor where it holds a step back itself (its state moves with every call), else None."""
         inner = self.compressor
-        return not (inner.stateless or inner.pure_encoding) and getattr(inner, "speculates", False)
+        if inner.stateless or inner.pure_encoding or not holds_steps(inner):
+            return None
+        assert isinstance(inner, HoldsSteps)
+        return inner
 
     def compress_pending(self, tensor: Tensor, key: str) -> Payload:
         """:meth:`compress` with the same payload, the new residual held aside until :meth:`commit`.
@@ -255,8 +257,8 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
 
         ``commit(frozenset())`` drops the whole step (the ranks agreed to skip it).
         """
-        if self._inner_holds:
-            self.compressor.commit(keys)
+        if (holder := self._holder) is not None:
+            holder.commit(keys)
         for key, held in self._pending.items():
             current = self.residuals.get(key)
             if key in keys:
@@ -270,8 +272,8 @@ class ErrorFeedback(ForwardsHookCalls, Compressor):
 
     def drop(self) -> None:
         """Drop the held step (the ranks agreed to skip it): its residuals, and the wrapped compressor's held step."""
-        if self._inner_holds:
-            self.compressor.drop()  # type: ignore[attr-defined]
+        if (holder := self._holder) is not None:
+            holder.drop()
         self.commit(frozenset())
 
     def decompress(self, payload: Payload) -> Tensor:

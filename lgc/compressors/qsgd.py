@@ -66,7 +66,7 @@ from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes, unpack_uint
-from lgc.compressors.base import CombineMode, Compressor, DecodesInto, Payload, keyed_seed, view_bytes_as
+from lgc.compressors.base import CombineMode, Compressor, DecodesInto, HoldsSteps, Payload, keyed_seed, view_bytes_as
 from lgc.validation import PositiveInt, Seed, check
 
 __all__ = ["MAX_LEVELS", "Buckets", "Levels", "QSGDCompressor", "QuantizedPayload", "StochasticQuantizer", "code_bits"]
@@ -149,7 +149,7 @@ class Buckets:
         return torch.cat(parts) if parts else flat.new_zeros(0)
 
 
-class StochasticQuantizer(DecodesInto, Compressor):
+class StochasticQuantizer(HoldsSteps, DecodesInto, Compressor):
     """Unbiased stochastic rounding of ``s * v / scale`` to the integers ``-s .. s``, per bucket.
 
     The shared machinery of :class:`QSGDCompressor` (``scale = ||v||_2``) and
@@ -215,10 +215,8 @@ class StochasticQuantizer(DecodesInto, Compressor):
         self.draws[key] = count + 1
         return payload
 
-    # -- encoding ahead of the step's agreement (the hook's overlap) ------------------------------------
-    #: The hook's ``overlap`` may encode a step before the ranks agree on it: a key's draws follow
-    #: from its count alone, which :meth:`commit` advances.
-    speculates = True
+    # -- encoding ahead of the step's agreement (the hook's overlap: HoldsSteps) -------------------------
+    # A key's draws follow from its count alone, which commit advances.
 
     def compress_pending(self, tensor: Tensor, key: str) -> QuantizedPayload:
         """:meth:`compress`'s payload, the key's count of draws left as it is until :meth:`commit`."""
@@ -233,10 +231,6 @@ class StochasticQuantizer(DecodesInto, Compressor):
         for key, count in pending.items():
             if key in keys:
                 self.draws[key] = count
-
-    def drop(self) -> None:
-        """Drop the held step (the ranks agreed to skip it): ``commit(frozenset())``."""
-        self.commit(frozenset())
 
     def _quantize(self, tensor: Tensor, key: str, count: int) -> QuantizedPayload:
         """The payload of ``tensor`` with ``key``'s ``count``-th draws."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload, view_bytes_as
 from lgc.compressors.topk import SparsePayload, num_selected, scatter_add_sparse_into
 from lgc.validation import Density, Seed, check
 
@@ -125,7 +125,7 @@ class OffsetBlockPayload(BlockPayload):
         return (self.offset_wire, self.values)
 
 
-class RandomBlockCompressor(Compressor):
+class RandomBlockCompressor(HoldsSteps, Compressor):
     """Sends a contiguous block of ``k = ceil(density * n)`` entries at a random offset.
 
     Use it with error feedback (yaml ``error_feedback: true``, or wrap it in
@@ -198,10 +198,9 @@ class RandomBlockCompressor(Compressor):
         self.step = int(step)
         self._keys_this_step.clear()
 
-    # -- encoding ahead of the step's agreement (the hook's overlap; unshared offsets only) -------------
-    #: The hook's ``overlap`` may encode a step before the ranks agree on it, where payloads are
-    #: gathered (``shared=False``); shared offsets sum their payloads, which overlap cannot.
-    speculates = True
+    # -- encoding ahead of the step's agreement (the hook's overlap: HoldsSteps) -------------------------
+    # Only where payloads are gathered (shared=False); shared offsets sum their payloads, which
+    # overlap cannot (the hook refuses it by the combine mode).
 
     def compress_pending(self, tensor: Tensor, key: str) -> BlockPayload:
         """:meth:`compress`'s payload; the key counts as compressed this step only once :meth:`commit` keeps it."""

@@ -61,7 +61,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload, view_bytes_as
 from lgc.compressors.topk import (
     ScatterAddAggregation,
     SparsePayload,
@@ -117,7 +117,7 @@ class SignMeanPayload(SparsePayload):
         return cls(numel=numel, values=values, indices=indices, means=means, num_positive=num_positive)
 
 
-class RedSyncCompressor(ScatterAddAggregation, Compressor):
+class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
     """Residual gradient compression with RedSync's threshold-based selection.
 
     Wire cost per tensor: ``k'`` fp32 values plus ``k'`` int32 indices (``8 k'`` bytes), where
@@ -388,11 +388,8 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
         return SparsePayload.from_wire(wire, numel)
 
     # ----------------------------------------------------------------------------------------
-    # encoding ahead of the step's agreement (the hook's overlap)
-
-    #: The hook's ``overlap`` may encode a step before the ranks agree on it: the only state a step
-    #: moves is its key's threshold, held aside until :meth:`commit`.
-    speculates = True
+    # encoding ahead of the step's agreement (the hook's overlap: HoldsSteps)
+    # The only state a step moves is its key's threshold, held aside until commit.
 
     def compress_pending(self, tensor: Tensor, key: str) -> Payload:
         """:meth:`compress`'s payload, the key's threshold left as it was until :meth:`commit`."""
@@ -420,10 +417,6 @@ class RedSyncCompressor(ScatterAddAggregation, Compressor):
                 self.thresholds.pop(key, None)  # the search found none that passes: as compress() leaves it
             else:
                 self.thresholds[key] = threshold
-
-    def drop(self) -> None:
-        """Drop the held step (the ranks agreed to skip it): ``commit(frozenset())``."""
-        self.commit(frozenset())
 
     # ----------------------------------------------------------------------------------------
     # state

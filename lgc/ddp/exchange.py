@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lgc.compressors.base import CombineMode, Compressor, Payload
+from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 
@@ -174,7 +174,8 @@ class PayloadExchange:
                 raise ValueError("an exchange encoded ahead of the agreement encodes its own payloads")
             self.own = [encoded[s.name] for s in self.sparse]
         elif pending:
-            self.own = [compressor.compress_pending(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]  # type: ignore[attr-defined]
+            assert isinstance(compressor, HoldsSteps), compressor
+            self.own = [compressor.compress_pending(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
         else:
             pieces = [buffer[s.offset : s.offset + s.numel] for s in self.sparse]
             self.own = compressor.compress_many(pieces, [s.name for s in self.sparse])

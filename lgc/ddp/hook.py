@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors.base import CombineMode, Compressor, method_min_numel
+from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, holds_steps, method_min_numel
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
@@ -186,7 +186,7 @@ class CompressionHookState(HookState):
             raise TypeError(f"compressor must be an lgc Compressor, got {compressor!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
-        speculates = getattr(compressor, "speculates", False) and compressor.combine is CombineMode.GATHER
+        speculates = holds_steps(compressor) and compressor.combine is CombineMode.GATHER
         if overlap and not compressor.stateless and not speculates:
             raise ValueError(
                 f"overlap=True needs a step that can be encoded before the ranks agree on it, with payloads that "
@@ -424,7 +424,7 @@ class CompressionHookState(HookState):
                     torch.futures.wait_all(sent_dense.futures)
                     sent_dense.finish()
                     bucket.future.set_result(exchange.finish(verdict.used))
-                self.compressor.commit(verdict.used)  # type: ignore[attr-defined]
+                self.holder.commit(verdict.used)
                 self.iteration = step + 1
         except BaseException:
             self.drop_held()
@@ -439,8 +439,14 @@ class CompressionHookState(HookState):
         what it moved (DGC's warm-up epoch) and the step that retries this one begins it again, so
         a skipped step leaves the state as the held path, which never began it, does.
         """
-        self.compressor.drop()  # type: ignore[attr-defined]
+        self.holder.drop()
         self.begun_step = -1
+
+    @property
+    def holder(self) -> HoldsSteps:
+        """The compressor, which holds steps back (``overlap`` is refused at construction otherwise)."""
+        assert isinstance(self.compressor, HoldsSteps), self.compressor
+        return self.compressor
 
     def agree(self, pending: list[PendingBucket], maxima: list[Tensor] | None = None) -> StepVerdict:
         """One small allreduce (MAX of a byte per parameter, plus one) that every rank decides the step by.
