@@ -14,6 +14,11 @@ the CPU, Triton on a GPU), on ResNet-50's parameter shapes (torchvision; 25,557,
    ``r += g`` (:class:`lgc.compressors.ErrorFeedback`) and top-k's one streaming pass, the group
    maxima that bound the ``k``-th magnitude (:func:`lgc.compressors.selection.topk_grouping`,
    :func:`~lgc.compressors.selection.group_maxima`), per tensor, at densities 0.001 and 0.01.
+3. ``ef_flat_maxima`` (error feedback over top-k a bucket at once, the GPU's path): ``r += g`` on
+   the residuals as views of one flat (``torch._foreach_add_``,
+   :meth:`lgc.compressors.ErrorFeedback.compress_many`) and the block maxima
+   :func:`~lgc.compressors.segment_topk.segment_topk` starts from, at density 0.001; the fused
+   function reads the gradient as one flat (a bucket whose every parameter is compressed: its best case).
 
 Each compiled function is checked bit for bit against the eager pass (outputs and the buffers it
 updates in place; a NaN and an inf planted in one tensor propagate the same way), then all
@@ -40,6 +45,7 @@ import torch
 from torch import Tensor
 
 from lgc.bench.compressors import resnet50_numels
+from lgc.compressors.segment_topk import segment_block_size
 from lgc.compressors.selection import group_maxima, topk_grouping
 from lgc.ddp.exchange import Segment
 from lgc.ddp.hook import bucket_maxima
@@ -86,6 +92,19 @@ def ef_groups_fused(residual: Tensor, grad: Tensor, rows: int, cols: int, dim: i
     corrected = residual + grad
     residual.copy_(corrected)
     return corrected[: rows * cols].view(rows, cols).abs().amax(dim=dim)
+
+
+# -- 3. error feedback a bucket at once and segment_topk's block maxima -------------------------------
+def ef_flat_eager(views: list[Tensor], grads: list[Tensor], flat: Tensor, block: int) -> Tensor:
+    torch._foreach_add_(views, grads)
+    rows = flat[: flat.numel() // block * block].view(-1, block)
+    return torch.maximum(rows.amax(1), rows.amin(1).neg())
+
+
+def ef_flat_fused(flat: Tensor, grad: Tensor, block: int) -> Tensor:
+    corrected = flat + grad
+    flat.copy_(corrected)
+    return corrected[: flat.numel() // block * block].view(-1, block).abs().amax(1)
 
 
 def grouped_tensors(numels: list[int], density: float) -> list[tuple[int, int, int, int]]:
@@ -187,6 +206,27 @@ def main(argv: list[str] | None = None) -> dict:
             candidates[f"ef_topk_groups_{density:g}_eager"] = eager
             candidates[f"ef_topk_groups_{density:g}_fused"] = fused
             notes[f"ef_topk_groups_{density:g}"] = f"{len(shapes)} tensors, {sum(s[0] for s in shapes):,} elements"
+
+    # 3. error feedback as one flat + segment_topk's block maxima (any device).
+    total = sum(numels)
+    block = segment_block_size(total, sum(max(1, math.ceil(0.001 * n)) for n in numels))
+    flat_r = torch.randn(total, generator=gen).to(device)
+    twin_r = flat_r.clone()
+    flat_g = (torch.randn(total, generator=gen) * 1e-2).to(device)
+    views, grad_views = list(flat_r.split(numels)), list(flat_g.split(numels))
+    fused_flat = torch.compile(ef_flat_fused, dynamic=False)
+    sync()
+    started = time.perf_counter()
+    fused_flat(twin_r.clone(), flat_g, block)
+    sync()
+    compile_s["ef_flat_maxima"] = time.perf_counter() - started
+    flat_g[123] = float("nan")
+    assert_same(ef_flat_eager(views, grad_views, flat_r, block), fused_flat(twin_r, flat_g, block), "ef_flat maxima")
+    assert_same(flat_r, twin_r, "ef_flat residual")
+    flat_g[123], flat_r[123], twin_r[123] = 0.0, 0.0, 0.0
+    candidates["ef_flat_maxima_eager"] = lambda: ef_flat_eager(views, grad_views, flat_r, block)
+    candidates["ef_flat_maxima_fused"] = lambda: fused_flat(twin_r, flat_g, block)
+    notes["ef_flat_maxima"] = f"{len(numels)} tensors as one flat, blocks of {block}"
 
     load_start = os.getloadavg()
     for fn in candidates.values():

@@ -8,7 +8,9 @@
 #   lgc-bench step --device cuda: ResNet-50's DDP step over NCCL, one worker, batch 32 of 224x224,
 #          at densities 0.1 % and 1 %, DDP's own allreduce (ddp) and the no-communication step beside;
 #   experiments/gpu_pass_probe.py, gpu_topk_profile.py, gpu_hook_profile.py: where the top-k pass,
-#          error feedback over top-k a bucket at once, and the DDP hook spend their time.
+#          error feedback over top-k a bucket at once, and the DDP hook spend their time;
+#   experiments/fused_passes_probe.py --device cuda: torch.compile's fused passes (Triton) against
+#          the eager ones, compile time and break-even steps.
 #   experiments/gpu_checks.sh [OUT]      (default outputs/gpu_checks; every log and JSON lands there)
 set -uo pipefail
 out=${1:-outputs/gpu_checks}
@@ -28,6 +30,8 @@ for density in 0.001 0.01; do
 done
 python experiments/gpu_pass_probe.py > "$out/pass_probe.md" 2>&1
 tail -8 "$out/pass_probe.md"
+python experiments/fused_passes_probe.py --device cuda --json "$out/fused_passes.json" > "$out/fused_passes.md" 2>&1
+grep "^|" "$out/fused_passes.md"
 python experiments/gpu_topk_profile.py > "$out/topk_profile.md" 2>&1
 grep "^##" "$out/topk_profile.md"
 python experiments/gpu_hook_profile.py > "$out/hook_profile.md" 2>&1
