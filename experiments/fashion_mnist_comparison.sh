@@ -21,10 +21,11 @@
 # (ckpt_path), so the sweep can run over several sittings. After each cell, lgc-report writes
 # RESULTS/CELL/report (the table over seeds: mean and 95 % interval, the gap to dense paired by
 # seed); after the cells, experiments/lgc_verdict.py writes RESULTS/lgc_verdict.md (LGC's best
-# setting against DGC and the best non-learned codec, cell by cell). About 4 min per 4-worker run
-# on 2 cores. JOBS=N runs N at once (on a machine with at least N x workers cores; each worker then
-# gets cores / (N x workers) torch threads), each run's output in OUT/CELL/METHOD/seedN.log; a
-# failed run is listed at the end and the others go on.
+# setting against DGC and the best non-learned codec, cell by cell) and experiments/default_rule.py
+# RESULTS/default_rule.md (the README's rule for lgc-train's default, with results/step_cost). About
+# 4 min per 4-worker run on 2 cores. JOBS=N runs N at once (on a machine with at least N x workers
+# cores; each worker then gets cores / (N x workers) torch threads), each run's output in
+# OUT/CELL/METHOD/seedN.log; a failed run is listed at the end and the others go on.
 #   experiments/fashion_mnist_comparison.sh [OUT]
 #   CELLS=iid4 SEEDS="0 1 2" EPOCHS=4 METHODS="dense topk" JOBS=1 experiments/fashion_mnist_comparison.sh
 # Needs the dataset: apt-get install dataset-fashion-mnist (or FASHION_MNIST_ROOT).
@@ -134,6 +135,7 @@ for name in $cells; do
   lgc-report "$results/$name" --label folder --out "$results/$name/report" --json "$results/$name/report/rows.json"
 done
 python "$(dirname "$0")/lgc_verdict.py" "$results" > /dev/null  # RESULTS/lgc_verdict.md from the cells' reports
+python "$(dirname "$0")/default_rule.py" "$results" > /dev/null  # RESULTS/default_rule.md (with results/step_cost)
 if (( ${#failed[@]} )); then
   printf 'unfinished: %s\n' "${failed[@]}" | sort -u >&2
   exit 1
