@@ -35,6 +35,12 @@ STEP_ROWS = {
     "sbc_delay": "sbc:delay=4",
     "sbc_delay_all": "sbc:delay=4;min_numel=0",
     "sparseloco": "sparseloco:delay=10",
+    "signsgd": "signsgd",
+    "shared_topk_fp16": "shared_topk:values=float16",
+    "lgc_rar_linear": "lgc_rar:codec=linear",
+    "diloco_h10": "none:delay=10;outer=sgd",
+    # H = 50 exchanges 5x less often than H = 10: that row bounds its cost from above.
+    "diloco_h50": "none:delay=10;outer=sgd",
 }
 CELLS = ("iid4", "dir8")
 DENSITIES = ("0.001", "0.01")
