@@ -220,7 +220,9 @@ class Compressor(abc.ABC):
         may encode them in a fixed number of passes instead of a few kernels per tensor (error
         feedback over top-k on a GPU: :meth:`~lgc.compressors.ErrorFeedback.compress_many`). An
         override leaves the state the loop would, bit for bit, and returns payloads that decode to
-        the same bits (a sparse payload's (value, index) pairs may come in another order).
+        the same bits (a sparse payload's (value, index) pairs may come in another order), where
+        the selection is unique: entries tied at a top-k's ``k``-th magnitude may be chosen
+        differently (each selection exact), after which the states differ.
         """
         return [self.compress(tensor, key) for tensor, key in zip(tensors, keys, strict=True)]
 

@@ -55,7 +55,11 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             a fixed number of passes (``True``), or tensor by tensor (``False``). ``None``
             (default): flat on a GPU, where a few kernels per tensor cost more than the arithmetic,
             and tensor by tensor on the CPU, where the per-tensor selection is the faster one
-            (``lgc-bench compressors`` measures both). The payloads and residuals are the same.
+            (``lgc-bench compressors`` measures both). The payloads and residuals are the same,
+            except where a tensor ties at its ``k``-th magnitude: both keep an exact top-k, but may
+            keep different entries of that magnitude, and the residuals differ from then on. With
+            fp32 gradients such ties are rare; with bf16 or fp16 gradients (few distinct
+            magnitudes) expect them.
 
     Example::
 
@@ -70,7 +74,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("error feedback is already applied; do not wrap ErrorFeedback twice")
         check("decay", decay, PositiveFraction)
-        if bucketed not in (None, True, False):
+        if bucketed is not None and not isinstance(bucketed, bool):
             raise ValueError(f"bucketed must be None, True or False, got {bucketed!r}")
         if bucketed is True and type(compressor) is not TopKCompressor:
             raise ValueError(
@@ -118,7 +122,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         magnitude first, where ``torch.topk`` leaves its order unspecified. Only a tie at a tensor's
         k-th magnitude can select other entries of the same magnitude (the lower index here).
         """
-        if not self._flat_path(tensors):
+        if not self._flat_path(tensors, keys):
             return super().compress_many(tensors, keys)
         inner = self.compressor
         assert isinstance(inner, TopKCompressor)
@@ -139,10 +143,10 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             return False
         return self.bucketed is True or device.type != "cpu"
 
-    def _flat_path(self, tensors: Sequence[Tensor]) -> bool:
+    def _flat_path(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> bool:
         """Whether :meth:`compress_many` encodes ``tensors`` as one flat (see ``bucketed``)."""
-        if len(tensors) < 2 or not self.batches_on(tensors[0].device):
-            return False
+        if len(tensors) < 2 or not self.batches_on(tensors[0].device) or len(set(keys)) != len(keys):
+            return False  # one tensor, another device's default, or a key twice (the loop applies both in turn)
         device = tensors[0].device
         return all(t.device == device and 0 < t.numel() <= _INT32_NUMEL and t.dim() == 1 for t in tensors)
 
@@ -158,9 +162,13 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             or group.flat.device != tensors[0].device
             or any(self.residuals.get(key) is not view for key, view in zip(keys, group.views, strict=True))
         ):
-            # Built anew: a bucket that shares a key with this one is stale now (DDP rebuilt its buckets).
+            # Built anew: a bucket that shares a key with this one is stale now (DDP rebuilt its
+            # buckets, or the step used other parameters). Its keys outside this bucket get residuals
+            # of their own, so the old flat is freed rather than held by their views.
             for other in [other for other in self._flats if not set(other).isdisjoint(signature)]:
-                del self._flats[other]
+                for key, view in zip(other, self._flats.pop(other).views, strict=True):
+                    if key not in signature and self.residuals.get(key) is view:
+                        self.residuals[key] = view.clone()
             flat = torch.zeros(sum(numels), dtype=torch.float32, device=tensors[0].device)
             views = tuple(flat.split(numels))
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):

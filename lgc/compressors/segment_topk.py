@@ -14,7 +14,8 @@ passes over the flat, however many segments there are:
 2. **A threshold per segment.** ``t_i``, the ``k_i``-th largest maximum among segment ``i``'s
    interior blocks (``torch.topk`` along the rows of ``(segments, blocks)`` matrices padded with -1,
    on the CPU one per power of two of the segments' block counts, so padding never doubles the
-   blocks; on a GPU one matrix, since each matrix costs a few host synchronizations). Those
+   blocks; on a GPU as few matrices as keep the padding bounded, built from geometry the host
+   knows, without the class loop's host synchronizations). Those
    ``k_i`` maxima are ``k_i`` distinct entries of the segment, so its ``k_i``-th largest magnitude
    is at least ``t_i``, and every entry it keeps is at least ``t_i``. A segment with fewer than
    ``k_i`` interior blocks (a small one) gets ``t_i = -1``: all its entries are candidates.
@@ -109,10 +110,9 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
         return _per_segment(values.abs(), numels, ks)
 
     # 2. Per segment, the k-th largest of its interior maxima (-1 where it has fewer than k).
-    thresholds = None
     if device.type != "cpu":
         thresholds = _thresholds_padded(maxima, numels, ks, b)
-    if thresholds is None:
+    else:
         thresholds = _thresholds_by_class(maxima, k, first, interior, owner, inside)
     thresholds = torch.where(k == 0, torch.full_like(thresholds, float("inf")), thresholds)
 
@@ -161,45 +161,52 @@ def _thresholds_by_class(
     return thresholds
 
 
-#: _thresholds_padded declines when its one matrix would hold more entries than this many times the
-#: flat and more than _PADDED_FREE_ENTRIES (ResNet-50's flat of 25.6 M: 161 rows of 36,864 blocks,
-#: 5.9 M entries, at density 0.1 %; 161 rows of 294,912 blocks, 47 M entries, at 1 %).
+#: A padded matrix of :func:`_thresholds_padded` holds at most this many times its rows' interior
+#: blocks, or _PADDED_FREE_ENTRIES entries, whichever is more (ResNet-50 at density 0.1 %: one
+#: matrix of 161 rows x 36,864 blocks, 5.9 M entries; at 1 %, 47 M entries, split in several).
 _MAX_PADDING = 2
 _PADDED_FREE_ENTRIES = 1 << 24
 
 
-def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int], b: int) -> Tensor | None:
-    """Step 2 in one padded ``(segments, blocks)`` matrix, without a host synchronization.
+def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int], b: int) -> Tensor:
+    """Step 2 in padded ``(segments, blocks)`` matrices, without a host synchronization.
 
-    Every segment's interior blocks follow from ``numels`` and ``b``, which the host knows, so the
-    matrix is one gather of the maxima. ``None`` where the matrix would exceed both
-    ``_PADDED_FREE_ENTRIES`` entries and ``_MAX_PADDING`` times the flat's own length (one very
-    large segment among many ranked small ones).
+    Every segment's interior blocks follow from ``numels`` and ``b``, which the host knows, so a
+    matrix is one gather of the maxima (int32 positions). The ranked segments, widest first, fill
+    one matrix while it stays within ``_MAX_PADDING`` times their interior blocks or within
+    ``_PADDED_FREE_ENTRIES`` entries, then the next: one matrix for most models (a few kernels),
+    and never a matrix of mostly padding (one very large segment among many ranked small ones),
+    so the temporary memory stays a small multiple of the block maxima's.
     """
     device = maxima.device
     thresholds = torch.full((len(numels),), -1.0, dtype=maxima.dtype, device=device)
-    start, ranked, firsts, widths, kept = 0, [], [], [], []
+    start, ranked = 0, []
     for i, (numel, k) in enumerate(zip(numels, ks, strict=True)):
         first, last = -(-start // b), (start + numel) // b
         if k > 0 and last - first >= k:
-            ranked.append(i)
-            firsts.append(first)
-            widths.append(last - first)
-            kept.append(k)
+            ranked.append((last - first, first, k, i))
         start += numel
-    if not ranked:
-        return thresholds
-    width = max(widths)
-    if len(ranked) * width > max(_MAX_PADDING * sum(numels), _PADDED_FREE_ENTRIES):
-        return None
-    first_t, width_t, k_t, ranked_t = (
-        torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True) for x in (firsts, widths, kept, ranked)
-    )
-    column = torch.arange(width, device=device)
-    gather = (first_t.unsqueeze(1) + column).clamp_(max=maxima.numel() - 1)
-    rows = torch.where(column < width_t.unsqueeze(1), maxima[gather], -1.0)
-    top = torch.topk(rows, max(kept), dim=1).values
-    thresholds[ranked_t] = top.gather(1, (k_t - 1).unsqueeze(1)).squeeze(1)
+    ranked.sort(reverse=True)
+    groups: list[list[tuple[int, int, int, int]]] = []
+    for row in ranked:
+        group = groups[-1] if groups else None
+        blocks = sum(r[0] for r in group) + row[0] if group else 0
+        if group and (len(group) + 1) * group[0][0] <= max(_MAX_PADDING * blocks, _PADDED_FREE_ENTRIES):
+            group.append(row)
+        else:
+            groups.append([row])
+    last_block = maxima.numel() - 1
+    for group in groups:
+        width = group[0][0]
+        width_t, first_t, k_t, rows_t = (
+            torch.tensor(x, dtype=torch.int32 if j < 2 else torch.int64).to(device, non_blocking=True)
+            for j, x in enumerate(zip(*group, strict=True))
+        )
+        column = torch.arange(width, dtype=torch.int32, device=device)
+        gather = (first_t.unsqueeze(1) + column).clamp_(max=last_block)
+        rows = torch.where(column < width_t.unsqueeze(1), maxima[gather], -1.0)
+        top = torch.topk(rows, max(r[2] for r in group), dim=1).values
+        thresholds[rows_t] = top.gather(1, (k_t - 1).unsqueeze(1)).squeeze(1)
     return thresholds
 
 

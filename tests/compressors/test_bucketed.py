@@ -30,13 +30,15 @@ def _distinct(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """``n`` random values of distinct magnitudes: a tie at a tensor's k-th magnitude may select other entries.
 
     bf16 has 8 significant bits, so its randn values tie often; its magnitudes are drawn without
-    replacement from the 7,936 bf16 numbers between 2^-47 and 2^15 (within float16's range).
+    replacement from the 7,936 bf16 numbers between 2^-47 and 2^15 (within float16's range), and
+    fp16's from its 29,696 normal numbers between 2^-14 and 2^15.
     """
     if dtype == torch.float32:
         return torch.randn(n, generator=gen)
-    bits = (torch.randperm(0x4700 - 0x2800, generator=gen)[:n] + 0x2800).to(torch.int16)
+    low, high = (0x2800, 0x4700) if dtype == torch.bfloat16 else (0x0400, 0x7800)
+    bits = (torch.randperm(high - low, generator=gen)[:n] + low).to(torch.int16)
     signs = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
-    return bits.view(torch.bfloat16) * signs.to(torch.bfloat16)
+    return bits.view(dtype) * signs.to(dtype)
 
 
 def _no_tie_at_k(ef: ErrorFeedback, grads: list[torch.Tensor], keys: list[str], density: float, decay: float) -> bool:
@@ -58,7 +60,7 @@ def _no_tie_at_k(ef: ErrorFeedback, grads: list[torch.Tensor], keys: list[str], 
     density=st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]),
     decay=st.sampled_from([1.0, 0.95]),
     value_dtype=st.sampled_from(["float32", "float16"]),
-    grad_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    grad_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     seed=st.integers(0, 2**16),
 )
 def test_a_bucket_at_once_is_the_per_tensor_loop(numels, density, decay, value_dtype, grad_dtype, seed):
@@ -73,8 +75,8 @@ def test_a_bucket_at_once_is_the_per_tensor_loop(numels, density, decay, value_d
         assume(_no_tie_at_k(loop, grads, keys, density, decay))
         _step(loop, batched, grads, keys)
         assert torch.equal(bucket, torch.cat(grads)), "the gradient is read, not written"
-    flat = batched._flats[tuple(keys)].flat
-    assert all(batched.residuals[key].data_ptr() >= flat.data_ptr() for key in keys), "residuals are the flat's slices"
+    views = batched._flats[tuple(keys)].views
+    assert all(batched.residuals[key] is view for key, view in zip(keys, views, strict=True)), "the flat's slices"
 
 
 def test_residuals_survive_a_new_bucketing_a_checkpoint_and_per_tensor_calls():
@@ -104,6 +106,76 @@ def test_residuals_survive_a_new_bucketing_a_checkpoint_and_per_tensor_calls():
     for _ in range(2):
         g = grads()
         _step(loop, resumed, g, keys)
+
+
+def test_a_step_that_uses_fewer_parameters_lets_the_old_flat_go():
+    """The hook's flat holds a step's used parameters; one left out gets a residual of its own, not an old view."""
+    gen = torch.Generator().manual_seed(2)
+    numels = [3000, 2000, 1000, 4000]
+    keys = ["p0", "p1", "p2", "p3"]
+    loop = ErrorFeedback(TopKCompressor(0.01), bucketed=False)
+    batched = ErrorFeedback(TopKCompressor(0.01), bucketed=True)
+    for used in (keys, keys[1:], keys[2:], keys, keys[::2]):
+        index = [keys.index(key) for key in used]
+        grads = [torch.randn(numels[i], generator=gen) for i in index]
+        _step(loop, batched, grads, list(used))
+        storages = {r.untyped_storage().data_ptr(): r.untyped_storage().nbytes() for r in batched.residuals.values()}
+        assert sum(storages.values()) == 4 * sum(numels), f"residual storage held beyond the residuals after {used}"
+        assert list(batched._flats) == [tuple(used)]
+    assert all(torch.equal(loop.residuals[key], batched.residuals[key]) for key in keys)
+
+
+def test_every_interleaving_of_paths_is_the_loops():
+    """Random sequences of bucket, per-tensor, held, dropped, checkpointed and copied steps: the loop's residuals."""
+    import copy
+    import random
+
+    numels = {"a": 300, "b": 57, "c": 900, "d": 12, "e": 400}
+    for trial in range(12):
+        rnd, gen = random.Random(trial), torch.Generator().manual_seed(trial)
+        decay, value_dtype = rnd.choice([1.0, 0.9]), rnd.choice(["float32", "float16"])
+        loop = ErrorFeedback(TopKCompressor(0.05, value_dtype), decay, bucketed=False)
+        batched = ErrorFeedback(TopKCompressor(0.05, value_dtype), decay, bucketed=True)
+        for step in range(20):
+            op = rnd.choice(["many", "many", "many", "one", "held", "drop", "checkpoint", "copy"])
+            keys = rnd.sample(sorted(numels), rnd.randint(2, 5))
+            grads = [torch.randn(numels[k], generator=gen) for k in keys]
+            if op == "many":
+                _step(loop, batched, grads, keys)
+            elif op == "one":
+                for ef in (loop, batched):
+                    for grad, key in zip(grads, keys, strict=True):
+                        ef.compress(grad, key)
+            elif op in ("held", "drop"):
+                kept = frozenset(rnd.sample(keys, rnd.randint(0, len(keys))))
+                for ef in (loop, batched):
+                    for grad, key in zip(grads, keys, strict=True):
+                        ef.compress_pending(grad, key)
+                    ef.drop() if op == "drop" else ef.commit(kept)
+            elif op == "checkpoint":
+                for ef in (loop, batched):
+                    ef.load_state_dict(ef.state_dict())
+            else:
+                loop, batched = copy.deepcopy(loop), copy.deepcopy(batched)
+            for key in numels:
+                mine, theirs = batched.residuals.get(key), loop.residuals.get(key)
+                assert (mine is None) == (theirs is None), (trial, step, op, key)
+                assert mine is None or torch.equal(mine, theirs), (trial, step, op, key)
+
+
+def test_a_key_twice_in_one_call_is_applied_twice_as_the_loop_does():
+    loop = ErrorFeedback(TopKCompressor(0.25), bucketed=False)
+    batched = ErrorFeedback(TopKCompressor(0.25), bucketed=True)
+    grads = [torch.tensor([0.1, -2.0, 0.4, 0.6]), torch.tensor([0.1, 2.0, 1.0, 0.5])]
+    for ef in (loop, batched):
+        ef.compress_many(grads, ["w", "w"])
+    assert torch.equal(batched.residuals["w"], loop.residuals["w"])
+
+
+@pytest.mark.parametrize("bucketed", [0, 1, 0.0, "yes"])
+def test_bucketed_takes_none_true_or_false_only(bucketed):
+    with pytest.raises(ValueError, match="bucketed must be None, True or False"):
+        ErrorFeedback(TopKCompressor(0.01), bucketed=bucketed)
 
 
 def test_a_held_step_and_its_commit_leave_the_flat_consistent():
@@ -141,12 +213,13 @@ def test_nonfinite_input_selects_as_the_per_tensor_path():
 def test_the_default_batches_on_a_gpu_only():
     ef = ErrorFeedback(TopKCompressor(0.01))
     grads = [torch.randn(100), torch.randn(200)]
-    assert not ef._flat_path(grads), "the CPU's per-tensor selection is the faster one"
+    assert not ef._flat_path(grads, ["a", "b"]), "the CPU's per-tensor selection is the faster one"
     assert not ef.batches_on(torch.device("cpu")) and ef.batches_on(torch.device("cuda"))
     assert not ErrorFeedback(TopKCompressor(0.01), bucketed=False).batches_on(torch.device("cuda"))
     assert not ErrorFeedback(SignSGDCompressor()).batches_on(torch.device("cuda")), "top-k only"
-    assert ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads)
-    assert not ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads[:1]), "one tensor: nothing to batch"
+    assert ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads, ["a", "b"])
+    assert not ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads[:1], ["a"]), "nothing to batch"
+    assert not ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads, ["a", "a"]), "a key twice"
     with pytest.raises(ValueError, match="bucketed must be None, True or False, got 'yes'"):
         ErrorFeedback(TopKCompressor(0.01), bucketed="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"bucketed=True needs a TopKCompressor .*got SignSGD"):

@@ -110,19 +110,34 @@ def test_the_gpu_thresholds_from_one_padded_matrix_are_the_class_loops(numels, f
     block_start = torch.arange(blocks) * block
     owner = torch.searchsorted(ends, block_start, right=True).clamp(max=len(numels) - 1)
     inside = (block_start >= starts[owner]) & (block_start + block <= ends[owner])
-    with mock.patch.object(segment_topk_module, "_MAX_PADDING", 10**9):  # never declined here
-        padded = _thresholds_padded(maxima, numels, ks, block)
-    assert padded is not None
+    padded = _thresholds_padded(maxima, numels, ks, block)
     assert torch.equal(padded, _thresholds_by_class(maxima, k, first, interior, owner, inside))
+    with mock.patch.object(segment_topk_module, "_PADDED_FREE_ENTRIES", 0):  # a matrix per width, nearly
+        assert torch.equal(_thresholds_padded(maxima, numels, ks, block), padded)
 
 
-def test_the_padded_matrix_declines_when_it_would_be_mostly_padding():
-    """One large segment among many ranked small ones: the class loop runs instead."""
+def test_one_large_segment_among_many_small_ones_gets_a_matrix_of_its_own():
+    """The padded matrices stay within twice their rows' blocks (beyond a free size): no matrix of mostly padding."""
     numels = [100_000] + [64] * 40
+    ks = [1] * len(numels)
     values = torch.randn(sum(numels), generator=torch.Generator().manual_seed(5))
     rows = values[: values.numel() // 4 * 4].view(-1, 4)
     maxima = torch.maximum(rows.amax(1), rows.amin(1).neg())
-    with mock.patch.object(segment_topk_module, "_PADDED_FREE_ENTRIES", 0):
-        assert _thresholds_padded(maxima, numels, [1] * len(numels), 4) is None  # 41 rows x 25,000 > 2 x 102,560
-        assert _thresholds_padded(maxima, numels[:2], [1, 1], 4) is not None
-    assert _thresholds_padded(maxima, numels, [1] * len(numels), 4) is not None, "1 M entries: small enough"
+    built = []
+    real_where = torch.where
+
+    def where(*args, **kwargs):
+        out = real_where(*args, **kwargs)
+        built.append(tuple(out.shape))
+        return out
+
+    with mock.patch.object(segment_topk_module, "_PADDED_FREE_ENTRIES", 0), mock.patch.object(torch, "where", where):
+        thresholds = _thresholds_padded(maxima, numels, ks, 4)
+    # 41 rows x 25,000 would be 40x their blocks; split, every matrix holds at most twice its rows' blocks.
+    assert len(built) == 2 and built[0][1] == 25_000 and built[0][0] <= 2 and built[1][1] == 16, built
+    assert sum(r * c for r, c in built) <= 2 * (25_000 + 40 * 16)
+    small = maxima[25_000:].view(40, 16).amax(1)
+    assert thresholds.tolist() == [float(maxima[:25_000].max()), *small.tolist()]
+    starts = [0, *torch.tensor(numels).cumsum(0)[:-1].tolist()]
+    expected = [int(values[s : s + n].abs().argmax()) + s for s, n in zip(starts, numels, strict=True)]
+    assert segment_topk(values, numels, ks).tolist() == expected
