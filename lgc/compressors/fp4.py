@@ -56,6 +56,11 @@ __all__ = ["E3M0_EXPONENT_BIAS", "FP4Compressor", "FP4Payload", "e3m0_values"]
 #: ``e = 7`` decodes to the scale itself: magnitudes ``2**(e - 7)`` for the exponent fields 1 .. 7.
 E3M0_EXPONENT_BIAS = 7
 _CODE_BITS = 4
+#: fp32's fraction bits, its exponent bias, and the fraction's top bit (1.5 = 1.1 in binary).
+_FRACTION_BITS, _FLOAT_BIAS = 23, 127
+_HALF_FRACTION = 1 << (_FRACTION_BITS - 1)
+#: The bits of 2**-7 (half the smallest nonzero magnitude, 2**-6): a ratio below it codes zero.
+_BELOW_SMALLEST = (_FLOAT_BIAS - E3M0_EXPONENT_BIAS) << _FRACTION_BITS
 
 
 def e3m0_values() -> Tensor:
@@ -118,12 +123,13 @@ class FP4Compressor(Compressor):
             torch.div(values.abs(), scale, out=out)
         # 0/0 in an all-zero bucket, and anything in a bucket with an inf or NaN (its scale carries it).
         ratio.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
-        # The nearer power of two: 2**exponent from mantissa 0.75 on (ties away from zero), else 2**(exponent - 1).
-        power = exponent - (mantissa < 0.75).to(exponent.dtype)
-        field = (power + E3M0_EXPONENT_BIAS).clamp_(1, E3M0_EXPONENT_BIAS)
-        field = torch.where(ratio < 2.0**-(E3M0_EXPONENT_BIAS), 0, field)  # below half of 2**-6: zero
-        codes = (field | torch.where(flat < 0, 8, 0).to(field.dtype)).to(torch.uint8)
+        # The nearer power of two, from the float's bits: a ratio 1.f * 2**p (ratio >= 0, so the bits
+        # are its exponent and fraction) is nearer 2**(p + 1) from 1.f = 1.5 on (ties away from
+        # zero), i.e. where the fraction's top bit is set; adding that bit carries into the exponent.
+        bits = ratio.view(torch.int32)
+        field = bits.add(_HALF_FRACTION).bitwise_right_shift_(_FRACTION_BITS).sub_(_FLOAT_BIAS - E3M0_EXPONENT_BIAS)
+        field.clamp_(1, E3M0_EXPONENT_BIAS).masked_fill_(bits < _BELOW_SMALLEST, 0)  # below half of 2**-6: zero
+        codes = field.add_(flat < 0, alpha=8).to(torch.uint8)  # the sign bit
         return FP4Payload(numel=numel, scales=scales.float(), codes=pack_uint(codes, _CODE_BITS))
 
     def decompress(self, payload: Payload) -> Tensor:

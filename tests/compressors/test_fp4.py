@@ -47,6 +47,17 @@ def test_every_entry_becomes_the_nearest_e3m0_value_of_its_buckets_scale(numel, 
     assert bool((error <= torch.maximum(g.abs() / 3, torch.full_like(g, 2.0**-7) * scale) + 1e-7 * scale).all())
 
 
+def test_the_rounding_from_the_floats_bits_is_the_nearest_value_at_every_boundary():
+    """Each ratio at and one ulp around a midpoint 1.5 * 2**k and the zero threshold 2**-7, and a stride of all."""
+    points = torch.tensor([1.5 * 2.0**k for k in range(-7, 0)] + [2.0**-7, 2.0**-6, 1.0], dtype=torch.float32)
+    bits = points.view(torch.int32)
+    near = torch.cat([bits - 1, bits, bits + 1]).view(torch.float32).clamp(max=1.0)
+    stride = torch.arange(0, 0x3F800000, 4099, dtype=torch.int32).view(torch.float32)  # every 4099th float in [0, 1)
+    g = torch.cat([torch.ones(1), near, -near, stride, -stride])  # scale 1: each entry is its own ratio
+    fp4 = FP4Compressor(None)
+    assert torch.equal(fp4.decompress(fp4.compress(g, "w")), _nearest_e3m0(g, g.numel()))
+
+
 def test_ties_go_away_from_zero_and_tiny_entries_to_zero():
     fp4 = FP4Compressor(None)
     g = torch.tensor([1.0, 0.75, -0.375, 2.0**-7, 0.99 * 2.0**-7, 0.0, -1.0])
