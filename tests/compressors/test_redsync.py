@@ -325,3 +325,41 @@ def test_two_workers_send_different_lengths_and_converge():
     # Measured at step 200 (from 606): dense 6e-11, binary search 1e-11, trimmed 2e-5, quantized 9e-12,
     # no feedback 1.4.
     assert without_feedback["losses"][-1] > 1e-4 * without_feedback["losses"][0]
+
+
+@pytest.mark.parametrize("method", ["trimmed_topk", SEARCH])
+@pytest.mark.parametrize("data", ["normal", "heavy", "ties", "nonfinite"])
+def test_counting_only_the_blocks_above_a_threshold_changes_nothing(method, data):
+    """The CPU's block maxima prune each count: the same positions, in the same order, thresholds and counters."""
+    from unittest import mock
+
+    from lgc.compressors import redsync
+
+    pruned = RedSyncCompressor(0.001, method=method, reuse_threshold=True)
+    plain = RedSyncCompressor(0.001, method=method, reuse_threshold=True)
+    searched = 0
+    real = RedSyncCompressor._above_in_blocks
+
+    def counting(self, *args, **kwargs):
+        nonlocal searched
+        searched += 1
+        return real(self, *args, **kwargs)
+
+    for step in range(4):
+        n = 200_003
+        v = {"normal": _randn, "heavy": _heavy}.get(data, _randn)(n, seed=step)
+        if data == "ties":
+            v = torch.randint(-3, 4, (n,), generator=torch.Generator().manual_seed(step)).float()
+        if data == "nonfinite":
+            v[[5, 70_000]] = float("nan")
+            v[199_999] = -float("inf")
+        with mock.patch.object(RedSyncCompressor, "_above_in_blocks", counting):
+            mine = pruned.compress(v, "w")
+        with mock.patch.object(redsync, "_BLOCKED_MIN_NUMEL", 1 << 40):  # every count over the whole tensor
+            theirs = plain.compress(v, "w")
+        assert torch.equal(mine.indices, theirs.indices)
+        assert torch.equal(mine.values.nan_to_num(), theirs.values.nan_to_num())
+        assert pruned.thresholds == plain.thresholds
+        assert (pruned.counting_passes, pruned.counted_elements) == (plain.counting_passes, plain.counted_elements)
+    if data == "normal":
+        assert searched, "the pruned count ran"
