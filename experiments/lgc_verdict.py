@@ -1,15 +1,16 @@
 """LGC's verdict on the Fashion-MNIST comparison: its best setting against DGC and the best non-learned codec.
 
-    python experiments/lgc_verdict.py [RESULTS]     # default: experiments/results/fashion_mnist
+    python experiments/lgc_verdict.py [RESULTS]     # default: this folder's results/fashion_mnist
 
 Reads each cell's over-seeds table (``RESULTS/CELL/report/seeds.json``, written by ``lgc-report``
 at the end of ``experiments/fashion_mnist_comparison.sh``) and writes ``RESULTS/lgc_verdict.md``:
 per cell, accuracy (mean and 95 % interval over seeds), the gap to dense paired by seed, and
 whole-run wire MB per worker (warm-up, codec training and buffer broadcasts included) of every LGC
 setting beside shared-index fp16/int8, DGC, PowerSGD, SparseLoCo, top-k and SBC with delay; then the
-goal, cell by cell: among the settings the seeds cannot tell from dense (``≈ dense``: the paired
-interval holds 0), LGC's fewest bytes at least 3x fewer than DGC's, and fewer than the fewest of
-every non-learned method that is ``≈ dense``. A cell where a method has fewer than 3 seeds says so.
+goal, cell by cell: among the settings not below dense (``≈ dense``: the paired interval holds 0;
+or above), LGC's fewest bytes at least 3x fewer than DGC's, and fewer than the fewest of every
+non-learned method not below dense. Until every method shown has run over 3 seeds paired with dense
+in both cells, the cells are printed as provisional, without a verdict, and the file is not written.
 """
 
 from __future__ import annotations
@@ -43,83 +44,125 @@ SHOWN = {
 }
 CELLS = {"iid4": "4 workers, IID shards", "dir8": "8 workers, Dirichlet(0.5) shards"}
 GOAL_VS_DGC = 3.0
+#: Seeds a method must share with dense in a cell before it is weighed there.
+MIN_PAIRED = 3
+
+
+def load_cell(comparison: Path, cell: str) -> dict[str, dict]:
+    """The cell's over-seeds entries by label (``report/seeds.json``; empty when it has no report yet)."""
+    path = comparison / cell / "report" / "seeds.json"
+    return {e["label"]: e for e in json.loads(path.read_text())} if path.exists() else {}
+
+
+def paired(entry: dict | None) -> int:
+    """Seeds the entry's gap to dense is paired over (0 without dense or without the entry)."""
+    return int(((entry or {}).get("gap_to_dense") or {}).get("n") or 0)
+
+
+def not_below_dense(entry: dict | None) -> bool:
+    """Weighed (at least ``MIN_PAIRED`` seeds paired with dense) and not below it: ``≈ dense`` or above."""
+    return paired(entry) >= MIN_PAIRED and (entry or {}).get("vs_dense") in ("≈ dense", "above")
+
+
+def unfinished(cells: dict[str, dict[str, dict]], labels: set[str]) -> list[str]:
+    """``cell: label`` for every label (and dense) that some cell has not run over ``MIN_PAIRED`` paired seeds."""
+    out = []
+    for cell, entries in cells.items():
+        if (entries.get("dense") or {}).get("n", 0) < MIN_PAIRED:
+            out.append(f"{cell}: dense")
+        out += [f"{cell}: {label}" for label in sorted(labels) if paired(entries.get(label)) < MIN_PAIRED]
+    return out
+
+
+def _interval(stats: dict | None, scale: float = 1.0, digits: int = 4) -> str:
+    """``mean ± half-width`` (the mean alone with one seed)."""
+    if not stats:
+        return "-"
+    half = stats.get("half_width")
+    mean = f"{scale * stats['mean']:.{digits}f}"
+    return mean if half is None else f"{mean} ± {scale * half:.{digits}f}"
 
 
 def _row(entry: dict, name: str) -> str:
-    acc, mb = entry["val/acc"], entry["wire_mb_per_worker"]["mean"]
     gap = entry.get("gap_to_dense")
-    gap_text = "-" if not gap else f"{100 * gap['mean']:+.2f} ± {100 * gap['half_width']:.2f} points"
+    gap_text = "-" if not gap else f"{_interval(gap, 100, 2)} points (n={paired(entry)})"
     return (
-        f"| {name} | {entry['n']} | {acc['mean']:.4f} ± {acc['half_width']:.4f} | {gap_text} "
-        f"| {entry.get('vs_dense', '-')} | {mb:.3g} |"
+        f"| {name} | {entry['n']} | {_interval(entry['val/acc'])} | {gap_text} "
+        f"| {entry.get('vs_dense', '-')} | {entry['wire_mb_per_worker']['mean']:.3g} |"
     )
 
 
 def verdict_of_cell(entries: dict[str, dict]) -> list[str]:
-    """The goal's two comparisons in one cell, in words, from the entries that are ``≈ dense``."""
+    """The goal's two comparisons in one cell, in words, from the entries not below dense."""
 
     def mb(label: str) -> float:
         return entries[label]["wire_mb_per_worker"]["mean"]
 
-    close = {label for label, e in entries.items() if e.get("vs_dense") == "≈ dense" and e["n"] >= 3}
+    close = {label for label, e in entries.items() if not_below_dense(e)}
     lgc = sorted((label for label in close if label in LGC), key=mb)
     others = sorted((label for label in close if label not in LGC and label != "dense"), key=mb)
     lines = []
     if "dgc" in entries:
-        dgc = entries["dgc"]
-        gap = dgc["gap_to_dense"]
         lines.append(
-            f"- DGC: {mb('dgc'):.3g} MB, {dgc['vs_dense']} "
-            f"({100 * gap['mean']:+.2f} ± {100 * gap['half_width']:.2f} points)."
+            f"- DGC: {mb('dgc'):.3g} MB, {entries['dgc'].get('vs_dense', '-')} "
+            f"({_interval(entries['dgc'].get('gap_to_dense'), 100, 2)} points)."
         )
     if not lgc:
-        lines.append("- No LGC setting is `≈ dense` here: the goal is not met at dense's accuracy.")
-    else:
-        best = lgc[0]
-        lines.append(f"- LGC's fewest bytes at `≈ dense`: {LGC[best]}, {mb(best):.3g} MB.")
-        if "dgc" in entries:
-            factor = mb("dgc") / mb(best)
-            met = "met" if factor >= GOAL_VS_DGC else "not met"
-            lines.append(f"  DGC's bytes over LGC's: {factor:.2f} (goal: at least {GOAL_VS_DGC:g}; {met}).")
-        if others:
-            rival = others[0]
-            met = "met" if mb(best) < mb(rival) else "not met"
-            name = SHOWN.get(rival, rival)
-            lines.append(
-                f"  Fewer than the fewest of the non-learned `≈ dense` methods, {name} ({mb(rival):.3g} MB): {met}."
-            )
-    short = sorted(label for label, e in entries.items() if e["n"] < 3)
-    if short:
-        lines.append(f"- Fewer than 3 seeds so far: {', '.join(short)} (not weighed).")
+        lines.append("- No LGC setting is `≈ dense` (or above) here: the goal is not met at dense's accuracy.")
+        return lines
+    best = lgc[0]
+    lines.append(f"- LGC's fewest bytes at `≈ dense`: {LGC[best]}, {mb(best):.3g} MB.")
+    if "dgc" in entries:
+        factor = mb("dgc") / mb(best)
+        met = "met" if factor >= GOAL_VS_DGC else "not met"
+        lines.append(f"  DGC's bytes over LGC's: {factor:.2f} (goal: at least {GOAL_VS_DGC:g}; {met}).")
+    if others:
+        rival = others[0]
+        met = "met" if mb(best) < mb(rival) else "not met"
+        name = SHOWN.get(rival, rival)
+        lines.append(f"  Fewer than the fewest non-learned `≈ dense` method, {name} ({mb(rival):.3g} MB): {met}.")
     return lines
 
 
-def main(argv: list[str]) -> None:
-    results = Path(argv[0] if argv else "experiments/results/fashion_mnist")
+def main(argv: list[str]) -> str:
+    results = Path(argv[0] if argv else Path(__file__).parent / "results" / "fashion_mnist")
+    cells = {cell: load_cell(results, cell) for cell in CELLS}
+    weighed = {label for entries in cells.values() for label in entries if label in LGC or label in SHOWN}
+    weighed.discard("dense")
+    missing = unfinished(cells, weighed)
     out = ["# LGC's verdict on the Fashion-MNIST comparison", ""]
     out += [
         "Generated by `python experiments/lgc_verdict.py` from each cell's `report/seeds.json`. Mean ± half-width of",
-        "the 95 % interval over seeds (Student t); the gap to dense paired by seed; `≈ dense`: that interval holds 0.",
-        "Whole-run wire MB per worker: warm-up, codec training and buffer broadcasts included. Rows are not ranked.",
+        "the 95 % interval over seeds (Student t); the gap to dense paired by seed (n: the seeds paired); `≈ dense`:",
+        "that interval holds 0. Whole-run wire MB per worker: warm-up, codec training and buffer broadcasts",
+        f"included. Rows are not ranked. A cell is weighed once every method shown has {MIN_PAIRED} seeds paired",
+        "with dense.",
         "",
     ]
     for cell, title in CELLS.items():
-        path = results / cell / "report" / "seeds.json"
-        if not path.exists():
-            out += [f"## {cell}: {title}", "", f"No report yet ({path.relative_to(results)} missing).", ""]
+        entries = cells[cell]
+        out += [f"## {cell}: {title}", ""]
+        if not entries:
+            out += ["No report yet.", ""]
             continue
-        entries = {e["label"]: e for e in json.loads(path.read_text())}
-        out += [
-            f"## {cell}: {title}",
-            "",
-            "| method | n | val/acc (95 % CI) | gap to dense, paired | vs dense | wire MB/worker |",
-        ]
-        out += ["|---|---|---|---|---|---|"]
+        header = "| method | n | val/acc (95 % CI) | gap to dense, paired | vs dense | wire MB/worker |"
+        out += [header, "|---|---|---|---|---|---|"]
         out += [_row(entries[label], name) for label, name in {**SHOWN, **LGC}.items() if label in entries]
-        out += ["", *verdict_of_cell(entries), ""]
-    (results / "lgc_verdict.md").write_text("\n".join(out))
-    print("\n".join(out))
+        short = [m.split(": ", 1)[1] for m in missing if m.startswith(f"{cell}: ")]
+        if short or "dense" not in entries:
+            out += [
+                "",
+                f"Provisional, no verdict: not yet run over {MIN_PAIRED} seeds paired with dense here: "
+                f"{', '.join(short) or 'dense'}.",
+                "",
+            ]
+        else:
+            out += ["", *verdict_of_cell(entries), ""]
+    text = "\n".join(out) + "\n"
+    if not missing and all(cells.values()):
+        (results / "lgc_verdict.md").write_text(text)
+    return text
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    print(main(sys.argv[1:]))

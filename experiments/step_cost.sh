@@ -13,7 +13,8 @@ out=${1:-experiments/results/step_cost}
 mkdir -p "$out"
 methods="ddp,none,torch_fp16,powersgd,topk,dgc,sbc,redsync,shared_topk_int8,lgc_rar,demo"
 methods+=",sbc:delay=4,sbc:delay=4;min_numel=0,sparseloco:delay=10"
-methods+=",signsgd,shared_topk:values=float16,lgc_rar:codec=linear,none:delay=10;outer=sgd"
+methods+=",fp16,signsgd,shared_topk:values=int8;measure_error=true,shared_topk:values=float16;measure_error=false"
+methods+=",lgc_rar:codec=linear,none:delay=10;outer=sgd"
 for density in ${DENSITIES:-0.001 0.01}; do
   lgc-bench step --density "$density" --steps 10 --rounds 2 --methods "$methods" \
     --json "$out/step_$density.json" | tee "$out/step_$density.md"

@@ -392,7 +392,8 @@ class HoldsSteps:
     look at the step is in, the hook keeps it for the parameters that were used (:meth:`commit`)
     or drops it whole (:meth:`drop`, a skipped step), so a step encoded ahead trains bitwise as one
     encoded after the agreement. Error feedback, DGC, QSGD and TernGrad, RedSync and random-block
-    put it before :class:`Compressor` in their bases.
+    put it before :class:`Compressor` in their bases; a compressor of your own that keeps state
+    subclasses it (and implements the two methods) to take part in ``overlap``.
     """
 
     #: Whether :meth:`compress_pending` is available (error feedback: only over a wrapped compressor that allows it).

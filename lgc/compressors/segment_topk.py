@@ -175,8 +175,9 @@ def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int],
     matrix is one gather of the maxima (int32 positions). The ranked segments, widest first, fill
     one matrix while it stays within ``_MAX_PADDING`` times their interior blocks or within
     ``_PADDED_FREE_ENTRIES`` entries, then the next: one matrix for most models (a few kernels),
-    and never a matrix of mostly padding (one very large segment among many ranked small ones),
-    so the temporary memory stays a small multiple of the block maxima's.
+    and never a matrix of mostly padding (one very large segment among many ranked small ones):
+    each matrix holds at most twice its rows' blocks or 16 M entries (about 13 bytes an entry at
+    the peak: gather positions, gathered maxima, mask, padded rows).
     """
     device = maxima.device
     thresholds = torch.full((len(numels),), -1.0, dtype=maxima.dtype, device=device)
@@ -188,13 +189,15 @@ def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int],
         start += numel
     ranked.sort(reverse=True)
     groups: list[list[tuple[int, int, int, int]]] = []
+    blocks = 0  # the interior blocks of the rows of the last group
     for row in ranked:
         group = groups[-1] if groups else None
-        blocks = sum(r[0] for r in group) + row[0] if group else 0
-        if group and (len(group) + 1) * group[0][0] <= max(_MAX_PADDING * blocks, _PADDED_FREE_ENTRIES):
+        if group and (len(group) + 1) * group[0][0] <= max(_MAX_PADDING * (blocks + row[0]), _PADDED_FREE_ENTRIES):
             group.append(row)
+            blocks += row[0]
         else:
             groups.append([row])
+            blocks = row[0]
     last_block = maxima.numel() - 1
     for group in groups:
         width = group[0][0]

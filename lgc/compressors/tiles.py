@@ -212,8 +212,11 @@ _ROW_GROUP_HEIGHT = 8
 def rows_topk(rows: Tensor, keep: int) -> Tensor:
     """Every row's ``keep`` largest magnitudes, exactly: their positions in the row, ``(rows, keep)`` int64.
 
-    What ``torch.topk(rows.abs(), keep, dim=1).indices`` selects (up to which of equal magnitudes
-    is taken, and in another order within a row), by the bound :func:`~lgc.compressors.selection.topk_indices`
+    The magnitudes ``torch.topk(rows.abs(), keep, dim=1)`` selects; where entries tie at the
+    ``keep``-th magnitude (common in bf16 and fp16 gradients) either may be taken, of either sign,
+    and the positions come in another order within a row (so a sum over a payload's values, as
+    SparseLoCo's quantizer table takes, may differ in its last bits). By the bound
+    :func:`~lgc.compressors.selection.topk_indices`
     uses, row by row: each row of ``n`` entries is viewed as ``8 x (n / 8)`` and its columns (8
     entries ``n / 8`` apart) are the groups. A row's ``keep`` largest entries lie in its ``keep``
     columns of largest maxima (those maxima are ``keep`` distinct entries, so the ``keep``-th
