@@ -3,7 +3,7 @@
 One algorithm per module; each yaml in ``conf/compressor/`` instantiates one of these.
 """
 
-from lgc.compressors.base import CombineMode, Compressor, Payload, compressor_chain
+from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload, compressor_chain, view_bytes_as
 from lgc.compressors.chunked_topk import ChunkedTopKCompressor
 from lgc.compressors.demo import DeMoCompressor
 from lgc.compressors.dgc import DGCCompressor
@@ -30,6 +30,7 @@ __all__ = [
     "ErrorFeedback",
     "FP16Compressor",
     "FP4Compressor",
+    "HoldsSteps",
     "NoneCompressor",
     "Payload",
     "QSGDCompressor",
@@ -42,4 +43,5 @@ __all__ = [
     "TernGradCompressor",
     "TopKCompressor",
     "compressor_chain",
+    "view_bytes_as",
 ]
