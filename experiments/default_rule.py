@@ -7,7 +7,8 @@ The rule (README, "How lgc-train's default is chosen"): among the methods that *
 Fashion-MNIST comparison (4 workers IID, 8 workers Dirichlet(0.5)) do not put below dense (the
 gap to dense paired by seed over at least 3 seeds, its 95 % interval holding 0 or above it), the one that
 sends the fewest whole-run bytes, if its DDP step costs at most 1.25x DDP's own allreduce step at
-densities 0.1 % and 1 % (``lgc-bench step``, mean CPU time, ``step_cost/step_DENSITY.json``).
+densities 0.1 % and 1 % (``lgc-bench step``, mean CPU time, ``step_cost/step_DENSITY[_more].json``,
+each over DDP's row of its own run).
 Bytes are compared as each cell's fraction of dense's bytes, averaged over the two cells (the
 cells differ in workers, so their MB do not add up). Prints the table; until every method of either
 cell has run over 3 seeds paired with dense in both, it is provisional, picks nothing and writes
@@ -58,10 +59,12 @@ def _steps(step_cost: Path) -> dict[str, dict[str, float]]:
         path = step_cost / f"step_{density}.json"
         if not path.exists():
             raise SystemExit(f"{path} is missing: run experiments/step_cost.sh first (the rule needs both densities)")
-        rows = json.loads(path.read_text())["rows"]
-        ddp = rows["ddp"]["mean_cpu_x"]
-        for name, row in rows.items():
-            out.setdefault(name, {})[density] = row["mean_cpu_x"] / ddp
+        for table in (path, step_cost / f"step_{density}_more.json"):  # each run over its own DDP row
+            if table.exists():
+                rows = json.loads(table.read_text())["rows"]
+                ddp = rows["ddp"]["mean_cpu_x"]
+                for name, row in rows.items():
+                    out.setdefault(name, {})[density] = row["mean_cpu_x"] / ddp
     return out
 
 
