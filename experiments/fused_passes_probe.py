@@ -100,7 +100,7 @@ def ef_groups_fused(residual: Tensor, grad: Tensor, rows: int, cols: int, dim: i
 def ef_flat_eager(views: list[Tensor], grads: list[Tensor], flat: Tensor, block: int) -> Tensor:
     torch._foreach_add_(views, grads)
     rows = flat[: flat.numel() // block * block].view(-1, block)
-    return torch.maximum(rows.amax(1), rows.amin(1).neg())
+    return group_maxima(rows, 1)
 
 
 def ef_flat_fused(flat: Tensor, grad: Tensor, block: int) -> Tensor:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload, holds_steps
+from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload
 from lgc.compressors.segment_topk import segment_topk
 from lgc.compressors.topk import SparsePayload, TopKCompressor, segment_starts
 from lgc.validation import PositiveFraction, check
@@ -236,9 +236,8 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
     def _holder(self) -> HoldsSteps | None:
         """The wrapped compressor where it holds a step back itself (its state moves with every call), else None."""
         inner = self.compressor
-        if inner.stateless or inner.pure_encoding or not holds_steps(inner):
+        if inner.stateless or inner.pure_encoding or not isinstance(inner, HoldsSteps) or not inner.speculates:
             return None
-        assert isinstance(inner, HoldsSteps)
         return inner
 
     def compress_pending(self, tensor: Tensor, key: str) -> Payload:

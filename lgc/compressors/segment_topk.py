@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lgc.compressors.selection import _TOPK_MAX_BLOCK, _topk_block_size
+from lgc.compressors.selection import _TOPK_MAX_BLOCK, _topk_block_size, group_maxima
 
 __all__ = ["segment_block_size", "segment_topk"]
 
@@ -93,7 +93,7 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
     blocks = n // b
     # max(amax, -amin) per row: no gradient-sized |x| is written (and NaN and inf show through).
     rows_view = values[: blocks * b].view(blocks, b)
-    maxima = torch.maximum(rows_view.amax(1), rows_view.amin(1).neg())
+    maxima = group_maxima(rows_view, 1)
     first = torch.div(starts + b - 1, b, rounding_mode="floor")  # a segment's first interior block
     last = torch.div(ends, b, rounding_mode="floor")  # one past its last
     interior = (last - first).clamp(min=0)

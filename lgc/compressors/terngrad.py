@@ -44,14 +44,10 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.qsgd import Buckets, StochasticQuantizer
+from lgc.compressors.selection import group_maxima
 from lgc.validation import PositiveFloat, PositiveInt, Seed, check
 
 __all__ = ["TernGradCompressor"]
-
-
-def _max_abs(rows: Tensor) -> Tensor:
-    # Two fused reductions instead of rows.abs().amax(1), which allocates a gradient-sized |v|.
-    return torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg())
 
 
 class TernGradCompressor(StochasticQuantizer):
@@ -88,7 +84,8 @@ class TernGradCompressor(StochasticQuantizer):
         return self.clip_sigma is None
 
     def bucket_scales(self, flat: Tensor, buckets: Buckets) -> Tensor:
-        scales = buckets.reduce(flat, _max_abs)
+        # Two reductions per bucket row instead of rows.abs().amax(1), which allocates a gradient-sized |v|.
+        scales = buckets.reduce(flat, lambda rows: group_maxima(rows, 1))
         if self.clip_sigma is not None and flat.numel():
             sigma = torch.std(flat, correction=0)
             # sigma = 0 (a constant tensor) would clip everything to zero: leave it unclipped.

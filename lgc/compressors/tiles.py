@@ -51,6 +51,7 @@ from torch import Tensor
 
 from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import view_bytes_as
+from lgc.compressors.selection import group_maxima
 from lgc.validation import PositiveInt, check
 
 __all__ = [
@@ -237,7 +238,7 @@ def rows_topk(rows: Tensor, keep: int) -> Tensor:
         return torch.topk(rows.abs(), keep, dim=1, sorted=False).indices
     width = size // height
     grid = rows.view(tiles, height, width)
-    column_max = torch.maximum(grid.amax(dim=1), grid.amin(dim=1).neg_())
+    column_max = group_maxima(grid, 1)
     columns = torch.topk(column_max, keep, dim=1, sorted=False).indices
     candidates = grid.gather(2, columns.unsqueeze(1).expand(tiles, height, keep)).view(tiles, height * keep)
     best = torch.topk(candidates.abs_(), keep, dim=1, sorted=False).indices
