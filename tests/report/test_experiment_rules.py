@@ -1,0 +1,144 @@
+"""The rule that picks lgc-train's default and LGC's verdict (``experiments/default_rule.py``,
+``experiments/lgc_verdict.py``) on hand-made over-seeds tables: non-inferiority within the margin,
+undecided intervals waiting for seeds, the two tiers, and what each script writes."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPERIMENTS = Path(__file__).parents[2] / "experiments"
+
+
+@pytest.fixture
+def scripts(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    for name in ("lgc_verdict", "default_rule"):
+        sys.modules.pop(name, None)
+    return importlib.import_module("lgc_verdict"), importlib.import_module("default_rule")
+
+
+def entry(label: str, gap: tuple[float, float] | None, mb: float, n: int = 3) -> dict:
+    """An over-seeds entry as lgc-report's seeds.json writes it (gap: its 95 % interval, a fraction)."""
+    out = {
+        "label": label,
+        "n": n,
+        "seeds": list(range(n)),
+        "val/acc": {"n": n, "mean": 0.9, "sd": 0.01, "half_width": 0.01, "ci95": [0.89, 0.91]},
+        "wire_mb_per_worker": {"n": n, "mean": mb, "sd": 0.0, "half_width": 0.0, "ci95": [mb, mb]},
+    }
+    if gap is not None:
+        low, high = gap
+        half = (high - low) / 2
+        out["gap_to_dense"] = {"n": n, "mean": low + half, "sd": 0.0, "half_width": half, "ci95": [low, high]}
+        out["vs_dense"] = "≈ dense" if low <= 0 <= high else ("above" if low > 0 else "below")
+    return out
+
+
+def write_cell(root: Path, cell: str, entries: list[dict]) -> None:
+    report = root / cell / "report"
+    report.mkdir(parents=True)
+    (report / "seeds.json").write_text(json.dumps(entries))
+
+
+def write_steps(root: Path, rows: dict[str, float]) -> None:
+    """step_cost tables with DDP's row at 2.0 and every other row at ``x`` times it at both densities."""
+    root.mkdir(parents=True, exist_ok=True)
+    for density in ("0.001", "0.01"):
+        table = {"rows": {"ddp": {"mean_cpu_x": 2.0}, **{k: {"mean_cpu_x": 2.0 * v} for k, v in rows.items()}}}
+        (root / f"step_{density}.json").write_text(json.dumps(table))
+
+
+def test_standing_is_non_inferiority_within_the_margin(scripts):
+    verdict, _ = scripts
+    assert verdict.MARGIN == 0.01
+    # Below dense for certain, but by less than the margin: at dense's accuracy.
+    assert verdict.standing(entry("a", (-0.009, -0.001), 1.0)) == "yes"
+    # Holds 0, but reaches further down than the margin: undecided at 3 seeds, "no" at MAX_SEEDS.
+    assert verdict.standing(entry("a", (-0.03, 0.01), 1.0)) == "undecided"
+    assert verdict.standing(entry("a", (-0.03, 0.01), 1.0, n=verdict.MAX_SEEDS)) == "no"
+    # Wholly below the margin: no, however few the seeds.
+    assert verdict.standing(entry("a", (-0.05, -0.02), 1.0)) == "no"
+    # Fewer seeds than MIN_PAIRED, or no pairing at all: not weighed.
+    assert verdict.standing(entry("a", (-0.001, 0.001), 1.0, n=2)) == "unweighed"
+    assert verdict.standing(entry("a", None, 1.0)) == "unweighed"
+    assert verdict.standing(None) == "unweighed"
+
+
+def test_a_failed_ablation_is_not_waited_for_in_the_other_cell(scripts):
+    verdict, _ = scripts
+    cells = {
+        "iid4": {"dense": entry("dense", None, 100.0), "x": entry("x", (-0.05, -0.03), 1.0)},
+        "dir8": {"dense": entry("dense", None, 100.0)},
+    }
+    assert verdict.unfinished(cells, {"x"}) == []
+    cells["iid4"]["x"] = entry("x", (-0.03, 0.01), 1.0)  # undecided: the other cell must run it
+    assert verdict.unfinished(cells, {"x"}) == ["dir8: x"]
+
+
+def test_the_rule_picks_the_fewest_bytes_at_dense_accuracy_in_both_cells(scripts, tmp_path):
+    _, rule = scripts
+    both = {"cheap_close": (-0.005, 0.004), "cheap_fewer_but_far": (-0.06, -0.03), "costly_fewest": (-0.002, 0.002)}
+    mbs = {"cheap_close": 5.0, "cheap_fewer_but_far": 1.0, "costly_fewest": 0.5}
+    for cell in ("iid4", "dir8"):
+        write_cell(
+            tmp_path / "cmp",
+            cell,
+            [entry("dense", None, 100.0)] + [entry(k, gap, mbs[k]) for k, gap in both.items()],
+        )
+    rule.STEP_ROWS.update({k: k for k in both})
+    write_steps(tmp_path / "steps", {"cheap_close": 1.1, "cheap_fewer_but_far": 1.0, "costly_fewest": 1.3})
+    text = rule.main([str(tmp_path / "cmp"), str(tmp_path / "steps")])
+    assert "The rule picks **cheap_close**" in text
+    assert "0.0500 of dense's" in text
+    assert (tmp_path / "cmp" / "default_rule.md").read_text() == text
+
+
+def test_an_undecided_method_with_fewer_bytes_keeps_the_rule_waiting(scripts, tmp_path):
+    _, rule = scripts
+    for cell in ("iid4", "dir8"):
+        write_cell(
+            tmp_path / "cmp",
+            cell,
+            [entry("dense", None, 100.0), entry("close", (-0.005, 0.004), 5.0), entry("maybe", (-0.02, 0.01), 2.0)],
+        )
+    rule.STEP_ROWS.update({"close": "close", "maybe": "maybe"})
+    write_steps(tmp_path / "steps", {"close": 1.0, "maybe": 1.0})
+    text = rule.main([str(tmp_path / "cmp"), str(tmp_path / "steps")])
+    assert "Provisional, no pick" in text and "iid4: maybe, dir8: maybe" in text
+    assert not (tmp_path / "cmp" / "default_rule.md").exists()
+
+
+def test_the_rule_falls_to_the_iid_cell_when_no_method_qualifies_in_both(scripts, tmp_path):
+    _, rule = scripts
+    write_cell(
+        tmp_path / "cmp",
+        "iid4",
+        [entry("dense", None, 100.0), entry("a", (-0.004, 0.002), 3.0), entry("b", (-0.003, 0.003), 6.0)],
+    )
+    write_cell(
+        tmp_path / "cmp",
+        "dir8",
+        [entry("dense", None, 50.0), entry("a", (-0.05, -0.02), 1.0), entry("b", (-0.04, -0.015), 2.0)],
+    )
+    rule.STEP_ROWS.update({"a": "a", "b": "b"})
+    write_steps(tmp_path / "steps", {"a": 1.0, "b": 1.0})
+    text = rule.main([str(tmp_path / "cmp"), str(tmp_path / "steps")])
+    assert "falls to iid4 alone and picks **a** (0.0300 of dense's bytes there)" in text
+    assert "on dir8 its gap to dense is -3.50 ± 1.50 (n=3) points" in text
+
+
+def test_lgc_verdict_weighs_lgc_at_dense_accuracy_against_dgc(scripts, tmp_path):
+    verdict, _ = scripts
+    for cell in ("iid4", "dir8"):
+        rows = [entry("dense", None, 800.0), entry("dgc", (-0.008, 0.0), 30.0)]
+        rows += [entry("lgc_rar", (-0.009, 0.002), 9.0), entry("lgc_ps", (-0.03, 0.01), 2.0)]
+        rows += [entry(k, (-0.005, 0.005), 20.0) for k in verdict.SHOWN if k not in ("dense", "dgc")]
+        write_cell(tmp_path / "cmp", cell, rows)
+    text = verdict.main([str(tmp_path / "cmp")])
+    assert text.count("LGC's fewest bytes at dense's accuracy: " + verdict.LGC["lgc_rar"] + ", 9 MB.") == 2
+    assert text.count("DGC's bytes over LGC's: 3.33 (goal: at least 3; met).") == 2
+    assert text.count("Undecided at 3-4 seeds") == 2 and "lgc_ps" in text
+    assert (tmp_path / "cmp" / "lgc_verdict.md").read_text() == text
