@@ -129,46 +129,58 @@ def _row(entry: dict, name: str) -> str:
     )
 
 
+def indistinguishable(entry: dict | None) -> bool:
+    """Weighed and ``≈ dense`` or above: the paired interval holds 0 (the goal's wording in the LGC issue)."""
+    return paired(entry) >= MIN_PAIRED and (entry or {}).get("vs_dense") in ("≈ dense", "above")
+
+
+#: The two readings of "at dense's accuracy" the goal is checked under: the rule's (non-inferior within
+#: the margin) and the weaker one (the interval holds 0, which a wide interval passes).
+READINGS = {
+    f"within {100 * MARGIN:g} point of dense (the rule's reading)": at_dense_accuracy,
+    "indistinguishable from dense (the interval holds 0)": indistinguishable,
+}
+
+
 def verdict_of_cell(entries: dict[str, dict]) -> list[str]:
-    """The goal's two comparisons in one cell, in words, from the entries at dense's accuracy."""
+    """The goal's two comparisons in one cell, in words, under each of ``READINGS``."""
 
     def mb(label: str) -> float:
         return entries[label]["wire_mb_per_worker"]["mean"]
 
-    close = {label for label, e in entries.items() if at_dense_accuracy(e)}
-    lgc = sorted((label for label in close if label in LGC), key=mb)
-    others = sorted((label for label in close if label not in LGC and label != "dense"), key=mb)
     lines = []
     undecided = sorted((label for label, e in entries.items() if standing(e) == "undecided"), key=mb)
     if undecided:
         lines.append(
             f"- Undecided at {MIN_PAIRED}-{MAX_SEEDS - 1} seeds (the interval straddles -{100 * MARGIN:g} point; "
-            f"more seeds decide), counted as not at dense's accuracy: {', '.join(undecided)}."
+            f"more seeds decide), counted as not within it: {', '.join(undecided)}."
         )
     if "dgc" in entries:
         lines.append(
             f"- DGC: {mb('dgc'):.3g} MB, {entries['dgc'].get('vs_dense', '-')} "
             f"({_interval(entries['dgc'].get('gap_to_dense'), 100, 2)} points)."
         )
-    if not lgc:
-        lines.append(
-            f"- No LGC setting is within {100 * MARGIN:g} point of dense here: the goal is not met at dense's accuracy."
-        )
-        return lines
-    best = lgc[0]
-    lines.append(f"- LGC's fewest bytes at dense's accuracy: {LGC[best]}, {mb(best):.3g} MB.")
-    if "dgc" in entries:
-        factor = mb("dgc") / mb(best)
-        met = "met" if factor >= GOAL_VS_DGC else "not met"
-        lines.append(f"  DGC's bytes over LGC's: {factor:.2f} (goal: at least {GOAL_VS_DGC:g}; {met}).")
-    if others:
-        rival = others[0]
-        met = "met" if mb(best) < mb(rival) else "not met"
-        name = SHOWN.get(rival, rival)
-        lines.append(
-            f"  Fewer than the non-learned method with the fewest at dense's accuracy, {name} "
-            f"({mb(rival):.3g} MB): {met}."
-        )
+    for reading, close_to_dense in READINGS.items():
+        close = {label for label, e in entries.items() if close_to_dense(e)}
+        lgc = sorted((label for label in close if label in LGC), key=mb)
+        others = sorted((label for label in close if label not in LGC and label != "dense"), key=mb)
+        if not lgc:
+            lines.append(f"- {reading}: no LGC setting; the goal is not met.")
+            continue
+        best = lgc[0]
+        lines.append(f"- {reading}: LGC's fewest bytes are {LGC[best]}, {mb(best):.3g} MB.")
+        if "dgc" in entries:
+            factor = mb("dgc") / mb(best)
+            met = "met" if factor >= GOAL_VS_DGC else "not met"
+            lines.append(f"  DGC's bytes over LGC's: {factor:.2f} (goal: at least {GOAL_VS_DGC:g}; {met}).")
+        if others:
+            rival = others[0]
+            met = "met" if mb(best) < mb(rival) else "not met"
+            name = SHOWN.get(rival, rival)
+            lines.append(
+                f"  Fewer than the non-learned method with the fewest bytes under this reading, {name} "
+                f"({mb(rival):.3g} MB): {met}."
+            )
     return lines
 
 
