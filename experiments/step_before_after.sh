@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The DDP step's cost before and after a change, side by side on this machine: `lgc-bench step`
+# (ResNet-50 shapes, 2 gloo workers, one thread each) of the tree at BEFORE (a git commit, checked
+# out into a temporary worktree) and of this tree, alternately ROUNDS times per density (before,
+# after, before, after, ...), so load changes hit both alike; then a table of each method's median
+# CPU step over the no-communication step of the same run (`cpu_x`, which both trees report), before
+# and after, with the load average of every run. The methods are the per-step ones both trees take
+# (the older tree has no DDP row and no delay knobs). Needs a quiet machine (timings), about 25 min.
+#   experiments/step_before_after.sh BEFORE [OUT]      (OUT default: experiments/results/step_before_after)
+#   ROUNDS=1 DENSITIES=0.01 experiments/step_before_after.sh bcf3643
+set -euo pipefail
+before=${1:?usage: experiments/step_before_after.sh BEFORE_COMMIT [OUT]}
+out=$(realpath -m "${2:-experiments/results/step_before_after}")
+rounds=${ROUNDS:-2}
+densities=${DENSITIES:-0.001 0.01}
+methods=${METHODS:-none,torch_fp16,powersgd,topk,dgc,sbc,redsync,shared_topk_int8,lgc_rar,demo}
+root=$(git rev-parse --show-toplevel)
+tree=$(mktemp -d)
+trap 'git -C "$root" worktree remove --force "$tree" > /dev/null 2>&1 || rm -rf "$tree"' EXIT
+git -C "$root" worktree add --detach --force "$tree" "$before" > /dev/null
+mkdir -p "$out"
+for density in $densities; do
+  for round in $(seq 1 "$rounds"); do
+    (cd "$tree" && PYTHONPATH="$tree" python -m lgc.bench.cli step --density "$density" --steps 10 --rounds 2 \
+      --methods "$methods" --json "$out/before_${density}_$round.json" > "$out/before_${density}_$round.md" 2>&1)
+    (cd "$root" && PYTHONPATH="$root" python -m lgc.bench.cli step --density "$density" --steps 10 --rounds 2 \
+      --methods "$methods" --json "$out/after_${density}_$round.json" > "$out/after_${density}_$round.md" 2>&1)
+  done
+done
+python - "$out" "$before" "$(git -C "$root" rev-parse --short HEAD)" "$rounds" "$densities" <<'PY' | tee "$out/README.md"
+import json, statistics, sys
+from pathlib import Path
+
+out, before, after, rounds, densities = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split()
+
+
+def runs(side: str, density: str) -> list[dict]:
+    return [json.loads((out / f"{side}_{density}_{r}.json").read_text()) for r in range(1, rounds + 1)]
+
+
+print(f"# The DDP step before ({before}) and after ({after}), side by side\n")
+first = runs("after", densities[0])[0]
+print(f"`lgc-bench step --steps 10 --rounds 2`: {first['model']}, {first['workers']} gloo workers, one thread each, "
+      f"{rounds} alternating runs of each tree per density (before, after, ...). x no-comm: a method's median CPU step "
+      "(all workers) over the no-communication step (`no_sync`) of the same run; the median over the runs is shown.\n")
+for density in densities:
+    old, new = runs("before", density), runs("after", density)
+    print(f"## density {density}\n")
+    print("| method | before x no-comm | after x no-comm | after / before |")
+    print("|---|---|---|---|")
+    names = [n for n in new[0]["rows"] if n != "no_sync"]
+    for name in names:
+        a = statistics.median(r["rows"][name]["cpu_x"] for r in old) if name in old[0]["rows"] else None
+        b = statistics.median(r["rows"][name]["cpu_x"] for r in new)
+        change = f"{b / a:.2f}" if a else "-"
+        print(f"| {name} | {'-' if a is None else f'{a:.2f}'} | {b:.2f} | {change} |")
+    print("\nLoad average (1 / 5 / 15 min) at the start of each run:\n")
+    for side, group in (("before", old), ("after", new)):
+        for r, run in enumerate(group, 1):
+            print(f"- {side} {r}: {' / '.join(f'{x:.2f}' for x in run['load_average'][0])}")
+    print()
+PY
