@@ -211,8 +211,6 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         # Reused scratch buffers (|v| and a comparison mask) per (device, dtype): allocating and
         # page-faulting a fresh 100 MB buffer per call costs more than the passes themselves.
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        #: The block maxima of the magnitudes :meth:`select` is working on (CPU, large tensors).
-        self._blocks: _BlockMaxima | None = None
 
     # ----------------------------------------------------------------------------------------
     # selection
@@ -238,7 +236,12 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         return torch.gt(magnitudes, threshold, out=buffer[: magnitudes.numel()])
 
     def _above(
-        self, magnitudes: Tensor, threshold: float, at_least: int = 0, below: int | None = None
+        self,
+        magnitudes: Tensor,
+        threshold: float,
+        at_least: int = 0,
+        below: int | None = None,
+        blocks: _BlockMaxima | None = None,
     ) -> Tensor | None:
         """Positions of the entries above ``threshold`` if their count is in ``[at_least, below)``, else None.
 
@@ -247,10 +250,9 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         own magnitudes with its block maxima at hand (:meth:`select` on the CPU), only the blocks
         whose maximum is above the threshold (or NaN) are compared: the same count and positions,
         at the cost of those blocks rather than of the tensor (counted as one pass over it, the
-        algorithm's cost).
+        algorithm's cost). ``blocks``: the block maxima of ``magnitudes`` (None: compare them all).
         """
-        blocks = self._blocks
-        if blocks is not None and blocks.magnitudes is magnitudes:
+        if blocks is not None:
             hot = (~(blocks.maxima <= threshold)).nonzero().squeeze(1)  # a NaN maximum: searched too
             if 4 * hot.numel() <= blocks.maxima.numel():
                 return self._above_in_blocks(blocks, hot, threshold, at_least, below)
@@ -278,9 +280,8 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         positions = hot[row].mul_(size).add_(column)
         return torch.cat([positions, tail.nonzero().squeeze(1).add_(covered)]) if tail.numel() else positions
 
-    def _mean_max(self, magnitudes: Tensor) -> tuple[float, float]:
-        blocks = self._blocks
-        if blocks is not None and blocks.magnitudes is magnitudes:
+    def _mean_max(self, magnitudes: Tensor, blocks: _BlockMaxima | None) -> tuple[float, float]:
+        if blocks is not None:
             tail = magnitudes[blocks.maxima.numel() * _BLOCK :]
             top = torch.cat([blocks.maxima, tail]).max()  # NaN anywhere shows, as magnitudes.max()
             return float(magnitudes.mean()), float(top)
@@ -321,26 +322,26 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         plausible = (predicted >= k / 2).nonzero()
         return int(plausible[0]) if plausible.numel() else len(thresholds) - 1
 
-    def _trim(self, magnitudes: Tensor, k: int) -> tuple[Tensor, float] | None:
+    def _trim(self, magnitudes: Tensor, k: int, blocks: _BlockMaxima | None) -> tuple[Tensor, float] | None:
         """RedSync's trimming: positions above the highest ``mean + ratio (max - mean)`` that keeps ``>= k``.
 
         Returns the positions and that threshold, or None when fewer than ``k`` entries lie
         above the mean (high density or ties).
         """
-        mean, top = self._mean_max(magnitudes)
+        mean, top = self._mean_max(magnitudes, blocks)
         thresholds = [mean + (1.0 - 0.2 * step) * (top - mean) for step in range(1, 6)]  # ratio 0.8, ..., 0.0
         for threshold in thresholds[self._first_plausible(magnitudes, thresholds, k) :]:
-            survivors = self._above(magnitudes, threshold, at_least=k)
+            survivors = self._above(magnitudes, threshold, at_least=k, blocks=blocks)
             if survivors is not None:
                 return survivors, threshold
         return None
 
-    def _trimmed_topk(self, magnitudes: Tensor, k: int, key: str) -> Tensor:
+    def _trimmed_topk(self, magnitudes: Tensor, k: int, key: str, blocks: _BlockMaxima | None) -> Tensor:
         if self.reuse_threshold and key in self.thresholds:
-            survivors = self._above(magnitudes, self.thresholds[key], at_least=k, below=2 * k)
+            survivors = self._above(magnitudes, self.thresholds[key], at_least=k, below=2 * k, blocks=blocks)
             if survivors is not None:
                 return self._exact_topk(magnitudes, survivors, k, key)
-        trimmed = self._trim(magnitudes, k)
+        trimmed = self._trim(magnitudes, k, blocks)
         if trimmed is None:
             return self._exact_topk(magnitudes, None, k, key)
         survivors, threshold = trimmed
@@ -348,12 +349,12 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
             self.thresholds[key] = threshold  # replaced by a mid-range one if enough survive
         return self._exact_topk(magnitudes, survivors, k, key)
 
-    def _binary_search(self, magnitudes: Tensor, k: int, key: str) -> Tensor:
+    def _binary_search(self, magnitudes: Tensor, k: int, key: str, blocks: _BlockMaxima | None) -> Tensor:
         if self.reuse_threshold and key in self.thresholds:
-            survivors = self._above(magnitudes, self.thresholds[key], at_least=k, below=2 * k)
+            survivors = self._above(magnitudes, self.thresholds[key], at_least=k, below=2 * k, blocks=blocks)
             if survivors is not None:
                 return survivors
-        mean, top = self._mean_max(magnitudes)
+        mean, top = self._mean_max(magnitudes, blocks)
         span = top - mean
         # Every threshold tried from now on is >= thr(l), so entries at or below thr(l) never
         # count again: the candidates shrink to those above thr(l) once that pays off. Counts,
@@ -383,7 +384,7 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         # No threshold in the bisected range passes k to 2k - 1 entries (ties or a very skewed
         # distribution). Cut the survivors of thr(low) to exactly k, or fall back to exact top-k.
         self.thresholds.pop(key, None)
-        above = self._above(candidates, mean + low * span, at_least=k)
+        above = self._above(candidates, mean + low * span, at_least=k, blocks=blocks if positions is None else None)
         if above is not None:
             survivors = above if positions is None else positions[above]
             return self._exact_topk(magnitudes, survivors, k, key)
@@ -396,15 +397,13 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         if k >= numel:
             return torch.arange(numel, device=tensor.device)
         magnitudes = self._magnitudes(tensor)
+        blocks = None
         if magnitudes.device.type == "cpu" and numel >= _BLOCKED_MIN_NUMEL:
             # One reduction pass; then a threshold costs only the blocks whose maximum reaches it.
-            self._blocks = _BlockMaxima(magnitudes, magnitudes[: numel // _BLOCK * _BLOCK].view(-1, _BLOCK).amax(1))
-        try:
-            if self.method == "trimmed_topk":
-                return self._trimmed_topk(magnitudes, k, key)
-            return self._binary_search(magnitudes, k, key)
-        finally:
-            self._blocks = None
+            blocks = _BlockMaxima(magnitudes, magnitudes[: numel // _BLOCK * _BLOCK].view(-1, _BLOCK).amax(1))
+        if self.method == "trimmed_topk":
+            return self._trimmed_topk(magnitudes, k, key, blocks)
+        return self._binary_search(magnitudes, k, key, blocks)
 
     # ----------------------------------------------------------------------------------------
     # the Compressor interface
@@ -492,10 +491,7 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
 
     def __getstate__(self) -> dict[str, Any]:
         # Scratch buffers are caches: never pickle them into spawned workers or checkpoints.
-        return {**self.__dict__, "_scratch": {}, "_pending": {}, "_blocks": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_blocks": None, **state})
+        return {**self.__dict__, "_scratch": {}, "_pending": {}}
 
     def __repr__(self) -> str:
         return (
