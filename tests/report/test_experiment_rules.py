@@ -146,3 +146,31 @@ def test_lgc_verdict_weighs_lgc_at_dense_accuracy_against_dgc(scripts, tmp_path)
     assert text.count("DGC's bytes over LGC's: 15.00 (goal: at least 3; met).") == 2
     assert text.count("Undecided at 3-4 seeds") == 2
     assert (tmp_path / "cmp" / "lgc_verdict.md").read_text() == text
+
+
+def test_the_readme_table_is_the_generated_one(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("which_method", None)
+    which = importlib.import_module("which_method")
+    readme = which.README.read_text()
+    assert which.BEGIN in readme, "README.md lost its which-method table markers"
+    block = readme[readme.index(which.BEGIN) + len(which.BEGIN) : readme.index(which.END)].strip()
+    expected = which.table(EXPERIMENTS / "results" / "fashion_mnist")
+    assert block == expected, "README's table drifted from the reports: python experiments/which_method.py --write"
+    assert which.replace_in(readme, expected) == readme
+
+
+def test_the_table_marks_each_cell(scripts, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("which_method", None)
+    which = importlib.import_module("which_method")
+    write_cell(tmp_path, "iid4", [entry("dense", None, 800.0), entry("dgc", (-0.008, -0.001), 30.0)])
+    write_cell(tmp_path, "dir8", [entry("dense", None, 400.0), entry("dgc", (-0.05, 0.01), 20.0)])
+    lines = which.table(tmp_path).splitlines()
+    assert lines[3] == (
+        f"| {which.ROWS['dgc']} | 3 | 0.9000 ± 0.0100 | -0.45 ± 0.35 below ✓ | 30 "
+        "| 3 | 0.9000 ± 0.0100 | -2.00 ± 3.00 ≈ ? | 20 |"
+    )
+    (tmp_path / "iid4" / "report" / "seeds.json").write_text(json.dumps([entry("nameless", (-0.01, 0.0), 1.0)]))
+    with pytest.raises(SystemExit, match="nameless"):
+        which.table(tmp_path)

@@ -1,0 +1,120 @@
+"""The README's "Which method" table, generated from both Fashion-MNIST cells' over-seeds reports.
+
+    python experiments/which_method.py [RESULTS]            # print the table
+    python experiments/which_method.py [RESULTS] --write    # replace the table in README.md
+
+Reads ``RESULTS/CELL/report/seeds.json`` (``lgc-report``'s over-seeds table; RESULTS defaults to
+this folder's ``results/fashion_mnist``) and prints one row per method: per cell, accuracy (mean ±
+half-width of the 95 % interval over seeds, Student t), the gap to dense paired by seed with ``≈``
+where its interval holds 0 (``below`` / ``above`` where it does not), whether the method is at
+dense's accuracy there as the default's rule counts it (``lgc_verdict.standing``: ✓ non-inferior
+within 1 point, ✗ not, ``?`` undecided: the interval straddles that line), and whole-run wire MB per
+worker. The README holds the table between the markers ``<!-- which-method:begin -->`` and
+``<!-- which-method:end -->``; ``--write`` replaces what is between them, and a test checks that
+the README's table is this script's output for the committed results, so its numbers cannot drift
+from them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from lgc_verdict import CELLS, load_cell, standing
+
+HERE = Path(__file__).parent
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- which-method:begin -->", "<!-- which-method:end -->"
+
+#: Row label in the comparison -> its name in the table, in the table's order (grouped, not ranked).
+ROWS = {
+    "dense": "dense (DDP's fp32 allreduce)",
+    "fp16": "PyTorch's fp16 hook",
+    "powersgd": "PyTorch's PowerSGD hook, rank 2",
+    "topk": "top-k 1 % with error feedback",
+    "dgc": "DGC 0.1 % (its warm-up over 2.5 % of the run)",
+    "default": "**shared-index int8, 1 warm-up step, Golomb positions (the default)**",
+    "shared_topk_int8": "shared-index int8, 30 dense warm-up steps, raw positions",
+    "shared_topk_fp16": "shared-index fp16, 30 dense warm-up steps, raw positions",
+    "lgc_rar": "LGC-RAR (autoencoder, 30 dense warm-up steps)",
+    "lgc_rar_linear": "LGC-RAR, linear codec (PCA), 30 warm-up steps",
+    "lgc_rar_lean": "LGC-RAR, linear codec, int8 latents, Golomb positions, 1 warm-up step",
+    "lgc_ps": "LGC-PS (innovation 0.1 %)",
+    "redsync": "RedSync 0.1 % (trimmed top-k)",
+    "terngrad": "TernGrad",
+    "signsgd": "EF-signSGD (scaled sign with error feedback)",
+    "qsgd": "QSGD, 4 levels, buckets of 512",
+    "random_block": "random-block 1 %, shared offsets, error feedback",
+    "sbc": "SBC 1 %",
+    "sbc_delay": "SBC 1 %, exchanging every 4 steps",
+    "sbc_delay_all": "SBC 1 %, exchanging every 4 steps, every parameter through it",
+    "diloco_h10": "DiLoCo, H = 10",
+    "diloco_h50": "DiLoCo, H = 50",
+    "sparseloco": "SparseLoCo, H = 10",
+    "demo": "DeMo",
+    "default_delay": "the default's codec, exchanging the weight updates of 4 local steps",
+    "lgc_rar_lean_delay": "LGC-RAR linear, int8, Golomb, 1 warm-up step, exchanging every 4 steps",
+    "default_all": "the default, every parameter through the codec",
+    "lgc_rar_lean_all": "LGC-RAR linear, int8, Golomb, 1 warm-up step, every parameter",
+    "lgc_rar_lean_delay_all": "the same, exchanging the weight updates of 4 local steps",
+    "default_delay_all": "the default, every parameter, exchanging the weight updates of 4 local steps",
+}
+MARKS = {"yes": "✓", "no": "✗", "undecided": "?", "unweighed": ""}
+
+
+def _cells(entry: dict | None) -> list[str]:
+    """A cell's four columns for one method: n, accuracy, paired gap with its mark, MB."""
+    if entry is None:
+        return ["-", "not run", "-", "-"]
+    acc = entry["val/acc"]
+    accuracy = f"{acc['mean']:.4f}" + (f" ± {acc['half_width']:.4f}" if acc.get("half_width") is not None else "")
+    gap = entry.get("gap_to_dense")
+    if not gap:
+        gap_text = "-"
+    else:
+        half = gap.get("half_width")
+        gap_text = f"{100 * gap['mean']:+.2f}" + (f" ± {100 * half:.2f}" if half is not None else "")
+        word = {"≈ dense": "≈", "below": "below", "above": "above"}.get(entry.get("vs_dense", ""), "")
+        gap_text = " ".join(part for part in (gap_text, word, MARKS[standing(entry)]) if part)
+    return [str(entry["n"]), accuracy, gap_text, f"{entry['wire_mb_per_worker']['mean']:.3g}"]
+
+
+def table(results: Path) -> str:
+    """The markdown table (no trailing newline) from both cells' reports."""
+    cells = {cell: load_cell(results, cell) for cell in CELLS}
+    header = ["method"]
+    for cell in CELLS:
+        header += [f"{cell}: n", f"{cell}: val/acc", f"{cell}: gap to dense, points", f"{cell}: MB/worker"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    unknown = sorted({label for entries in cells.values() for label in entries} - set(ROWS))
+    if unknown:
+        raise SystemExit(f"which_method.py: no table name for {', '.join(unknown)}: add them to ROWS")
+    for label, name in ROWS.items():
+        if not any(label in entries for entries in cells.values()):
+            continue
+        row = [name]
+        for cell in CELLS:
+            row += _cells(cells[cell].get(label))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def replace_in(readme: str, text: str) -> str:
+    """``readme`` with the text between the markers replaced by ``text``."""
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+    return readme[: start + len(BEGIN)] + "\n" + text + "\n" + readme[end:]
+
+
+def main(argv: list[str]) -> str:
+    args = [a for a in argv if a != "--write"]
+    results = Path(args[0] if args else HERE / "results" / "fashion_mnist")
+    text = table(results)
+    if "--write" in argv:
+        README.write_text(replace_in(README.read_text(), text))
+    return text
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]))
