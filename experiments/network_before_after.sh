@@ -30,7 +30,8 @@ for round in $(seq 1 "$rounds"); do
     cat /proc/loadavg > "$out/${side}_$round.load"
     (cd "$dir" && PYTHONPATH="$dir" python -m lgc.bench.cli network --task digits --workers 4 --bandwidth "$bandwidth" \
       --steps "$steps" --methods "$methods" --out "$out/${side}_$round" > "$out/${side}_$round.log" 2>&1)
-    rm -f "$out/${side}_$round"/network.json "$out/${side}_$round"/network.json.gz "$out/${side}_$round"/*.png
+    rm -f "$out/${side}_$round"/network.json "$out/${side}_$round"/network.json.gz "$out/${side}_$round"/*.png \
+      "$out/${side}_$round.log"  # its stdout names the temporary worktree; network.md holds the tables
   done
 done
 python - "$out" "$before" "$(git -C "$root" rev-parse --short HEAD)" "$rounds" "$bandwidth" <<'PY' | tee "$out/README.md"
