@@ -7,7 +7,7 @@
 # delay 4, SparseLoCo and DiLoCo with H = 10) are read by their mean step: 20 timed steps each
 # (2 rounds x 10), a multiple of every delay; DiLoCo with H = 50 exchanges 5x less often than
 # with H = 10, whose row bounds its cost. Needs a quiet machine (timings) and about 30 min; writes
-OUT/step_DENSITY.{md,json} and OUT/step_DENSITY_more.{md,json}.
+# OUT/step_DENSITY.{md,json} and OUT/step_DENSITY_more.{md,json}.
 #   experiments/step_cost.sh [OUT]
 set -euo pipefail
 out=${1:-experiments/results/step_cost}
