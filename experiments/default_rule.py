@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from lgc_verdict import CELLS, MARGIN, MAX_SEEDS, MIN_PAIRED, load_cell, paired, standing, unfinished
+from lgc_verdict import CELLS, MARGIN, MARKS, MAX_SEEDS, MIN_PAIRED, load_cell, paired, standing, unfinished
 
 HERE = Path(__file__).parent
 #: The comparison's method -> the row of experiments/step_cost.sh's tables that times the same setup
@@ -78,9 +78,6 @@ def _gap(entry: dict | None) -> str:
     if not gap:
         return f"{entry.get('vs_dense', '-')} (n=0)"
     return f"{100 * gap['mean']:+.2f} ± {100 * (gap.get('half_width') or 0):.2f} (n={paired(entry)})"
-
-
-MARKS = {"yes": "✓", "no": "✗", "undecided": "?", "unweighed": ""}
 
 
 def pick(

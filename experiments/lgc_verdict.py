@@ -87,6 +87,10 @@ def standing(entry: dict | None, margin: float = MARGIN) -> str:
     return "undecided"
 
 
+#: How tables mark each ``standing``: ✓ at dense's accuracy, ✗ not, ? undecided, nothing when unweighed.
+MARKS = {"yes": "✓", "no": "✗", "undecided": "?", "unweighed": ""}
+
+
 def at_dense_accuracy(entry: dict | None, margin: float = MARGIN) -> bool:
     """``standing(entry) == "yes"``: weighed and non-inferior to dense within ``margin``."""
     return standing(entry, margin) == "yes"

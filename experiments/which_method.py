@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from lgc_verdict import CELLS, load_cell, standing
+from lgc_verdict import CELLS, MARKS, load_cell, standing
 
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
@@ -59,7 +59,6 @@ ROWS = {
     "lgc_rar_lean_delay_all": "the same, exchanging the weight updates of 4 local steps",
     "default_delay_all": "the default, every parameter, exchanging the weight updates of 4 local steps",
 }
-MARKS = {"yes": "✓", "no": "✗", "undecided": "?", "unweighed": ""}
 
 
 def _cells(entry: dict | None) -> list[str]:
