@@ -12,9 +12,10 @@ mean CPU time, ``step_cost/step_DENSITY[_GROUP].json``, each over DDP's row of i
 undecided method that could send fewer bytes than the pick gets more seeds (up to ``MAX_SEEDS``)
 before anything is picked; if no method qualifies in both cells, the rule falls to ``SECOND_TIER``.
 Bytes are compared as each cell's fraction of dense's bytes, averaged over the two cells (the
-cells differ in workers, so their MB do not add up). Prints the table; until every method of either
-cell has run over 3 seeds paired with dense in both, it is provisional, picks nothing and writes
-nothing; then it writes ``COMPARISON/default_rule.md``.
+cells differ in workers, so their MB do not add up). Prints the table; until every method whose step
+is admitted has run over 3 seeds paired with dense in both cells (one that a cell puts below dense
+by more than the margin excepted), it is provisional, picks nothing and writes nothing; then it
+writes ``COMPARISON/default_rule.md``.
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ def _gap(entry: dict | None) -> str:
     return f"{100 * gap['mean']:+.2f} ± {100 * (gap.get('half_width') or 0):.2f} (n={paired(entry)})"
 
 
+def admitted(label: str, steps: dict[str, dict[str, float]]) -> bool:
+    """Whether the method's DDP step is timed at every density and costs at most ``MAX_STEP_VS_DDP`` there."""
+    step = steps.get(STEP_ROWS.get(label, ""))
+    return step is not None and all(d in step and step[d] <= MAX_STEP_VS_DDP for d in DENSITIES)
+
+
 def pick(
     cells: dict[str, dict[str, dict]], steps: dict[str, dict[str, float]]
 ) -> tuple[list[str], str | None, str, list[str]]:
@@ -115,9 +122,8 @@ def pick(
             entry, dense = cells[cell].get(label), cells[cell].get("dense")
             if entry is not None and dense is not None:
                 fractions[label][cell] = entry["wire_mb_per_worker"]["mean"] / dense["wire_mb_per_worker"]["mean"]
-        row = STEP_ROWS.get(label)
-        step = steps.get(row) if row else None
-        cheap[label] = step is not None and all(d in step and step[d] <= MAX_STEP_VS_DDP for d in DENSITIES)
+        step = steps.get(STEP_ROWS.get(label, ""))
+        cheap[label] = admitted(label, steps)
         stand[label] = {cell: standing(cells[cell].get(label)) for cell in CELLS}
         gaps = " | ".join(f"{_gap(cells[cell].get(label))} {MARKS[stand[label][cell]]}".rstrip() for cell in CELLS)
         bytes_text = " / ".join(f"{fractions[label][c]:.4f}" if c in fractions[label] else "-" for c in CELLS)
@@ -209,11 +215,13 @@ def main(argv: list[str]) -> str:
         *rows,
         "",
     ]
-    labels = {label for entries in cells.values() for label in entries} - {"dense"}
+    # Only a method the step bound admits can be picked, so only those hold the pick back until they have run.
+    labels = {label for entries in cells.values() for label in entries if admitted(label, steps)} - {"dense"}
     missing = unfinished(cells, labels)
     if missing:
         lines.append(
-            f"Provisional, no pick: not yet run over {MIN_PAIRED} seeds paired with dense: {', '.join(missing)}."
+            f"Provisional, no pick: not yet run over {MIN_PAIRED} seeds paired with dense (of the methods whose "
+            f"step is admitted): {', '.join(missing)}."
         )
     elif waits:
         lines.append(f"Provisional, no pick. {sentence} Run more seeds (with dense's) for: {', '.join(waits)}.")

@@ -111,6 +111,37 @@ def test_an_undecided_method_with_fewer_bytes_keeps_the_rule_waiting(scripts, tm
     assert not (tmp_path / "cmp" / "default_rule.md").exists()
 
 
+def test_only_a_method_the_step_bound_admits_holds_the_pick_until_it_has_run(scripts, tmp_path):
+    _, rule = scripts
+    write_cell(
+        tmp_path / "cmp",
+        "iid4",
+        [entry("dense", None, 100.0), entry("close", (-0.005, 0.004), 5.0), entry("slow", (-0.01, 0.01), 1.0)],
+    )
+    write_cell(tmp_path / "cmp", "dir8", [entry("dense", None, 100.0), entry("close", (-0.005, 0.004), 5.0)])
+    rule.STEP_ROWS.update({"close": "close", "slow": "slow"})
+    write_steps(tmp_path / "steps", {"close": 1.0, "slow": 1.3})
+    assert "The rule picks **close**" in rule.main([str(tmp_path / "cmp"), str(tmp_path / "steps")])
+    # The same method admitted: the Dirichlet cell must run it first.
+    write_steps(tmp_path / "steps", {"close": 1.0, "slow": 1.2})
+    (tmp_path / "cmp" / "default_rule.md").unlink()
+    text = rule.main([str(tmp_path / "cmp"), str(tmp_path / "steps")])
+    assert "Provisional, no pick" in text and "dir8: slow" in text
+    assert not (tmp_path / "cmp" / "default_rule.md").exists()
+
+
+def test_step_rows_are_read_from_every_group_over_its_own_ddp_row(scripts, tmp_path):
+    _, rule = scripts
+    write_steps(tmp_path, {"a": 1.1})
+    for density in ("0.001", "0.01"):  # another group's run, its DDP row slower: b is 1.2x its own DDP
+        table = {"rows": {"ddp": {"mean_cpu_x": 3.0}, "b": {"mean_cpu_x": 3.6}}}
+        (tmp_path / f"step_{density}_more.json").write_text(json.dumps(table))
+    steps = rule._steps(tmp_path)
+    assert steps["a"] == pytest.approx({"0.001": 1.1, "0.01": 1.1})
+    assert steps["b"] == pytest.approx({"0.001": 1.2, "0.01": 1.2})
+    assert steps["ddp"] == {"0.001": 1.0, "0.01": 1.0}
+
+
 def test_the_rule_falls_to_the_iid_cell_when_no_method_qualifies_in_both(scripts, tmp_path):
     _, rule = scripts
     write_cell(
