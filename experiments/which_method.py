@@ -29,7 +29,7 @@ BEGIN, END = "<!-- which-method:begin -->", "<!-- which-method:end -->"
 #: Row label in the comparison -> its name in the table, in the table's order (grouped, not ranked).
 ROWS = {
     "dense": "dense (DDP's fp32 allreduce)",
-    "fp16": "PyTorch's fp16 hook",
+    "fp16": "fp16 (lgc's hook: the gradients allreduced in half precision)",
     "powersgd": "PyTorch's PowerSGD hook, rank 2",
     "topk": "top-k 1 % with error feedback",
     "dgc": "DGC 0.1 % (its warm-up over 2.5 % of the run)",
