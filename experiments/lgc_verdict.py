@@ -146,6 +146,26 @@ READINGS = {
 }
 
 
+def goal_met(entries: dict[str, dict], close: set[str]) -> tuple[bool, bool]:
+    """The goal's two parts, given the labels counted at dense's accuracy: LGC's fewest bytes among
+    them at least ``GOAL_VS_DGC`` x fewer than DGC's, and fewer than every non-learned one's."""
+
+    def mb(label: str) -> float:
+        return entries[label]["wire_mb_per_worker"]["mean"]
+
+    lgc = [mb(label) for label in close if label in LGC]
+    if not lgc:
+        return False, False
+    others = [mb(label) for label in close if label not in LGC and label != "dense"]
+    vs_dgc = "dgc" in entries and mb("dgc") / min(lgc) >= GOAL_VS_DGC
+    return vs_dgc, not others or min(lgc) < min(others)
+
+
+def _goal_words(met: tuple[bool, bool]) -> str:
+    vs_dgc, vs_rest = met
+    return f"{'met' if vs_dgc else 'not met'} against DGC and {'met' if vs_rest else 'not met'} against the rest"
+
+
 def verdict_of_cell(entries: dict[str, dict]) -> list[str]:
     """The goal's two comparisons in one cell, in words, under each of ``READINGS``."""
 
@@ -163,6 +183,15 @@ def verdict_of_cell(entries: dict[str, dict]) -> list[str]:
         lines.append(
             f"- DGC: {mb('dgc'):.3g} MB, {entries['dgc'].get('vs_dense', '-')} "
             f"({_interval(entries['dgc'].get('gap_to_dense'), 100, 2)} points)."
+        )
+    if undecided:
+        pessimistic = goal_met(entries, {label for label, e in entries.items() if at_dense_accuracy(e)})
+        optimistic = goal_met(entries, {label for label, e in entries.items() if standing(e) in ("yes", "undecided")})
+        can = "cannot change" if pessimistic == optimistic else "can still change"
+        more = "" if pessimistic == optimistic else "; more seeds decide"
+        lines.append(
+            f"- The undecided rows {can} the goal's outcome under the rule's reading: counted as within the "
+            f"margin, {_goal_words(optimistic)}; counted as not, {_goal_words(pessimistic)}{more}."
         )
     for reading, close_to_dense in READINGS.items():
         close = {label for label, e in entries.items() if close_to_dense(e)}

@@ -179,6 +179,22 @@ def test_lgc_verdict_weighs_lgc_at_dense_accuracy_against_dgc(scripts, tmp_path)
     assert (tmp_path / "cmp" / "lgc_verdict.md").read_text() == text
 
 
+def test_lgc_verdict_says_whether_the_undecided_rows_can_change_the_goal(scripts, tmp_path):
+    verdict, _ = scripts
+    base = [entry("dense", None, 800.0), entry("dgc", (-0.008, 0.0), 30.0), entry("lgc_rar", (-0.009, 0.002), 20.0)]
+    # An undecided LGC setting at 2 MB would meet both parts if it turned out within the margin.
+    write_cell(tmp_path / "a", "iid4", [*base, entry("lgc_ps", (-0.03, 0.01), 2.0)])
+    cell = verdict.load_cell(tmp_path / "a", "iid4")
+    assert verdict.goal_met(cell, {"dgc", "lgc_rar"}) == (False, True)  # DGC's 30 MB over 20: 1.5x, short of 3x
+    assert verdict.goal_met(cell, {"dgc", "lgc_rar", "lgc_ps"}) == (True, True)
+    lines = verdict.verdict_of_cell(cell)
+    assert any(line.startswith("- The undecided rows can still change the goal's outcome") for line in lines)
+    # The same undecided setting at 25 MB cannot change it (LGC-RAR's 20 MB stays LGC's fewest).
+    write_cell(tmp_path / "b", "iid4", [*base, entry("lgc_ps", (-0.03, 0.01), 25.0)])
+    lines = verdict.verdict_of_cell(verdict.load_cell(tmp_path / "b", "iid4"))
+    assert any(line.startswith("- The undecided rows cannot change the goal's outcome") for line in lines)
+
+
 def test_the_readme_table_is_the_generated_one(monkeypatch):
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
     sys.modules.pop("which_method", None)
