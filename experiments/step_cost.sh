@@ -23,11 +23,12 @@ declare -A group=(
   [lean]="ddp,shared_topk_int8:delay=4,$lean,$lean;delay=4,$lean;delay=4;min_numel=0"
   [quant]="ddp,qsgd,terngrad,random_block:shared=true,lgc_ps"
 )
-for g in ${STEP_GROUPS:-main more lean quant}; do
+groups=${STEP_GROUPS:-main more lean quant}
+for g in $groups; do
   [[ -v "group[$g]" ]] || { echo "unknown group $g (main, more, lean, quant)" >&2; exit 2; }
 done
 for density in ${DENSITIES:-0.001 0.01}; do
-  for g in ${STEP_GROUPS:-main more lean quant}; do
+  for g in $groups; do
     suffix=${g#main}; suffix=${suffix:+_$suffix}
     lgc-bench step --density "$density" --steps 10 --rounds 2 --methods "${group[$g]}" \
       --json "$out/step_${density}${suffix}.json" | tee "$out/step_${density}${suffix}.md"
