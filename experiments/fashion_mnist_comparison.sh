@@ -6,15 +6,16 @@
 #   CPU cores with ddp.oversubscribe=true), where every method averages the workers' module buffers
 #   (the per-step ones every step, comm.buffers=average; the local-step ones at their exchanges).
 # Each method runs with its paper's settings as the embedded experiments scale them; DGC's warm-up
-# (4 densities) is scaled to 2.5 % of the run, as in the paper (4 of 160 epochs). `default` is
-# lgc-train's default compressor as it runs (shared-index int8, Golomb positions, one warm-up step);
-# `shared_topk_int8` is LGC's ablation (LGC-RAR's 30 dense warm-up steps and raw positions);
-# `lgc_rar_lean` is LGC-RAR on the default's footing (linear codec, int8 latents, Golomb positions).
+# (4 densities) is scaled to 2.5 % of the run, as in the paper (4 of 160 epochs).
+# `shared_topk_int8_lean` is compressor=shared_topk_int8 as its config sets it (shared-index int8,
+# Golomb positions, one warm-up step); `shared_topk_int8` is LGC's ablation (LGC-RAR's 30 dense
+# warm-up steps and raw positions); `lgc_rar_lean` is LGC-RAR on the same lean footing (linear codec,
+# int8 latents, Golomb positions, one warm-up step).
 # The `_all` variants send every parameter through the codec (comm.min_numel=0): by default the
 # parameters under 1,024 elements (BatchNorm's, ResNet-8's first convolution) travel dense, which
 # is most of a per-step compressor's parameter bytes on ResNet-8 (lgc-report's "where the bytes go").
 # The `_delay` variants exchange the weight updates of 4 local steps, as SBC with delay does, through
-# the default's codec or LGC-RAR lean (their stages counted in exchanges).
+# shared-index int8 lean or LGC-RAR lean (their stages counted in exchanges).
 # Runs write to OUT (checkpoints and logs included); each finished run's summary.json is copied to
 # RESULTS/CELL/METHOD/seedN (committed as they arrive). Resumable: a run whose summary.json is in
 # RESULTS or OUT is skipped, and a stopped run resumes exactly from its last epoch's checkpoint
@@ -54,16 +55,16 @@ declare -A method=(
   [signsgd]="experiment=embedded/signsgd"
   [shared_topk_fp16]="experiment=embedded/shared_topk compressor.values=float16 compressor.measure_error=false"
   [shared_topk_int8]="experiment=embedded/shared_topk_int8"
-  [default]="compressor=shared_topk_int8"
+  [shared_topk_int8_lean]="compressor=shared_topk_int8"
   [lgc_rar]="experiment=embedded/lgc_rar"
   [lgc_ps]="experiment=embedded/lgc_ps"
   [lgc_rar_linear]="experiment=embedded/lgc_rar_linear"
   [lgc_rar_lean]="experiment=embedded/lgc_rar_lean"
-  [default_all]="compressor=shared_topk_int8 comm.min_numel=0"
+  [shared_topk_int8_lean_all]="compressor=shared_topk_int8 comm.min_numel=0"
   [lgc_rar_lean_all]="experiment=embedded/lgc_rar_lean comm.min_numel=0"
   [sbc_delay_all]="experiment=embedded/sbc_delay comm.min_numel=0"
-  [default_delay]="compressor=shared_topk_int8 comm=local_sgd comm.delay=4"
-  [default_delay_all]="compressor=shared_topk_int8 comm=local_sgd comm.delay=4 comm.min_numel=0"
+  [shared_topk_int8_lean_delay]="compressor=shared_topk_int8 comm=local_sgd comm.delay=4"
+  [shared_topk_int8_lean_delay_all]="compressor=shared_topk_int8 comm=local_sgd comm.delay=4 comm.min_numel=0"
   [lgc_rar_lean_delay]="experiment=embedded/lgc_rar_lean comm=local_sgd comm.delay=4"
   [lgc_rar_lean_delay_all]="experiment=embedded/lgc_rar_lean comm=local_sgd comm.delay=4 comm.min_numel=0"
   [diloco_h10]="experiment=diloco"
@@ -72,9 +73,9 @@ declare -A method=(
   [demo]="experiment=demo"
 )
 order=(dense fp16 powersgd topk dgc sbc sbc_delay redsync random_block qsgd terngrad signsgd shared_topk_fp16
-       shared_topk_int8 default lgc_rar lgc_ps lgc_rar_linear lgc_rar_lean diloco_h10 diloco_h50 sparseloco demo
-       default_all lgc_rar_lean_all sbc_delay_all default_delay default_delay_all lgc_rar_lean_delay
-       lgc_rar_lean_delay_all)
+       shared_topk_int8 shared_topk_int8_lean lgc_rar lgc_ps lgc_rar_linear lgc_rar_lean diloco_h10 diloco_h50
+       sparseloco demo shared_topk_int8_lean_all lgc_rar_lean_all sbc_delay_all shared_topk_int8_lean_delay
+       shared_topk_int8_lean_delay_all lgc_rar_lean_delay lgc_rar_lean_delay_all)
 read -r -a chosen <<< "${METHODS:-${order[*]}}"
 
 declare -A cell=(
@@ -84,8 +85,8 @@ declare -A cell=(
 # The methods that exchange the weight updates of local steps: they average the workers' module
 # buffers at every exchange. The per-step methods average them every step in the Dirichlet cell
 # (comm.buffers=average), where rank 0's BatchNorm statistics describe rank 0's skewed shard only.
-local_steps=" sbc_delay sbc_delay_all default_delay default_delay_all lgc_rar_lean_delay lgc_rar_lean_delay_all
-  diloco_h10 diloco_h50 sparseloco "
+local_steps=" sbc_delay sbc_delay_all shared_topk_int8_lean_delay shared_topk_int8_lean_delay_all lgc_rar_lean_delay
+  lgc_rar_lean_delay_all diloco_h10 diloco_h50 sparseloco "
 declare -A per_step_buffers=(
   [iid4]=""
   [dir8]="comm.buffers=average"

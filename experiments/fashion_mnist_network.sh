@@ -7,10 +7,10 @@
 # bound (dense's steps to the target at compute-only step time), beside step time and wire bytes.
 # The learning rate follows a cosine to 0 over the steps, as lgc-train anneals.
 # Methods: dense, PyTorch's fp16 and PowerSGD hooks, DGC (its 4 warm-up densities over 2.4 % of
-# the run, 6 steps each, as the comparison scales the paper's 4 of 160 epochs), lgc-train's default
-# (shared-index int8), SBC with delay 4 (and with every parameter through it), DiLoCo H = 10,
-# SparseLoCo H = 10, DeMo, LGC-RAR, and LGC-RAR lean and the default with delay 4 (every parameter
-# through the codec).
+# the run, 6 steps each, as the comparison scales the paper's 4 of 160 epochs), shared-index int8
+# (shared_topk_int8), SBC with delay 4 (and with every parameter through it), DiLoCo H = 10,
+# SparseLoCo H = 10, DeMo, LGC-RAR, and LGC-RAR lean and shared-index int8 with delay 4 (every
+# parameter through the codec).
 # Resumable: lgc-bench network keeps every measurement in OUT/network.json.gz as it arrives and a
 # rerun skips what is there. Needs root and iproute2, and a quiet machine (timings).
 #   sudo experiments/fashion_mnist_network.sh [OUT]

@@ -35,7 +35,7 @@ SHOWN = {
     "dense": "dense (DDP's fp32 allreduce)",
     "shared_topk_fp16": "shared-index fp16, 30 warm-up steps",
     "shared_topk_int8": "shared-index int8, 30 warm-up steps",
-    "default": "shared-index int8, 1 warm-up step, Golomb positions (lgc-train's default)",
+    "shared_topk_int8_lean": "shared-index int8, 1 warm-up step, Golomb positions",
     "dgc": "DGC 0.1 %",
     "powersgd": "PowerSGD, rank 2",
     "sparseloco": "SparseLoCo, H = 10",

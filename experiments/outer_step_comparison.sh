@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Per-step compression (DGC, LGC, the default shared-index int8) against
+# Per-step compression (DGC, LGC, shared-index int8) against
 # local-step methods (SBC with delay, DiLoCo H = 10 and 50, Streaming DiLoCo with 4-bit outer
 # gradients, SparseLoCo H = 10) and DeMo, at equal steps, on two stages:
 #   1. lgc-bench network: 4 workers, each link shaped to 100 Mbit/s, digits ResNet-8, STEPS steps;

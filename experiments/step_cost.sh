@@ -3,8 +3,8 @@
 # lgc-bench step (ResNet-50 shapes, 2 gloo workers on this machine, one thread each, interleaved
 # rounds) at densities 0.1 % and 1 %, for the methods of the README's comparison (its rule for
 # lgc-train's default admits methods whose step costs at most 1.25x DDP's own step;
-# experiments/default_rule.py reads these tables). Methods with communication delay (SBC, the
-# default's codec and LGC-RAR's lean codec with delay 4, SparseLoCo and DiLoCo with H = 10) are read
+# experiments/default_rule.py reads these tables). Methods with communication delay (SBC,
+# shared-index int8 and LGC-RAR's lean codec with delay 4, SparseLoCo and DiLoCo with H = 10) are read
 # by their mean step: 20 timed steps each (2 rounds x 10), a multiple of every delay; DiLoCo with
 # H = 50 exchanges 5x less often than with H = 10, whose row bounds its cost. Every method keeps a
 # ResNet-50 and its state in each worker for the interleaved rounds (all in one run exceeds 24 GB
