@@ -29,11 +29,11 @@ BEGIN, END = "<!-- which-method:begin -->", "<!-- which-method:end -->"
 #: Row label in the comparison -> its name in the table, in the table's order (grouped, not ranked).
 ROWS = {
     "dense": "dense (DDP's fp32 allreduce)",
-    "fp16": "fp16 (lgc's hook: the gradients allreduced in half precision)",
+    "fp16": "**fp16 (lgc's hook: the gradients allreduced in half precision; the default)**",
     "powersgd": "PyTorch's PowerSGD hook, rank 2",
     "topk": "top-k 1 % with error feedback",
     "dgc": "DGC 0.1 % (its warm-up over 2.5 % of the run)",
-    "default": "**shared-index int8, 1 warm-up step, Golomb positions (the default)**",
+    "shared_topk_int8_lean": "shared-index int8, 1 warm-up step, Golomb positions (`compressor=shared_topk_int8`)",
     "shared_topk_int8": "shared-index int8, 30 dense warm-up steps, raw positions",
     "shared_topk_fp16": "shared-index fp16, 30 dense warm-up steps, raw positions",
     "lgc_rar": "LGC-RAR (autoencoder, 30 dense warm-up steps)",
@@ -52,12 +52,12 @@ ROWS = {
     "diloco_h50": "DiLoCo, H = 50",
     "sparseloco": "SparseLoCo, H = 10",
     "demo": "DeMo",
-    "default_delay": "the default's codec, exchanging the weight updates of 4 local steps",
+    "shared_topk_int8_lean_delay": "the same shared-index int8, exchanging the weight updates of 4 local steps",
     "lgc_rar_lean_delay": "LGC-RAR linear, int8, Golomb, 1 warm-up step, exchanging every 4 steps",
-    "default_all": "the default, every parameter through the codec",
+    "shared_topk_int8_lean_all": "shared-index int8, 1 warm-up step, Golomb, every parameter through it",
     "lgc_rar_lean_all": "LGC-RAR linear, int8, Golomb, 1 warm-up step, every parameter",
     "lgc_rar_lean_delay_all": "the same, exchanging the weight updates of 4 local steps",
-    "default_delay_all": "the default, every parameter, exchanging the weight updates of 4 local steps",
+    "shared_topk_int8_lean_delay_all": "the same, exchanging the weight updates of 4 local steps",
 }
 
 

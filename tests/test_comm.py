@@ -46,7 +46,7 @@ def test_overlap_reaches_the_hook_and_is_refused_by_a_hook_state_of_its_own():
     cfg = _compose("comm.overlap=true")
     assert build_hook_state(cfg.compressor, cfg.comm).overlap
     with initialize_config_module("lgc.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["logger=none", "comm.overlap=true"])  # the default: a hook state
+        cfg = compose("train", overrides=["compressor=shared_topk_int8", "logger=none", "comm.overlap=true"])
     with pytest.raises(ValueError, match=r"comm.overlap=True applies to an lgc compressor's every-step exchange"):
         build_hook_state(cfg.compressor, cfg.comm)
 

@@ -317,7 +317,15 @@ def test_a_refused_run_leaves_no_folder_behind(tmp_path):
     earlier.mkdir(parents=True)
     (earlier / "summary.json").write_text("{}")
     result = subprocess.run(
-        [sys.executable, "-m", "lgc.train", "compressor.density=-1", "logger=none", "output_dir=pinned"],
+        [
+            sys.executable,
+            "-m",
+            "lgc.train",
+            "compressor=topk",
+            "compressor.density=-1",
+            "logger=none",
+            "output_dir=pinned",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
