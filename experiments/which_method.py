@@ -52,12 +52,14 @@ ROWS = {
     "diloco_h50": "DiLoCo, H = 50",
     "sparseloco": "SparseLoCo, H = 10",
     "demo": "DeMo",
-    "shared_topk_int8_lean_delay": "the same shared-index int8, exchanging the weight updates of 4 local steps",
+    "shared_topk_int8_lean_delay": "shared-index int8, 1 warm-up step, Golomb, exchanging every 4 steps",
     "lgc_rar_lean_delay": "LGC-RAR linear, int8, Golomb, 1 warm-up step, exchanging every 4 steps",
     "shared_topk_int8_lean_all": "shared-index int8, 1 warm-up step, Golomb, every parameter through it",
     "lgc_rar_lean_all": "LGC-RAR linear, int8, Golomb, 1 warm-up step, every parameter",
     "lgc_rar_lean_delay_all": "the same, exchanging the weight updates of 4 local steps",
-    "shared_topk_int8_lean_delay_all": "the same, exchanging the weight updates of 4 local steps",
+    "shared_topk_int8_lean_delay_all": (
+        "shared-index int8, 1 warm-up step, Golomb, every parameter, exchanging every 4 steps"
+    ),
 }
 
 
