@@ -5,11 +5,12 @@
 # for both leaders, so a pair of rows differs in nothing but the leader:
 #   LGC-RAR (30 and 1 dense warm-up steps), LGC-PS, LGC-RAR's linear codec, shared-index top-k in
 #   fp32, fp16 and int8 (30 warm-up steps, raw positions), shared-index int8 as
-#   `compressor=shared_topk_int8` sets it (1 warm-up step, Golomb positions) and leader-scaled; and dense for reference.
+#   `compressor=shared_topk_int8` sets it (1 warm-up step, Golomb positions) and leader-scaled; and
+#   dense for reference.
 # Every leader-index run measures the relative error of the sums it delivers at the leader's
 # positions (measure_error: one uncounted allreduce more). Density 1 % first with one seed, then
-# seeds 1 and 2 of that shared-index int8 and 1 to 4 of LGC-RAR at 1 %, then top-k, DGC (1 %) and PowerSGD, which have no
-# leader, for scale; then 0.1 %.
+# seeds 1 and 2 of that shared-index int8 and 1 to 4 of LGC-RAR at 1 %, then top-k, DGC (1 %) and
+# PowerSGD, which have no leader, for scale; then 0.1 %.
 # Resumable: a run with a summary.json is skipped. Then lgc-report writes OUT/report/.
 #   DENSITIES="0.01 0.001" LEADERS="rotating fixed" SEEDS="1 2" LGC_SEEDS="1 2 3 4" EPOCHS=46 experiments/lgc_rotation.sh [OUT]
 set -euo pipefail
@@ -48,7 +49,7 @@ codecs() {  # codecs DENSITY: every leader-index codec with each leader
   codec leader_scaled "$density" experiment=embedded/leader_scaled
   codec lgc_rar_w1 "$density" experiment=embedded/lgc_rar compressor.measure_error=true compressor.warmup_steps=1
 }
-seeds() {  # more seeds (model initialization and data order): shared int8 (1 warm-up step)'s 1 and 2, LGC-RAR's 1 to 4
+seeds() {  # more seeds (initialization and data order): 1 and 2 of shared int8 with 1 warm-up step, 1 to 4 of LGC-RAR
   for seed in ${SEEDS:-1 2}; do
     codec "shared_int8_w1_golomb_seed$seed" 0.01 experiment=embedded/shared_topk_int8 compressor.warmup_steps=1 \
       compressor.index_coding=golomb compressor.value_order=position seed="$seed"

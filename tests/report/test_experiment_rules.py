@@ -4,10 +4,12 @@ undecided intervals waiting for seeds, the two tiers, and what each script write
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_module
 
 EXPERIMENTS = Path(__file__).parents[2] / "experiments"
 
@@ -193,6 +195,23 @@ def test_lgc_verdict_says_whether_the_undecided_rows_can_change_the_goal(scripts
     write_cell(tmp_path / "b", "iid4", [*base, entry("lgc_ps", (-0.03, 0.01), 25.0)])
     lines = verdict.verdict_of_cell(verdict.load_cell(tmp_path / "b", "iid4"))
     assert any(line.startswith("- The undecided rows cannot change the goal's outcome") for line in lines)
+
+
+def test_the_default_run_is_the_rules_pick_on_the_committed_results(scripts):
+    """lgc-train's default compressor is the method the rule picks from the committed comparison, run as the
+    comparison script runs it; default_rule.md, which the rule writes once it picks, names the same method."""
+    verdict, rule = scripts
+    results = EXPERIMENTS / "results"
+    cells = {cell: verdict.load_cell(results / "fashion_mnist", cell) for cell in verdict.CELLS}
+    _, label, _, _ = rule.pick(cells, rule._steps(results / "step_cost"))
+    assert label is not None and f"**{label}**" in (results / "fashion_mnist" / "default_rule.md").read_text()
+    # How the comparison runs each method: its `[name]="overrides"` lines.
+    runs = dict(re.findall(r'^  \[(\w+)\]="([^"]*)"$', (EXPERIMENTS / "fashion_mnist_comparison.sh").read_text(), re.M))
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        default = compose("train")
+        picked = compose("train", runs[label].split())
+    assert (default.compressor, default.comm) == (picked.compressor, picked.comm), label
+    assert default.compressor._target_ == "lgc.compressors.FP16Compressor" and default.compressor.dtype == "float16"
 
 
 def test_the_readme_table_is_the_generated_one(monkeypatch):
