@@ -29,6 +29,9 @@
 # OUT/CELL/METHOD/seedN.log; a failed run is listed at the end and the others go on.
 #   experiments/fashion_mnist_comparison.sh [OUT]
 #   CELLS=iid4 SEEDS="0 1 2" EPOCHS=4 METHODS="dense topk" JOBS=1 experiments/fashion_mnist_comparison.sh
+# EXTRA adds overrides to every run, e.g. on one GPU with ResNet-20 (the workers share the GPU over gloo):
+#   EXTRA="trainer=gpu model=resnet20" RESULTS=experiments/results/fashion_mnist_gpu CELLS=iid4 JOBS=3 \
+#     experiments/fashion_mnist_comparison.sh outputs/fashion_mnist_gpu
 # Needs the dataset: apt-get install dataset-fashion-mnist (or FASHION_MNIST_ROOT).
 set -euo pipefail
 out=${1:-outputs/fashion_mnist_comparison}
@@ -37,6 +40,7 @@ epochs=${EPOCHS:-4}
 seeds=${SEEDS:-0 1 2}
 cells=${CELLS:-iid4 dir8}
 jobs_max=${JOBS:-1}
+read -r -a everywhere <<< "${EXTRA:-}"
 [[ $jobs_max =~ ^[1-9][0-9]*$ ]] || { echo "JOBS=$jobs_max must be a positive integer" >&2; exit 2; }
 failed=()
 
@@ -114,7 +118,7 @@ for name in $cells; do
       # shellcheck disable=SC2086  # the settings are word lists
       run=(lgc-train data=fashion_mnist data.batch_size=32 ${cell[$name]} ddp.oversubscribe=true
         trainer.max_epochs="$epochs" seed="$seed" logger=csv trainer.enable_progress_bar=false
-        ${method[$m]} "${extra[@]}" output_dir="$dir" "${resume[@]}")
+        "${everywhere[@]}" ${method[$m]} "${extra[@]}" output_dir="$dir" "${resume[@]}")
       if (( jobs_max == 1 )); then
         if "${run[@]}"; then mkdir -p "$kept" && cp "$dir/summary.json" "$kept/"; else failed+=("$name/$m/seed$seed"); fi
         continue

@@ -35,6 +35,7 @@ from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state
 
 __all__ = [
     "check_devices",
+    "shared_gpus",
     "expected_optimizer_steps",
     "launched_externally",
     "main",
@@ -63,7 +64,8 @@ def launched_externally() -> bool:
 def check_devices(accelerator: str, devices: Any, oversubscribe: bool) -> int:
     """Number of worker processes per node; an error names a count this machine cannot run.
 
-    ``devices=-1`` on GPU means every visible GPU.
+    ``devices=-1`` on GPU means every visible GPU. More workers than CPU cores, or than GPUs, needs
+    ``oversubscribe`` (see :func:`shared_gpus` for workers that share a GPU).
     """
     if accelerator in ("gpu", "cuda") and devices == -1 and not isinstance(devices, bool):
         devices = torch.cuda.device_count()
@@ -73,8 +75,9 @@ def check_devices(accelerator: str, devices: Any, oversubscribe: bool) -> int:
         raise ValueError(f"trainer.devices must be a positive number of worker processes, got {devices!r}")
     if accelerator in ("gpu", "cuda"):
         available = torch.cuda.device_count()
-        if devices > available:
-            raise ValueError(f"trainer.devices={devices} but this machine has {available} CUDA device(s)")
+        if devices > available and (available == 0 or not oversubscribe):
+            hint = "; set ddp.oversubscribe=true to let the workers share them (over gloo)" if available else ""
+            raise ValueError(f"trainer.devices={devices} but this machine has {available} CUDA device(s){hint}")
     elif accelerator == "cpu":
         cores = os.cpu_count() or 1
         if devices > cores and not oversubscribe:
@@ -85,6 +88,32 @@ def check_devices(accelerator: str, devices: Any, oversubscribe: bool) -> int:
     else:
         raise ValueError(f"trainer.accelerator must be 'cpu' or 'gpu', got {accelerator!r}")
     return devices
+
+
+def shared_gpus(accelerator: str, devices: int, backend: str | None, num_nodes: int = 1) -> list[torch.device] | None:
+    """Each worker's GPU where more workers than GPUs share them (``ddp.oversubscribe=true``), else None.
+
+    Worker ``i`` runs on GPU ``i mod count``. NCCL takes one worker per GPU, so these workers talk
+    over gloo, which moves CUDA tensors through host memory: a way to simulate many workers on one
+    GPU for accuracy and byte counts (the hook counts the same bytes on any backend), not for timing
+    the network. ``backend`` is ``ddp.process_group_backend``: null or gloo; NCCL is refused.
+    """
+    if accelerator not in ("gpu", "cuda"):
+        return None
+    available = torch.cuda.device_count()
+    if devices <= available:
+        return None
+    if backend not in (None, "gloo"):
+        raise ValueError(
+            f"ddp.process_group_backend={backend!r} but trainer.devices={devices} workers share {available} "
+            "GPU(s), which only gloo allows (NCCL takes one worker per GPU): leave it null or set gloo"
+        )
+    if num_nodes != 1 or launched_externally():
+        raise ValueError(
+            f"trainer.devices={devices} workers sharing {available} GPU(s) run on one node, started by lgc-train "
+            f"(trainer.num_nodes={num_nodes}{', under torchrun/SLURM' if launched_externally() else ''})"
+        )
+    return [torch.device("cuda", rank % available) for rank in range(devices)]
 
 
 def expected_optimizer_steps(trainer_node: DictConfig, datamodule: Any, world_size: int) -> int | None:
@@ -319,7 +348,10 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
     hook_state.check_optimizer(cfg.optimizer.get("momentum", 0.0), cfg.optimizer.get("weight_decay", 0.0))
     devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
-    world_size = devices * int(cfg.trainer.get("num_nodes") or 1)
+    num_nodes = int(cfg.trainer.get("num_nodes") or 1)
+    world_size = devices * num_nodes
+    # Workers sharing GPUs: Lightning gets their devices from the strategy, and one GPU per distinct device.
+    worker_gpus = shared_gpus(cfg.trainer.accelerator, devices, cfg.ddp.process_group_backend, num_nodes)
     timeout_s = _check_timeout(cfg.ddp.get("timeout", 300))
     output_dir = Path(cfg.output_dir)
     ckpt_path = resolve_checkpoint_path(cfg.ckpt_path, output_dir)
@@ -355,7 +387,8 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
         hook_state,
         heartbeat_dir=heartbeat_dir,
         start_method="popen" if launched_externally() else cfg.ddp.start_method,
-        process_group_backend=cfg.ddp.process_group_backend,
+        process_group_backend="gloo" if worker_gpus else cfg.ddp.process_group_backend,
+        parallel_devices=worker_gpus,
         bucket_cap_mb=cfg.ddp.bucket_cap_mb,
         timeout=timedelta(seconds=timeout_s),
     )
@@ -372,8 +405,14 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
         _instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items() if node
     ]
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_drop_lightning_tips)
+    gpu_count = {"devices": len(set(worker_gpus))} if worker_gpus else {}
     trainer = hydra.utils.instantiate(
-        cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks, default_root_dir=str(output_dir)
+        cfg.trainer,
+        strategy=strategy,
+        logger=loggers or False,
+        callbacks=callbacks,
+        default_root_dir=str(output_dir),
+        **gpu_count,
     )
     return _PreparedRun(
         trainer,

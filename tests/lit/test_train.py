@@ -293,6 +293,55 @@ def test_bad_input_is_reported_before_workers_start(tmp_path, no_workers, overri
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+def _pretend_gpus(monkeypatch, count: int) -> None:
+    """This process and Lightning see ``count`` CUDA devices (none is used: nothing is trained)."""
+    import lightning_fabric.accelerators.cuda as fabric_cuda
+    import pytorch_lightning.accelerators.cuda as lightning_cuda
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: count)
+    for accelerator in (fabric_cuda.CUDAAccelerator, lightning_cuda.CUDAAccelerator):
+        monkeypatch.setattr(accelerator, "is_available", staticmethod(lambda: count > 0))
+
+
+@pytest.mark.parametrize("gpus,workers,expected", [(1, 4, [0, 0, 0, 0]), (2, 3, [0, 1, 0]), (2, 2, None)])
+def test_more_workers_than_gpus_share_them_over_gloo(tmp_path, monkeypatch, gpus, workers, expected):
+    from lgc.train import _prepare
+
+    _pretend_gpus(monkeypatch, gpus)
+    cfg = compose_cfg(tmp_path / "run", "trainer=gpu", f"trainer.devices={workers}", "ddp.oversubscribe=true")
+    strategy = _prepare(cfg).trainer.strategy
+    assert strategy.world_size == strategy.num_processes == workers
+    if expected is None:  # one worker per GPU: Lightning's own devices and NCCL
+        assert strategy.parallel_devices == [torch.device("cuda", i) for i in range(workers)]
+        assert strategy._get_process_group_backend() == "nccl"
+    else:
+        assert strategy.parallel_devices == [torch.device("cuda", i) for i in expected]
+        assert strategy._get_process_group_backend() == "gloo"
+
+
+@pytest.mark.parametrize(
+    "gpus,overrides,message",
+    [
+        (1, [], r"trainer.devices=4 but this machine has 1 CUDA device\(s\); set ddp.oversubscribe=true to let"),
+        (0, ["ddp.oversubscribe=true"], r"trainer.devices=4 but this machine has 0 CUDA device\(s\)$"),
+        (
+            1,
+            ["ddp.oversubscribe=true", "ddp.process_group_backend=nccl"],
+            r"ddp.process_group_backend='nccl' but trainer.devices=4 workers share 1 GPU\(s\), which only gloo",
+        ),
+        (1, ["ddp.oversubscribe=true", "trainer.num_nodes=2"], r"run on one node, .*\(trainer.num_nodes=2\)"),
+    ],
+)
+def test_workers_sharing_gpus_are_refused_where_not_allowed(
+    tmp_path, no_workers, monkeypatch, gpus, overrides, message
+):
+    _pretend_gpus(monkeypatch, gpus)
+    with pytest.raises(ValueError, match=message):
+        train(compose_cfg(tmp_path / "run", "trainer=gpu", "trainer.devices=4", *overrides))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
