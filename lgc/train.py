@@ -35,10 +35,10 @@ from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state
 
 __all__ = [
     "check_devices",
-    "shared_gpus",
     "expected_optimizer_steps",
     "launched_externally",
     "main",
+    "shared_gpus",
     "train",
 ]
 
@@ -350,7 +350,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
     num_nodes = int(cfg.trainer.get("num_nodes") or 1)
     world_size = devices * num_nodes
-    # Workers sharing GPUs: Lightning gets their devices from the strategy, and one GPU per distinct device.
+    # Workers sharing GPUs: Lightning takes their devices from the strategy; the Trainer gets the GPUs' count.
     worker_gpus = shared_gpus(cfg.trainer.accelerator, devices, cfg.ddp.process_group_backend, num_nodes)
     timeout_s = _check_timeout(cfg.ddp.get("timeout", 300))
     output_dir = Path(cfg.output_dir)
