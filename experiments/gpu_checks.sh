@@ -2,7 +2,9 @@
 # lgc on one CUDA device, in about 5 minutes: the GPU tests, then the benchmarks whose results are in
 # results/gpu_h200/ (a machine with lgc[dev] installed and one or more GPUs).
 #   tests: every method of the test matrix in DDP over NCCL (tests/ddp/test_devices.py), the
-#          reference comparisons on CUDA, the GPU benchmark test;
+#          lgc's collectives and point-to-point messages over gloo with CUDA tensors (two workers
+#          sharing one GPU, tests/ddp/test_gloo_devices.py), the reference comparisons on CUDA, the
+#          GPU benchmark test;
 #   lgc-bench compressors --device cuda: encode + decode of ResNet-50's gradients, with the
 #          bucket-level selection (segment_topk_flat) beside the per-tensor compressors;
 #   lgc-bench step --device cuda: ResNet-50's DDP step over NCCL, one worker, batch 32 of 224x224,
@@ -17,7 +19,8 @@ out=${1:-outputs/gpu_checks}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
-python -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ddp/test_devices.py tests/ddp/test_hook.py tests/compressors \
+python -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ddp/test_devices.py tests/ddp/test_gloo_devices.py \
+  tests/ddp/test_hook.py tests/compressors \
   tests/bench/test_bench.py -k "cuda or gpu" > "$out/pytest.log" 2>&1
 tail -1 "$out/pytest.log"
 lgc-bench compressors --device cuda --json "$out/compressors.json" > "$out/compressors.md" 2>&1

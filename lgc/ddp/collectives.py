@@ -351,18 +351,33 @@ def gather(stats: CommStats, tensor: Tensor, dst: int, group: dist.ProcessGroup 
 def send(
     stats: CommStats, tensor: Tensor, dst: int, group: dist.ProcessGroup | None, *, as_server: bool = False
 ) -> None:
-    """Send ``tensor`` to group rank ``dst`` (blocking)."""
-    dist.send(tensor, dst=_global(group, dst), group=group)
+    """Send ``tensor`` to group rank ``dst`` (blocking).
+
+    gloo sends a buffer from host memory only: a CUDA tensor goes through a host copy there (workers
+    that share a GPU, ``ddp.oversubscribe``); NCCL sends it from the device.
+    """
+    dist.send(tensor.cpu() if _staged_on_host(tensor, group) else tensor, dst=_global(group, dst), group=group)
     _record("send", tensor, group, dst)
     book_point_to_point(stats, tensor, sender=True, as_server=as_server)
 
 
 def recv(stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | None) -> Tensor:
-    """Receive into ``tensor`` from group rank ``src`` (blocking)."""
-    dist.recv(tensor, src=_global(group, src), group=group)
+    """Receive into ``tensor`` from group rank ``src`` (blocking); on gloo a CUDA tensor through host memory."""
+    if _staged_on_host(tensor, group):
+        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        dist.recv(host, src=_global(group, src), group=group)
+        tensor.copy_(host)
+    else:
+        dist.recv(tensor, src=_global(group, src), group=group)
     _record("recv", tensor, group, src)
     book_point_to_point(stats, tensor, sender=False)
     return tensor
+
+
+def _staged_on_host(tensor: Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether a point-to-point message must go through host memory: a non-CPU tensor on a backend other
+    than NCCL (gloo's send and recv read and write host pointers; its collectives copy CUDA tensors themselves)."""
+    return tensor.device.type != "cpu" and not _on_nccl(group)
 
 
 def _device_of(group: dist.ProcessGroup | None, tensor: Tensor | None) -> torch.device:
