@@ -108,10 +108,11 @@ def shared_gpus(accelerator: str, devices: int, backend: str | None, num_nodes: 
             f"ddp.process_group_backend={backend!r} but trainer.devices={devices} workers share {available} "
             "GPU(s), which only gloo allows (NCCL takes one worker per GPU): leave it null or set gloo"
         )
-    if num_nodes != 1 or launched_externally():
+    external = launched_externally()
+    if num_nodes != 1 or external:
         raise ValueError(
             f"trainer.devices={devices} workers sharing {available} GPU(s) run on one node, started by lgc-train "
-            f"(trainer.num_nodes={num_nodes}{', under torchrun/SLURM' if launched_externally() else ''})"
+            f"(trainer.num_nodes={num_nodes}{', under torchrun/SLURM' if external else ''})"
         )
     return [torch.device("cuda", rank % available) for rank in range(devices)]
 

@@ -364,7 +364,7 @@ def send(
 def recv(stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | None) -> Tensor:
     """Receive into ``tensor`` from group rank ``src`` (blocking); on gloo a CUDA tensor through host memory."""
     if _staged_on_host(tensor, group):
-        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        host = torch.empty_like(tensor, device="cpu")
         dist.recv(host, src=_global(group, src), group=group)
         tensor.copy_(host)
     else:
