@@ -32,6 +32,7 @@ from lgc.config_types import check_node_types
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
 from lgc.lit.strategy import heartbeats, stalled_workers
 from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state
+from lgc.provenance import run_provenance
 
 __all__ = [
     "check_devices",
@@ -343,7 +344,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     """
     import pytorch_lightning as pl
 
-    from lgc.lit import CompressedDDPStrategy, CompressionCallback, RunSummary
+    from lgc.lit import CompressedDDPStrategy, CompressionCallback, RunSummary, ValidateAtMaxSteps
 
     _check_types(cfg)
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
@@ -397,7 +398,8 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     checkpoint_node = cfg.get("checkpoint") or {}
     callbacks = [
         CompressionCallback(),
-        RunSummary(str(output_dir), resolved, hydra=hydra_run),
+        RunSummary(str(output_dir), resolved, hydra=hydra_run, provenance=run_provenance()),
+        ValidateAtMaxSteps(),
         ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=checkpoint_node.get("every_n_train_steps")),
         CheckpointRecord(resolved["compressor"], resolved["comm"]),
     ]

@@ -3,6 +3,7 @@
 from lgc.data.camvid import CAMVID_CLASSES, CAMVID_IGNORE_INDEX, CamVidDataset, camvid_pairs
 from lgc.data.cifar10 import check_cifar10_folder
 from lgc.data.digits import load_digits_split
+from lgc.data.fashion_scenes import FASHION_SCENE_CLASSES, FashionScenes
 from lgc.data.folders import require_files, require_folder
 from lgc.data.imagenet import imagenet_classes
 from lgc.data.partition import (
@@ -22,6 +23,8 @@ __all__ = [
     "CAMVID_IGNORE_INDEX",
     "PARTITIONS",
     "CamVidDataset",
+    "FASHION_SCENE_CLASSES",
+    "FashionScenes",
     "EpochSeededDataset",
     "PartitionSampler",
     "camvid_pairs",

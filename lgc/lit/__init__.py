@@ -1,6 +1,6 @@
 """Lightning glue: the compression strategy, callbacks, task modules and data modules."""
 
-from lgc.lit.callbacks import CompressionCallback, RunSummary
+from lgc.lit.callbacks import CompressionCallback, RunSummary, ValidateAtMaxSteps
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint
 from lgc.lit.classification import ImageClassifier
 from lgc.lit.data import (
@@ -8,6 +8,7 @@ from lgc.lit.data import (
     CIFAR10DataModule,
     DigitsDataModule,
     FashionMNISTDataModule,
+    FashionScenesDataModule,
     ImageNetDataModule,
 )
 from lgc.lit.segmentation import SemanticSegmenter
@@ -21,10 +22,12 @@ __all__ = [
     "CompressionCallback",
     "DigitsDataModule",
     "FashionMNISTDataModule",
+    "FashionScenesDataModule",
     "ImageNetDataModule",
     "ImageClassifier",
     "ResumableCheckpoint",
     "RunSummary",
     "SemanticSegmenter",
+    "ValidateAtMaxSteps",
     "check_checkpoint",
 ]

@@ -20,7 +20,7 @@ from lgc.ddp.collectives import CommStats
 from lgc.ddp.protocol import HookState
 from lgc.lit.checkpoint import rng_state, set_rng_state
 
-__all__ = ["LAYER_COLUMNS", "CompressionCallback", "RunSummary", "gather_worker_stats"]
+__all__ = ["LAYER_COLUMNS", "CompressionCallback", "RunSummary", "ValidateAtMaxSteps", "gather_worker_stats"]
 
 # The counters of CommStats, summed over workers in summaries.
 _COUNTS = tuple(field.name for field in fields(CommStats))
@@ -223,6 +223,21 @@ class CompressionCallback(pl.Callback):
         self._last = copy.copy(self._state.stats)
 
 
+class ValidateAtMaxSteps(pl.Callback):
+    """Validates a run that ``trainer.max_steps`` stops in the middle of an epoch, at its last step.
+
+    Lightning validates at the end of each epoch; a run whose step budget ends inside an epoch
+    would stop with the previous epoch's metrics, or none. At the step that reaches ``max_steps``
+    this asks the trainer to stop, which Lightning answers by validating on that step, so the
+    summary's metrics are those of the final model. A budget ending on an epoch's last step is
+    validated once, as usual.
+    """
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True
+
+
 def _mean(values: list[float | None]) -> float | None:
     """The mean of the values, None if any is None (a worker that timed no step)."""
     return None if not values or any(v is None for v in values) else sum(values) / len(values)  # type: ignore[arg-type]
@@ -260,18 +275,25 @@ class RunSummary(pl.Callback):
     ``wire_buffer_bytes_sent`` (their bytes, part of ``wire_bytes_sent``), the resolved config, and
     ``environment`` (torch and Python versions, the machine's CPU count, rank 0's torch threads,
     the workers: what ``fit_time_s`` depends on), ``hydra``: the option of every config group and
-    the overrides the run was given (:func:`lgc.train.hydra_record`; what ``lgc-report`` labels runs by), when known. An
+    the overrides the run was given (:func:`lgc.train.hydra_record`; what ``lgc-report`` labels runs by), when known,
+    ``provenance``: the commit the run's code came from, whether its tracked files had changes, and
+    the versions of lgc, torch, Lightning and torchvision (:func:`lgc.provenance.run_provenance`). An
     LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
     start from with ``compressor.autoencoder.init=PATH``.
     ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
     """
 
     def __init__(
-        self, output_dir: str, config: dict[str, Any] | None = None, hydra: dict[str, Any] | None = None
+        self,
+        output_dir: str,
+        config: dict[str, Any] | None = None,
+        hydra: dict[str, Any] | None = None,
+        provenance: dict[str, Any] | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.config = config or {}
         self.hydra = hydra
+        self.provenance = provenance
         self._start = time.perf_counter()
         # CPU seconds spent in training steps, the steps timed, and the current step's start.
         self._step_cpu_s, self._timed_steps, self._batch_cpu = 0.0, 0, None
@@ -335,6 +357,8 @@ class RunSummary(pl.Callback):
         }
         if self.hydra is not None:
             summary["hydra"] = self.hydra
+        if self.provenance is not None:
+            summary["provenance"] = self.provenance
         if all("lgc" in w for w in workers):
             summary["lgc_stages"] = _stage_totals([w["lgc"]["stages"] for w in workers])
             if "true_error" in workers[0]["lgc"]:

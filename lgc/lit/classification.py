@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lgc.validation import NonNegativeInt, PositiveFraction, check
 
-__all__ = ["ImageClassifier", "LinearWarmup"]
+__all__ = ["ImageClassifier", "LinearWarmup", "StepCosine"]
 
 #: Schedulers whose step multiplies the current learning rate by a factor of their own, so that
 #: they compose with the warm-up's factor (others recompute the rate from ``base_lrs`` and would
@@ -105,6 +106,45 @@ class LinearWarmup:
 
     def __repr__(self) -> str:
         return f"LinearWarmup(warmup_steps={self.warmup_steps}, start_factor={self.start_factor}, decay={self.decay!r})"
+
+
+class StepCosine:
+    """Cosine decay of the learning rate to zero over ``total_steps`` optimizer steps, stepped per step.
+
+    The schedule an endpoint comparison needs: the rate reaches 0 at the run's last step whatever
+    the number of epochs (a per-epoch cosine over few epochs spends the last epoch at a rate above
+    zero). ``total_steps`` is the run's length, ``trainer.max_steps`` in ``scheduler=cosine_steps``;
+    past it the rate stays at 0.
+
+    Args:
+        total_steps: optimizer steps of the run (a positive integer).
+    """
+
+    def __init__(self, total_steps: int) -> None:
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise ValueError(
+                f"scheduler.total_steps must be the run's positive number of optimizer steps (scheduler=cosine_steps "
+                f"takes trainer.max_steps: set it), got {total_steps!r}"
+            )
+        self.total_steps = total_steps
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """Lightning's scheduler config: the rate ``lr * (1 + cos(pi * step / total_steps)) / 2``, per step."""
+        lam = _HalfCosine(self.total_steps)
+        return [{"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lam), "interval": "step"}]
+
+    def __repr__(self) -> str:
+        return f"StepCosine(total_steps={self.total_steps})"
+
+
+class _HalfCosine:
+    """``step -> (1 + cos(pi * min(step, total) / total)) / 2`` (picklable, unlike a lambda)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def __call__(self, step: int) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, self.total) / self.total))
 
 
 def optimizer_with_epoch_scheduler(

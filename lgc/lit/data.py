@@ -1,4 +1,5 @@
-"""Lightning data modules: digits, CIFAR-10, ImageNet (classification) and CamVid (segmentation).
+"""Lightning data modules: digits, CIFAR-10, Fashion-MNIST, ImageNet (classification); CamVid and
+Fashion scenes (segmentation).
 
 Every module has ``num_classes``, ``in_channels`` and ``task`` (``"classification"`` or
 ``"segmentation"``), readable right after construction, and checks its folders at construction:
@@ -40,6 +41,7 @@ from lgc.data.camvid import (
 from lgc.data.cifar10 import check_cifar10_folder, cifar10_transform
 from lgc.data.digits import load_digits_split
 from lgc.data.fashion_mnist import fashion_mnist_cache, fashion_mnist_transform, prepare_fashion_mnist
+from lgc.data.fashion_scenes import FASHION_SCENE_CLASSES, FashionScenes, check_scene_settings
 from lgc.data.folders import require_folder
 from lgc.data.imagenet import imagenet_classes, imagenet_eval_transform, imagenet_train_transform
 from lgc.data.partition import check_partition, dataset_labels
@@ -52,6 +54,7 @@ __all__ = [
     "CamVidDataModule",
     "DigitsDataModule",
     "FashionMNISTDataModule",
+    "FashionScenesDataModule",
     "ImageNetDataModule",
     "require_folder",
 ]
@@ -79,6 +82,11 @@ def _resumable_loader(
         persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def _eval_loader(dataset: Dataset[Any] | None, batch_size: int, num_workers: int) -> DataLoader:
+    """A validation or test loader: the whole set in order (Lightning shards it across workers)."""
+    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0)
 
 
 class _ClassificationDataModule(pl.LightningDataModule):
@@ -146,12 +154,7 @@ class _ClassificationDataModule(pl.LightningDataModule):
         return _resumable_loader(self.train_set, self.train_sampler(), self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.val_set,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return _eval_loader(self.val_set, self.batch_size, self.num_workers)
 
 
 class DigitsDataModule(_ClassificationDataModule):
@@ -445,12 +448,7 @@ class CamVidDataModule(pl.LightningDataModule):
             self.test_set = CamVidDataset(self.root, "test", self.eval_transform)
 
     def _loader(self, dataset: Dataset[Any] | None) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return _eval_loader(dataset, self.batch_size, self.num_workers)
 
     def train_dataloader(self) -> StatefulDataLoader:
         # Built after the process group exists, so that the sampler sees the real rank.
@@ -463,3 +461,91 @@ class CamVidDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set)
+
+
+class FashionScenesDataModule(pl.LightningDataModule):
+    """Fashion scenes (:mod:`lgc.data.fashion_scenes`): garments of Fashion-MNIST pasted on a canvas,
+    every pixel labelled with the class on top or background (11 labels, none void).
+
+    Training scenes are composed from Fashion-MNIST's training images only, validation scenes from
+    its test images only; both are fixed by ``seed`` (not by the run's seed, so runs of different
+    seeds are scored on the same scenes). The files are found and checked at construction, as
+    :class:`FashionMNISTDataModule` finds them (``root``, else Debian's ``dataset-fashion-mnist``).
+    Workers get IID shards of the training scenes (a fresh random split every epoch).
+
+    Args:
+        root: a folder holding Fashion-MNIST's four IDX files; None: the Debian package's folder.
+        batch_size: per-worker batch size.
+        size: the canvas side in pixels.
+        garments: ``[fewest, most]`` garments per scene.
+        scale: ``[smallest, largest]`` resize factor of a garment's 28 pixels.
+        threshold: a garment's pixels brighter than this (of full white) are its shape.
+        train_scenes: training scenes (20,000 at 3 garments each uses each training image once on average).
+        val_scenes: validation scenes.
+        seed: the scenes' seed.
+        cache: where files are decompressed (None: ``$XDG_CACHE_HOME/lgc/fashion_mnist``).
+        num_workers: DataLoader worker processes per rank.
+    """
+
+    num_classes = len(FASHION_SCENE_CLASSES)
+    in_channels = 1
+    # No pixel is void; the loss and metrics get a label no pixel has.
+    ignore_index = 255
+    task = "segmentation"
+    classes = FASHION_SCENE_CLASSES
+
+    def __init__(
+        self,
+        root: str | None = None,
+        batch_size: PositiveInt = 32,
+        size: PositiveInt = 64,
+        garments: Sequence[int] = (2, 4),
+        scale: Sequence[float] = (0.75, 1.5),
+        threshold: float = 0.1,
+        train_scenes: PositiveInt = 20_000,
+        val_scenes: PositiveInt = 5_000,
+        seed: int = 0,
+        cache: str | None = None,
+        num_workers: NonNegativeInt = 0,
+    ) -> None:
+        super().__init__()
+        check("batch_size", batch_size, PositiveInt)
+        check("num_workers", num_workers, NonNegativeInt)
+        self.garments, self.scale = check_scene_settings(
+            size, garments, scale, threshold, {"train_scenes": train_scenes, "val_scenes": val_scenes}
+        )
+        self.root = str(prepare_fashion_mnist(root, cache))
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.size, self.threshold, self.seed = size, float(threshold), int(seed)
+        self.scenes = {"train": train_scenes, "val": val_scenes}
+        self.train_set: FashionScenes | None = None
+        self.val_set: FashionScenes | None = None
+
+    def _split(self, split: str) -> FashionScenes:
+        from torchvision.datasets import FashionMNIST
+
+        garments = FashionMNIST(self.root, train=split == "train")
+        return FashionScenes(
+            garments.data,
+            garments.targets,
+            self.scenes[split],
+            split,
+            seed=self.seed,
+            size=self.size,
+            garments=self.garments,
+            scale=self.scale,
+            threshold=self.threshold,
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self._split("train"), self._split("val")
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        # Built after the process group exists, so that the sampler sees the real rank.
+        assert self.train_set is not None
+        sampler = PartitionSampler(self.train_set, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        return _resumable_loader(self.train_set, sampler, self.batch_size, self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return _eval_loader(self.val_set, self.batch_size, self.num_workers)

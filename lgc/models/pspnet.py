@@ -16,7 +16,9 @@ Backbones: ``resnet50`` and ``resnet101`` (the paper's; bottleneck blocks, dilat
 ``replace_stride_with_dilation``) and ``resnet18`` / ``resnet34`` (basic blocks, which torchvision
 refuses to dilate; dilated here with the same convention, see :func:`dilate_stage`). ``resnet18``
 with ``head_channels=128, aux_channels=64`` (mmsegmentation's PSPNet-R18 sizes,
-``conf/model/pspnet_r18.yaml``) is the cheap configuration for CPU smoke runs.
+``conf/model/pspnet_r18.yaml``) is the cheap configuration for CPU smoke runs, and the same
+ResNet-18 at a quarter of the width (``width=16``, ``conf/model/pspnet_small.yaml``) trains on the
+CPU in minutes.
 
 Not here: the ImageNet-pretrained backbone every result in the paper starts from (nothing is
 downloaded; load a state dict into ``model.backbone`` yourself), the deep 3-convolution stem and
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision import models
-from torchvision.models.resnet import ResNet
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 __all__ = ["Backbone", "PSPNet", "PSPNetOutput", "dilate_stage"]
 
@@ -85,12 +87,49 @@ def dilate_stage(stage: nn.Sequential, previous: int, dilation: int) -> None:
             stride_seen = stride_seen or (strided and conv.kernel_size == (3, 3))
 
 
-def _dilated_resnet(backbone: Backbone, in_channels: int, output_stride: int) -> ResNet:
+class _NarrowResNet(ResNet):
+    """torchvision's ResNet with ``width`` channels in its stem and first stage instead of 64
+    (the stages then have ``width x (1, 2, 4, 8)`` times the block's expansion); the same modules,
+    names and initialisation, so dilation and :meth:`PSPNet.features` treat it as torchvision's."""
+
+    def __init__(self, block: type[BasicBlock | Bottleneck], layers: Sequence[int], width: int) -> None:
+        nn.Module.__init__(self)
+        self._norm_layer, self.dilation, self.groups, self.base_width = nn.BatchNorm2d, 1, 1, 64
+        self.inplanes = width
+        self.conv1 = nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1, self.relu = nn.BatchNorm2d(width), nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(block, width, layers[0])
+        self.layer2 = self._make_layer(block, 2 * width, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 4 * width, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 8 * width, layers[3], stride=2)
+        self.avgpool, self.fc = nn.Identity(), nn.Identity()
+        for m in self.modules():  # torchvision's initialisation
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+
+
+_LAYOUTS: dict[str, tuple[type[BasicBlock | Bottleneck], tuple[int, ...]]] = {
+    "resnet18": (BasicBlock, (2, 2, 2, 2)),
+    "resnet34": (BasicBlock, (3, 4, 6, 3)),
+    "resnet50": (Bottleneck, (3, 4, 6, 3)),
+    "resnet101": (Bottleneck, (3, 4, 23, 3)),
+}
+
+
+def _dilated_resnet(backbone: Backbone, in_channels: int, output_stride: int, width: int = 64) -> ResNet:
     flags = _DILATE[output_stride]
-    bottleneck = backbone in ("resnet50", "resnet101")
-    # torchvision dilates bottleneck blocks itself; its BasicBlock raises for dilation > 1.
-    net = _BUILDERS[backbone](weights=None, replace_stride_with_dilation=list(flags) if bottleneck else None)
-    if not bottleneck:
+    # torchvision dilates its own bottleneck blocks; its BasicBlock raises for dilation > 1, and a
+    # narrow ResNet is built here: both are dilated by dilate_stage, with torchvision's convention.
+    by_torchvision = width == 64 and backbone in ("resnet50", "resnet101")
+    if width == 64:
+        net = _BUILDERS[backbone](weights=None, replace_stride_with_dilation=list(flags) if by_torchvision else None)
+    else:
+        net = _NarrowResNet(*_LAYOUTS[backbone], width)
+    if not by_torchvision:
         dilation = 1
         for flag, stage in zip(flags, (net.layer2, net.layer3, net.layer4), strict=True):
             if flag:
@@ -152,6 +191,9 @@ class PSPNet(nn.Module):
             ``(2 * backbone channels) x head_channels x 9`` weights are PSPNet-R50's largest layer).
         aux_channels: channels of the auxiliary head's 3x3 convolution (256 in the paper's code).
         dropout: ``Dropout2d`` probability before both classifiers (0.1 in the paper's code).
+        width: channels of the backbone's stem and first stage (torchvision's 64; the stages have
+            ``width x (1, 2, 4, 8)`` times the block's expansion). A narrower backbone, same depth,
+            dilation and head: 16 cuts the backbone's compute about 16x (``conf/model/pspnet_small.yaml``).
 
     In training mode ``forward`` returns :class:`PSPNetOutput` ``(main, aux)``, both
     ``(N, num_classes, H, W)`` logits; train on ``loss(main) + 0.4 * loss(aux)``
@@ -179,6 +221,7 @@ class PSPNet(nn.Module):
         head_channels: int = 512,
         aux_channels: int = 256,
         dropout: float = 0.1,
+        width: int = 64,
     ) -> None:
         super().__init__()
         if backbone not in _BUILDERS:
@@ -194,12 +237,14 @@ class PSPNet(nn.Module):
             raise ValueError(f"bins must be a non-empty list of positive sizes, got {bins!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"width must be a positive number of channels, got {width!r}")
         self.output_stride = output_stride
-        self.backbone = _dilated_resnet(backbone, in_channels, output_stride)
+        self.backbone = _dilated_resnet(backbone, in_channels, output_stride, width)
         expansion = type(self.backbone.layer4[0]).expansion  # 1 for basic blocks, 4 for bottlenecks
-        self.ppm = _PyramidPooling(512 * expansion, bins)
+        self.ppm = _PyramidPooling(8 * width * expansion, bins)
         self.head = _classifier(self.ppm.out_channels, head_channels, num_classes, dropout)
-        self.aux_head = _classifier(256 * expansion, aux_channels, num_classes, dropout)
+        self.aux_head = _classifier(4 * width * expansion, aux_channels, num_classes, dropout)
 
     def features(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The backbone's ``layer3`` and ``layer4`` features, both at ``1 / output_stride`` of the input

@@ -334,3 +334,40 @@ def test_one_training_step_with_lightning(tmp_path):
     changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
     for prefix in ("backbone.conv1", "backbone.layer4", "ppm", "head", "aux_head"):
         assert any(name.startswith(prefix) for name in changed), prefix
+
+
+@pytest.mark.parametrize("backbone", ["resnet18", "resnet50"])
+def test_a_narrow_backbone_at_width_64_has_torchvisions_every_parameter_shape(backbone):
+    # The narrow builder is torchvision's ResNet with another stem width: at 64 the same modules.
+    from lgc.models.pspnet import _LAYOUTS, _NarrowResNet
+
+    narrow = _NarrowResNet(*_LAYOUTS[backbone], 64)
+    theirs = getattr(models, backbone)(weights=None)
+    shapes = {name: p.shape for name, p in theirs.state_dict().items() if not name.startswith("fc.")}
+    assert {name: p.shape for name, p in narrow.state_dict().items()} == shapes
+
+
+@pytest.mark.parametrize("backbone", ["resnet18", "resnet50"])
+@torch.no_grad()
+def test_a_narrow_dilated_backbone_is_its_plain_self_without_subsampling(backbone):
+    from lgc.models.pspnet import _LAYOUTS, _NarrowResNet
+
+    model = PSPNet(num_classes=3, backbone=backbone, width=8, head_channels=16, aux_channels=8).eval()
+    plain = _NarrowResNet(*_LAYOUTS[backbone], 8).eval()
+    plain.load_state_dict(model.backbone.state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    c3, dilated = model.features(x)
+    expansion = 4 if backbone == "resnet50" else 1
+    assert c3.shape == (1, 32 * expansion, 8, 8) and dilated.shape == (1, 64 * expansion, 8, 8)
+    torch.testing.assert_close(dilated[..., ::4, ::4], _plain_features(plain, x), rtol=1e-4, atol=1e-4)
+
+
+def test_pspnet_small_is_the_documented_size_and_trains_every_parameter():
+    # conf/model/pspnet_small.yaml on the Fashion scenes: 1 channel, 11 labels.
+    model = PSPNet(11, in_channels=1, backbone="resnet18", width=16, head_channels=64, aux_channels=32)
+    assert num_params(model) == 884_326
+    main, aux = model(torch.randn(2, 1, 64, 64))
+    (main.sum() + aux.sum()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(ValueError, match="width must be a positive number of channels, got 0"):
+        PSPNet(3, width=0)

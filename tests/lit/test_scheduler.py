@@ -177,3 +177,30 @@ def test_lightning_steps_the_warmup_per_step_and_the_decay_per_epoch():
     trainer.fit(module, DataLoader(data, batch_size=4))  # 3 steps per epoch
     expected = [LR * _warmup(s, 5, 0.2) * 0.5 ** (s // 3 >= 1) for s in range(9)]
     assert record.rates == pytest.approx(expected, rel=1e-12)
+
+
+def test_step_cosine_reaches_zero_at_the_last_step_and_stays_there():
+    from lgc.lit.classification import StepCosine
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.4)
+    (config,) = StepCosine(8)(optimizer)
+    assert config["interval"] == "step"
+    rates = []
+    for _ in range(10):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        config["scheduler"].step()
+    expected = [0.4 * 0.5 * (1 + math.cos(math.pi * min(s, 8) / 8)) for s in range(10)]
+    assert rates == pytest.approx(expected) and rates[8] == rates[9] == pytest.approx(0, abs=1e-12)
+
+
+def test_cosine_steps_without_a_step_budget_is_refused_by_name(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from lgc.train import _prepare
+
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["scheduler=cosine_steps", "logger=none", f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"scheduler.total_steps must be the run's positive number .* got -1"):
+        _prepare(cfg)

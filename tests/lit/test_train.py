@@ -71,6 +71,12 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
     # What the times depend on: versions, the machine's CPUs, and each worker's threads.
     env = summary["environment"]
     assert env["torch"] == torch.__version__ and env["cpus"] == os.cpu_count() and env["workers"] == 2
+    # The code the run came from: this checkout's commit (None where lgc is not in one) and versions.
+    provenance = summary["provenance"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    assert provenance["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    assert provenance["versions"]["torch"] == torch.__version__
+    assert provenance["versions"]["pytorch_lightning"] == pl.__version__
     assert env["torch_threads"] >= 1
     # Each worker's CPU time per training step, and their mean.
     per_worker = [w["step_cpu_time_ms"] for w in summary["workers"]]

@@ -1,0 +1,119 @@
+"""The comparison at the mission's scale, run exactly as ``scale_protocol.yaml`` fixes it.
+
+    python experiments/scale_comparison.py [--out OUT] [--results RESULTS] [--cells C ...] [--methods M ...]
+        [--extra OVERRIDE ...] [--dry-run]
+
+Every cell x method x seed of the protocol, in its order, one ``lgc-train`` run at a time (each
+run's 4 workers share the machine's cores). Runs write to ``OUT/CELL/METHOD/seedN`` (checkpoints
+every 50 steps, the log beside it as ``seedN.log``); each finished run's ``summary.json`` is copied
+to ``RESULTS/CELL/METHOD/seedN/`` (commit them as they arrive). Resumable: a run whose summary is
+in RESULTS or OUT is skipped, and a stopped run resumes from its last checkpoint
+(``ckpt_path``). ``--cells`` / ``--methods`` pick a subset of the protocol's (never other seeds:
+the protocol fixes them); ``--extra`` adds overrides to every run (e.g. ``trainer=gpu``), which a
+different RESULTS folder should then hold. A failed run is listed at the end and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).parent
+PROTOCOL = HERE / "scale_protocol.yaml"
+
+
+def load_protocol(path: Path = PROTOCOL) -> dict[str, Any]:
+    """The protocol, checked: every ordered cell and method defined, seeds distinct."""
+    protocol = yaml.safe_load(path.read_text())
+    for kind in ("cells", "methods"):
+        missing = [name for name in protocol["order"][kind] if name not in protocol[kind]]
+        if missing:
+            raise ValueError(f"{path}: order.{kind} names {missing}, which {kind} does not define")
+    if len(set(protocol["seeds"])) != len(protocol["seeds"]):
+        raise ValueError(f"{path}: seeds {protocol['seeds']} repeat a seed")
+    if protocol["reference"] not in protocol["methods"]:
+        raise ValueError(f"{path}: the reference {protocol['reference']!r} is not among the methods")
+    return protocol
+
+
+def run_overrides(protocol: dict[str, Any], cell: str, method: str, seed: int) -> list[str]:
+    """The ``lgc-train`` overrides of one run (output folder and resumption left out)."""
+    spec, how = protocol["cells"][cell], protocol["methods"][method]
+    steps = int(spec["steps"])
+    values = {"seed": seed, "steps": steps, "dgc_epoch": max(1, steps // 160)}
+    per_step = [] if how.get("local_steps") else list(spec.get("per_step", []))
+    overrides = [*protocol["common"], *spec["overrides"], *how["overrides"], *per_step]
+    return [override.format(**values) for override in overrides]
+
+
+def planned_runs(
+    protocol: dict[str, Any], cells: list[str] | None = None, methods: list[str] | None = None
+) -> list[tuple[str, str, int]]:
+    """``(cell, method, seed)`` of every run, in the protocol's order (restricted to ``cells`` / ``methods``)."""
+    for kind, chosen in (("cells", cells), ("methods", methods)):
+        unknown = sorted(set(chosen or ()) - set(protocol[kind]))
+        if unknown:
+            raise SystemExit(f"unknown {kind} {unknown}: the protocol has {sorted(protocol[kind])}")
+    return [
+        (cell, method, seed)
+        for cell in protocol["order"]["cells"]
+        if cells is None or cell in cells
+        for method in protocol["order"]["methods"]
+        if methods is None or method in methods
+        for seed in protocol["seeds"]
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("outputs/scale_comparison"))
+    parser.add_argument("--results", type=Path, default=HERE / "results" / "scale")
+    parser.add_argument("--protocol", type=Path, default=PROTOCOL)
+    parser.add_argument("--cells", nargs="+")
+    parser.add_argument("--methods", nargs="+")
+    parser.add_argument("--extra", nargs="+", default=[], help="overrides added to every run")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands of the runs still to do")
+    args = parser.parse_args(argv)
+    protocol = load_protocol(args.protocol)
+    failed = []
+    for cell, method, seed in planned_runs(protocol, args.cells, args.methods):
+        run_dir = args.out / cell / method / f"seed{seed}"
+        kept = args.results / cell / method / f"seed{seed}"
+        if (run_dir / "summary.json").is_file() and not (kept / "summary.json").is_file():
+            kept.mkdir(parents=True, exist_ok=True)
+            shutil.copy(run_dir / "summary.json", kept / "summary.json")
+        if (kept / "summary.json").is_file():
+            continue  # done already
+        command = ["lgc-train", *run_overrides(protocol, cell, method, seed), *args.extra, f"output_dir={run_dir}"]
+        if (run_dir / "checkpoints" / "last.ckpt").is_file():
+            command.append(f"ckpt_path={run_dir}")  # stopped mid-run: go on from there
+        if args.dry_run:
+            print(" ".join(command))
+            continue
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        start = time.time()
+        with open(run_dir.parent / f"seed{seed}.log", "a") as log:
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+        minutes = (time.time() - start) / 60
+        if done.returncode == 0 and (run_dir / "summary.json").is_file():
+            kept.mkdir(parents=True, exist_ok=True)
+            shutil.copy(run_dir / "summary.json", kept / "summary.json")
+            print(f"{cell}/{method}/seed{seed}: done in {minutes:.1f} min", flush=True)
+        else:
+            failed.append(f"{cell}/{method}/seed{seed}")
+            print(f"{cell}/{method}/seed{seed}: FAILED (rc {done.returncode}) after {minutes:.1f} min", flush=True)
+    if failed:
+        print("unfinished: " + " ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
