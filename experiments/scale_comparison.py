@@ -6,11 +6,12 @@
 Every cell x method x seed of the protocol, in its order, one ``lgc-train`` run at a time (each
 run's 4 workers share the machine's cores). Runs write to ``OUT/CELL/METHOD/seedN`` (checkpoints
 every 50 steps, the log beside it as ``seedN.log``); each finished run's ``summary.json`` is copied
-to ``RESULTS/CELL/METHOD/seedN/`` (commit them as they arrive). Resumable: a run whose summary is
-in RESULTS or OUT is skipped, and a stopped run resumes from its last checkpoint
-(``ckpt_path``). ``--cells`` / ``--methods`` pick a subset of the protocol's (never other seeds:
-the protocol fixes them); ``--extra`` adds overrides to every run (e.g. ``trainer=gpu``), which a
-different RESULTS folder should then hold. A failed run is listed at the end and the others go on.
+to ``RESULTS/CELL/METHOD/seedN/`` (commit them as they arrive). Resumable: a run whose summary is in
+RESULTS or OUT is skipped, and a stopped run resumes from its last checkpoint (``ckpt_path``).
+``--cells`` / ``--methods`` pick a subset of the protocol's (never other seeds: the protocol fixes
+them); ``--extra`` adds overrides to every run, replacing the protocol's for the same key
+(``trainer=gpu model=pspnet``), whose records a different RESULTS folder should then hold. A failed
+run is listed at the end and the others go on.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def run_overrides(protocol: dict[str, Any], cell: str, method: str, seed: int) -
     return [override.format(**values) for override in overrides]
 
 
+def with_extra(overrides: list[str], extra: list[str]) -> list[str]:
+    """``overrides`` with ``extra`` appended, each extra replacing an earlier override of the same key
+    (``model=pspnet`` replaces a cell's ``model=pspnet_small``: Hydra refuses two values for one key)."""
+    keys = {override.split("=", 1)[0] for override in extra}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + list(extra)
+
+
 def planned_runs(
     protocol: dict[str, Any], cells: list[str] | None = None, methods: list[str] | None = None
 ) -> list[tuple[str, str, int]]:
@@ -91,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(run_dir / "summary.json", kept / "summary.json")
         if (kept / "summary.json").is_file():
             continue  # done already
-        command = ["lgc-train", *run_overrides(protocol, cell, method, seed), *args.extra, f"output_dir={run_dir}"]
+        # lgc-train's own code (python -m lgc.train runs it without the console script's import check)
+        overrides = with_extra(run_overrides(protocol, cell, method, seed), args.extra)
+        command = [sys.executable, "-m", "lgc.train", *overrides, f"output_dir={run_dir}"]
         if (run_dir / "checkpoints" / "last.ckpt").is_file():
             command.append(f"ckpt_path={run_dir}")  # stopped mid-run: go on from there
         if args.dry_run:

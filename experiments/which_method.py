@@ -5,22 +5,26 @@
 
 Reads ``RESULTS/CELL/report/seeds.json`` (``lgc-report``'s over-seeds table; RESULTS defaults to
 this folder's ``results/fashion_mnist``) and prints one row per method: per cell, accuracy (mean ±
-half-width of the 95 % interval over seeds, Student t), the gap to dense paired by seed with ``≈``
-where its interval holds 0 (``below`` / ``above`` where it does not), whether the method is at
-dense's accuracy there as the default's rule counts it (``lgc_verdict.standing``: ✓ non-inferior
-within 1 point, ✗ not, ``?`` undecided: the interval straddles that line), and whole-run wire MB per
-worker. The README holds the table between the markers ``<!-- which-method:begin -->`` and
-``<!-- which-method:end -->``; ``--write`` replaces what is between them, and a test checks that
-the README's table is this script's output for the committed results, so its numbers cannot drift
-from them.
+half-width of the 95 % interval over seeds, Student t), the gap to dense paired by seed (points,
+mean ± half-width of its 95 % interval), its mark against the 1-point margin
+(:func:`lgc.report.marks.mark`: ``within``, the interval's lower end at most 1 point below 0;
+``worse``, the whole interval further down; ``inconclusive``, it straddles that line, at the seeds
+the method has), and whole-run wire MB per worker. The README holds the table between the markers
+``<!-- which-method:begin -->`` and ``<!-- which-method:end -->``; ``--write`` replaces what is
+between them, and a test checks that the README's table is this script's output for the committed
+results, so its numbers cannot drift from them.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
-from lgc_verdict import CELLS, MARKS, load_cell, standing
+from lgc_verdict import CELLS, MARGIN, load_cell
+
+from lgc.report.marks import detectable_loss, mark, within_probability
+from lgc.report.seeds import Interval
 
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
@@ -75,8 +79,8 @@ def _cells(entry: dict | None) -> list[str]:
     else:
         half = gap.get("half_width")
         gap_text = f"{100 * gap['mean']:+.2f}" + (f" ± {100 * half:.2f}" if half is not None else "")
-        word = {"≈ dense": "≈", "below": "below", "above": "above"}.get(entry.get("vs_dense", ""), "")
-        gap_text = " ".join(part for part in (gap_text, word, MARKS[standing(entry)]) if part)
+        judged = mark(Interval(gap["n"], gap["mean"], gap.get("sd"), half), MARGIN)
+        gap_text += f" {judged}" if judged else ""
     return [str(entry["n"]), accuracy, gap_text, f"{entry['wire_mb_per_worker']['mean']:.3g}"]
 
 
@@ -97,7 +101,29 @@ def table(results: Path) -> str:
         for cell in CELLS:
             row += _cells(cells[cell].get(label))
         lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    for cell in CELLS:
+        lines.append(power_line(cell, cells[cell]))
     return "\n".join(lines)
+
+
+def power_line(cell: str, entries: dict[str, dict]) -> str:
+    """What a cell can detect at its median spread of paired gaps (:mod:`lgc.report.marks`), at 5 seeds."""
+    spreads = sorted(
+        100 * entry["gap_to_dense"]["sd"]
+        for entry in entries.values()
+        if entry.get("gap_to_dense") and entry["gap_to_dense"].get("sd")
+    )
+    if not spreads:
+        return f"{cell}: no paired spread yet."
+    spread = statistics.median(spreads)
+    margin = 100 * MARGIN
+    return (
+        f"{cell}: median spread of the paired gaps {spread:.2f} points; at 5 seeds this cell marks a loss of "
+        f"{detectable_loss(spread, 5, margin):.2f} points `worse` with probability 0.8, and a method as good as "
+        f"dense `within` with probability {within_probability(0.0, spread, 5, margin):.2f} (at 3 seeds "
+        f"{within_probability(0.0, spread, 3, margin):.2f})."
+    )
 
 
 def replace_in(readme: str, text: str) -> str:

@@ -231,12 +231,18 @@ def test_the_table_marks_each_cell(scripts, tmp_path, monkeypatch):
     sys.modules.pop("which_method", None)
     which = importlib.import_module("which_method")
     write_cell(tmp_path, "iid4", [entry("dense", None, 800.0), entry("dgc", (-0.008, -0.001), 30.0)])
-    write_cell(tmp_path, "dir8", [entry("dense", None, 400.0), entry("dgc", (-0.05, 0.01), 20.0)])
-    lines = which.table(tmp_path).splitlines()
-    assert lines[3] == (
-        f"| {which.ROWS['dgc']} | 3 | 0.9000 ± 0.0100 | -0.45 ± 0.35 below ✓ | 30 "
-        "| 3 | 0.9000 ± 0.0100 | -2.00 ± 3.00 ≈ ? | 20 |"
+    write_cell(
+        tmp_path,
+        "dir8",
+        [entry("dense", None, 400.0), entry("dgc", (-0.05, 0.01), 20.0), entry("topk", (-0.05, -0.02), 9.0)],
     )
+    lines = which.table(tmp_path).splitlines()
+    # The three marks against the 1-point margin: within, inconclusive (straddling it), worse.
+    assert lines[4] == (
+        f"| {which.ROWS['dgc']} | 3 | 0.9000 ± 0.0100 | -0.45 ± 0.35 within | 30 "
+        "| 3 | 0.9000 ± 0.0100 | -2.00 ± 3.00 inconclusive | 20 |"
+    )
+    assert lines[3] == f"| {which.ROWS['topk']} | - | not run | - | - | 3 | 0.9000 ± 0.0100 | -3.50 ± 1.50 worse | 9 |"
     (tmp_path / "iid4" / "report" / "seeds.json").write_text(json.dumps([entry("nameless", (-0.01, 0.0), 1.0)]))
     with pytest.raises(SystemExit, match="nameless"):
         which.table(tmp_path)

@@ -1,0 +1,179 @@
+"""The scale comparison's tables, generated from the committed run records and the protocol.
+
+    python experiments/scale_tables.py [RESULTS] [--write]
+    # default RESULTS: experiments/results/scale; --write saves RESULTS/tables.md and tables.json
+
+For every cell of ``scale_protocol.yaml``, every method in the protocol's order: the seeds run, the
+metric's mean and 95 % interval, the gap to the reference paired by seed (in points) and its mark
+(:mod:`lgc.report.marks`: within, worse or inconclusive against the margin), given only once every
+seed the protocol fixes has run (a method still running shows how many have), and the whole-run
+wire bytes per worker split into what the method's codec carries and the fixed overhead:
+
+* overhead: module buffers (their wire bytes as counted) and the parameters sent dense because
+  they are under the method's ``min_numel`` (rank 0's bytes booked for them, at a ring
+  allreduce's ``2 (P - 1) / P`` per byte);
+* codec: the rest of the wire, everything the method sends for the parameters it compresses
+  (positions, values, latent codes, sizes and agreement flags included);
+* ceiling: dense's wire bytes over the overhead, the ratio no codec can pass on that model.
+
+Under each table: the cell's median spread of paired gaps, the smallest loss the cell marks
+``worse`` with the protocol's power, and how often a method as good as the reference is marked
+``within``. The commits the runs came from are listed (each ``summary.json`` records its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from scale_comparison import HERE, load_protocol
+
+from lgc.report.marks import detectable_loss, mark, within_probability
+from lgc.report.records import RunRecord, load_runs
+from lgc.report.seeds import Interval
+
+
+def _records(folder: Path) -> dict[int, RunRecord]:
+    """Seed -> run record of one method's folder (``seedN/summary.json``)."""
+    if not folder.is_dir() or not any(folder.glob("seed*/summary.json")):
+        return {}
+    return {int(r.config.get("seed")): r for r in load_runs([folder], label_by="folder")}
+
+
+def split_bytes(record: RunRecord) -> dict[str, float | None]:
+    """Wire MB per worker: the whole run, its overhead (buffers and parameters sent dense), the codec's
+    share and the ceiling (dense's wire bytes over the overhead)."""
+    summary = record.summary
+    world = summary["world_size"]
+    total = summary["wire_bytes_sent"] / world
+    buffers = (summary.get("wire_buffer_bytes_sent") or 0) / world
+    layers = summary.get("layers") or []
+    # rank 0's logical bytes of the parameters sent dense, at a ring allreduce's wire cost per byte
+    dense_params = sum(layer["bytes_sent"] for layer in layers if not layer["compressed"]) * 2 * (world - 1) / world
+    overhead = buffers + dense_params
+    dense_equivalent = summary["wire_dense_equivalent_bytes"] / world
+    return {
+        "wire_mb": total / 1e6,
+        "overhead_mb": overhead / 1e6 if layers or buffers else None,
+        "codec_mb": (total - overhead) / 1e6 if layers else None,
+        "ceiling": dense_equivalent / overhead if overhead else None,
+        "booked_layers": bool(layers),
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of one cell and what the cell can detect."""
+    seeds = list(protocol["seeds"])
+    margin, power = float(protocol["margin_points"]), float(protocol["power"])
+    reference = _records(results / cell / protocol["reference"])
+    rows, spreads, commits = [], [], set()
+    for method in protocol["order"]["methods"]:
+        runs = _records(results / cell / method)
+        for record in runs.values():
+            provenance = record.summary.get("provenance") or {}
+            commits.add((provenance.get("commit") or "unknown")[:7] + ("+changes" if provenance.get("dirty") else ""))
+        metric = Interval.of([r.metric for r in runs.values() if r.metric is not None])
+        paired = [100 * (runs[s].metric - reference[s].metric) for s in seeds if s in runs and s in reference]
+        gap = Interval.of(paired) if method != protocol["reference"] else None
+        complete = all(s in runs for s in seeds) and all(s in reference for s in seeds)
+        if gap is not None and gap.sd and complete:
+            spreads.append(gap.sd)
+        parts = [split_bytes(r) for r in runs.values()]
+        rows.append(
+            {
+                "method": method,
+                "label": protocol["methods"][method]["label"],
+                "seeds": sorted(runs),
+                "metric": metric.as_dict() if metric else None,
+                "gap_points": gap.as_dict() if gap else None,
+                "mark": mark(gap, margin) if complete and gap is not None else None,
+                **{key: _mean([p[key] for p in parts]) for key in ("wire_mb", "overhead_mb", "codec_mb", "ceiling")},
+            }
+        )
+    spread = statistics.median(spreads) if spreads else None
+    n = len(seeds)
+    power_line = {
+        "median_sd_points": spread,
+        "detectable_loss_points": detectable_loss(spread, n, margin, power) if spread else None,
+        "within_probability_at_no_loss": within_probability(0.0, spread, n, margin) if spread else None,
+        "commits": sorted(commits),
+    }
+    return rows, power_line
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def cell_table(protocol: dict[str, Any], cell: str, rows: list[dict[str, Any]], power: dict[str, Any]) -> str:
+    spec = protocol["cells"][cell]
+    n, margin = len(protocol["seeds"]), protocol["margin_points"]
+    lines = [
+        f"## {cell}: {spec['title']}",
+        "",
+        f"`{spec['metric']}` after {spec['steps']} steps; gap to {protocol['reference']} paired by seed, points, "
+        f"95 % interval; mark against a {margin:g}-point margin at n = {n}.",
+        "",
+        "| method | seeds | " + spec["metric"] + " | gap to dense (points) | mark | wire MB/worker | "
+        "codec MB/worker | overhead MB/worker | ceiling (x) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if not row["seeds"]:
+            lines.append(f"| {row['label']} | 0 of {n} | not run yet | - | - | - | - | - | - |")
+            continue
+        metric = Interval(**{k: row["metric"][k] for k in ("n", "mean", "sd", "half_width")})
+        gap = row["gap_points"]
+        gap_text = (
+            "-" if gap is None else Interval(**{k: gap[k] for k in ("n", "mean", "sd", "half_width")}).text("+.2f")
+        )
+        seeds = f"{len(row['seeds'])}" if len(row["seeds"]) == n else f"{len(row['seeds'])} of {n}"
+        lines.append(
+            f"| {row['label']} | {seeds} | {metric.text('.4f')} | {gap_text} | {row['mark'] or '-'} | "
+            f"{_fmt(row['wire_mb'], '.4g')} | {_fmt(row['codec_mb'], '.4g')} | {_fmt(row['overhead_mb'], '.4g')} | "
+            f"{_fmt(row['ceiling'], '.0f')} |"
+        )
+    lines.append("")
+    if power["median_sd_points"] is not None:
+        lines.append(
+            f"Median spread of paired gaps {power['median_sd_points']:.2f} points: this cell marks a loss of "
+            f"{power['detectable_loss_points']:.2f} points or more `worse` with probability {protocol['power']:g}, "
+            f"and a method as good as dense `within` with probability {power['within_probability_at_no_loss']:.2f}."
+        )
+    else:
+        lines.append("No method has all its seeds paired with dense yet: the cell's power is not known.")
+    lines += ["", f"Runs from commits: {', '.join(power['commits']) or '-'}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="?", type=Path, default=HERE / "results" / "scale")
+    parser.add_argument("--protocol", type=Path, default=HERE / "scale_protocol.yaml")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args(argv)
+    protocol = load_protocol(args.protocol)
+    pages, data = ["# The comparison at scale", ""], {}
+    for cell in protocol["order"]["cells"]:
+        rows, power = cell_rows(protocol, args.results, cell)
+        data[cell] = {"rows": rows, "power": power}
+        pages.append(cell_table(protocol, cell, rows, power))
+    page = "\n".join(pages)
+    print(page)
+    if args.write:
+        (args.results / "tables.md").write_text(page)
+        (args.results / "tables.json").write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The scale comparison's sweep plan and tables (``experiments/scale_comparison.py``,
+``experiments/scale_tables.py``) on the committed protocol and hand-made run records."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+EXPERIMENTS = Path(__file__).parents[2] / "experiments"
+
+
+@pytest.fixture
+def scripts(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    for name in ("scale_comparison", "scale_tables"):
+        sys.modules.pop(name, None)
+    return importlib.import_module("scale_comparison"), importlib.import_module("scale_tables")
+
+
+def test_the_protocol_plans_every_method_over_the_same_seeds_in_every_cell(scripts):
+    sweep, _ = scripts
+    protocol = sweep.load_protocol()
+    runs = sweep.planned_runs(protocol)
+    cells, methods, seeds = protocol["order"]["cells"], protocol["order"]["methods"], protocol["seeds"]
+    assert len(seeds) == 5 and len(runs) == len(cells) * len(methods) * len(seeds) == len(set(runs))
+    assert protocol["margin_points"] == 1.0 and protocol["reference"] == "dense" and methods[0] == "dense"
+
+
+def test_every_planned_run_composes_and_its_partition_follows_the_seed(scripts, tmp_path):
+    sweep, _ = scripts
+    protocol = sweep.load_protocol()
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        for cell in protocol["cells"]:
+            for method in protocol["methods"]:
+                overrides = sweep.run_overrides(protocol, cell, method, 3)
+                cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}"])
+                assert cfg.seed == 3 and cfg.trainer.max_steps == protocol["cells"][cell]["steps"]
+                assert cfg.scheduler._target_ == "lgc.lit.classification.StepCosine"
+                if cell == "r20_dir4":
+                    assert cfg.data.partition == "dirichlet" and cfg.data.partition_seed == 3
+                    # per-step methods average the workers' buffers every step, local-step ones at exchanges
+                    local = protocol["methods"][method].get("local_steps", False)
+                    assert (cfg.comm.get("buffers") == "average") != local
+    dgc = sweep.run_overrides(protocol, "seg4", "dgc", 0)
+    assert "compressor.steps_per_epoch=3" in dgc  # 4 warm-up densities over 2.5 % of 600 steps
+
+
+def _summary(seed: int, metric_key: str, metric: float, compressed_bytes: int) -> dict:
+    world = 4
+    return {
+        "config": {"seed": seed, "compressor": {"_target_": "lgc.compressors.TopKCompressor"}},
+        "world_size": world,
+        metric_key: metric,
+        "metrics": {metric_key: metric},
+        "wire_bytes_sent": world * (compressed_bytes + 3_000_000 + 1_500_000),
+        "wire_buffer_bytes_sent": world * 1_500_000,
+        "wire_dense_equivalent_bytes": world * 900_000_000,
+        "layers": [
+            {"layer": "a", "numel": 10, "compressed": False, "bytes_sent": 2_000_000},  # 3 MB on a 4-ring
+            {"layer": "b", "numel": 9000, "compressed": True, "bytes_sent": 123},
+        ],
+        "provenance": {"commit": "abcdef0123456789", "dirty": False},
+    }
+
+
+def test_tables_mark_only_complete_methods_and_split_the_bytes(scripts, tmp_path):
+    _, tables = scripts
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    cell = "r20_iid4"
+    dense = [0.90, 0.91, 0.905, 0.895, 0.90]
+    close = [d - 0.001 * k for k, d in enumerate(dense)]  # within a point
+    far = [d - 0.03 + 0.002 * k for k, d in enumerate(dense)]  # about 2.6 points below
+    for method, values in (("dense", dense), ("fp16", close), ("topk", far), ("dgc", close[:3])):
+        for seed, value in enumerate(values):
+            folder = tmp_path / cell / method / f"seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps(_summary(seed, "val/acc", value, 10_000_000)))
+    rows, power = tables.cell_rows(protocol, tmp_path, cell)
+    by = {row["method"]: row for row in rows}
+    assert by["fp16"]["mark"] == "within" and by["topk"]["mark"] == "worse"
+    assert by["dgc"]["mark"] is None and by["dgc"]["seeds"] == [0, 1, 2]  # 3 of 5 seeds: no mark yet
+    assert by["lgc_rar"]["seeds"] == [] and by["dense"]["mark"] is None
+    assert by["topk"]["gap_points"]["mean"] == pytest.approx(-2.6)
+    assert by["fp16"]["overhead_mb"] == pytest.approx(4.5) and by["fp16"]["codec_mb"] == pytest.approx(10.0)
+    assert by["fp16"]["ceiling"] == pytest.approx(900 / 4.5)
+    assert power["median_sd_points"] > 0 and power["detectable_loss_points"] > 1.0
+    assert power["commits"] == ["abcdef0"]
+    page = tables.cell_table(protocol, cell, rows, power)
+    assert "| 3 of 5 |" in page and "not run yet" in page and "within" in page and "worse" in page
+
+
+def test_extra_overrides_replace_the_protocols_for_the_same_key(scripts):
+    sweep, _ = scripts
+    protocol = sweep.load_protocol()
+    overrides = sweep.with_extra(sweep.run_overrides(protocol, "seg4", "dense", 0), ["trainer=gpu", "model=pspnet"])
+    assert overrides.count("model=pspnet") == 1 and "model=pspnet_small" not in overrides
+    assert overrides[-2:] == ["trainer=gpu", "model=pspnet"] and "data=fashion_scenes" in overrides
