@@ -7,14 +7,8 @@ For every cell of ``scale_protocol.yaml``, every method in the protocol's order:
 metric's mean and 95 % interval, the gap to the reference paired by seed (in points) and its mark
 (:mod:`lgc.report.marks`: within, worse or inconclusive against the margin), given only once every
 seed the protocol fixes has run (a method still running shows how many have), and the whole-run
-wire bytes per worker split into what the method's codec carries and the fixed overhead:
-
-* overhead: module buffers (their wire bytes as counted) and the parameters sent dense because
-  they are under the method's ``min_numel`` (rank 0's bytes booked for them, at a ring
-  allreduce's ``2 (P - 1) / P`` per byte);
-* codec: the rest of the wire, everything the method sends for the parameters it compresses
-  (positions, values, latent codes, sizes and agreement flags included);
-* ceiling: dense's wire bytes over the overhead, the ratio no codec can pass on that model.
+wire bytes per worker split into what the method's codec carries and the fixed overhead (module
+buffers, parameters sent dense) with the ceiling no codec can pass (:func:`lgc.report.bytes.run_bytes`).
 
 Under each table: the cell's median spread of paired gaps, the smallest loss the cell marks
 ``worse`` with the protocol's power, and how often a method as good as the reference is marked
@@ -32,8 +26,9 @@ from typing import Any
 
 from scale_comparison import HERE, load_protocol
 
+from lgc.report.bytes import run_bytes
 from lgc.report.marks import detectable_loss, mark, within_probability
-from lgc.report.records import RunRecord, load_runs
+from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord, load_runs
 from lgc.report.seeds import Interval
 
 
@@ -42,27 +37,6 @@ def _records(folder: Path) -> dict[int, RunRecord]:
     if not folder.is_dir() or not any(folder.glob("seed*/summary.json")):
         return {}
     return {int(r.config.get("seed")): r for r in load_runs([folder], label_by="folder")}
-
-
-def split_bytes(record: RunRecord) -> dict[str, float | None]:
-    """Wire MB per worker: the whole run, its overhead (buffers and parameters sent dense), the codec's
-    share and the ceiling (dense's wire bytes over the overhead)."""
-    summary = record.summary
-    world = summary["world_size"]
-    total = summary["wire_bytes_sent"] / world
-    buffers = (summary.get("wire_buffer_bytes_sent") or 0) / world
-    layers = summary.get("layers") or []
-    # rank 0's logical bytes of the parameters sent dense, at a ring allreduce's wire cost per byte
-    dense_params = sum(layer["bytes_sent"] for layer in layers if not layer["compressed"]) * 2 * (world - 1) / world
-    overhead = buffers + dense_params
-    dense_equivalent = summary["wire_dense_equivalent_bytes"] / world
-    return {
-        "wire_mb": total / 1e6,
-        "overhead_mb": overhead / 1e6 if layers or buffers else None,
-        "codec_mb": (total - overhead) / 1e6 if layers else None,
-        "ceiling": dense_equivalent / overhead if overhead else None,
-        "booked_layers": bool(layers),
-    }
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -87,7 +61,7 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
         complete = all(s in runs for s in seeds) and all(s in reference for s in seeds)
         if gap is not None and gap.sd and complete:
             spreads.append(gap.sd)
-        parts = [split_bytes(r) for r in runs.values()]
+        parts = [run_bytes(r) for r in runs.values()]
         rows.append(
             {
                 "method": method,
@@ -96,7 +70,15 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
                 "metric": metric.as_dict() if metric else None,
                 "gap_points": gap.as_dict() if gap else None,
                 "mark": mark(gap, margin) if complete and gap is not None else None,
-                **{key: _mean([p[key] for p in parts]) for key in ("wire_mb", "overhead_mb", "codec_mb", "ceiling")},
+                **{
+                    name: _mean([p[key] for p in parts])
+                    for name, key in (
+                        ("wire_mb", WIRE_MB_PER_WORKER),
+                        ("overhead_mb", "overhead_wire_mb_per_worker"),
+                        ("codec_mb", "codec_wire_mb_per_worker"),
+                        ("ceiling", "ceiling"),
+                    )
+                },
             }
         )
     spread = statistics.median(spreads) if spreads else None
@@ -155,22 +137,27 @@ def cell_table(protocol: dict[str, Any], cell: str, rows: list[dict[str, Any]], 
     return "\n".join(lines)
 
 
+def page(protocol: dict[str, Any], results: Path) -> tuple[str, dict[str, Any]]:
+    """``tables.md``'s text and ``tables.json``'s data: every cell of the protocol, in its order."""
+    pages, data = ["# The comparison at scale", ""], {}
+    for cell in protocol["order"]["cells"]:
+        rows, power = cell_rows(protocol, results, cell)
+        data[cell] = {"rows": rows, "power": power}
+        pages.append(cell_table(protocol, cell, rows, power))
+    return "\n".join(pages), data
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="?", type=Path, default=HERE / "results" / "scale")
     parser.add_argument("--protocol", type=Path, default=HERE / "scale_protocol.yaml")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args(argv)
-    protocol = load_protocol(args.protocol)
-    pages, data = ["# The comparison at scale", ""], {}
-    for cell in protocol["order"]["cells"]:
-        rows, power = cell_rows(protocol, args.results, cell)
-        data[cell] = {"rows": rows, "power": power}
-        pages.append(cell_table(protocol, cell, rows, power))
-    page = "\n".join(pages)
-    print(page)
+    text, data = page(load_protocol(args.protocol), args.results)
+    print(text)
     if args.write:
-        (args.results / "tables.md").write_text(page)
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "tables.md").write_text(text)
         (args.results / "tables.json").write_text(json.dumps(data, indent=1) + "\n")
     return 0
 

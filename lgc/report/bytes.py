@@ -12,7 +12,13 @@ its seeds):
 * the module buffers' wire MB per worker (``wire_buffer_bytes_sent`` over the workers);
 * how many parameter elements travelled dense, and their share of the bytes booked per parameter
   (``summary.json``'s ``layers``: rank 0's per-parameter bytes, logical);
-* LGC's warm-up stage in wire MB per worker (``lgc_stages.warmup``).
+* LGC's warm-up stage in wire MB per worker (``lgc_stages.warmup``);
+* the fixed overhead: the module buffers and the parameters sent dense, these at a ring
+  allreduce's wire cost (``2 (P - 1) / P`` per byte booked), in wire MB per worker; the codec's
+  share is the rest of the wire (what the method sends for the parameters it compresses: values,
+  positions, codes, sizes and agreement flags);
+* the ceiling: dense's wire bytes over that overhead, the ratio no codec can pass on that model
+  whatever it does with the parameters it compresses.
 
 ``-``: the runs do not book it (PyTorch's own hooks keep no per-parameter table).
 """
@@ -38,6 +44,11 @@ def run_bytes(record: RunRecord) -> dict[str, float | None]:
     layers = summary.get("layers") or []
     dense = sum(layer["bytes_sent"] for layer in layers if not layer["compressed"])
     total = dense + sum(layer["bytes_sent"] for layer in layers if layer["compressed"])
+    overhead = None
+    if world and (layers or buffers):
+        overhead = (buffers or 0) / world + dense * 2 * (world - 1) / world
+    wire = summary.get("wire_bytes_sent")
+    dense_wire = summary.get("wire_dense_equivalent_bytes")
     return {
         WIRE_MB_PER_WORKER: record.value(WIRE_MB_PER_WORKER),
         "buffers_wire_mb_per_worker": None if buffers is None or not world else buffers / world / 1e6,
@@ -46,6 +57,11 @@ def run_bytes(record: RunRecord) -> dict[str, float | None]:
         else None,
         "dense_parameter_share": dense / total if total else None,
         "warmup_wire_mb_per_worker": None if warmup is None or not world else warmup / world / 1e6,
+        "overhead_wire_mb_per_worker": None if overhead is None else overhead / 1e6,
+        "codec_wire_mb_per_worker": None
+        if overhead is None or wire is None or not layers
+        else (wire / world - overhead) / 1e6,
+        "ceiling": None if not overhead or dense_wire is None else dense_wire / world / overhead,
     }
 
 
@@ -76,6 +92,9 @@ def bytes_table(records: Sequence[RunRecord]) -> str:
         "parameter elements sent dense",
         "their share of parameter bytes",
         "LGC warm-up (wire MB/worker)",
+        "codec (wire MB/worker)",
+        "fixed overhead (wire MB/worker)",
+        "ceiling (x fewer bytes than dense at most)",
     ]
     rows = []
     for row in byte_rows(records):
@@ -87,6 +106,9 @@ def bytes_table(records: Sequence[RunRecord]) -> str:
             _cell(row["dense_parameter_elements"], ",.0f"),
             "-" if share is None else f"{100 * share:.0f} %",
             _cell(row["warmup_wire_mb_per_worker"], ".3g"),
+            _cell(row["codec_wire_mb_per_worker"], ".3g"),
+            _cell(row["overhead_wire_mb_per_worker"], ".3g"),
+            _cell(row["ceiling"], ".0f"),
         ]
         rows.append(cells)
     return markdown_table(header, rows)

@@ -56,6 +56,7 @@ def _summary(seed: int, metric_key: str, metric: float, compressed_bytes: int) -
         metric_key: metric,
         "metrics": {metric_key: metric},
         "wire_bytes_sent": world * (compressed_bytes + 3_000_000 + 1_500_000),
+        "wire_bytes_sent_per_worker": [compressed_bytes + 3_000_000 + 1_500_000] * world,
         "wire_buffer_bytes_sent": world * 1_500_000,
         "wire_dense_equivalent_bytes": world * 900_000_000,
         "layers": [
@@ -98,3 +99,13 @@ def test_extra_overrides_replace_the_protocols_for_the_same_key(scripts):
     overrides = sweep.with_extra(sweep.run_overrides(protocol, "seg4", "dense", 0), ["trainer=gpu", "model=pspnet"])
     assert overrides.count("model=pspnet") == 1 and "model=pspnet_small" not in overrides
     assert overrides[-2:] == ["trainer=gpu", "model=pspnet"] and "data=fashion_scenes" in overrides
+
+
+def test_the_committed_tables_are_the_generated_ones(scripts):
+    _, tables = scripts
+    results = EXPERIMENTS / "results" / "scale"
+    written = (results / "tables.md").read_text()
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    text, data = tables.page(protocol, results)
+    assert written == text, "tables.md drifted from the records: python experiments/scale_tables.py --write"
+    assert json.loads((results / "tables.json").read_text()) == json.loads(json.dumps(data))

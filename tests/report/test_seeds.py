@@ -162,8 +162,15 @@ def test_where_the_bytes_go_splits_buffers_dense_parameters_and_lgcs_warm_up(tmp
     assert topk["dense_parameter_elements"] == 16
     # Shares 300/400, 300/500, 300/600, averaged over the seeds.
     assert topk["dense_parameter_share"] == pytest.approx((0.75 + 0.6 + 0.5) / 3)
+    # The fixed overhead: 1 MB of buffers and 300 bytes of dense parameters (a 2-worker ring sends
+    # what it is given); the codec carries the rest of the wire; the ceiling is dense's bytes over it.
+    summary = json.loads((tmp_path / "runs" / "topk" / "0" / "summary.json").read_text())
+    assert topk["overhead_wire_mb_per_worker"] == pytest.approx(1.0003)
+    assert topk["codec_wire_mb_per_worker"] == pytest.approx(summary["wire_bytes_sent"] / 2 / 1e6 - 1.0003)
+    assert topk["ceiling"] == pytest.approx(summary["wire_dense_equivalent_bytes"] / 2 / 1_000_300)
     # Runs that book none of it show dashes.
     assert rows["none"]["buffers_wire_mb_per_worker"] is None and rows["none"]["dense_parameter_share"] is None
+    assert rows["none"]["overhead_wire_mb_per_worker"] is None and rows["none"]["ceiling"] is None
     table = bytes_table(records)
     assert "| topk | " in table and "| 1 | 16 | 62 % | 2 |" in table
     assert "| none | " in table and "| - | - | - | - |" in table
