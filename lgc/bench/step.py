@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from scipy.stats import t as t_dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs, sgd_for, steady_from
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = mp.Manager().dict()
         mp.spawn(_worker, args=(args, specs, f"file://{scratch}/store", results), nprocs=args.workers)
         per_rank = [json.loads(results[rank]) for rank in range(args.workers)]
-    rows = step_rows(per_rank)
+    rows = step_rows(per_rank, args.rounds)
     timed = args.rounds * args.steps
     where = "NCCL workers, one GPU each" if args.device == "cuda" else "gloo workers on this machine"
     uneven = [spec.label for spec in specs if (spec.knobs.get("delay") or 1) > 1 and timed % spec.knobs["delay"]]
@@ -182,6 +184,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "\nMedians are the step of a method that sends every step; with a delay most steps are local and "
         "only the mean (every step timed, the exchanges included) is its cost."
     )
+    against = [(label, row["cpu_vs_ddp"]) for label, row in rows.items() if "cpu_vs_ddp" in row]
+    if against:
+        print(f"\nMean CPU step over DDP's own in the same round, mean ± 95 % interval over the {args.rounds} rounds:")
+        print("\n| method | CPU x DDP |\n|---|---|")
+        for label, ratio in against:
+            print(f"| {label} | {ratio['mean']:.3f} ± {ratio['half_width']:.3f} |")
     if uneven:
         print(
             f"The {timed} timed steps per method (--rounds x --steps) are not a multiple of the delay of "
@@ -204,12 +212,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return table
 
 
-def step_rows(per_rank: list[dict[str, list[list[float]]]]) -> dict[str, dict[str, float]]:
+def step_rows(per_rank: list[dict[str, list[list[float]]]], rounds: int | None = None) -> dict[str, dict[str, Any]]:
     """Each method's step from every rank's ``(wall, cpu)`` seconds per timed step, against ``no_sync``'s.
 
     ``wall_s``: the slowest rank's median step; ``cpu_s``: the median over steps of the CPU summed
     over the ranks; ``mean_wall_s`` and ``mean_cpu_s``: the same with means, which count every
     step (a delay's exchanges among its local steps); ``*_x``: each as a multiple of ``no_sync``'s.
+    With ``rounds`` (the timed steps cut into that many interleaved rounds, in order) and DDP's own
+    step among the methods: ``cpu_vs_ddp``, the mean CPU step over DDP's in the same round, its mean
+    over the rounds, the half-width of its 95 % Student-t interval and the per-round ratios.
     """
     rows: dict[str, dict[str, float]] = {}
     for label in per_rank[0]:
@@ -224,4 +235,18 @@ def step_rows(per_rank: list[dict[str, list[list[float]]]]) -> dict[str, dict[st
     reference = rows[NO_COMM]
     for row in rows.values():
         row.update({f"{name[:-2]}_x": row[name] / reference[name] for name in list(row)})
+    if rounds and rounds > 1 and PLAIN_DDP in per_rank[0]:
+        for label, row in rows.items():
+            ratios = [_round_cpu(per_rank, label, r, rounds) / _round_cpu(per_rank, PLAIN_DDP, r, rounds)
+                      for r in range(rounds)]  # fmt: skip
+            mean = statistics.fmean(ratios)
+            half = float(t_dist.ppf(0.975, rounds - 1)) * statistics.stdev(ratios) / math.sqrt(rounds)
+            row["cpu_vs_ddp"] = {"mean": mean, "half_width": half, "rounds": ratios}
     return rows
+
+
+def _round_cpu(per_rank: list[dict[str, list[list[float]]]], label: str, index: int, rounds: int) -> float:
+    """The mean CPU step (summed over ranks) of round ``index`` of ``rounds`` equal rounds."""
+    steps = len(per_rank[0][label]) // rounds
+    window = range(index * steps, (index + 1) * steps)
+    return statistics.fmean(sum(rank[label][i][1] for rank in per_rank) for i in window)

@@ -199,3 +199,27 @@ def test_step_rows_read_a_delayed_method_by_its_mean_and_every_step_method_by_it
     assert delayed["wall_s"] == delayed["wall_x"] == 1.0 and delayed["cpu_s"] == 1.0  # the median: a local step
     assert delayed["mean_wall_s"] == 9.0 / 4  # the slower rank's mean, its exchange included
     assert delayed["mean_cpu_s"] == delayed["mean_cpu_x"] == (1.0 + 1.0 + 1.0 + 5.0) / 4
+
+
+def test_step_rows_give_each_methods_cpu_over_ddps_round_by_round_with_an_interval():
+    from scipy.stats import t
+
+    from lgc.bench.step import step_rows
+
+    # Two ranks, 3 rounds of 2 steps; DDP's CPU per step 1.0, 2.0, 1.0 by round; topk 1.2x, 2.6x, 1.1x it.
+    def timeline(per_round: list[float]) -> list[list[float]]:
+        return [[0.1, cpu / 2] for cpu in per_round for _ in range(2)]
+
+    per_rank = [
+        {"no_sync": timeline([0.8] * 3), "ddp": timeline([1.0, 2.0, 1.0]), "topk": timeline([1.2, 2.6, 1.1])}
+        for _ in range(2)
+    ]
+    rows = step_rows(per_rank, rounds=3)
+    ratios = rows["topk"]["cpu_vs_ddp"]["rounds"]
+    assert ratios == pytest.approx([1.2, 1.3, 1.1])
+    assert rows["topk"]["cpu_vs_ddp"]["mean"] == pytest.approx(1.2)
+    assert rows["topk"]["cpu_vs_ddp"]["half_width"] == pytest.approx(t.ppf(0.975, 2) * 0.1 / 3**0.5)
+    assert rows["ddp"]["cpu_vs_ddp"]["mean"] == 1.0 and rows["ddp"]["cpu_vs_ddp"]["half_width"] == 0.0
+    # Without DDP's row, or with one round, there is nothing to pair.
+    assert "cpu_vs_ddp" not in step_rows(per_rank, rounds=1)["topk"]
+    assert "cpu_vs_ddp" not in step_rows([{k: v for k, v in r.items() if k != "ddp"} for r in per_rank], 3)["topk"]
