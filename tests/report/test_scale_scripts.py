@@ -109,3 +109,40 @@ def test_the_committed_tables_are_the_generated_ones(scripts):
     text, data = tables.page(protocol, results)
     assert written == text, "tables.md drifted from the records: python experiments/scale_tables.py --write"
     assert json.loads((results / "tables.json").read_text()) == json.loads(json.dumps(data))
+
+
+def _data(protocol: dict, marks: dict[str, list[str]], mb: dict[str, float]) -> dict:
+    """tables.json with every method's mark per cell (in the rule's cell order) and its MB everywhere."""
+    cells = protocol["default_rule"]["cells"]
+    rows = {cell: [] for cell in cells}
+    for method in protocol["order"]["methods"]:
+        for index, cell in enumerate(cells):
+            mark = None if method == "dense" else marks.get(method, ["worse"] * len(cells))[index]
+            rows[cell].append({"method": method, "mark": mark, "wire_mb": mb.get(method, 100.0)})
+    return {cell: {"rows": rows[cell]} for cell in cells}
+
+
+def test_the_scale_rule_picks_the_fewest_bytes_within_the_margin_everywhere_at_an_admitted_step(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    for name in ("scale_rule", "default_rule", "lgc_verdict"):
+        sys.modules.pop(name, None)
+    rule = importlib.import_module("scale_rule")
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    cheap = {label: {0.001: 1.1, 0.01: 1.2} for label in ("fp16", "topk", "sbc:delay=4", "dgc")}
+    everywhere = ["within"] * 3
+    data = _data(protocol, {"fp16": everywhere, "topk": everywhere, "sbc_delay": everywhere},
+                 {"dense": 1000.0, "fp16": 500.0, "topk": 50.0, "sbc_delay": 5.0})  # fmt: skip
+    # SBC every 4 steps sends the fewest bytes; once its step's upper end at 1 % is 1.3, top-k is next.
+    assert rule.pick(protocol, data, cheap)[0] == "sbc_delay"
+    slow = {**cheap, "sbc:delay=4": {0.001: 1.1, 0.01: 1.3}}
+    assert rule.pick(protocol, data, slow)[0] == "topk"
+    # Within in two cells only: the most cells first, then bytes; none anywhere: dense.
+    data = _data(protocol, {"fp16": ["within", "within", "inconclusive"], "dgc": ["within", "worse", "worse"]},
+                 {"dense": 1000.0, "fp16": 500.0, "dgc": 10.0})  # fmt: skip
+    chosen, why = rule.pick(protocol, data, cheap)
+    assert chosen == "fp16" and "2 of 3 cells" in why
+    assert rule.pick(protocol, _data(protocol, {}, {}), cheap)[0] == "dense"
+    # A method not yet marked somewhere keeps the rule undecided.
+    data = _data(protocol, {"fp16": everywhere}, {})
+    data["seg4"]["rows"][2]["mark"] = None
+    assert rule.pick(protocol, data, cheap)[0] is None
