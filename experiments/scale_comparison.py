@@ -11,7 +11,9 @@ RESULTS or OUT is skipped, and a stopped run resumes from its last checkpoint (`
 ``--cells`` / ``--methods`` pick a subset of the protocol's (never other seeds: the protocol fixes
 them); ``--extra`` adds overrides to every run, replacing the protocol's for the same key
 (``trainer=gpu model=pspnet``), whose records a different RESULTS folder should then hold. A failed
-run is listed at the end and the others go on.
+run is listed at the end and the others go on. Before the first run every cell x method is checked
+as ``lgc-train`` checks a run before its workers start, and a refused one stops the sweep there,
+named (``--no-check`` skips this).
 """
 
 from __future__ import annotations
@@ -79,6 +81,24 @@ def planned_runs(
     ]
 
 
+def check_runs(protocol: dict[str, Any], runs: list[tuple[str, str, int]], extra: list[str]) -> list[str]:
+    """Every distinct cell x method of ``runs`` composed and checked as ``lgc-train`` checks a run before
+    its workers start (data, model, method, stages against the run's length); the refusals, named."""
+    from hydra import compose, initialize_config_module
+
+    from lgc.train import _prepare
+
+    refused = []
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        for cell, method in dict.fromkeys((cell, method) for cell, method, _ in runs):
+            overrides = with_extra(run_overrides(protocol, cell, method, protocol["seeds"][0]), extra)
+            try:
+                _prepare(compose("train", overrides=[*overrides, "output_dir=outputs/scale_comparison/check"]))
+            except Exception as error:  # noqa: BLE001 (every refusal is reported, none stops the others)
+                refused.append(f"{cell}/{method}: {type(error).__name__}: {error}")
+    return refused
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/scale_comparison"))
@@ -88,10 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+")
     parser.add_argument("--extra", nargs="+", default=[], help="overrides added to every run")
     parser.add_argument("--dry-run", action="store_true", help="print the commands of the runs still to do")
+    parser.add_argument("--no-check", action="store_true", help="skip checking every run's config first")
     args = parser.parse_args(argv)
     protocol = load_protocol(args.protocol)
+    runs = planned_runs(protocol, args.cells, args.methods)
+    if not args.no_check and not args.dry_run:
+        refused = check_runs(protocol, runs, args.extra)
+        if refused:
+            print("refused before any run started:\n" + "\n".join(refused), file=sys.stderr)
+            return 2
     failed = []
-    for cell, method, seed in planned_runs(protocol, args.cells, args.methods):
+    for cell, method, seed in runs:
         run_dir = args.out / cell / method / f"seed{seed}"
         kept = args.results / cell / method / f"seed{seed}"
         if (run_dir / "summary.json").is_file() and not (kept / "summary.json").is_file():

@@ -146,3 +146,20 @@ def test_the_scale_rule_picks_the_fewest_bytes_within_the_margin_everywhere_at_a
     data = _data(protocol, {"fp16": everywhere}, {})
     data["seg4"]["rows"][2]["mark"] = None
     assert rule.pick(protocol, data, cheap)[0] is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist missing")
+def test_every_planned_run_passes_lgc_trains_checks(scripts):
+    sweep, _ = scripts
+    protocol = sweep.load_protocol()
+    assert sweep.check_runs(protocol, sweep.planned_runs(protocol), []) == []
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist missing")
+def test_a_refused_run_is_named_before_the_sweep_starts(scripts):
+    sweep, _ = scripts
+    protocol = sweep.load_protocol()
+    runs = sweep.planned_runs(protocol, ["seg4"], ["dense"])
+    (refusal,) = sweep.check_runs(protocol, runs, ["data.garments=[0,3]"])
+    assert refusal.startswith("seg4/dense: ValueError") and "garments must satisfy 1 <= fewest <= most" in refusal
