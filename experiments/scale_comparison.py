@@ -41,6 +41,8 @@ def load_protocol(path: Path = PROTOCOL) -> dict[str, Any]:
             raise ValueError(f"{path}: order.{kind} names {missing}, which {kind} does not define")
     if len(set(protocol["seeds"])) != len(protocol["seeds"]):
         raise ValueError(f"{path}: seeds {protocol['seeds']} repeat a seed")
+    if protocol["confidence"] != 0.95:
+        raise ValueError(f"{path}: confidence {protocol['confidence']}: lgc's intervals are at 0.95")
     if protocol["reference"] not in protocol["methods"]:
         raise ValueError(f"{path}: the reference {protocol['reference']!r} is not among the methods")
     return protocol
@@ -61,6 +63,13 @@ def with_extra(overrides: list[str], extra: list[str]) -> list[str]:
     (``model=pspnet`` replaces a cell's ``model=pspnet_small``: Hydra refuses two values for one key)."""
     keys = {override.split("=", 1)[0] for override in extra}
     return [o for o in overrides if o.split("=", 1)[0] not in keys] + list(extra)
+
+
+def _checkpoint_step(path: Path) -> int:
+    """The optimizer step a Lightning checkpoint was saved at."""
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
 
 
 def planned_runs(
@@ -129,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         # lgc-train's own code (python -m lgc.train runs it without the console script's import check)
         overrides = with_extra(run_overrides(protocol, cell, method, seed), args.extra)
         command = [sys.executable, "-m", "lgc.train", *overrides, f"output_dir={run_dir}"]
-        if (run_dir / "checkpoints" / "last.ckpt").is_file():
+        checkpoint = run_dir / "checkpoints" / "last.ckpt"
+        if checkpoint.is_file() and _checkpoint_step(checkpoint) < int(protocol["cells"][cell]["steps"]):
             command.append(f"ckpt_path={run_dir}")  # stopped mid-run: go on from there
+        elif checkpoint.is_file() and not args.dry_run:
+            # Saved at the last step, stopped before its validation and summary: a resumed run would
+            # have nothing left to train. Run it again from the start.
+            checkpoint.rename(checkpoint.with_name("finished-unscored.ckpt"))
         if args.dry_run:
             print(" ".join(command))
             continue

@@ -19,19 +19,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from default_rule import STEP_ROWS
 from scale_comparison import HERE, load_protocol
+
+#: The protocol's method -> the ``lgc-bench step`` row that times the same setup (None: not timed, not admitted).
+STEP_ROWS = {
+    "fp16": "fp16",
+    "topk": "topk",
+    "lgc_rar": "lgc_rar",
+    "lgc_rar_linear": "lgc_rar:codec=linear",
+    # compressor=shared_topk_int8 as its config sets it: int8 values, Golomb positions, one warm-up step
+    "shared_topk_int8": "shared_topk_int8",
+    "dgc": "dgc",
+    "lgc_ps": "lgc_ps",
+    "powersgd": "powersgd",
+    "sbc_delay": "sbc:delay=4",
+    "signsgd": "signsgd",
+    "diloco_h10": "none:delay=10;outer=sgd",
+    "sparseloco": "sparseloco:delay=10",
+}
 
 
 def step_uppers(step_cost: Path, densities: list[float]) -> dict[str, dict[float, float]]:
-    """Step-cost row -> density -> the upper end of its CPU-over-DDP interval (rows without one left out)."""
+    """Step-cost row -> density -> the upper end of its CPU-over-DDP interval.
+
+    Raises SystemExit when a density has no ``step_DENSITY.json``, when a row carries no interval
+    (a table from before ``cpu_vs_ddp``) or when two tables time the same row: the rule never
+    decides on missing or ambiguous step costs.
+    """
     out: dict[str, dict[float, float]] = {}
     for density in densities:
+        if not (step_cost / f"step_{density}.json").is_file():
+            raise SystemExit(f"{step_cost}/step_{density}.json is missing: time the steps first (lgc-bench step)")
         for table in sorted(step_cost.glob(f"step_{density}*.json")):
             for label, row in json.loads(table.read_text())["rows"].items():
-                ratio = row.get("cpu_vs_ddp")
-                if ratio is not None:
-                    out.setdefault(label, {})[density] = ratio["mean"] + ratio["half_width"]
+                if label == "no_sync":
+                    continue
+                if "cpu_vs_ddp" not in row:
+                    raise SystemExit(f"{table}: row {label} has no cpu_vs_ddp interval (time it with --rounds > 1)")
+                if density in out.get(label, {}):
+                    raise SystemExit(f"{table}: row {label} at density {density} is timed in another table too")
+                ratio = row["cpu_vs_ddp"]
+                out.setdefault(label, {})[density] = ratio["mean"] + ratio["half_width"]
     return out
 
 

@@ -111,10 +111,11 @@ class LinearWarmup:
 class StepCosine:
     """Cosine decay of the learning rate to zero over ``total_steps`` optimizer steps, stepped per step.
 
-    The schedule an endpoint comparison needs: the rate reaches 0 at the run's last step whatever
-    the number of epochs (a per-epoch cosine over few epochs spends the last epoch at a rate above
-    zero). ``total_steps`` is the run's length, ``trainer.max_steps`` in ``scheduler=cosine_steps``;
-    past it the rate stays at 0.
+    The schedule an endpoint comparison needs: the rate falls to 0 over the run's steps whatever
+    the number of epochs (a per-epoch cosine over few epochs spends the last epoch at a rate well
+    above zero); step ``s`` (from 0) trains at ``lr * (1 + cos(pi * s / total_steps)) / 2``, so the
+    last step's rate is about ``lr * (pi / total_steps)^2 / 4``. ``total_steps`` is the run's
+    length, ``trainer.max_steps`` in ``scheduler=cosine_steps``; past it the rate stays at 0.
 
     Args:
         total_steps: optimizer steps of the run (a positive integer).

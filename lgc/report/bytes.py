@@ -44,8 +44,10 @@ def run_bytes(record: RunRecord) -> dict[str, float | None]:
     layers = summary.get("layers") or []
     dense = sum(layer["bytes_sent"] for layer in layers if not layer["compressed"])
     total = dense + sum(layer["bytes_sent"] for layer in layers if layer["compressed"])
+    # Only a run that books its parameters (lgc's hook) says which went dense: PyTorch's own hooks
+    # (PowerSGD allreduces some tensors uncompressed) book none, and get no overhead or ceiling.
     overhead = None
-    if world and (layers or buffers):
+    if world and layers:
         overhead = (buffers or 0) / world + dense * 2 * (world - 1) / world
     wire = summary.get("wire_bytes_sent")
     dense_wire = summary.get("wire_dense_equivalent_bytes")

@@ -163,3 +163,38 @@ def test_a_refused_run_is_named_before_the_sweep_starts(scripts):
     runs = sweep.planned_runs(protocol, ["seg4"], ["dense"])
     (refusal,) = sweep.check_runs(protocol, runs, ["data.garments=[0,3]"])
     assert refusal.startswith("seg4/dense: ValueError") and "garments must satisfy 1 <= fewest <= most" in refusal
+
+
+def test_a_checkpoint_saved_at_the_last_step_without_a_summary_is_run_again(scripts, tmp_path, capsys):
+    import torch
+
+    sweep, _ = scripts
+    for seed, step in ((0, 250), (1, 600)):
+        folder = tmp_path / "out" / "seg4" / "dense" / f"seed{seed}" / "checkpoints"
+        folder.mkdir(parents=True)
+        torch.save({"global_step": step}, folder / "last.ckpt")
+    argv = ["--out", str(tmp_path / "out"), "--results", str(tmp_path / "res"), "--cells", "seg4"]
+    assert sweep.main([*argv, "--methods", "dense", "--dry-run"]) == 0
+    commands = capsys.readouterr().out.splitlines()
+    assert "ckpt_path=" in commands[0] and "seed=0" in commands[0]  # mid-run: resumed
+    assert "ckpt_path=" not in commands[1] and "seed=1" in commands[1]  # at step 600 of 600: from the start
+
+
+def test_the_scale_rule_refuses_missing_or_ambiguous_step_costs(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("scale_rule", None)
+    rule = importlib.import_module("scale_rule")
+    with pytest.raises(SystemExit, match="step_0.001.json is missing"):
+        rule.step_uppers(tmp_path, [0.001])
+    row = {"mean_cpu_x": 1.0, "cpu_vs_ddp": {"mean": 1.1, "half_width": 0.05, "rounds": [1.1]}}
+    (tmp_path / "step_0.001.json").write_text(json.dumps({"rows": {"no_sync": {}, "topk": row}}))
+    assert rule.step_uppers(tmp_path, [0.001]) == {"topk": {0.001: pytest.approx(1.15)}}
+    (tmp_path / "step_0.001_more.json").write_text(json.dumps({"rows": {"topk": row}}))
+    with pytest.raises(SystemExit, match="timed in another table too"):
+        rule.step_uppers(tmp_path, [0.001])
+    (tmp_path / "step_0.001_more.json").write_text(json.dumps({"rows": {"dgc": {"mean_cpu_x": 1.2}}}))
+    with pytest.raises(SystemExit, match="row dgc has no cpu_vs_ddp interval"):
+        rule.step_uppers(tmp_path, [0.001])
+    # Every protocol method but dense is mapped to the step row that times its setup.
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    assert set(rule.STEP_ROWS) == set(protocol["methods"]) - {"dense"}

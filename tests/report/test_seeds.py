@@ -171,6 +171,13 @@ def test_where_the_bytes_go_splits_buffers_dense_parameters_and_lgcs_warm_up(tmp
     # Runs that book none of it show dashes.
     assert rows["none"]["buffers_wire_mb_per_worker"] is None and rows["none"]["dense_parameter_share"] is None
     assert rows["none"]["overhead_wire_mb_per_worker"] is None and rows["none"]["ceiling"] is None
+    # Buffers alone (a run of PyTorch's own hooks books no parameters) give no overhead: what it
+    # sent dense is unknown.
+    summary = json.loads((tmp_path / "runs" / "none" / "0" / "summary.json").read_text())
+    summary["wire_buffer_bytes_sent"] = 2_000_000
+    (tmp_path / "runs" / "none" / "0" / "summary.json").write_text(json.dumps(summary))
+    (none,) = [row for row in byte_rows(load_runs([tmp_path / "runs" / "none" / "0"])) if row["label"]]
+    assert none["buffers_wire_mb_per_worker"] == pytest.approx(1.0) and none["overhead_wire_mb_per_worker"] is None
     table = bytes_table(records)
     assert "| topk | " in table and "| 1 | 16 | 62 % | 2 |" in table
     assert "| none | " in table and "| - | - | - | - |" in table
