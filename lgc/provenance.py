@@ -20,15 +20,16 @@ MAX_CHANGED_PATHS = 50
 
 
 def package_checkout() -> Path | None:
-    """The git work tree holding the imported ``lgc`` package, or None."""
+    """The git work tree whose tracked files include the imported ``lgc`` package, or None (a wheel
+    installed into a folder that happens to lie inside some other checkout is not credited to it)."""
     here = Path(__file__).resolve().parent
-    try:
-        top = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    top = _git(here, "rev-parse", "--show-toplevel")
+    if top is None or not top.strip():
         return None
-    return Path(top.stdout.strip()) if top.returncode == 0 and top.stdout.strip() else None
+    checkout = Path(top.strip())
+    if _git(checkout, "ls-files", "--error-unmatch", str(here / "__init__.py")) is None:
+        return None
+    return checkout
 
 
 def _git(checkout: Path, *args: str) -> str | None:
@@ -47,8 +48,9 @@ def _version(distribution: str) -> str | None:
 
 
 def run_provenance() -> dict[str, Any]:
-    """``commit`` (the checkout's HEAD, or None), ``dirty`` (tracked files differing from it, or None
-    without a checkout), ``changed`` (those files, at most :data:`MAX_CHANGED_PATHS`), ``changed_count``
+    """``commit`` (the checkout's HEAD, or None), ``dirty`` (tracked files differing from it, or files
+    under ``lgc/`` git does not track; None without a checkout), ``changed`` (those files, at most
+    :data:`MAX_CHANGED_PATHS`), ``changed_count``
     and the versions of ``lgc``, ``torch``, ``pytorch_lightning``, ``torchvision`` and ``python``."""
     import platform
 
@@ -59,10 +61,13 @@ def run_provenance() -> dict[str, Any]:
     if checkout is not None:
         head = _git(checkout, "rev-parse", "HEAD")
         status = _git(checkout, "status", "--porcelain", "--untracked-files=no")
+        # Files git does not track yet inside the package change the code that runs too.
+        untracked = _git(checkout, "ls-files", "--others", "--exclude-standard", "--", "lgc")
         if head is not None:
             record["commit"] = head.strip()
-        if status is not None:
+        if status is not None and untracked is not None:
             changed = [line[3:] for line in status.splitlines() if line.strip()]
+            changed += [f"{path} (untracked)" for path in untracked.splitlines() if path.strip()]
             record |= {"dirty": bool(changed), "changed": changed[:MAX_CHANGED_PATHS], "changed_count": len(changed)}
     record["versions"] = {
         "lgc": _version("lgc"),
