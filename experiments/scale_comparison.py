@@ -13,12 +13,14 @@ them); ``--extra`` adds overrides to every run, replacing the protocol's for the
 (``trainer=gpu model=pspnet``), whose records a different RESULTS folder should then hold. A failed
 run is listed at the end and the others go on. Before the first run every cell x method is checked
 as ``lgc-train`` checks a run before its workers start, and a refused one stops the sweep there,
-named (``--no-check`` skips this).
+named (``--no-check`` skips this). A summary in RESULTS or OUT that was run with other overrides than
+the protocol's now (an earlier protocol, another ``--extra``) is reported and never counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -63,6 +65,14 @@ def with_extra(overrides: list[str], extra: list[str]) -> list[str]:
     (``model=pspnet`` replaces a cell's ``model=pspnet_small``: Hydra refuses two values for one key)."""
     keys = {override.split("=", 1)[0] for override in extra}
     return [o for o in overrides if o.split("=", 1)[0] not in keys] + list(extra)
+
+
+def recorded_overrides(summary: Path) -> list[str] | None:
+    """The overrides a finished run was given (``summary.json``'s ``hydra``), its folders left out."""
+    record = json.loads(summary.read_text()).get("hydra")
+    if record is None:
+        return None
+    return [o for o in record["overrides"] if not o.startswith(("output_dir=", "ckpt_path="))]
 
 
 def _checkpoint_step(path: Path) -> int:
@@ -130,14 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     for cell, method, seed in runs:
         run_dir = args.out / cell / method / f"seed{seed}"
         kept = args.results / cell / method / f"seed{seed}"
+        # lgc-train's own code (python -m lgc.train runs it without the console script's import check)
+        overrides = with_extra(run_overrides(protocol, cell, method, seed), args.extra)
+        command = [sys.executable, "-m", "lgc.train", *overrides, f"output_dir={run_dir}"]
+        stale = [f for f in (kept / "summary.json", run_dir / "summary.json") if f.is_file()
+                 and recorded_overrides(f) != overrides]  # fmt: skip
+        if stale:
+            # Made under other settings (an earlier protocol, other --extra): never counted as this run.
+            failed.append(f"{cell}/{method}/seed{seed} (stale {stale[0]})")
+            print(f"{cell}/{method}/seed{seed}: {stale[0]} was run with other overrides; move it away", flush=True)
+            continue
         if (run_dir / "summary.json").is_file() and not (kept / "summary.json").is_file():
             kept.mkdir(parents=True, exist_ok=True)
             shutil.copy(run_dir / "summary.json", kept / "summary.json")
         if (kept / "summary.json").is_file():
             continue  # done already
-        # lgc-train's own code (python -m lgc.train runs it without the console script's import check)
-        overrides = with_extra(run_overrides(protocol, cell, method, seed), args.extra)
-        command = [sys.executable, "-m", "lgc.train", *overrides, f"output_dir={run_dir}"]
         checkpoint = run_dir / "checkpoints" / "last.ckpt"
         if checkpoint.is_file() and _checkpoint_step(checkpoint) < int(protocol["cells"][cell]["steps"]):
             command.append(f"ckpt_path={run_dir}")  # stopped mid-run: go on from there

@@ -198,3 +198,19 @@ def test_the_scale_rule_refuses_missing_or_ambiguous_step_costs(tmp_path, monkey
     # Every protocol method but dense is mapped to the step row that times its setup.
     protocol = importlib.import_module("scale_comparison").load_protocol()
     assert set(rule.STEP_ROWS) == set(protocol["methods"]) - {"dense"}
+
+
+def test_a_summary_run_with_other_overrides_is_never_counted(scripts, tmp_path, capsys):
+    sweep, _ = scripts
+    protocol = sweep.load_protocol()
+    planned = sweep.run_overrides(protocol, "seg4", "dense", 0)
+    for seed, overrides in ((0, planned), (1, [*planned[:-1], "optimizer.lr=0.2"])):
+        folder = tmp_path / "res" / "seg4" / "dense" / f"seed{seed}"
+        folder.mkdir(parents=True)
+        recorded = [o.replace("seed=0", f"seed={seed}") for o in overrides] + [f"output_dir=out/seed{seed}"]
+        (folder / "summary.json").write_text(json.dumps({"hydra": {"overrides": recorded}}))
+    argv = ["--out", str(tmp_path / "out"), "--results", str(tmp_path / "res"), "--cells", "seg4"]
+    assert sweep.main([*argv, "--methods", "dense", "--dry-run"]) == 1
+    out = capsys.readouterr()
+    assert "seed=0 " not in out.out  # recorded with the planned overrides: done
+    assert "seg4/dense/seed1" in out.out and "other overrides" in out.out and "stale" in out.err
