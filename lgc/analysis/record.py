@@ -36,20 +36,15 @@ def compose_recording_config(
     from hydra import compose, initialize_config_module
 
     output_dir = Path(output_dir)
+    base = ["compressor=none", "logger=none", f"output_dir={output_dir}"]
+    run = [f"trainer.max_epochs={max_epochs}", "trainer.enable_progress_bar=false", *overrides]
     with initialize_config_module("lgc.conf", version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[
-                "compressor=none",
-                "logger=none",
-                f"output_dir={output_dir}",
-                f"data.partition={partition}",
-                f"data.alpha={alpha}",
-                f"trainer.max_epochs={max_epochs}",
-                "trainer.enable_progress_bar=false",
-                *overrides,
-            ],
-        )
+        # Tasks with dense labels (segmentation) have no partition option: their shards are IID.
+        if "partition" in compose("train", overrides=[*base, *run]).data:
+            base += [f"data.partition={partition}", f"data.alpha={alpha}"]
+        elif partition != "iid":
+            raise ValueError(f"partition={partition!r}: this task has no partition option (its shards are IID)")
+        cfg = compose("train", overrides=[*base, *run])
     recorder = {
         "_target_": "lgc.analysis.GradientRecorder",
         "output_dir": str(output_dir / "gradients"),
@@ -57,9 +52,9 @@ def compose_recording_config(
         "every_n_steps": every_n_steps,
         "dtype": dtype,
         "metadata": {
-            "partition": "${data.partition}",
-            "alpha": "${data.alpha}",
-            "partition_seed": "${data.partition_seed}",
+            "partition": "${oc.select:data.partition,iid}",
+            "alpha": "${oc.select:data.alpha,null}",
+            "partition_seed": "${oc.select:data.partition_seed,null}",
             "data": "${data._target_}",
             "model": "${model._target_}",
             "compressor": "${compressor._target_}",

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from lgc.bench import codecs
+from lgc.bench import codecs, leader_codecs
 from lgc.bench.cli import main
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.shared_index import quantization_levels
@@ -24,14 +24,14 @@ def _gradients(workers=4, steps=6, sizes=(640, 1280), seed=0):
 
 
 def _coder(name, chunk=16, world=4):
-    (spec,) = codecs.parse_codecs(name, chunk)
-    return codecs._Coder(spec, chunk, world, seed=0, ae_updates=20)
+    (spec,) = leader_codecs.parse_codecs(name, chunk)
+    return leader_codecs._Coder(spec, chunk, world, seed=0, ae_updates=20)
 
 
 def test_the_leaders_positions_are_its_own_top_k_per_parameter_fixed_or_rotating():
     gradients = _gradients()
     for rotating in (False, True):
-        for t, step in enumerate(codecs.leader_steps(gradients, 0.05, rotating)):
+        for t, step in enumerate(leader_codecs.leader_steps(gradients, 0.05, rotating)):
             leader = t % 4 if rotating else 0
             assert step.leader == leader and step.numel == 640 + 1280
             first = gradients[0][leader, t].abs().topk(32).indices.sort().values
@@ -42,7 +42,7 @@ def test_the_leaders_positions_are_its_own_top_k_per_parameter_fixed_or_rotating
 
 
 def test_fp32_delivers_the_exact_sum_and_counts_32_bits_a_value_and_the_golomb_positions():
-    step = codecs.leader_steps(_gradients(), 0.05, rotating=True)[1]
+    step = leader_codecs.leader_steps(_gradients(), 0.05, rotating=True)[1]
     coder = _coder("fp32")
     delivered, bits = coder.run(step)
     assert torch.allclose(delivered, step.values.sum(dim=0), atol=1e-6)
@@ -50,15 +50,15 @@ def test_fp32_delivers_the_exact_sum_and_counts_32_bits_a_value_and_the_golomb_p
     golomb = LeaderIndexCodec(16, "position", "golomb").encode_positions(step.positions, step.numel)
     assert bits == {"payload": 32.0 * k, "leader": 8.0 * golomb.numel()}
     # Value order adds the permutation back to it: ceil(log2 K) bits a position.
-    (value_ordered,) = codecs.parse_codecs("pca:16:fp32:value", 16)
-    permuted = codecs._Coder(value_ordered, 16, 4, seed=0)._wire_positions(step)
+    (value_ordered,) = leader_codecs.parse_codecs("pca:16:fp32:value", 16)
+    permuted = leader_codecs._Coder(value_ordered, 16, 4, seed=0)._wire_positions(step)
     ordered = LeaderIndexCodec(16, "value", "golomb").encode_positions(permuted, step.numel)
     assert ordered.numel() * 8 >= golomb.numel() * 8 + k * 7  # K = 96: 7 bits a position
 
 
 def test_the_momentum_order_needs_no_permutation_and_reads_only_what_was_delivered():
     gradients = _gradients()
-    steps = codecs.leader_steps(gradients, 0.05, rotating=False)
+    steps = leader_codecs.leader_steps(gradients, 0.05, rotating=False)
     assert steps[0].momentum is None
     # What every worker's momentum buffer holds before step 2: step 0's and step 1's delivered sums
     # (at their own leader's positions only), decayed.
@@ -67,7 +67,7 @@ def test_the_momentum_order_needs_no_permutation_and_reads_only_what_was_deliver
         torch.zeros(flat[t].shape[1]).index_put_((steps[t].positions,), flat[t][:, steps[t].positions].sum(0))
         for t in range(2)
     ]
-    expected = codecs.MOMENTUM * delivered[0] + delivered[1]
+    expected = leader_codecs.MOMENTUM * delivered[0] + delivered[1]
     torch.testing.assert_close(steps[2].momentum, expected[steps[2].positions])
     momentum, position = _coder("pca:4:fp32:momentum"), _coder("pca:4:fp32")
     for coder in (momentum, position):
@@ -80,8 +80,8 @@ def test_the_momentum_order_needs_no_permutation_and_reads_only_what_was_deliver
 
 
 def test_fewer_levels_cost_fewer_bits_and_deliver_a_worse_sum_within_the_rounding_step():
-    steps = codecs.leader_steps(_gradients(), 0.05, rotating=False)
-    results = {name: codecs._evaluate(_coder(name), steps) for name in ("int8", "levels=3", "levels=1", "int4")}
+    steps = leader_codecs.leader_steps(_gradients(), 0.05, rotating=False)
+    results = {name: leader_codecs._evaluate(_coder(name), steps) for name in ("int8", "levels=3", "levels=1", "int4")}
     assert results["int8"]["error"] < results["levels=3"]["error"] < results["levels=1"]["error"]
     # int8 with 4 workers: 8-bit lanes and a 32-bit scale per chunk of 16; 3 levels a side: 2 m P + 1 = 25
     # codes -> 5-bit lanes; one level: 9 codes -> 4 bits, which is int4 at 4 workers (m = 15 // 8 = 1).
@@ -92,9 +92,9 @@ def test_fewer_levels_cost_fewer_bits_and_deliver_a_worse_sum_within_the_roundin
     # Every delivered value is within P rounding steps (a step: the shared chunk scale / m) of the exact sum.
     step, coder = steps[0], _coder("int8")
     delivered, _ = coder.run(step)
-    chunks = torch.stack([codecs.to_chunks(v, 16) for v in step.values])
+    chunks = torch.stack([leader_codecs.to_chunks(v, 16) for v in step.values])
     step_size = chunks.abs().amax(dim=(0, 2)) / quantization_levels(8, 4)
-    bound = codecs.from_chunks(4 * step_size[:, None].expand(-1, 16), step.values.shape[1])
+    bound = leader_codecs.from_chunks(4 * step_size[:, None].expand(-1, 16), step.values.shape[1])
     assert ((delivered - step.values.sum(dim=0)).abs() <= bound + 1e-6).all()
 
 
@@ -104,34 +104,34 @@ def test_pca_is_exact_on_its_span_and_decodes_the_projection_of_the_sum():
     basis = torch.linalg.qr(torch.randn(16, 3, generator=generator)).Q
     workers, steps, rows = 4, 5, 12
     values = (torch.randn(workers, steps, rows, 3, generator=generator) @ basis.T).reshape(workers, steps, -1)
-    layouts = [codecs.LeaderStep(0, torch.arange(rows * 16) * 2, values[:, t], rows * 32) for t in range(steps)]
+    layouts = [leader_codecs.LeaderStep(0, torch.arange(rows * 16) * 2, values[:, t], rows * 32) for t in range(steps)]
     exact = _coder("pca:3:fp32")
     exact.fit(layouts[:3])
-    assert codecs._evaluate(exact, layouts[3:])["error"] < 1e-10
+    assert leader_codecs._evaluate(exact, layouts[3:])["error"] < 1e-10
     # Fewer components: the delivered sum is the sum projected on them (in the leader's chunk scales).
     narrow = _coder("pca:2:fp32")
     narrow.fit(layouts[:3])
     delivered, bits = narrow.run(layouts[4])
     chunks, scales = narrow._scaled_chunks(layouts[4])
     projection = chunks.sum(dim=0) @ narrow.basis @ narrow.basis.T
-    assert torch.allclose(delivered, codecs.from_chunks(projection * scales[:, None], rows * 16), atol=1e-5)
+    assert torch.allclose(delivered, leader_codecs.from_chunks(projection * scales[:, None], rows * 16), atol=1e-5)
     assert bits["payload"] == 32.0 * 2 * rows
     # int8 latents: 8 bits a code and a 32-bit scale per chunk, the sum within the rounding of the codes.
     coarse = _coder("pca:3:int8")
     coarse.fit(layouts[:3])
-    assert codecs._evaluate(coarse, layouts[3:])["payload_bits_per_value"] == pytest.approx((8 * 3 + 32) / 16)
-    assert 0 < codecs._evaluate(coarse, layouts[3:])["error"] < 1e-3
+    assert leader_codecs._evaluate(coarse, layouts[3:])["payload_bits_per_value"] == pytest.approx((8 * 3 + 32) / 16)
+    assert 0 < leader_codecs._evaluate(coarse, layouts[3:])["error"] < 1e-3
 
 
 def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
-    steps = codecs.leader_steps(_gradients(), 0.05, rotating=False)
+    steps = leader_codecs.leader_steps(_gradients(), 0.05, rotating=False)
     ae = _coder("ae:2:fp16:value", chunk=64)
     ae.fit(steps[:3])
     delivered, bits = ae.run(steps[4])
-    rows = codecs.num_chunks(steps[4].values.shape[1], 64)
+    rows = leader_codecs.num_chunks(steps[4].values.shape[1], 64)
     assert bits["payload"] == 16.0 * ae.autoencoder.config.latent_numel * rows and torch.isfinite(delivered).all()
     # nosim: the same codec trained without the similarity term.
-    plain, nosim, narrow = codecs.parse_codecs("ae:2:fp32,ae:2:fp32:position:nosim,ae:2:fp32:nosim:w0.25", 64)
+    plain, nosim, narrow = leader_codecs.parse_codecs("ae:2:fp32,ae:2:fp32:position:nosim,ae:2:fp32:nosim:w0.25", 64)
     assert plain.similarity and not nosim.similarity and nosim.order == "position"
     # :wX multiplies the reference widths (fewer parameters, the same latent).
     assert (narrow.width, narrow.similarity, narrow.order, plain.width) == (0.25, False, "position", 1.0)
@@ -150,14 +150,95 @@ def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
     assert torch.equal(delivered, 4 * steps[4].values[0]) and bits["payload"] == 0.0
 
 
+def test_plain_top_k_sums_every_workers_own_top_k_and_pays_its_own_positions():
+    gradients = _gradients()
+    step = leader_codecs.leader_steps(gradients, 0.05, rotating=False)[2]
+    flat = torch.cat([g[:, 2] for g in gradients], dim=1)
+    delivered, bits = 0, 0.0
+    for w in range(4):
+        own = torch.cat([gradients[0][w, 2].abs().topk(32).indices, gradients[1][w, 2].abs().topk(64).indices + 640])
+        delivered = delivered + torch.zeros(1920).index_put_((own,), flat[w, own])
+        bits += 32 * 96 + 8 * leader_codecs.golomb_encode(own.sort().values, 1920).to_wire().numel()
+    coder = _coder("topk")
+    at_leader, wire = coder.run(step)
+    torch.testing.assert_close(at_leader, delivered[step.positions])
+    assert wire == {"payload": bits / 4, "leader": 0.0}
+    whole = (delivered - flat.sum(0)).double().square()
+    torch.testing.assert_close(step.own.whole_error, torch.stack([whole[:640].sum(), whole[640:].sum()]))
+
+
+def test_the_errors_per_parameter_add_up_and_the_whole_sum_counts_what_the_leader_left_out():
+    gradients = _gradients()
+    steps = leader_codecs.leader_steps(gradients, 0.05, rotating=True)
+    names = ["first", "second"]
+    for name in ("fp32", "int8", "pca:4:fp32:value", "topk"):
+        coder = _coder(name)
+        coder.fit(steps[:3])
+        deliveries, run = [], coder.run
+        coder.run = lambda step, run=run, deliveries=deliveries: deliveries.append(run(step)) or deliveries[-1]
+        result = leader_codecs._evaluate(coder, steps[3:], names)  # (int8 draws its rounding: keep what it sent)
+        at, whole = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        at_norm, whole_norm = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        for t, step in enumerate(steps[3:], start=3):
+            full = torch.cat([g[:, t] for g in gradients], dim=1).sum(0).double()
+            delivered, _ = deliveries[t - 3]
+            order = coder._order(step)
+            positions = step.positions if order is None else step.positions[order]
+            estimate = torch.zeros(1920, dtype=torch.float64).index_put_((positions,), delivered.double())
+            exact = torch.zeros(1920, dtype=torch.float64).index_put_((positions,), full[positions])
+            for layer, part in enumerate((slice(0, 640), slice(640, 1920))):
+                at[layer] += (estimate - exact)[part].square().sum()
+                at_norm[layer] += exact[part].square().sum()
+                whole[layer] += (estimate - full)[part].square().sum()
+                whole_norm[layer] += full[part].square().sum()
+        for layer, key in enumerate(names):
+            assert result["layers"][key]["error"] == pytest.approx(float(at[layer] / at_norm[layer]), rel=1e-4)
+            if name != "topk":  # (its whole sum is its own sparse vectors: checked above)
+                assert result["layers"][key]["whole_error"] == pytest.approx(
+                    float(whole[layer] / whole_norm[layer]), rel=1e-4
+                )
+        assert result["error"] == pytest.approx(float(at.sum() / at_norm.sum()), rel=1e-4)
+        if name == "fp32":  # exact at the positions: the whole error is the energy the leader left out
+            assert result["error"] < 1e-10 and 0.5 < result["whole_error"] < 1
+
+
+def test_the_premise_per_parameter_is_the_analysis_statistics_on_the_scored_steps():
+    from lgc.analysis.correlation import leader_position_statistics
+
+    gradients = _gradients(steps=6)
+    rows = leader_codecs.layer_premise(gradients, ["a", "b"], 0.05, slice(2, None))
+    for row, grad in zip(rows, gradients, strict=True):
+        assert row["numel"] == grad.shape[2]
+        for rotating in (False, True):
+            stats = leader_position_statistics(grad, 0.05, rotating)
+            leader = "rotating" if rotating else "fixed"
+            assert row[leader]["correlation"] == pytest.approx(float(stats["correlation"][2:].mean()), rel=1e-5)
+            assert row[leader]["energy_share"] == pytest.approx(float(stats["energy_share"][2:].mean()), rel=1e-5)
+    # Correlated workers (a common gradient plus noise half its size) are far above chance.
+    assert rows[0]["fixed"]["correlation"] > 0.5 and rows[0]["fixed"]["energy_share"] > 0.05
+
+
+def test_the_table_gives_the_premise_and_the_errors_per_parameter():
+    gradients = _gradients()
+    steps = leader_codecs.leader_steps(gradients, 0.05, rotating=False)
+    coder = _coder("int8")
+    row = {"codec": "int8", "leader": "fixed", **leader_codecs._evaluate(coder, steps, ["a", "b"])}
+    premise = leader_codecs.layer_premise(gradients, ["a", "b"], 0.05, slice(3, None))
+    result = {"label": "x", "steps": 6, "train_steps": 3, "ae_updates": 1, "density": 0.05, "chunk": 16,
+              "rows": [row], "layers": premise}  # fmt: skip
+    table = codecs.format_table(result)
+    assert "| parameter | values | r (fixed) |" in table and "| a | 640 |" in table
+    assert f"| int8 | {row['layers']['a']['error']:.4g} ({row['layers']['a']['whole_error']:.4g}) |" in table
+
+
 def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
-    int4, int8 = codecs.parse_codecs("int4,int8", 64)
-    assert codecs.cannot_sum(int4, 7) is None and codecs.cannot_sum(int8, 127) is None
-    assert codecs.cannot_sum(int4, 8) == "4-bit lanes cannot hold the sum of 8 workers' codes (at most 7)"
-    (latent,) = codecs.parse_codecs("pca:4:int8", 64)
-    assert codecs.cannot_sum(latent, 127) is None and "at most 127" in codecs.cannot_sum(latent, 128)
+    int4, int8 = leader_codecs.parse_codecs("int4,int8", 64)
+    assert leader_codecs.cannot_sum(int4, 7) is None and leader_codecs.cannot_sum(int8, 127) is None
+    assert leader_codecs.cannot_sum(int4, 8) == "4-bit lanes cannot hold the sum of 8 workers' codes (at most 7)"
+    (latent,) = leader_codecs.parse_codecs("pca:4:int8", 64)
+    assert leader_codecs.cannot_sum(latent, 127) is None and "at most 127" in leader_codecs.cannot_sum(latent, 128)
     result = {"label": "x", "steps": 2, "train_steps": 1, "ae_updates": 1, "density": 0.01, "chunk": 64}
-    result["rows"] = [{"codec": "int4", "leader": "fixed", "error": None, "note": codecs.cannot_sum(int4, 8)}]
+    result["rows"] = [{"codec": "int4", "leader": "fixed", "error": None, "note": leader_codecs.cannot_sum(int4, 8)}]
     assert "| fixed | int4 | - | - | - | 4-bit lanes cannot hold" in codecs.format_table(result)
 
 
@@ -178,7 +259,12 @@ def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
         (["--ae-updates", "0"], "--ae-updates must be >= 1"),
         (["--workers", "2,x"], "--workers must be comma-separated integers"),
         (["--density", "0"], r"--density must be in \(0, 1\]"),
+        (["--density", "0.01,x"], "--density must be comma-separated numbers"),
         (["--train-fraction", "1"], r"--train-fraction must be in \(0, 1\)"),
+        (["--alpha", "0"], r"--alpha must be > 0"),
+        (["--model", "resnet999", "--workers", "2", "--batch-sizes", "8"], "resnet999"),
+        (["--patterns", "model.nothing*", "--workers", "2", "--batch-sizes", "8"], r"no parameter name matches"),
+        (["--override", "data.batch_size=0", "--workers", "2", "--batch-sizes", "8"], "batch_size"),
     ],
 )
 def test_bad_values_are_named_before_anything_is_recorded(monkeypatch, argv, message):
@@ -194,7 +280,8 @@ def test_bad_values_are_named_before_anything_is_recorded(monkeypatch, argv, mes
 def test_a_recorded_run_gives_every_codec_a_row_per_leader_and_the_files_and_a_rerun_reuses_them(
     tmp_path, monkeypatch, capsys
 ):
-    argv = ["codecs", "--workers", "2", "--batch-sizes", "16", "--steps", "6", "--codecs", "fp32,int8,pca:4:fp32",
+    argv = ["codecs", "--workers", "2", "--batch-sizes", "16", "--steps", "6", "--codecs", "fp32,int8,pca:4:fp32,topk",
+            "--partition", "dirichlet", "--alpha", "0.5", "--patterns", "model.layers.*.conv*.weight,model.fc.weight",
             "--out", str(tmp_path)]  # fmt: skip
     main(argv)
     (result,) = json.loads((tmp_path / "codecs.json").read_text())
@@ -207,8 +294,18 @@ def test_a_recorded_run_gives_every_codec_a_row_per_leader_and_the_files_and_a_r
     assert "measured before" in capsys.readouterr().out
     assert json.loads((tmp_path / "codecs.json").read_text()) == [result]
     assert result["workers"] == 2 and result["steps"] == 6 and result["train_steps"] == 3
+    assert result["label"].startswith("digits, 2 workers x 16 images (Dirichlet 0.5), 6 steps")
+    assert result["label"].endswith("density 0.01") and len(result["load_average"]) == 2
+    assert set(result["provenance"]) >= {"commit", "dirty"}
+    # Every recorded parameter has its premise, and every codec its error there.
+    names = [layer["name"] for layer in result["layers"]]
+    assert names == result["parameters"] and "model.fc.weight" in names
+    assert all(0 <= layer["rotating"]["energy_share"] <= 1 for layer in result["layers"])
     rows = {(row["leader"], row["codec"]): row for row in result["rows"]}
-    assert set(rows) == {(leader, c) for leader in ("fixed", "rotating") for c in ("fp32", "int8", "pca:4:fp32")}
+    codec_names = ("fp32", "int8", "pca:4:fp32", "topk")
+    assert set(rows) == {(leader, c) for leader in ("fixed", "rotating") for c in codec_names}
+    assert all(set(row["layers"]) == set(names) for row in rows.values())
+    assert rows["fixed", "topk"]["whole_error"] < rows["fixed", "fp32"]["whole_error"] < 1
     assert rows["fixed", "fp32"]["error"] < 1e-10 and rows["rotating", "int8"]["error"] < 0.01
     assert rows["fixed", "pca:4:fp32"]["bits_per_value"] < rows["fixed", "int8"]["bits_per_value"]
     assert "| fixed | int8 |" in (tmp_path / "codecs.md").read_text()

@@ -254,3 +254,20 @@ def test_recorded_gradients_are_each_workers_own_and_average_to_what_ddp_applies
         for step in range(5):
             torch.testing.assert_close(averaged[0][step][name], averaged[1][step][name])
             torch.testing.assert_close(local[:, step].mean(dim=0), averaged[0][step][name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_recording_config_sets_the_partition_only_where_the_task_has_one(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lgc.analysis import compose_recording_config
+
+    cfg = compose_recording_config(tmp_path, partition="dirichlet", alpha=0.3, overrides=["data=fashion_mnist"])
+    assert (cfg.data.partition, cfg.data.alpha) == ("dirichlet", 0.3)
+    assert OmegaConf.to_container(cfg.callbacks.gradient_recorder.metadata, resolve=True)["partition"] == "dirichlet"
+    # Segmentation (dense labels) has IID shards only: asking for another partition is refused, naming it.
+    scenes = compose_recording_config(tmp_path, overrides=["data=fashion_scenes", "model=pspnet_small"])
+    assert "partition" not in scenes.data
+    metadata = OmegaConf.to_container(scenes.callbacks.gradient_recorder.metadata, resolve=True)
+    assert (metadata["partition"], metadata["alpha"]) == ("iid", None)
+    with pytest.raises(ValueError, match="partition='dirichlet': this task has no partition option"):
+        compose_recording_config(tmp_path, partition="dirichlet", overrides=["data=fashion_scenes"])
