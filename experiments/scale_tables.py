@@ -13,6 +13,7 @@ buffers, parameters sent dense) with the ceiling no codec can pass (:func:`lgc.r
 Under each table: the cell's median spread of paired gaps, the smallest loss the cell marks
 ``worse`` with the protocol's power, and how often a method as good as the reference is marked
 ``within``. The commits the runs came from are listed (each ``summary.json`` records its own).
+Last, LGC's verdict on both byte accountings with each cell's byte floor (:mod:`scale_verdict`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from scale_comparison import HERE, load_protocol
+from scale_verdict import verdict_section
 
 from lgc.report.bytes import run_bytes
 from lgc.report.marks import detectable_loss, mark, within_probability
@@ -144,6 +146,7 @@ def page(protocol: dict[str, Any], results: Path) -> tuple[str, dict[str, Any]]:
         rows, power = cell_rows(protocol, results, cell)
         data[cell] = {"rows": rows, "power": power}
         pages.append(cell_table(protocol, cell, rows, power))
+    pages.append(verdict_section(protocol, data))
     return "\n".join(pages), data
 
 

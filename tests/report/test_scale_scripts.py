@@ -148,6 +148,54 @@ def test_the_scale_rule_picks_the_fewest_bytes_within_the_margin_everywhere_at_a
     assert rule.pick(protocol, data, cheap)[0] is None
 
 
+def _verdict_rows(marks: dict[str, str], wire: dict[str, float], overhead: dict[str, float | None]) -> list[dict]:
+    """One cell's rows: dense and the methods given, each with its mark, whole-wire MB and fixed overhead."""
+    rows = []
+    for method, mb in wire.items():
+        fixed = overhead.get(method, 10.0)
+        rows.append({"method": method, "mark": marks.get(method), "wire_mb": mb, "overhead_mb": fixed,
+                     "codec_mb": None if fixed is None else mb - fixed})  # fmt: skip
+    return rows
+
+
+def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    for name in ("scale_verdict", "lgc_verdict"):
+        sys.modules.pop(name, None)
+    verdict = importlib.import_module("scale_verdict")
+    wire = {"dense": 1000.0, "fp16": 500.0, "dgc": 40.0, "lgc_rar": 20.0, "lgc_ps": 12.0, "powersgd": 30.0}
+    marks = {"fp16": "within", "dgc": "within", "lgc_rar": "within", "lgc_ps": "inconclusive", "powersgd": "within"}
+    rows = _verdict_rows(marks, wire, {"powersgd": None})
+    # Whole wire: LGC-RAR's 20 MB is 2x under DGC's 40 (goal 3x): not met; its codec bytes, 10 against
+    # DGC's 30, are 3x: met there, and fewer than any within (PowerSGD books no codec bytes: left out).
+    whole = verdict.cell_verdict(rows, "dense", "wire_mb")
+    assert (whole["status"], whole["best"], whole["rival"]) == ("not met", "lgc_rar", "powersgd")
+    assert not whole["vs_dgc"] and whole["vs_rest"]
+    assert whole["inconclusive"] == ["lgc_ps"]
+    codec = verdict.cell_verdict(rows, "dense", "codec_mb")
+    assert (codec["status"], codec["best_mb"], codec["dgc_mb"], codec["rival"]) == ("met", 10.0, 30.0, "dgc")
+    assert codec["unbooked"] == ["powersgd"]
+    # The floor: 10 MB fixed under LGC; dense's 1000 over it is the ceiling, DGC's 40 allows at most 4x.
+    assert verdict.floor(rows, "dense") == {"overhead_mb": 10.0, "ceiling": 100.0, "most_below_dgc": 4.0}
+    # Any method unmarked keeps the cell pending; no LGC setting within: not met.
+    assert verdict.cell_verdict(_verdict_rows({**marks, "dgc": None}, wire, {}), "dense", "wire_mb")["status"] == (
+        "pending"
+    )
+    none_within = verdict.cell_verdict(_verdict_rows({**marks, "lgc_rar": "worse"}, wire, {}), "dense", "codec_mb")
+    assert (none_within["status"], none_within["best"]) == ("not met", None)
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    tables = {cell: {"rows": rows} for cell in protocol["order"]["cells"]}
+    protocol = {**protocol, "methods": {**protocol["methods"], **{m: {"label": m} for m in wire}}}
+    text = verdict.verdict_section(protocol, tables)
+    assert "ceiling 100x over dense; at most 4.0x below DGC on whole-wire bytes." in text
+    assert "On bytes the codec carries: met. LGC's fewest within the margin: lgc_rar, 10 MB" in text
+    assert "no codec bytes booked, left out: powersgd" in text
+    low = _verdict_rows(marks, {**wire, "dgc": 25.0}, {})
+    assert "the 3x goal is out of reach there by construction" in verdict.verdict_section(
+        protocol, {cell: {"rows": low} for cell in protocol["order"]["cells"]}
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist missing")
 def test_every_planned_run_passes_lgc_trains_checks(scripts):

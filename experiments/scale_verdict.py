@@ -1,0 +1,153 @@
+"""LGC's verdict on the scale comparison, on two byte accountings, with each cell's byte floor.
+
+Read by ``scale_tables.py``, which puts it under the cells' tables (so it is generated from the same
+committed records). The goal is the one LGC's verdict has always been held to (``lgc_verdict.py``):
+among the methods at dense's accuracy, LGC's fewest bytes at least ``GOAL_VS_DGC`` x fewer than DGC's,
+and fewer than the fewest of every non-learned method at dense's accuracy. Here "at dense's accuracy"
+is the protocol's mark ``within`` (the paired 95 % interval of the gap above minus the margin, at the
+protocol's n); ``inconclusive`` is not within, and is named. The goal is checked twice:
+
+* on **whole-wire bytes** (everything a worker puts on the wire over the run: warm-up, codec training,
+  parameters sent dense, module buffers, flags);
+* on **the bytes the codec carries** (whole wire minus the fixed overhead of module buffers and
+  parameters sent dense: what a method does with the parameters it compresses; the LGC paper counts
+  only these). PyTorch's own hooks book no per-parameter table, so they have no codec bytes and are
+  left out of this accounting (named).
+
+The **byte floor** of a cell: the fixed overhead under LGC's settings (the least of its rows), and what
+it allows: dense's bytes over it (the ceiling: the best ratio any codec could reach on that model), and
+DGC's whole-wire bytes over it (the most any codec could undercut DGC by, whole wire). Where the latter
+is below ``GOAL_VS_DGC``, the whole-wire goal is out of reach by construction and the verdict says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lgc_verdict import GOAL_VS_DGC
+
+#: The learned methods (LGC's settings): the protocol's methods whose names start with this.
+LEARNED_PREFIX = "lgc_"
+#: The two accountings: tables.json's key and the words for it.
+ACCOUNTINGS = {"wire_mb": "whole-wire bytes", "codec_mb": "bytes the codec carries"}
+
+
+def _learned(method: str) -> bool:
+    return method.startswith(LEARNED_PREFIX)
+
+
+def floor(rows: list[dict[str, Any]], reference: str) -> dict[str, float | None]:
+    """The cell's fixed overhead under LGC's settings and the ratios it caps (None until they ran)."""
+    by = {row["method"]: row for row in rows}
+    overheads = [row["overhead_mb"] for row in rows if _learned(row["method"]) and row["overhead_mb"]]
+    overhead = min(overheads) if overheads else None
+    dense, dgc = (by.get(name, {}).get("wire_mb") for name in (reference, "dgc"))
+    return {
+        "overhead_mb": overhead,
+        "ceiling": dense / overhead if dense and overhead else None,
+        "most_below_dgc": dgc / overhead if dgc and overhead else None,
+    }
+
+
+def cell_verdict(rows: list[dict[str, Any]], reference: str, key: str) -> dict[str, Any]:
+    """The goal in one cell on one accounting (``key``: ``wire_mb`` or ``codec_mb``).
+
+    ``status``: ``"pending"`` (LGC, DGC or a method that could change the outcome lacks its mark),
+    ``"met"`` or ``"not met"``; with the best LGC setting within the margin, DGC's bytes over its,
+    the non-learned rival with the fewest bytes within the margin, and the rows left out (inconclusive
+    ones, and those without bytes in this accounting).
+    """
+    compressing = [row for row in rows if row["method"] != reference]
+    pending = [row["method"] for row in compressing if row["mark"] is None]
+    booked = [row for row in compressing if row["mark"] is not None and row[key] is not None]
+    within = [row for row in booked if row["mark"] == "within"]
+    learned = sorted((row for row in within if _learned(row["method"])), key=lambda row: row[key])
+    rivals = sorted((row for row in within if not _learned(row["method"])), key=lambda row: row[key])
+    dgc = next((row for row in compressing if row["method"] == "dgc"), None)
+    result: dict[str, Any] = {
+        "status": "pending" if pending else None,
+        "pending": pending,
+        "inconclusive": [row["method"] for row in compressing if row["mark"] == "inconclusive"],
+        "unbooked": [row["method"] for row in compressing if row["mark"] is not None and row[key] is None],
+        "best": learned[0]["method"] if learned else None,
+        "best_mb": learned[0][key] if learned else None,
+        "rival": rivals[0]["method"] if rivals else None,
+        "rival_mb": rivals[0][key] if rivals else None,
+        "dgc_mb": None if dgc is None else dgc[key],
+    }
+    if pending:
+        return result
+    if not learned:
+        result["status"], result["vs_dgc"], result["vs_rest"] = "not met", False, False
+        return result
+    vs_dgc = result["dgc_mb"] is not None and result["dgc_mb"] / result["best_mb"] >= GOAL_VS_DGC
+    vs_rest = not rivals or result["best_mb"] < result["rival_mb"]
+    result.update(vs_dgc=vs_dgc, vs_rest=vs_rest, status="met" if vs_dgc and vs_rest else "not met")
+    return result
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g} MB"
+
+
+def verdict_section(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
+    """The verdict's text for every cell of ``tables`` (``scale_tables.page``'s data), in the protocol's order."""
+    reference, labels = protocol["reference"], {name: m["label"] for name, m in protocol["methods"].items()}
+    lines = [
+        "## LGC's verdict",
+        "",
+        f"Goal: among the methods marked `within`, LGC's fewest bytes at least {GOAL_VS_DGC:g}x fewer than DGC's and "
+        "fewer than every non-learned method's; checked on whole-wire bytes and on the bytes the codec carries "
+        "(whole wire minus module buffers and parameters sent dense). `inconclusive` counts as not within. The floor: "
+        "the fixed overhead under LGC's settings, dense's bytes over it (the best ratio any codec could reach) and "
+        "DGC's over it (the most any codec could undercut DGC by, whole wire).",
+        "",
+    ]
+    for cell in protocol["order"]["cells"]:
+        rows = tables[cell]["rows"]
+        bound = floor(rows, reference)
+        lines += [f"### {cell}", ""]
+        if bound["overhead_mb"] is None:
+            lines.append("- Floor: not known until an LGC setting has run.")
+        else:
+            reach = bound["most_below_dgc"]
+            out_of_reach = reach is not None and reach < GOAL_VS_DGC
+            lines.append(
+                f"- Floor: {_mb(bound['overhead_mb'])} fixed overhead per worker; ceiling "
+                + ("-" if bound["ceiling"] is None else f"{bound['ceiling']:.0f}x")
+                + " over dense; at most "
+                + ("-" if reach is None else f"{reach:.1f}x")
+                + " below DGC on whole-wire bytes"
+                + (f" (the {GOAL_VS_DGC:g}x goal is out of reach there by construction)." if out_of_reach else ".")
+            )
+        for key, words in ACCOUNTINGS.items():
+            result = cell_verdict(rows, reference, key)
+            if result["status"] == "pending":
+                lines.append(f"- On {words}: pending, not yet marked: {', '.join(result['pending'])}.")
+                continue
+            notes = []
+            if result["inconclusive"]:
+                notes.append(f"inconclusive, not counted: {', '.join(result['inconclusive'])}")
+            if result["unbooked"]:
+                notes.append(f"no codec bytes booked, left out: {', '.join(result['unbooked'])}")
+            note = f" ({'; '.join(notes)})" if notes else ""
+            if result["best"] is None:
+                lines.append(f"- On {words}: not met, no LGC setting is `within`{note}.")
+                continue
+            dgc = (
+                "DGC books none"
+                if result["dgc_mb"] is None
+                else f"DGC's {_mb(result['dgc_mb'])} is {result['dgc_mb'] / result['best_mb']:.2f}x that"
+            )
+            rival = (
+                "no non-learned method is `within`"
+                if result["rival"] is None
+                else f"the non-learned method with the fewest, {labels[result['rival']]}, "
+                f"sends {_mb(result['rival_mb'])}"
+            )
+            lines.append(
+                f"- On {words}: {result['status']}. LGC's fewest within the margin: {labels[result['best']]}, "
+                f"{_mb(result['best_mb'])}; {dgc} (goal {GOAL_VS_DGC:g}x); {rival}{note}."
+            )
+        lines.append("")
+    return "\n".join(lines)
