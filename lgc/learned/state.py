@@ -78,8 +78,9 @@ class LGCHookState(CompressionHookState):
             fixed leader (:mod:`lgc.learned.ps` says why).
         index_coding, value_order: the leader's wire layout (:class:`~lgc.learned.leader_code.LeaderIndexCodec`).
         measure_error: diagnostics (:class:`~lgc.learned.step.DeliveredError`): logs
-            ``lgc/true_error`` every compressed step and its run-wide value in the summary, at the
-            cost of one uncounted fp32 allreduce of ``K`` values. Off by default.
+            ``lgc/true_error`` and the premise (``lgc/premise_r``, ``lgc/premise_share``) every
+            compressed step and their run-wide values in the summary, at the cost of one uncounted
+            fp32 allgather of ``K + 1`` values a worker. Off by default.
         world_size: number of workers, if known before the workers start (checks ``leader_rank``
             early; LGC-PS builds one decoder per worker). Otherwise taken at :meth:`register`.
         min_numel: parameters with fewer elements are allreduced dense (``None``: 1,024, the
@@ -398,6 +399,8 @@ class LGCHookState(CompressionHookState):
             lgc["autoencoder"] = repr(self.training.model)
         if self.errors.run_error is not None:
             lgc["true_error"] = self.errors.run_error
+        if self.errors.run_premise is not None:
+            lgc["premise"] = self.errors.run_premise
         return {**super().summary_extras(), "lgc": lgc}
 
     def state_dict(self) -> dict[str, Any]:
@@ -409,6 +412,7 @@ class LGCHookState(CompressionHookState):
             "stage": int(self.stage),
             "current_step": self.current_step,
             "error_sums": list(self.errors.sums),
+            "premise_sums": list(self.errors.premise),
             "last_metrics": dict(self.last_metrics),
             **self.byte_book.state_dict(),
         }
@@ -423,6 +427,8 @@ class LGCHookState(CompressionHookState):
         self.stage = LGCStage(state["stage"])
         self.current_step = int(state["current_step"])
         self.errors.sums = list(state["error_sums"])
+        # A checkpoint written before the premise was measured resumes it from its next measured step.
+        self.errors.premise = list(state.get("premise_sums", [0.0, 0.0, 0.0]))
         self.last_metrics = dict(state["last_metrics"])
         self.byte_book.load_state_dict(state)
 

@@ -25,6 +25,7 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.plan import StepPlan
+from lgc.learned.samples import mean_pairwise_correlation
 from lgc.learned.schedule import StageSchedule
 from lgc.validation import NonNegativeInt, check
 
@@ -70,35 +71,76 @@ class Leaders:
 
 
 class DeliveredError:
-    """Diagnostics (``measure_error``): the relative error of the delivered sum against the exact one.
+    """Diagnostics (``measure_error``): the delivered sum's error against the exact one, and LGC's premise.
 
-    Every measured step sums the workers' exact values at the leader's positions with one more
-    fp32 allreduce of ``K`` values that is deliberately **not** counted in the bytes, logs the
-    step's relative error (``lgc/true_error``) and keeps the run's sums for the summary.
+    Every measured step gathers the workers' exact values at the leader's positions with one more
+    fp32 allgather (``K + 1`` values a worker) that is deliberately **not** counted in the bytes, and
+    logs:
+
+    * ``lgc/true_error``: the relative error of the delivered sum against the exact sum there;
+    * ``lgc/premise_r``: Pearson's r between two workers' values there, the mean over the pairs
+      (:func:`lgc.learned.samples.mean_pairwise_correlation`): LGC's premise that they agree;
+    * ``lgc/premise_share``: the share of a non-leader's squared error-corrected gradient lying at
+      the leader's positions, the mean over the non-leaders (chance is the density).
+
+    The values are the error-corrected gradients the codec is given (not the raw gradients
+    :func:`lgc.analysis.correlation.leader_position_statistics` reads from a recording). The run's
+    values (the error over all measured steps, the premise's means over them) go to the summary.
     """
 
-    __slots__ = ("enabled", "sums")
+    __slots__ = ("enabled", "premise", "sums")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = bool(enabled)
         #: [sum of squared errors, sum of squared exact sums] over the measured steps.
         self.sums = [0.0, 0.0]
+        #: [sum of r, sum of the energy share, steps] over the measured steps with 2 workers or more.
+        self.premise = [0.0, 0.0, 0.0]
 
-    def measure(self, own: Tensor, delivered: Tensor, group: Any, metrics: dict[str, float]) -> None:
-        """``own``: this worker's values at the leader's positions; ``delivered``: the sum delivered there."""
+    def measure(
+        self,
+        own: Tensor,
+        delivered: Tensor,
+        group: Any,
+        metrics: dict[str, float],
+        leader: int = 0,
+        energy: float | None = None,
+    ) -> None:
+        """``own``: this worker's values at the leader's positions; ``delivered``: the sum delivered there;
+        ``energy``: this worker's squared error-corrected gradient over every position (None: no share)."""
         if not self.enabled:
             return
-        exact = own.detach().to(torch.float32, copy=True)
-        dist.all_reduce(exact, group=group)
-        error, norm = float((delivered.float() - exact).square().sum()), float(exact.square().sum())
+        values = own.detach().to(torch.float32).reshape(-1)
+        share = float(values.square().sum()) / energy if energy else float("nan")
+        packed = torch.cat([values, values.new_tensor([share])])
+        gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, packed, group=group)
+        workers = torch.stack(gathered)  # [W, K + 1], the same on every rank
+        exact = workers[:, :-1].sum(dim=0)
+        error, norm = float((delivered.float().reshape(-1) - exact).square().sum()), float(exact.square().sum())
         self.sums[0] += error
         self.sums[1] += norm
         metrics["lgc/true_error"] = error / norm if norm > 0 else 0.0
+        if workers.shape[0] < 2 or values.numel() < 2:
+            return
+        correlation = float(mean_pairwise_correlation(workers[:, :-1]))
+        shares = workers[:, -1].double()
+        others = float((shares.sum() - shares[leader]) / (workers.shape[0] - 1))
+        self.premise = [self.premise[0] + correlation, self.premise[1] + others, self.premise[2] + 1]
+        metrics["lgc/premise_r"], metrics["lgc/premise_share"] = correlation, others
 
     @property
     def run_error(self) -> float | None:
         """The run's relative error (None before any measured step)."""
         return self.sums[0] / self.sums[1] if self.sums[1] > 0 else None
+
+    @property
+    def run_premise(self) -> dict[str, float] | None:
+        """The premise's means over the measured steps (None before any)."""
+        correlation, share, steps = self.premise
+        if not steps:
+            return None
+        return {"correlation": correlation / steps, "energy_share": share / steps, "steps": steps}
 
 
 @dataclass
@@ -123,10 +165,15 @@ class StepContext:
     #: The codec (learned stages), None for the shared-index codecs.
     codec: Any = None
     sent_before: int = field(default=0, init=False)
+    #: This worker's squared ``v`` over every position (set by :meth:`corrected` when measuring).
+    corrected_energy: float | None = field(default=None, init=False)
 
     def corrected(self) -> Tensor:
         """Error feedback's ``v = residual + g`` of every compressed parameter, in cat space (fp32)."""
-        return self.plan.corrected(self.residuals)
+        v = self.plan.corrected(self.residuals)
+        if self.errors.enabled:  # the premise's energy share is read against it
+            self.corrected_energy = float(v.double().square().sum())
+        return v
 
     def keep(self, v: Tensor) -> None:
         """Store ``v`` as the residuals."""
@@ -167,8 +214,8 @@ class StepContext:
         return flat[sum(sizes[: len(plan.dense)]) :]
 
     def measure_error(self, own: Tensor, delivered: Tensor) -> None:
-        """:class:`DeliveredError` of ``delivered`` against the workers' exact sum of ``own``."""
-        self.errors.measure(own, delivered, self.group, self.metrics)
+        """:class:`DeliveredError` of ``delivered`` against the workers' exact sum of ``own``, and the premise."""
+        self.errors.measure(own, delivered, self.group, self.metrics, self.leader, self.corrected_energy)
 
     def apply(self, positions: Tensor, values: Tensor, like: Tensor) -> None:
         """The step's update: ``values`` at ``positions`` (cat space), zero elsewhere, into the gradients.

@@ -364,6 +364,9 @@ class RunSummary(pl.Callback):
             if "true_error" in workers[0]["lgc"]:
                 # measure_error: delivered against exact sums at the leader's positions, the same on every rank.
                 summary["lgc_true_error"] = workers[0]["lgc"]["true_error"]
+            if "premise" in workers[0]["lgc"]:
+                # The same on every rank (gathered): r and the energy share at the leader's positions.
+                summary["lgc_premise"] = workers[0]["lgc"]["premise"]
         top_level = ("val/acc", "val/loss", "val/mIoU", "val/pixel_acc")
         summary.update({k: summary["metrics"][k] for k in top_level if k in summary["metrics"]})
         summary["layers"] = layers

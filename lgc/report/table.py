@@ -40,6 +40,9 @@ def _columns(records: Sequence[RunRecord]) -> list[_Column]:
         columns.append(_Column(FEWER_BYTES_THAN_DGC, "x fewer bytes than DGC", ".2f"))
     if any("lgc_true_error" in record.summary for record in records):
         columns.append(_Column("lgc_true_error", "error at leader positions", ".3g"))
+    if any("lgc_premise" in record.summary for record in records):
+        columns.append(_Column("lgc_premise.correlation", "premise r", ".3f"))
+        columns.append(_Column("lgc_premise.energy_share", "premise energy share", ".3g"))
     columns.append(_Column("wall_time_s", "wall time (s)", ".1f"))
     return columns
 

@@ -55,6 +55,8 @@ def _one_compressed_step(rank: int, world: int, kwargs: dict) -> dict:
     return {
         **observed,
         "true_error": state.metrics()["lgc/true_error"],
+        "premise": (state.metrics()["lgc/premise_r"], state.metrics()["lgc/premise_share"]),
+        "run_premise": state.summary_extras()["lgc"]["premise"],
         "payload": state.stats.payload_bytes - payload_before,
     }
 
@@ -216,6 +218,27 @@ def test_linear_codec_trainer_fits_the_top_directions_of_its_buffer_and_round_tr
     assert torch.equal(twin.autoencoder.basis, trainer.autoencoder.basis) and torch.equal(twin.chunks, trainer.chunks)
     with pytest.raises(ValueError, match="no innovations"):
         trainer.add(chunks, chunks)
+
+
+@pytest.mark.multiprocess
+def test_the_measured_premise_is_the_workers_correlation_and_energy_share_at_the_leaders_positions():
+    world = 3
+    results = run_workers(_one_compressed_step, world, dict(index_coding="golomb"))
+    at, energy = [[] for _ in range(world)], [0.0] * world
+    lead = 2 % world  # the leader rotates: worker t % W leads step t
+    for _name, v, leader, _ in per_parameter(results[0], 0, DENSITY, leader=lead):
+        for worker in range(world):
+            at[worker].append(v[worker][leader])
+            energy[worker] += float(v[worker].double().square().sum())
+    values = torch.stack([torch.cat(parts) for parts in at])  # [W, K]
+    r = [torch.corrcoef(values[[i, j]].double())[0, 1] for i in range(world) for j in range(i + 1, world)]
+    shares = [float(values[w].double().square().sum()) / energy[w] for w in range(world) if w != lead]
+    for result in results:  # gathered: the same on every rank
+        assert result["premise"] == pytest.approx((float(sum(r) / len(r)), sum(shares) / len(shares)), rel=1e-5)
+        # One measured step so far: the run's means are this step's.
+        assert result["run_premise"] == pytest.approx(
+            {"correlation": result["premise"][0], "energy_share": result["premise"][1], "steps": 1.0}
+        )
 
 
 def _linear_rar(rank: int, world: int) -> dict:

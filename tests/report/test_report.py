@@ -591,3 +591,19 @@ def test_a_summary_written_before_wire_bytes_shows_its_ratio_as_logical_only(tmp
     assert row["compression_ratio"] is None and row["logical_compression_ratio"] == 3.5
     assert row["wire_mb_per_worker"] is None
     assert "|                        - |          3.50 |" in report_table([record])
+
+
+def test_the_measured_premise_gets_its_columns_beside_the_error(tmp_path):
+    folders = _classification_sweep(tmp_path)
+    path = folders[1] / "summary.json"  # the LGC-PS run
+    summary = json.loads(path.read_text())
+    summary["lgc_premise"] = {"correlation": 0.4321, "energy_share": 0.0123, "steps": 3.0}
+    summary["lgc_true_error"] = 0.25
+    path.write_text(json.dumps(summary))
+    records = load_runs(folders)
+    rows = table_rows(records)
+    premise = [row for row in rows if row["lgc_premise.correlation"] is not None]
+    keys = ("lgc_premise.correlation", "lgc_premise.energy_share", "lgc_true_error")
+    assert [tuple(row[key] for key in keys) for row in premise] == [(0.4321, 0.0123, 0.25)]
+    header = report_table(records).splitlines()[0]
+    assert "| error at leader positions | premise r | premise energy share |" in header
