@@ -2,23 +2,27 @@
 # Rate against distortion of every codec of the leader's top-k positions on large models' gradients
 # (lgc-bench codecs), with LGC's premise per layer beside it: every worker's gradients of short dense
 # runs, 4 and 8 workers at 32 and 128 images per worker (IID), scored at densities 1 % and 0.1 %,
-# chunks of 64, fixed and rotating leader.
+# chunks of 64, the rotating leader (LGC-RAR's and the shared-index codecs' default; LEADERS=fixed,rotating
+# for both). LGC's autoencoder at the reference widths and at a quarter of them, in the leader's value
+# order (its best in lgc-bench autoencoder), the PCA-initialised one, beside the scalar codecs.
 #   * ResNet-50 (torchvision, the ImageNet stem) on Fashion-MNIST (28x28), 40 steps (PCA and the
 #     autoencoders fitted on the first 20, the last 20 scored); seven layers from the stem to fc.
 #   * The ResNet-50 PSPNet (dilated, output stride 8, bins 1/2/3/6) on Fashion scenes at 32x32 (garments
 #     at 0.5-1x so that they fit), 20 steps (10 fitted, 10 scored); seven layers from the stem to the
 #     classifier (the 18.9M-value head convolution is left out: every worker's gradients of every step
 #     are held in memory).
-# Writes OUT/resnet50/ and OUT/pspnet/ (codecs.md, codecs.json, codecs.png), each measurement as it
-# finishes; a rerun skips what is there. About 8 CPU-hours on 2 cores, most of it PSPNet's 8 x 128.
+# Writes OUT/resnet50/ and OUT/pspnet/ (codecs.md, codecs.json, codecs.png) after every codec measured;
+# the recordings are kept in RECORDINGS (default outputs/codecs_recordings, about 20 GB); a rerun reuses
+# them and keeps every row measured before. Many CPU-hours on 2 cores: PSPNet's 8 x 128 recording and
+# the reference autoencoder's training (1500 updates per recording, density) dominate.
 #   experiments/codecs_large_models.sh [OUT]
 #   MODELS=resnet50 experiments/codecs_large_models.sh
 # Needs the dataset: apt-get install dataset-fashion-mnist (or FASHION_MNIST_ROOT).
 set -euo pipefail
 out=${1:-experiments/results/codecs_large}
-codecs=${CODECS:-fp32,fp16,int8,int4,levels=1,pca:4:fp32,pca:16:int8,pca:16:int8:value,ae:4:fp32,ae:4:fp32:value,pcaae:16:fp32,leader_scaled,topk}
+codecs=${CODECS:-fp32,fp16,int8,int4,levels=1,pca:4:fp32,pca:16:int8,pca:16:int8:value,ae:4:fp32:value,ae:4:fp32:value:w0.25,pcaae:16:fp32,leader_scaled,topk}
 common=(--workers "${WORKERS:-4,8}" --batch-sizes "${BATCH_SIZES:-32,128}" --density 0.01,0.001 --chunk 64
-  --codecs "$codecs")
+  --codecs "$codecs" --leaders "${LEADERS:-rotating}" --keep-recordings "${RECORDINGS:-outputs/codecs_recordings}")
 for model in ${MODELS:-resnet50 pspnet}; do
   case $model in
     resnet50)

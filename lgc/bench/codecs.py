@@ -9,13 +9,14 @@ bits are defined) and writes ``codecs.md``, ``codecs.json`` and ``codecs.png``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lgc.bench.leader_codecs import DEFAULT_CODECS, benchmark_codecs, parse_codecs
+from lgc.bench.leader_codecs import DEFAULT_CODECS, LEADERS, benchmark_codecs, parse_codecs
 from lgc.bench.methods import parse_list
 from lgc.provenance import run_provenance
 
@@ -27,8 +28,8 @@ DATA = ("digits", "fashion_mnist", "fashion_scenes")
 DEFAULT_PATTERNS = "model.*.weight"
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
+def _number(value: float | None, fmt: str = ".4g") -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -38,7 +39,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['ae_updates']} updates, on the first {result['train_steps']}), "
         f"density {result['density']}, chunk {result['chunk']}"
         + (
-            f"; load average {result['load_average'][0]:.2f} before, {result['load_average'][1]:.2f} after "
+            f"; load average {result['load_average'][0]:.2f} before, {_number(result['load_average'][1], '.2f')} after "
             "(CPU times compare only on a quiet machine)"
             if "load_average" in result
             else ""
@@ -166,6 +167,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ae-updates", type=int, default=1500, help="autoencoder training updates (default 1500)")
     parser.add_argument("--codecs", default=DEFAULT_CODECS, help="comma-separated codecs (default %(default)s)")
     parser.add_argument(
+        "--leaders", default=",".join(LEADERS), help="comma-separated leader rules: fixed, rotating (default both)"
+    )
+    parser.add_argument(
+        "--keep-recordings", type=Path, metavar="DIR",
+        help="record into DIR and reuse a complete recording found there (by default recordings are temporary)",
+    )  # fmt: skip
+    parser.add_argument(
         "--out",
         type=Path,
         help="write codecs.md, codecs.json and codecs.png here (after every recording; a rerun with the same "
@@ -206,6 +214,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.alpha <= 0:
             raise ValueError(f"--alpha must be > 0, got {args.alpha}")
         codecs = parse_codecs(args.codecs, args.chunk)
+        leaders = parse_list(args.leaders, "leaders")
+        if any(leader not in LEADERS for leader in leaders):
+            raise ValueError(f"--leaders must be some of {', '.join(LEADERS)}, got {args.leaders!r}")
         workers, batch_sizes = _ints(args.workers, "workers"), _ints(args.batch_sizes, "batch-sizes")
         if not args.recording:
             _check_recordings(args, workers, batch_sizes)
@@ -216,28 +227,37 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "train_fraction": args.train_fraction,
         "ae_updates": args.ae_updates,
         "codecs": [spec.name for spec in codecs],
+        "leaders": leaders,
     }
-    done = _finished(args.out, settings)
-    results = []
+    earlier = _finished(args.out, settings)
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for label, record in _recordings(args, workers, batch_sizes, Path(tmp)):
+        folder = Path(tmp) if args.keep_recordings is None else args.keep_recordings
+        for label, record in _recordings(args, workers, batch_sizes, folder):
             recording = None  # recorded once, for the first density not measured before
             for density in densities:
                 name = f"{label}, density {density:g}"
-                if name in done:
+                before = earlier.get(name)
+                if before is not None and before.get("complete", True):
                     print(f"{name}: measured before, in {args.out / 'codecs.json'}", flush=True)
-                    results.append(done[name])
+                    results.append(before)
                     continue
                 recording = recording or record()
+                results.append({"label": name, "rows": []})  # replaced row by row as they are measured
+                # The commit it ran, and whether the tree had changes.
+                provenance = run_provenance()
+
+                def save(partial: dict[str, Any], index: int = len(results) - 1, provenance: Any = provenance) -> None:
+                    results[index] = {**partial, "settings": settings, "provenance": provenance}
+                    if args.out is not None:  # after every row: a stopped run resumes from here
+                        _write(args.out, results)
+
                 result = benchmark_codecs(
-                    recording, codecs, density, args.chunk, args.train_fraction, label=name, ae_updates=args.ae_updates
-                )
-                result["settings"] = settings
-                result["provenance"] = run_provenance()  # the commit it ran, and whether the tree had changes
-                print(format_table(result) + "\n", flush=True)
-                results.append(result)
-                if args.out is not None:  # after every measurement: a stopped run resumes from here
-                    _write(args.out, results)
+                    recording, codecs, density, args.chunk, args.train_fraction, label=name,
+                    ae_updates=args.ae_updates, leaders=leaders, done_rows=(before or {}).get("rows", ()), on_row=save,
+                )  # fmt: skip
+                save(result)
+                print(format_table(results[-1]) + "\n", flush=True)
     if args.out is not None:
         _write(args.out, results)
         plot_codecs(results, args.out / "codecs.png")
@@ -246,7 +266,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _finished(out: Path | None, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Results already in ``out/codecs.json`` measured with the same settings, by label."""
+    """Results already in ``out/codecs.json`` measured with the same settings, by label (``complete``
+    False: stopped after some rows, which a rerun keeps)."""
     path = None if out is None else out / "codecs.json"
     if path is None or not path.is_file():
         return {}
@@ -274,9 +295,15 @@ def _recordings(
 
             def record(world: int = world, batch: int = batch) -> Path:
                 from lgc.analysis import record_gradients  # Lightning: only once the arguments are good
+                from lgc.analysis.recording import rank_file
 
+                run = tmp / _folder(_label(args, world, batch), world, batch)
+                ranks = [rank_file(run / "gradients", r) for r in range(world)]
+                if (run / "summary.json").is_file() and all(path.is_file() for path in ranks):
+                    print(f"{_label(args, world, batch)}: the recording in {run} is reused", flush=True)
+                    return run / "gradients"
                 return record_gradients(
-                    tmp / f"w{world}_b{batch}",
+                    run,
                     partition=args.partition,
                     alpha=args.alpha,
                     max_epochs=-1,  # as many epochs as --steps takes
@@ -285,6 +312,11 @@ def _recordings(
                 )
 
             yield _label(args, world, batch), record
+
+
+def _folder(label: str, world: int, batch: int) -> str:
+    """A recording's folder name: readable, and unique to its label (what was recorded, and how)."""
+    return f"w{world}_b{batch}_{hashlib.sha1(label.encode()).hexdigest()[:10]}"
 
 
 def _run_overrides(args: argparse.Namespace, world: int, batch: int) -> list[str]:

@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,7 @@ from lgc.learned.shared_index import quantization_levels, round_to_levels
 
 __all__ = [
     "DEFAULT_CODECS",
+    "LEADERS",
     "CodecSpec",
     "LeaderStep",
     "OwnTopK",
@@ -426,10 +427,15 @@ def _evaluate(coder: _Coder, steps: Sequence[LeaderStep], names: Sequence[str] |
     layers = 1 if steps[0].bounds is None else steps[0].bounds.numel() - 1
     error, norm = torch.zeros(layers, dtype=torch.float64), torch.zeros(layers, dtype=torch.float64)
     whole_error, whole_norm = torch.zeros(layers, dtype=torch.float64), torch.zeros(layers, dtype=torch.float64)
+    threads = torch.get_num_threads()
     for step in steps:
-        started = time.process_time()
-        delivered, bits = coder.run(step)
-        cpu += time.process_time() - started
+        torch.set_num_threads(1)  # the CPU times are one thread's
+        try:
+            started = time.process_time()
+            delivered, bits = coder.run(step)
+            cpu += time.process_time() - started
+        finally:
+            torch.set_num_threads(threads)
         order = coder._order(step)
         positions = step.positions if order is None else step.positions[order]
         layer = (
@@ -489,6 +495,10 @@ def layer_premise(gradients: Sequence[Tensor], names: Sequence[str], density: fl
     return rows
 
 
+#: The leader rules a benchmark can run: worker 0 always, or worker ``t % W`` at step ``t``.
+LEADERS = ("fixed", "rotating")
+
+
 def benchmark_codecs(
     recording: str | Path,
     codecs: Sequence[CodecSpec],
@@ -498,34 +508,28 @@ def benchmark_codecs(
     seed: int = 0,
     label: str | None = None,
     ae_updates: int = 1500,
+    leaders: Sequence[str] = LEADERS,
+    done_rows: Sequence[dict[str, Any]] = (),
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every codec on one recording, with a fixed (worker 0) and a rotating leader (one thread)."""
+    """Every codec on one recording, with each of ``leaders`` (CPU times: one thread's).
+
+    ``done_rows``: rows measured before (same recording and settings), kept rather than measured
+    again; ``on_row(result)`` is called with the result so far after every row (``complete`` False
+    until the last), so a stopped benchmark can resume from its last row.
+    """
     from lgc.analysis import load_recording  # imports Lightning: here, not when lgc-bench starts
 
+    unknown = [leader for leader in leaders if leader not in LEADERS]
+    if unknown or not leaders:
+        raise ValueError(f"leaders must be some of {LEADERS}, got {list(leaders)!r}")
     rec = load_recording(recording)
     names = [name for name in rec.names if rec.flat(name).shape[2] >= chunk]
     gradients = [rec.flat(name) for name in names]
     steps = gradients[0].shape[1]
     cut = max(1, min(steps - 1, int(train_fraction * steps)))
-    rows = []
-    load_before = os.getloadavg()[0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CPU times are one thread's
-    try:
-        for rotating in (False, True):
-            layouts = leader_steps(gradients, density, rotating)
-            for spec in codecs:
-                leader = "rotating" if rotating else "fixed"
-                unfit = cannot_sum(spec, rec.world_size)
-                if unfit is not None:
-                    rows.append({"codec": spec.name, "leader": leader, "error": None, "note": unfit})
-                    continue
-                coder = _Coder(spec, chunk, rec.world_size, seed, ae_updates)
-                coder.fit(layouts[:cut])
-                rows.append({"codec": spec.name, "leader": leader, **_evaluate(coder, layouts[cut:], names)})
-    finally:
-        torch.set_num_threads(threads)
-    return {
+    earlier = {(row["codec"], row["leader"]): row for row in done_rows}
+    result: dict[str, Any] = {
         "layers": layer_premise(gradients, names, density, slice(cut, None)),
         "label": label or f"{rec.world_size} workers",
         "workers": rec.world_size,
@@ -535,6 +539,25 @@ def benchmark_codecs(
         "density": density,
         "chunk": chunk,
         "ae_updates": ae_updates,
-        "load_average": [load_before, os.getloadavg()[0]],  # 1 minute, before and after: the CPU times' context
-        "rows": rows,
+        "load_average": [os.getloadavg()[0], None],  # 1 minute, before and after: the CPU times' context
+        "rows": [],
+        "complete": False,
     }
+    for leader in leaders:
+        layouts = leader_steps(gradients, density, leader == "rotating")
+        for spec in codecs:
+            row = earlier.get((spec.name, leader))
+            if row is None:
+                unfit = cannot_sum(spec, rec.world_size)
+                if unfit is not None:
+                    row = {"codec": spec.name, "leader": leader, "error": None, "note": unfit}
+                else:
+                    coder = _Coder(spec, chunk, rec.world_size, seed, ae_updates)
+                    coder.fit(layouts[:cut])  # (with every thread: only the codec's run is timed)
+                    row = {"codec": spec.name, "leader": leader, **_evaluate(coder, layouts[cut:], names)}
+            result["rows"].append(row)
+            if on_row is not None:
+                on_row(result)
+    result["load_average"][1] = os.getloadavg()[0]
+    result["complete"] = True
+    return result

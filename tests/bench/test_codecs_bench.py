@@ -231,6 +231,47 @@ def test_the_table_gives_the_premise_and_the_errors_per_parameter():
     assert f"| int8 | {row['layers']['a']['error']:.4g} ({row['layers']['a']['whole_error']:.4g}) |" in table
 
 
+def _write_recording(folder, gradients):
+    """``gradients`` (per parameter ``[W, T, n]``) as GradientRecorder's per-rank files."""
+    from lgc.analysis.recording import RECORDING_FORMAT, rank_file
+
+    folder.mkdir(parents=True)
+    workers, steps = gradients[0].shape[:2]
+    for rank in range(workers):
+        torch.save(
+            {"format": RECORDING_FORMAT, "rank": rank, "world_size": workers, "steps": torch.arange(steps),
+             "gradients": {f"p{i}": g[rank] for i, g in enumerate(gradients)}, "metadata": {}},
+            rank_file(folder, rank),
+        )  # fmt: skip
+    return folder
+
+
+def test_a_stopped_benchmark_keeps_its_rows_and_measures_only_the_rest(tmp_path, monkeypatch):
+    recording = _write_recording(tmp_path / "rec", _gradients())
+    specs = leader_codecs.parse_codecs("fp32,int8,topk", 16)
+    seen = []
+    first = leader_codecs.benchmark_codecs(
+        recording, specs, 0.05, 16, leaders=("rotating",), on_row=lambda r: seen.append((len(r["rows"]), r["complete"]))
+    )
+    assert seen == [(1, False), (2, False), (3, False)] and first["complete"]
+    assert [row["codec"] for row in first["rows"]] == ["fp32", "int8", "topk"]
+    assert [layer["name"] for layer in first["layers"]] == ["p0", "p1"] and None not in first["load_average"]
+    # Stopped after two rows: a rerun keeps them and fits only the third codec.
+    fitted = []
+    fit = leader_codecs._Coder.fit
+
+    def counted_fit(coder, steps):
+        fitted.append(coder.spec.name)
+        fit(coder, steps)
+
+    monkeypatch.setattr(leader_codecs._Coder, "fit", counted_fit)
+    kept = first["rows"][:2]
+    again = leader_codecs.benchmark_codecs(recording, specs, 0.05, 16, leaders=("rotating",), done_rows=kept)
+    assert fitted == ["topk"] and again["rows"][:2] == first["rows"][:2]
+    with pytest.raises(ValueError, match="leaders must be some of"):
+        leader_codecs.benchmark_codecs(recording, specs, 0.05, 16, leaders=("best",))
+
+
 def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
     int4, int8 = leader_codecs.parse_codecs("int4,int8", 64)
     assert leader_codecs.cannot_sum(int4, 7) is None and leader_codecs.cannot_sum(int8, 127) is None
@@ -262,6 +303,7 @@ def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
         (["--density", "0.01,x"], "--density must be comma-separated numbers"),
         (["--train-fraction", "1"], r"--train-fraction must be in \(0, 1\)"),
         (["--alpha", "0"], r"--alpha must be > 0"),
+        (["--leaders", "fixed,best"], "--leaders must be some of fixed, rotating"),
         (["--model", "resnet999", "--workers", "2", "--batch-sizes", "8"], "resnet999"),
         (["--patterns", "model.nothing*", "--workers", "2", "--batch-sizes", "8"], r"no parameter name matches"),
         (["--override", "data.batch_size=0", "--workers", "2", "--batch-sizes", "8"], "batch_size"),
@@ -282,7 +324,7 @@ def test_a_recorded_run_gives_every_codec_a_row_per_leader_and_the_files_and_a_r
 ):
     argv = ["codecs", "--workers", "2", "--batch-sizes", "16", "--steps", "6", "--codecs", "fp32,int8,pca:4:fp32,topk",
             "--partition", "dirichlet", "--alpha", "0.5", "--patterns", "model.layers.*.conv*.weight,model.fc.weight",
-            "--out", str(tmp_path)]  # fmt: skip
+            "--keep-recordings", str(tmp_path / "recordings"), "--out", str(tmp_path)]  # fmt: skip
     main(argv)
     (result,) = json.loads((tmp_path / "codecs.json").read_text())
     # The same settings again: nothing is recorded, the saved result is reported.
@@ -309,4 +351,11 @@ def test_a_recorded_run_gives_every_codec_a_row_per_leader_and_the_files_and_a_r
     assert rows["fixed", "fp32"]["error"] < 1e-10 and rows["rotating", "int8"]["error"] < 0.01
     assert rows["fixed", "pca:4:fp32"]["bits_per_value"] < rows["fixed", "int8"]["bits_per_value"]
     assert "| fixed | int8 |" in (tmp_path / "codecs.md").read_text()
+    # Other settings (one leader): measured anew, on the recording kept before.
+    capsys.readouterr()
+    main([*argv, "--leaders", "rotating"])
+    assert "is reused" in capsys.readouterr().out
+    rerun = json.loads((tmp_path / "codecs.json").read_text())
+    assert [r["settings"]["leaders"] for r in rerun] == [["rotating"]]
+    assert {row["leader"] for row in rerun[0]["rows"]} == {"rotating"}
     assert (tmp_path / "codecs.png").stat().st_size > 10_000
