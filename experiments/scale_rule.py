@@ -52,7 +52,7 @@ def step_uppers(step_cost: Path, densities: list[float]) -> dict[str, dict[float
             raise SystemExit(f"{step_cost}/step_{density}.json is missing: time the steps first (lgc-bench step)")
         for table in sorted(step_cost.glob(f"step_{density}*.json")):
             for label, row in json.loads(table.read_text())["rows"].items():
-                if label == "no_sync":
+                if label in ("no_sync", "ddp"):  # the references: every group's table times DDP's own step again
                     continue
                 if "cpu_vs_ddp" not in row:
                     raise SystemExit(f"{table}: row {label} has no cpu_vs_ddp interval (time it with --rounds > 1)")

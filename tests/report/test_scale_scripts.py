@@ -262,3 +262,37 @@ def test_a_summary_run_with_other_overrides_is_never_counted(scripts, tmp_path, 
     out = capsys.readouterr()
     assert "seed=0 " not in out.out  # recorded with the planned overrides: done
     assert "seg4/dense/seed1" in out.out and "other overrides" in out.out and "stale" in out.err
+
+
+def test_the_step_timings_cover_every_row_the_rule_reads_in_files_it_reads(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    for name in ("scale_step_cost", "scale_rule"):
+        sys.modules.pop(name, None)
+    timing, rule = importlib.import_module("scale_step_cost"), importlib.import_module("scale_rule")
+    groups = timing.groups()
+    assert all(group[0] == "ddp" and len(group) <= timing.GROUP_SIZE + 1 for group in groups)
+    assert sorted(row for group in groups for row in group[1:]) == sorted(set(rule.STEP_ROWS.values()))
+    # lgc-bench step's tables as it writes them: the rule reads every group's file of a density.
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        methods = command[command.index("--methods") + 1].split(",")
+        interval = {"mean": 1.1, "half_width": 0.05}
+        rows = {label: {"cpu_vs_ddp": interval} for label in methods}
+        Path(command[command.index("--json") + 1]).write_text(json.dumps({"rows": rows}))
+        return subprocess.CompletedProcess(command, 0, "table\n", "")
+
+    import subprocess
+
+    monkeypatch.setattr(timing.subprocess, "run", fake_run)
+    assert timing.main([str(tmp_path), "--densities", "0.001", "0.01"]) == 0
+    assert len(commands) == 2 * len(groups) and all(
+        "--rounds" in c and c[c.index("--rounds") + 1] == "5" for c in commands
+    )
+    uppers = rule.step_uppers(tmp_path, [0.001, 0.01])
+    assert set(uppers) == set(rule.STEP_ROWS.values()) and uppers["topk"] == pytest.approx({0.001: 1.15, 0.01: 1.15})
+    # Written tables are not timed again; timed steps that are not a multiple of every delay are refused.
+    assert timing.main([str(tmp_path), "--densities", "0.001"]) == 0 and len(commands) == 2 * len(groups)
+    with pytest.raises(SystemExit):
+        timing.main([str(tmp_path), "--rounds", "3", "--steps", "4"])
