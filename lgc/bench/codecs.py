@@ -74,7 +74,7 @@ def format_table(result: dict[str, Any]) -> str:
                 f"| {layer['name']} | {layer['numel']:,} | {fixed['correlation']:.3f} | {fixed['energy_share']:.3f} "
                 f"| {rotating['correlation']:.3f} | {rotating['energy_share']:.3f} |"
             )
-        for leader in ("fixed", "rotating"):
+        for leader in dict.fromkeys(row["leader"] for row in result["rows"]):
             lines += [
                 "",
                 f"Delivered-sum error at the leader's positions per parameter ({leader} leader; whole-sum error in "

@@ -229,6 +229,7 @@ def test_the_table_gives_the_premise_and_the_errors_per_parameter():
     table = codecs.format_table(result)
     assert "| parameter | values | r (fixed) |" in table and "| a | 640 |" in table
     assert f"| int8 | {row['layers']['a']['error']:.4g} ({row['layers']['a']['whole_error']:.4g}) |" in table
+    assert "(fixed leader;" in table and "(rotating leader;" not in table  # only the leaders measured
 
 
 def _write_recording(folder, gradients):
