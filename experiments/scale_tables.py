@@ -115,14 +115,11 @@ def cell_table(protocol: dict[str, Any], cell: str, rows: list[dict[str, Any]], 
         if not row["seeds"]:
             lines.append(f"| {row['label']} | 0 of {n} | not run yet | - | - | - | - | - | - |")
             continue
-        metric = Interval(**{k: row["metric"][k] for k in ("n", "mean", "sd", "half_width")})
         gap = row["gap_points"]
-        gap_text = (
-            "-" if gap is None else Interval(**{k: gap[k] for k in ("n", "mean", "sd", "half_width")}).text("+.2f")
-        )
+        gap_text = "-" if gap is None else _gap_text(gap)
         seeds = f"{len(row['seeds'])}" if len(row["seeds"]) == n else f"{len(row['seeds'])} of {n}"
         lines.append(
-            f"| {row['label']} | {seeds} | {metric.text('.4f')} | {gap_text} | {row['mark'] or '-'} | "
+            f"| {row['label']} | {seeds} | {_interval(row['metric'], '.4f')} | {gap_text} | {row['mark'] or '-'} | "
             f"{_fmt(row['wire_mb'], '.4g')} | {_fmt(row['codec_mb'], '.4g')} | {_fmt(row['overhead_mb'], '.4g')} | "
             f"{_fmt(row['ceiling'], '.0f')} |"
         )
@@ -150,6 +147,66 @@ def page(protocol: dict[str, Any], results: Path) -> tuple[str, dict[str, Any]]:
     return "\n".join(pages), data
 
 
+#: The README's block that holds :func:`readme_table` (``--write`` replaces what is between the markers).
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- which-method-scale:begin -->", "<!-- which-method-scale:end -->"
+
+
+def _readme_cell(row: dict[str, Any], seeds: int) -> str:
+    if not row["seeds"]:
+        return "not run yet"
+    gap = row["gap_points"]
+    if row["mark"] is None:  # still running, or the reference
+        done = f"{len(row['seeds'])} of {seeds} seeds"
+        return done if gap is None or len(row["seeds"]) < seeds else f"{done}, {_gap_text(gap)}"
+    return f"{_gap_text(gap)} {row['mark']}; {_fmt(row['wire_mb'], '.4g')} MB"
+
+
+def _interval(stats: dict[str, Any], fmt: str) -> str:
+    """``mean ± half-width`` of a tables.json interval."""
+    return Interval(**{k: stats[k] for k in ("n", "mean", "sd", "half_width")}).text(fmt)
+
+
+def _gap_text(gap: dict[str, Any]) -> str:
+    return _interval(gap, "+.2f")
+
+
+def readme_table(protocol: dict[str, Any], data: dict[str, Any]) -> str:
+    """ "Which method" at scale: per method and cell, the gap to dense (points, 95 % interval) with its
+    mark and whole-run wire MB per worker, once all its seeds have run."""
+    cells, seeds = protocol["order"]["cells"], len(protocol["seeds"])
+    reference = {cell: next(r for r in data[cell]["rows"] if r["method"] == protocol["reference"]) for cell in cells}
+    lines = [
+        "| method | " + " | ".join(cells) + " |",
+        "|---|" + "---|" * len(cells),
+        f"| {protocol['methods'][protocol['reference']]['label']} | "
+        + " | ".join(
+            "not run yet"
+            if not reference[cell]["metric"]
+            else f"{protocol['cells'][cell]['metric']} {_interval(reference[cell]['metric'], '.4f')}; "
+            f"{_fmt(reference[cell]['wire_mb'], '.4g')} MB"
+            for cell in cells
+        )
+        + " |",
+    ]
+    for method in protocol["order"]["methods"]:
+        if method == protocol["reference"]:
+            continue
+        rows = [next(r for r in data[cell]["rows"] if r["method"] == method) for cell in cells]
+        lines.append(
+            f"| {protocol['methods'][method]['label']} | " + " | ".join(_readme_cell(r, seeds) for r in rows) + " |"
+        )
+    return "\n".join(lines)
+
+
+def replace_in(readme: str, text: str) -> str:
+    """``readme`` with the text between :data:`BEGIN` and :data:`END` replaced by ``text``."""
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+    return readme[: start + len(BEGIN)] + "\n" + text + "\n" + readme[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="?", type=Path, default=HERE / "results" / "scale")
@@ -162,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         args.results.mkdir(parents=True, exist_ok=True)
         (args.results / "tables.md").write_text(text)
         (args.results / "tables.json").write_text(json.dumps(data, indent=1) + "\n")
+        if args.results == HERE / "results" / "scale":  # the committed records: the README shows them
+            protocol = load_protocol(args.protocol)
+            README.write_text(replace_in(README.read_text(), readme_table(protocol, data)))
     return 0
 
 
