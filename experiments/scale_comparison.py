@@ -35,8 +35,24 @@ PROTOCOL = HERE / "scale_protocol.yaml"
 
 
 def load_protocol(path: Path = PROTOCOL) -> dict[str, Any]:
-    """The protocol, checked: every ordered cell and method defined, seeds distinct."""
+    """The protocol, checked: every ordered cell and method defined, seeds distinct.
+
+    A study protocol names the protocol it ``extends`` (a file beside it): it takes that protocol's
+    seeds, margin, reference, common overrides, cells and methods, adds its own methods (and
+    cells), and has its own order, changes and tables (``tables``: the files ``scale_tables.py``
+    writes); the other protocol's default rule is not a study's.
+    """
     protocol = yaml.safe_load(path.read_text())
+    if "extends" in protocol:
+        base = yaml.safe_load((path.parent / protocol.pop("extends")).read_text())
+        base.pop("default_rule", None)
+        protocol = {
+            **base,
+            **protocol,
+            "cells": {**base["cells"], **protocol.get("cells", {})},
+            "methods": {**base["methods"], **protocol.get("methods", {})},
+            "changes": protocol.get("changes", []),
+        }
     for kind in ("cells", "methods"):
         missing = [name for name in protocol["order"][kind] if name not in protocol[kind]]
         if missing:
@@ -57,6 +73,10 @@ def run_overrides(protocol: dict[str, Any], cell: str, method: str, seed: int) -
     values = {"seed": seed, "steps": steps, "dgc_epoch": max(1, steps // 160)}
     per_step = [] if how.get("local_steps") else list(spec.get("per_step", []))
     overrides = [*protocol["common"], *spec["overrides"], *how["overrides"], *per_step]
+    if "codec_at" in how:  # the codec the protocol's rule picks at this density (lgc_codec_rule.py)
+        from lgc_codec_rule import codec_choice
+
+        overrides += codec_choice(protocol["codec_rule"], float(how["codec_at"]))[1]
     return [override.format(**values) for override in overrides]
 
 
@@ -141,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.out / cell / method / f"seed{seed}"
         kept = args.results / cell / method / f"seed{seed}"
         # lgc-train's own code (python -m lgc.train runs it without the console script's import check)
-        overrides = with_extra(run_overrides(protocol, cell, method, seed), args.extra)
+        try:
+            overrides = with_extra(run_overrides(protocol, cell, method, seed), args.extra)
+        except ValueError as error:  # a study's codec rule not decided yet (checked runs never get here)
+            print(f"{cell}/{method}/seed{seed}: undecided: {error}", flush=True)
+            continue
         command = [sys.executable, "-m", "lgc.train", *overrides, f"output_dir={run_dir}"]
         stale = [f for f in (kept / "summary.json", run_dir / "summary.json") if f.is_file()
                  and recorded_overrides(f) != overrides]  # fmt: skip

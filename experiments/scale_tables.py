@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scale_comparison import HERE, load_protocol
+from scale_comparison import HERE, PROTOCOL, load_protocol
 from scale_verdict import verdict_section
 
 from lgc.report.bytes import run_bytes
@@ -210,18 +210,19 @@ def replace_in(readme: str, text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="?", type=Path, default=HERE / "results" / "scale")
-    parser.add_argument("--protocol", type=Path, default=HERE / "scale_protocol.yaml")
+    parser.add_argument("--protocol", type=Path, default=PROTOCOL)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args(argv)
-    text, data = page(load_protocol(args.protocol), args.results)
+    protocol = load_protocol(args.protocol)
+    text, data = page(protocol, args.results)
     print(text)
     if args.write:
+        name = protocol.get("tables", "tables")  # a study's tables beside the comparison's
         args.results.mkdir(parents=True, exist_ok=True)
-        (args.results / "tables.md").write_text(text)
-        (args.results / "tables.json").write_text(json.dumps(data, indent=1) + "\n")
-        if args.results == HERE / "results" / "scale":  # the committed records: the README shows them
-            protocol = load_protocol(args.protocol)
-            README.write_text(replace_in(README.read_text(), readme_table(protocol, data)))
+        (args.results / f"{name}.md").write_text(text)
+        (args.results / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+        if args.results == HERE / "results" / "scale" and args.protocol.resolve() == PROTOCOL.resolve():
+            README.write_text(replace_in(README.read_text(), readme_table(protocol, data)))  # the comparison's records
     return 0
 
 

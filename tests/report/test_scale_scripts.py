@@ -299,3 +299,57 @@ def test_the_step_timings_cover_every_row_the_rule_reads_in_files_it_reads(monke
     assert timing.main([str(tmp_path), "--densities", "0.001"]) == 0 and len(commands) == 2 * len(groups)
     with pytest.raises(SystemExit):
         timing.main([str(tmp_path), "--rounds", "3", "--steps", "4"])
+
+
+def test_the_lgc_study_extends_the_comparison_and_every_run_composes(scripts, tmp_path):
+    sweep, _ = scripts
+    study = sweep.load_protocol(EXPERIMENTS / "lgc_loop_protocol.yaml")
+    base = sweep.load_protocol()
+    assert study["cells"]["r20_iid4"] == base["cells"]["r20_iid4"] and study["seeds"] == base["seeds"]
+    assert "default_rule" not in study and study["tables"] == "lgc_loop" and study["changes"] == []
+    assert study["order"]["methods"][: len(base["order"]["methods"])] == base["order"]["methods"]
+    # The comparison's methods run with the same overrides in both: their runs are shared.
+    assert sweep.run_overrides(study, "r20_iid4", "dgc", 2) == sweep.run_overrides(base, "r20_iid4", "dgc", 2)
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        for method, how in study["methods"].items():
+            if method in base["methods"]:
+                continue
+            cell = study["cells"]["r20_iid4"]
+            plain = [*study["common"], *cell["overrides"], *how["overrides"], *cell["per_step"]]
+            for codec in study["codec_rule"]["candidates"].values() if "codec_at" in how else [[]]:
+                overrides = [o.format(seed=1, steps=351, dgc_epoch=2) for o in [*plain, *codec]]
+                cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}"])
+                assert cfg.compressor.measure_error and cfg.data.partition == "iid"
+                if "codec_at" in how:
+                    assert cfg.compressor.density == how["codec_at"] and cfg.compressor.refresh_threshold == 0.5
+
+
+def test_the_codec_rule_picks_the_lowest_error_then_the_fewest_bits_and_waits_for_its_rows(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("lgc_codec_rule", None)
+    rule_module = importlib.import_module("lgc_codec_rule")
+    results = tmp_path / "codecs.json"
+    candidates = {"ae": ["compressor=lgc_rar"], "pca": ["compressor=lgc_rar_linear"], "small": ["x=1"]}
+    rule = {"results": str(results), "recording": "rec A", "leader": "rotating", "tie": 0.01, "candidates": candidates}
+
+    def measured(rows, complete=True, label="rec A, 4 workers, density 0.01"):
+        rows = [{"codec": c, "leader": leader, "error": e, "bits_per_value": b} for c, leader, e, b in rows]
+        return {"label": label, "complete": complete, "rows": rows}
+
+    with pytest.raises(ValueError, match="does not exist yet"):
+        rule_module.codec_choice(rule, 0.01)
+    rows = [("ae", "rotating", 0.30, 10.0), ("pca", "rotating", 0.20, 12.0), ("small", "rotating", 0.202, 11.0),
+            ("pca", "fixed", 0.01, 1.0)]  # fmt: skip
+    results.write_text(json.dumps([measured(rows), measured(rows, label="rec B, density 0.01")]))
+    # pca has the lowest error; small is within 1 % of it with fewer bits, so small is chosen.
+    assert rule_module.codec_choice(rule, 0.01) == ("small", ["x=1"])
+    results.write_text(json.dumps([measured([*rows[:2], ("small", "rotating", 0.21, 11.0)])]))
+    assert rule_module.codec_choice(rule, 0.01) == ("pca", ["compressor=lgc_rar_linear"])
+    results.write_text(json.dumps([measured(rows, complete=False)]))
+    with pytest.raises(ValueError, match="still being measured"):
+        rule_module.codec_choice(rule, 0.01)
+    results.write_text(json.dumps([measured(rows[:2])]))
+    with pytest.raises(ValueError, match=r"no rotating-leader row for \['small'\]"):
+        rule_module.codec_choice(rule, 0.01)
+    with pytest.raises(ValueError, match="at density 0.001 is not measured"):
+        rule_module.codec_choice(rule, 0.001)
