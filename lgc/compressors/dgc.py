@@ -45,9 +45,11 @@ never lowers a density below ``density``, so at density 1 it changes nothing.
 every tensor with more than one dimension and send the others dense (with plain momentum on the
 average); lgc's hook decides by size (``min_numel``) and sends the smaller ones dense, with
 the same momentum (:meth:`DGCCompressor.apply_momentum`). Density 1: see above. The sampled
-threshold's stride and sample size follow the rule :func:`~lgc.compressors.selection.sampled_topk`
-states, not the code's arithmetic, and between ``0.8 k`` and ``1.3 k`` survivors all are sent, where the code keeps the
-first ``k`` by position (``dgc/compression.py``). The warm-up densities are the paper's; the
+threshold is the code's (``dgc/compression.py``: its sample sizes and strides on every tensor, at
+least ``2 / density`` entries sampled, the count adapted within ``[0.8 k, 1.3 k]`` and cut to the first
+``k`` by position; :func:`~lgc.compressors.selection.sampled_topk`), with one guard: a selection
+left empty (only with NaN) sends an exact top-k. ``exact_below_numel`` (0, off, by default) can
+send smaller tensors an exact top-k instead. The warm-up densities are the paper's; the
 authors' CIFAR configuration (``configs/dgc/wm5.py``) computes five epochs at
 ``density ** ((e + 1) / 6)`` instead (31.6 %, 10 %, 3.16 %, 1 %, 0.316 % for 0.1 %). A parameter
 whose gradient is exactly zero on every rank is left alone by the hook (no update, no decay that
@@ -199,8 +201,9 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         sample_fraction: minimum fraction of entries sampled to estimate the threshold, in (0, 1]
             (1 % by default). A larger sample gives counts closer to ``k`` (the count's relative
             spread is about ``1 / sqrt(density * sample size)``) at the cost of a larger gather.
-        exact_below_numel: tensors with fewer entries use an exact ``torch.topk``: for them
-            sampling saves nothing and gives fewer exact counts.
+        exact_below_numel: tensors with fewer entries use an exact ``torch.topk`` (exactly ``k``
+            entries) instead of the authors' sampled threshold; 0 (the default) samples every
+            tensor as the authors do.
         seed: seed of the sample's start, drawn per parameter and step (:class:`_SampleStart`).
 
     Example::
@@ -227,7 +230,7 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         warmup_densities: Sequence[float] | None = None,
         steps_per_epoch: StepsPerEpoch | None = None,
         sample_fraction: PositiveFraction = 0.01,
-        exact_below_numel: NonNegativeInt = 1 << 17,
+        exact_below_numel: NonNegativeInt = 0,
         seed: int = 0,
     ) -> None:
         check("density", density, Density)
@@ -516,6 +519,7 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
             positions, self.last_selection = sampled_topk(
                 v_out,
                 k,
+                density=self.current_density,
                 sample_fraction=self.sample_fraction,
                 rng=_SampleStart(self.seed, key, self.draws.get(key, 0)),
                 scan=scan,

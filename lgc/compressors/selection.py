@@ -62,6 +62,7 @@ __all__ = [
     "SelectionInfo",
     "StartDraw",
     "Side",
+    "dgc_sample_layout",
     "exact_topk",
     "extreme_sides",
     "group_maxima",
@@ -489,9 +490,6 @@ def _both_sides_numpy(values: Tensor, k: int) -> tuple[Side, Side]:
 _UPPER = 1.3
 _LOWER = 0.8
 _MAX_ROUNDS = 10
-#: The sample is enlarged (beyond ``sample_fraction``) until about this many sampled entries are
-#: expected above the threshold: an estimate from a handful of order statistics is too noisy.
-_MIN_SAMPLE_HITS = 32
 #: Rows of the grid each span is viewed as (see ``ColumnScan``): with 8-16 rows a column-wise
 #: max costs about one read of the span, and a candidate column costs 16 gathered entries.
 _ROWS = 16
@@ -626,80 +624,99 @@ class StartDraw(Protocol):
     def randrange(self, stop: int, /) -> int: ...
 
 
+def dgc_sample_layout(numel: int, density: float, sample_fraction: float = 0.01) -> tuple[int, int, int]:
+    """``(num_samples, stride, top_k_samples)``: how DGC's authors sample a tensor of ``numel`` entries.
+
+    Transcribed from synxlin/deep-gradient-compression, ``dgc/compression.py``,
+    ``DGCCompressor.initialize`` (strided sampling): the sample must hold ``max(ceil(sample_fraction
+    * n), ceil(2 / density))`` entries; a tensor no larger than ``ceil(2 / density)`` is taken whole
+    (stride 1); otherwise the stride starts at ``ceil(n / wanted / 32) * 32 + 1`` and falls by 8 until
+    ``n // stride`` entries are enough. The threshold is the smallest of the ``ceil(num_samples *
+    density)`` largest sampled magnitudes. ``sample_fraction`` is clamped to ``[0.01, 1]`` as theirs is.
+    """
+    fraction = min(max(sample_fraction, 0.01), 1.0)
+    if fraction < 1.0:
+        pct_numel = math.ceil(numel * fraction)
+        cpr_numel = math.ceil(2 / density)
+        if numel <= cpr_numel:
+            stride, num_samples = 1, numel
+        else:
+            wanted = max(pct_numel, cpr_numel)
+            stride = math.ceil(numel / wanted / 32) * 32 + 1
+            num_samples = numel // stride
+            while num_samples < wanted:
+                stride -= 8
+                num_samples = numel // stride
+    else:
+        stride, num_samples = 1, numel
+    return num_samples, stride, math.ceil(num_samples * density)
+
+
 def sampled_topk(
     x: Tensor,
     k: int,
     *,
+    density: float,
     sample_fraction: float = 0.01,
     rng: StartDraw | None = None,
     threshold: float | None = None,
     scan: ColumnScan | None = None,
 ) -> tuple[Tensor, SelectionInfo]:
-    """Positions of about ``k`` largest-magnitude entries of the flat tensor ``x`` (DGC's sampling).
+    """Positions of about ``k = ceil(density * n)`` largest-magnitude entries of the flat tensor ``x``, as DGC's
+    authors select them (synxlin/deep-gradient-compression, ``dgc/compression.py``, ``_sparsify``).
 
     The rule, exactly:
 
-    1. ``k >= n``: every position. Otherwise the threshold ``t`` is estimated from a strided
-       sample ``x[start::stride]`` with a random ``start`` (from ``rng``): the stride is the
-       largest odd number giving at least ``sample_fraction * n`` entries (and enough for about
-       ``32`` sampled hits), and ``t`` is the ``ceil(k/n * s)``-th largest ``|.|`` of the ``s``
-       sampled entries. If no odd stride of at least 3 gives such a sample (``x`` is small), or
-       ``t <= 0`` (mostly zeros), sampling cannot help and an exact ``torch.topk`` is used
-       (path ``"exact"``).
-       Passing ``threshold`` skips the estimate (tests use it to drive the other branches).
-    2. Count the survivors ``c = #{|x| >= t}``.
+    1. ``k >= n``: every position. Otherwise the threshold ``t`` is the smallest of the
+       ``top_k_samples`` largest magnitudes of the sample ``|x|[start::stride]``
+       (:func:`dgc_sample_layout`; ``start`` drawn from ``rng``; stride 1: all of ``|x|``). Passing
+       ``threshold`` skips the estimate (tests use it to drive the other branches).
+    2. Survivors: ``|x| >= t``, ``c`` of them. Unless the sample was all of ``x``, the count is
+       adapted at most 10 times: ``c > k``: above ``1.3 k`` an exact top-k over the survivors keeps
+       exactly ``k`` (path ``"threshold+topk"``), otherwise the survivors stay; ``c < 0.8 k``:
+       ``t *= 0.8`` (in ``x``'s dtype) and count again; otherwise they stay.
+    3. At most ``k`` are sent: of more survivors, the first ``k`` in position order (the authors'
+       ``indices[:num_selects]``; the rest stay in the accumulator).
 
-       * ``c > 1.3 k``: an exact top-k over the survivors returns exactly ``k`` entries.
-       * ``0.8 k <= c <= 1.3 k``: all survivors are returned (so ``c`` differs between workers).
-       * ``c < 0.8 k``: ``t *= 0.8`` and count again, at most 10 times; if after 10 lowerings
-         still ``c < 0.8 k``, the ``c`` survivors are returned as they are, unless there are none,
-         in which case an exact top-k is used (a payload is never empty).
-
-    Whatever the path, every returned entry is at least as large in magnitude as every entry not
-    returned. Only one pass over ``x`` is made for all counts (see ``ColumnScan``).
+    One departure: if nothing survives (only with NaN or an all-zero sample of a mostly-zero
+    tensor), an exact top-k is sent instead of an empty payload (path ``"exact"``).
 
     Args:
         x: flat tensor to select from.
-        k: target count, ``1 <= k``.
-        sample_fraction: minimum fraction of entries in the sample.
+        k: ``ceil(density * n)``, the count sent at most.
+        density: the density ``k`` comes from (the sample's size depends on it).
+        sample_fraction: the fraction of entries sampled (at least 1 %, as the authors clamp it).
         rng: draws the sample's start (``randrange(stride)``); ``None`` uses Python's global generator.
         threshold: use this initial threshold instead of the sampled estimate.
         scan: the column maxima of ``x`` if the caller already computed them (the compressor does,
             fused with its accumulation pass).
 
     Returns:
-        int64 positions (in no particular order) and how they were chosen.
+        int64 positions and how they were chosen.
     """
     n = x.numel()
     if k >= n:
         return torch.arange(n, device=x.device), SelectionInfo("all", n, n, 0, math.nan)
+    num_samples, stride, top_k_samples = dgc_sample_layout(n, density, sample_fraction)
     if threshold is None:
-        wanted = max(math.ceil(sample_fraction * n), math.ceil(_MIN_SAMPLE_HITS * n / k))
-        stride = n // wanted if wanted else n
-        if stride % 2 == 0:
-            # An odd stride does not line up with the power-of-two shapes of conv and linear weights.
-            stride -= 1
-        if stride < 2:
-            return exact_topk(x, k), SelectionInfo("exact", k, n, 0, math.nan)
-        start = (rng or random).randrange(stride)
+        start = 0 if stride == 1 else (rng or random).randrange(stride)
         sample = x[start::stride].abs()
-        hits = min(sample.numel(), math.ceil(k / n * sample.numel()))
-        threshold = float(torch.topk(sample, hits, sorted=False).values.min())
-        if not threshold > 0.0 or not math.isfinite(threshold):
-            return exact_topk(x, k), SelectionInfo("exact", k, n, 0, math.nan)
+        threshold = float(torch.topk(sample, min(top_k_samples, sample.numel()), sorted=False).values.min())
     survivors_of = scan if scan is not None else ColumnScan(x).scan_all()
-    rounds = 0
-    while True:
-        positions = survivors_of(threshold)
-        count = positions.numel()
-        if count > _UPPER * k:
-            keep = torch.topk(x.index_select(0, positions).abs(), k, sorted=False).indices
-            return positions[keep], SelectionInfo("threshold+topk", k, count, rounds, threshold)
+    positions = survivors_of(threshold).sort().values  # the authors' mask.nonzero(): ascending
+    count, rounds, path = positions.numel(), 0, "threshold"
+    while n > num_samples and rounds < _MAX_ROUNDS:
+        if count > k:
+            if count > _UPPER * k:
+                keep = torch.topk(x.index_select(0, positions).abs(), k, sorted=False).indices
+                positions, path = positions[keep], "threshold+topk"
+            break
         if count >= _LOWER * k:
-            return positions, SelectionInfo("threshold", k, count, rounds, threshold)
-        if rounds == _MAX_ROUNDS:
-            if count == 0:
-                return exact_topk(x, k), SelectionInfo("exact", k, 0, rounds, threshold)
-            return positions, SelectionInfo("threshold", k, count, rounds, threshold)
-        threshold *= _LOWER
-        rounds += 1
+            break
+        # The authors' threshold is a tensor of x's dtype: lowered in that precision.
+        threshold = float(torch.tensor(threshold, dtype=x.dtype) * _LOWER)
+        positions = survivors_of(threshold).sort().values
+        count, rounds = positions.numel(), rounds + 1
+    if positions.numel() == 0:
+        return exact_topk(x, k), SelectionInfo("exact", k, 0, rounds, threshold)
+    return positions[:k], SelectionInfo(path, k, count, rounds, threshold)

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc import ErrorFeedback, TopKCompressor, register_compression_hook
 from lgc.compressors import SparsePayload
+from lgc.compressors.base import keyed_seed
 from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, DGCCompressor, check_optimizer_momentum
 from lgc.compressors.selection import ColumnScan, sampled_topk
 from lgc.compressors.topk import num_selected
@@ -312,6 +313,56 @@ def test_attached_weights_are_neither_pickled_nor_checkpointed():
 
 
 # -- (1c) the authors' code, step for step -------------------------------------------------------------
+def _authors_sparsify(tensor: torch.Tensor, compress_ratio: float, draw: int) -> torch.Tensor:
+    """The indices DGC's authors send: synxlin/deep-gradient-compression, ``dgc/compression.py``,
+    ``DGCCompressor.initialize`` (strided sampling, ``sample_ratio=0.01``) and ``_sparsify``
+    (``compress_upper_bound=1.3``, ``compress_lower_bound=0.8``, ``max_adaptation_iters=10``,
+    ``resample=True``), transcribed for one tensor; ``draw % sample_stride`` replaces
+    ``random.randint(0, sample_stride - 1)``."""
+    numel = tensor.numel()
+    pct_numel = int(math.ceil(numel * 0.01))
+    cpr_numel = int(math.ceil(2 / compress_ratio))
+    if numel <= cpr_numel:
+        sample_stride = 1
+        num_samples = numel
+    else:
+        sample_stride = int(math.ceil(numel / max(pct_numel, cpr_numel) / 32)) * 32 + 1
+        num_samples = numel // sample_stride
+        while num_samples < max(pct_numel, cpr_numel):
+            sample_stride = sample_stride - 8
+            num_samples = numel // sample_stride
+    top_k_samples = int(math.ceil(num_samples * compress_ratio))
+    num_selects = int(math.ceil(numel * compress_ratio))
+
+    tensor = tensor.view(-1)
+    importance = tensor.abs()
+    if numel == num_samples:
+        samples = importance
+    else:
+        sample_start = draw % sample_stride
+        samples = importance[sample_start::sample_stride]
+    threshold = torch.min(torch.topk(samples, top_k_samples, 0, largest=True, sorted=False)[0])
+    mask = torch.ge(importance, threshold)
+    indices = mask.nonzero().view(-1)
+    num_indices = indices.numel()
+    if numel > num_samples:
+        for _ in range(10):
+            if num_indices > num_selects:
+                if num_indices > num_selects * 1.3:
+                    indices = indices[torch.topk(importance[indices], num_selects, 0, largest=True, sorted=False)[1]]
+                    break
+                else:
+                    break
+            elif num_indices < 0.8 * num_selects:
+                threshold = threshold * 0.8
+            else:
+                break
+            mask = torch.ge(importance, threshold)
+            indices = mask.nonzero().view(-1)
+            num_indices = indices.numel()
+    return indices[:num_selects]
+
+
 class _AuthorsDGC:
     """A transcription of one DGC training step as the authors' code takes it, over simulated workers.
 
@@ -330,12 +381,10 @@ class _AuthorsDGC:
       (``buf = wd*p`` at the first step, then ``buf = m*buf + wd*p``) and
       ``p -= lr * (buf + received)`` (Nesterov: ``p -= lr * (wd*p + m*buf + received)``).
 
-    Horovod's collectives become sums over the simulated workers. One change: ``_sparsify``'s
-    sampled threshold is replaced by an exact top-k of ``|vec|`` (the rule lgc itself applies to
-    tensors below ``exact_below_numel``). The sample's random start comes from another generator
-    in each code, so with sampling the two would select different entries; with an exact top-k
-    both select the same ones, and what is compared is everything else: momentum correction,
-    masking, averaging and the weight decay.
+    Horovod's collectives become sums over the simulated workers. ``_sparsify`` is transcribed with
+    its sampled threshold (:func:`_authors_sparsify`); its one change is the sample's random start,
+    ``random.randint(0, stride - 1)`` in their code, here the draw lgc's DGC takes for the same
+    tensor and step (``keyed_seed(0, name, count) % stride``), so both sample the same entries.
     """
 
     def __init__(
@@ -355,6 +404,7 @@ class _AuthorsDGC:
         self.momentums = [{name: torch.zeros_like(p) for name, p in self.params.items()} for _ in range(world)]
         self.velocities = [{name: torch.zeros_like(p) for name, p in self.params.items()} for _ in range(world)]
         self.buffers: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}  # compressed steps per tensor: the sample start's draw
 
     def compressed(self, name: str) -> bool:
         return self.density < 1.0 and self.params[name].dim() > 1
@@ -384,12 +434,13 @@ class _AuthorsDGC:
                 total = torch.zeros(p.numel())
                 for rank in range(self.world):
                     vec = self._compensate(rank, name, grads[rank][name], accumulate=True).view(-1)
-                    indices = torch.topk(vec.abs(), math.ceil(p.numel() * self.density), sorted=False).indices
+                    indices = _authors_sparsify(vec, self.density, keyed_seed(0, name, self.counts.get(name, 0)))
                     values = vec[indices]
                     self.momentums[rank][name].view(-1).index_fill_(0, indices, 0)  # momentum_masking=True
                     vec.index_fill_(0, indices, 0)
                     total.index_put_([indices], values, accumulate=True)
                 received[name] = total.mul_(1.0 / self.world).view_as(p)
+                self.counts[name] = self.counts.get(name, 0) + 1
             else:
                 average = torch.stack([grads[rank][name] for rank in range(self.world)]).sum(0) / self.world
                 received[name] = self._compensate(0, name, average, accumulate=False)
@@ -682,7 +733,8 @@ def test_nesterov_accumulates_u_plus_g():
 
 
 def test_momentum_zero_is_top_k_with_error_feedback():
-    dgc = DGCCompressor(0.01, momentum=0.0, warmup_densities=[])
+    # (with an exact top-k in place of the sampled threshold: exact_below_numel above the tensor's size)
+    dgc = DGCCompressor(0.01, momentum=0.0, warmup_densities=[], exact_below_numel=1 << 17)
     reference = ErrorFeedback(TopKCompressor(0.01))
     for step in range(5):
         g = _randn(30_000, step)
@@ -703,24 +755,53 @@ def test_local_clipping_scales_by_inverse_sqrt_world_size():
 
 
 # -- (4) the sampled threshold -----------------------------------------------------------------------
-@pytest.mark.parametrize("seed", range(6))
-def test_sampled_threshold_sends_at_least_0_8_k_and_exactly_k_after_the_survivor_top_k(seed):
-    x = _randn(300_000, seed) * torch.rand(300_000, generator=torch.Generator().manual_seed(100 + seed))
-    k = num_selected(x.numel(), 0.001)
-    positions, info = sampled_topk(x, k, rng=random.Random(seed))
-    assert info.path in ("threshold", "threshold+topk")
-    assert 0.8 * k <= positions.numel()
-    if info.survivors > 1.3 * k:
-        assert info.path == "threshold+topk" and positions.numel() == k
-    else:
-        assert positions.numel() == info.survivors <= 1.3 * k
-    _assert_threshold_selection(x, positions)
+@pytest.mark.parametrize(
+    ("numel", "density"),
+    [(300_000, 0.001), (36_864, 0.001), (2_000, 0.001), (640, 0.01), (50_000, 0.1), (147_456, 0.01)],
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_the_sampled_threshold_selects_what_the_authors_code_selects(numel, density, seed):
+    """Every tensor size, the small ones included: the same sample start gives the authors' indices."""
+    x = _randn(numel, seed) * torch.rand(numel, generator=torch.Generator().manual_seed(100 + seed))
+    k = num_selected(numel, density)
+    draw = random.Random(seed).getrandbits(64)
+
+    class Draw:
+        def randrange(self, stop):
+            return draw % stop
+
+    positions, info = sampled_topk(x, k, density=density, rng=Draw())
+    expected = _authors_sparsify(x.clone(), density, draw)
+    assert torch.equal(positions.sort().values, expected.sort().values), info
+    assert positions.numel() <= k
+
+
+def test_the_authors_sample_layout_at_the_paper_density():
+    from lgc.compressors.selection import dgc_sample_layout
+
+    # No larger than 2 / density: taken whole; above, at least 2 / density (or 1 %) entries at a stride 32m + 1 - 8j.
+    assert dgc_sample_layout(2_000, 0.001) == (2_000, 1, 2)
+    assert dgc_sample_layout(36_864, 0.001) == (36_864 // 17, 17, 3)
+    num_samples, stride, hits = dgc_sample_layout(25_557_032 // 10, 0.001)
+    assert num_samples >= 25_557_032 // 10 // 100 and stride % 8 == 1 and hits == math.ceil(num_samples * 0.001)
+
+
+def test_survivors_above_k_are_cut_to_the_first_k_by_position():
+    x = _randn(200_000, 3)
+    k = 2000
+    kth = float(torch.topk(x.abs(), k).values[-1])
+    # A threshold that lets about 1.2 k through: all survive the window, the first k by position are sent.
+    threshold = float(torch.topk(x.abs(), int(1.2 * k)).values[-1])
+    positions, info = sampled_topk(x, k, density=k / 200_000, threshold=threshold)
+    assert info.path == "threshold" and k < info.survivors <= 1.3 * k
+    assert torch.equal(positions, torch.nonzero(x.abs() >= threshold).view(-1)[:k])
+    assert float(x.abs()[positions].min()) < kth  # not the top k: the authors' cut is by position
 
 
 def test_too_low_a_threshold_takes_an_exact_top_k_of_the_survivors():
     x = _randn(200_000)
     k = 2000
-    positions, info = sampled_topk(x, k, threshold=0.5)
+    positions, info = sampled_topk(x, k, density=0.01, threshold=0.5)
     assert info.path == "threshold+topk" and info.rounds == 0 and info.survivors > 1.3 * k
     assert positions.numel() == k
     _assert_threshold_selection(x, positions)
@@ -730,7 +811,7 @@ def test_too_low_a_threshold_takes_an_exact_top_k_of_the_survivors():
 def test_ties_at_the_threshold_still_give_exactly_k():
     x = torch.ones(200_000)
     x[::2] = -1.0
-    positions, info = sampled_topk(x, 500, rng=random.Random(0))
+    positions, info = sampled_topk(x, 500, density=0.0025, rng=random.Random(0))
     assert info.path == "threshold+topk" and positions.numel() == 500
 
 
@@ -738,22 +819,22 @@ def test_too_high_a_threshold_is_lowered_by_0_8_per_round():
     x = _randn(200_000, 1)
     k = 2000
     kth = float(torch.topk(x.abs(), k).values[-1])
-    positions, info = sampled_topk(x, k, threshold=kth * 1.25**3 * 1.01)
+    positions, info = sampled_topk(x, k, density=0.01, threshold=kth * 1.25**3 * 1.01)
     assert info.rounds == 3 and info.path == "threshold"
-    assert 0.8 * k <= positions.numel() <= 1.3 * k
-    assert torch.equal(positions.sort().values, torch.nonzero(x.abs() >= info.threshold).view(-1))
+    assert 0.8 * k <= info.survivors <= 1.3 * k
+    assert torch.equal(positions, torch.nonzero(x.abs() >= info.threshold).view(-1)[:k])
 
 
 def test_after_ten_rounds_what_passes_is_sent():
     x = _randn(200_000, 2)
     k = 2000
     half = float(torch.topk(x.abs(), k // 2).values[-1])
-    positions, info = sampled_topk(x, k, threshold=half / 0.8**10 * 1.0001)
+    positions, info = sampled_topk(x, k, density=0.01, threshold=half / 0.8**10 * 1.0001)
     assert info.rounds == 10 and info.path == "threshold"
     assert 0 < positions.numel() < 0.8 * k
-    assert torch.equal(positions.sort().values, torch.nonzero(x.abs() >= info.threshold).view(-1))
+    assert torch.equal(positions, torch.nonzero(x.abs() >= info.threshold).view(-1))
     # Nothing passes even after 10 rounds: an exact top-k, never an empty payload.
-    positions, info = sampled_topk(x, k, threshold=1e30)
+    positions, info = sampled_topk(x, k, density=0.01, threshold=1e30)
     assert info.path == "exact" and positions.numel() == k
     _assert_threshold_selection(x, positions)
 
@@ -899,8 +980,9 @@ def test_a_plain_ddp_script_warms_up_with_steps_per_epoch_and_is_refused_without
     model = DDP(net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = lgc.compress(
-        model, "dgc", optimizer=optimizer, density=0.01, warmup_densities=[0.5, 0.25], steps_per_epoch=2
-    )
+        model, "dgc", optimizer=optimizer, density=0.01, warmup_densities=[0.5, 0.25], steps_per_epoch=2,
+        exact_below_numel=1 << 17,  # exactly k entries a step (the sampled threshold sends about k)
+    )  # fmt: skip
     assert _payload_bytes_per_step(state, model, optimizer, 7) == [0, 8 * 1024, 8 * 512, 8 * 512] + [8 * 21] * 3
     # The same script without steps_per_epoch would send 50 % for ever: its first compressed step refuses.
     model = DDP(net())
