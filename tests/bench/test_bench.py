@@ -33,8 +33,9 @@ def test_compressor_benchmark_reports_every_configured_compressor(tmp_path, caps
     assert rows["fp16"]["bits_per_element"] == 16
     # top-k sends ceil(0.01 n) (fp32 value, int32 index) pairs per tensor: 50 + 700 pairs of 64 bits.
     assert rows["topk"]["bits_per_element"] == 64 * (50 + 700) / 75_000
-    # DGC is timed after its warm-up, at the density asked for (same k per tensor as top-k).
-    assert rows["dgc"]["bits_per_element"] == rows["topk"]["bits_per_element"]
+    # DGC is timed after its warm-up, at the density asked for: its sampled threshold keeps between
+    # 0.8 k and k entries per tensor (the authors' rule), top-k exactly k.
+    assert 0.8 * rows["topk"]["bits_per_element"] <= rows["dgc"]["bits_per_element"] <= rows["topk"]["bits_per_element"]
 
     # The x fp16 reference is the per-tensor fp16 round trip into reused buffers: 1.0 by construction.
     references = {row["name"]: row for row in result["references"]}
