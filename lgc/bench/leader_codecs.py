@@ -87,11 +87,13 @@ __all__ = [
     "CodecSpec",
     "LeaderStep",
     "OwnTopK",
+    "PlainTopK",
     "benchmark_codecs",
     "cannot_sum",
     "layer_premise",
     "leader_steps",
     "parse_codecs",
+    "plain_topk_steps",
 ]
 
 DEFAULT_CODECS = (
@@ -205,7 +207,7 @@ def _autoencoder_spec(entry: str, chunk: int) -> CodecSpec:
 
 @dataclass(frozen=True)
 class OwnTopK:
-    """Plain top-k at one step: every worker's own top-k, summed as sparse vectors."""
+    """Plain top-k (:class:`PlainTopK`) as one leader step reads it."""
 
     at_leader: Tensor  # [K] the sum read at the leader's positions (ascending)
     bits: float  # wire bits a worker sends, on average: 32 per value and its Golomb-coded positions
@@ -226,20 +228,45 @@ class LeaderStep:
     own: OwnTopK | None = None  # plain top-k's delivered sum
 
 
-def _own_topk(flat: Tensor, sizes: Sequence[int], density: float, positions: Tensor) -> OwnTopK:
-    """Every worker's own top-k of every parameter (``flat``: ``[W, numel]``), summed as sparse vectors."""
-    bits, delivered = 0.0, torch.zeros(flat.shape[1])
-    for values in flat:
-        own = leader_positions(list(values.split(list(sizes))), density).sort().values
-        bits += 32.0 * own.numel() + 8.0 * golomb_encode(own, flat.shape[1]).to_wire().numel()
-        delivered.index_add_(0, own, values[own])
-    error = (delivered - flat.sum(dim=0)).double().square()
-    per_layer = torch.stack([part.sum() for part in error.split(list(sizes))])
-    return OwnTopK(delivered[positions], bits / flat.shape[0], per_layer)
+@dataclass(frozen=True)
+class PlainTopK:
+    """Plain top-k at one step, whoever leads: every worker's own top-k, summed as sparse vectors."""
+
+    positions: Tensor  # [M] ascending: every position some worker sent
+    values: Tensor  # [M] the workers' sum there
+    bits: float  # wire bits a worker sends, on average: 32 per value and its Golomb-coded positions
+    whole_error: Tensor  # [L] per parameter, the squared error of the sum against the whole summed gradient
 
 
-def leader_steps(gradients: Sequence[Tensor], density: float, rotating: bool) -> list[LeaderStep]:
-    """Every step's leader positions: ``gradients`` per parameter ``[W, T, n]``; worker 0 or ``t % W`` leads."""
+def plain_topk_steps(gradients: Sequence[Tensor], density: float) -> list[PlainTopK]:
+    """Plain top-k of every step: ``gradients`` per parameter ``[W, T, n]``; each worker selects its own
+    top-k of every parameter (the leader's rule, :func:`leader_positions`)."""
+    sizes = [grad.shape[2] for grad in gradients]
+    result = []
+    for t in range(gradients[0].shape[1]):
+        flat = torch.cat([grad[:, t] for grad in gradients], dim=1).float()
+        bits, delivered = 0.0, torch.zeros(flat.shape[1])
+        sent = torch.zeros(flat.shape[1], dtype=torch.bool)
+        for values in flat:
+            own = leader_positions(list(values.split(sizes)), density).sort().values
+            bits += 32.0 * own.numel() + 8.0 * golomb_encode(own, flat.shape[1]).to_wire().numel()
+            delivered.index_add_(0, own, values[own])
+            sent[own] = True
+        error = (delivered - flat.sum(dim=0)).double().square()
+        positions = torch.nonzero(sent).view(-1)
+        per_layer = torch.stack([part.sum() for part in error.split(sizes)])
+        result.append(PlainTopK(positions, delivered[positions], bits / flat.shape[0], per_layer))
+    return result
+
+
+def leader_steps(
+    gradients: Sequence[Tensor], density: float, rotating: bool, plain: Sequence[PlainTopK] | None = None
+) -> list[LeaderStep]:
+    """Every step's leader positions: ``gradients`` per parameter ``[W, T, n]``; worker 0 or ``t % W`` leads.
+
+    ``plain`` (:func:`plain_topk_steps` of the same gradients, computed once for every leader rule):
+    plain top-k's sum, read at the leader's positions for the ``topk`` codec.
+    """
     workers, steps = gradients[0].shape[:2]
     result = []
     momentum = None  # what every worker's momentum buffer holds: the delivered sums, decayed
@@ -252,12 +279,15 @@ def leader_steps(gradients: Sequence[Tensor], density: float, rotating: bool) ->
         flat = torch.cat([grad[:, t] for grad in gradients], dim=1).float()
         values = flat[:, chosen]
         energy = torch.stack([part.double().square().sum() for part in flat.sum(dim=0).split(sizes)])
+        own = None
+        if plain is not None:
+            summed = torch.zeros(numel).index_put_((plain[t].positions,), plain[t].values)
+            own = OwnTopK(summed[chosen], plain[t].bits, plain[t].whole_error)
         result.append(
             LeaderStep(
-                leader, chosen, values, numel, None if momentum is None else momentum[chosen],
-                bounds, energy, _own_topk(flat, sizes, density, chosen),
+                leader, chosen, values, numel, None if momentum is None else momentum[chosen], bounds, energy, own
             )
-        )  # fmt: skip
+        )
         # The step delivers (exactly, for this order's purpose) the sum at its positions, nothing elsewhere.
         delivered = torch.zeros(numel).index_put_((chosen,), values.sum(dim=0))
         momentum = delivered if momentum is None else MOMENTUM * momentum + delivered
@@ -357,7 +387,7 @@ class _Coder:
         if spec.kind == "leader_scaled":
             return world * step.values[step.leader], {"payload": 0.0, "leader": 32.0 * k + position_bits}
         if spec.kind == "topk":
-            assert step.own is not None, "leader_steps() computes plain top-k"
+            assert step.own is not None, "pass plain_topk_steps() to leader_steps()"
             return step.own.at_leader, {"payload": step.own.bits, "leader": 0.0}
         if spec.kind == "float":
             dtype = _FLOATS[spec.dtype]  # type: ignore[index]
@@ -543,8 +573,10 @@ def benchmark_codecs(
         "rows": [],
         "complete": False,
     }
+    # Plain top-k does not depend on the leader: computed once, and only when it is measured.
+    plain = plain_topk_steps(gradients, density) if any(spec.kind == "topk" for spec in codecs) else None
     for leader in leaders:
-        layouts = leader_steps(gradients, density, leader == "rotating")
+        layouts = leader_steps(gradients, density, leader == "rotating", plain)
         for spec in codecs:
             row = earlier.get((spec.name, leader))
             if row is None:

@@ -152,7 +152,7 @@ def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
 
 def test_plain_top_k_sums_every_workers_own_top_k_and_pays_its_own_positions():
     gradients = _gradients()
-    step = leader_codecs.leader_steps(gradients, 0.05, rotating=False)[2]
+    step = leader_codecs.leader_steps(gradients, 0.05, False, leader_codecs.plain_topk_steps(gradients, 0.05))[2]
     flat = torch.cat([g[:, 2] for g in gradients], dim=1)
     delivered, bits = 0, 0.0
     for w in range(4):
@@ -169,7 +169,7 @@ def test_plain_top_k_sums_every_workers_own_top_k_and_pays_its_own_positions():
 
 def test_the_errors_per_parameter_add_up_and_the_whole_sum_counts_what_the_leader_left_out():
     gradients = _gradients()
-    steps = leader_codecs.leader_steps(gradients, 0.05, rotating=True)
+    steps = leader_codecs.leader_steps(gradients, 0.05, True, leader_codecs.plain_topk_steps(gradients, 0.05))
     names = ["first", "second"]
     for name in ("fp32", "int8", "pca:4:fp32:value", "topk"):
         coder = _coder(name)
