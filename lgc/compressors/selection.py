@@ -703,7 +703,7 @@ def sampled_topk(
         sample = x[start::stride].abs()
         threshold = float(torch.topk(sample, min(top_k_samples, sample.numel()), sorted=False).values.min())
     survivors_of = scan if scan is not None else ColumnScan(x).scan_all()
-    positions = survivors_of(threshold).sort().values  # the authors' mask.nonzero(): ascending
+    positions = survivors_of(threshold)
     count, rounds, path = positions.numel(), 0, "threshold"
     while n > num_samples and rounds < _MAX_ROUNDS:
         if count > k:
@@ -715,8 +715,10 @@ def sampled_topk(
             break
         # The authors' threshold is a tensor of x's dtype: lowered in that precision.
         threshold = float(torch.tensor(threshold, dtype=x.dtype) * _LOWER)
-        positions = survivors_of(threshold).sort().values
+        positions = survivors_of(threshold)
         count, rounds = positions.numel(), rounds + 1
     if positions.numel() == 0:
         return exact_topk(x, k), SelectionInfo("exact", k, 0, rounds, threshold)
-    return positions[:k], SelectionInfo(path, k, count, rounds, threshold)
+    if path == "threshold":  # the authors' mask.nonzero(): ascending, of which the first k are sent
+        positions = positions.sort().values[:k]
+    return positions, SelectionInfo(path, k, count, rounds, threshold)
