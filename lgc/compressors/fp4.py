@@ -4,7 +4,7 @@ Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Di
 Lunch" (arXiv 2501.18512, 2025), Sec. 2.3: the workers exchange their outer gradients in 4-bit
 floating point, E3M0 (a sign bit, three exponent bits, no mantissa), and accumulate them in fp32;
 the paper measured no loss against exchanging them in fp32. Under ``comm=streaming_diloco`` the compressor
-sees exactly those outer gradients (each worker's ``W_local - W_sync``, divided by the world size;
+sees exactly those outer gradients (each worker's ``W_sync - W_local``, divided by the world size;
 ``experiment=streaming_diloco``).
 
 Code of one element (4 bits, packed two per byte, most significant first): bit 3 the sign, bits

@@ -2,16 +2,29 @@
 
 Sattler et al., "Sparse Binary Compression: Towards Distributed Deep Learning with minimal
 Communication" (IJCNN 2019), Sec. III-A: every worker runs ``delay`` local optimizer steps on its
-own gradients without communicating, then sends its weight update ``dW = W_local - W_sync``
-through the compressor (with error feedback, SBC's residual ``A += dW; A -= sent``); all workers
-set ``W_sync += mean(decoded dW)``. ``delay = 1`` exchanges the update of every single step, which
-for plain SGD equals averaging the gradients. This works with any lgc compressor.
+own gradients without communicating, then its weight update goes through the compressor (with
+error feedback, SBC's residual ``A += dW; A -= sent``) and all workers apply the mean of the decoded
+updates. ``delay = 1`` exchanges the update of every single step, which for plain SGD equals
+averaging the gradients. This works with any lgc compressor.
+
+What is compressed is the update's negative, the *pseudo-gradient* ``Delta = W_sync - W_local``,
+and all workers set ``W_sync -= mean(decoded Delta)``: DiLoCo's outer gradient, and what the
+references of the local-step family compress (tplr-ai/templar's SparseLoCo: ``p.grad = saved - p``
+in ``src/tplr/distributed.py``; torchft's DiLoCo). A compressor that treats ``x`` and ``-x`` alike
+(top-k, random-block, fp16, fp4, int8, the sign and stochastic quantizers) sends the same entries
+either way; one that does not must see the reference's sign: SparseLoCo's 2-bit quantizer has
+asymmetric bins (values more than 2.25 standard deviations below the mean get a bin of their own,
+those above it do not), and on heavy-tailed updates the other sign moves the weights measurably
+(``tests/compressors/test_sparseloco.py``), and a learned codec is trained on what it will code.
+SBC's reference compresses ``dW = W_local - W_sync``; SBC keeps the side with the larger mean
+magnitude, the same entries for ``Delta`` as for ``dW`` except where the two means tie exactly (lgc
+then keeps the positive side of ``Delta``, the negative side of ``dW``).
 
 Outer optimizer (DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication Training of
-Language Models", 2023): with ``outer="sgd"`` the averaged update is not added as it is. Its
-negative, the *pseudo-gradient* ``mean_i (W_sync - W_local,i)``, is the gradient of an outer SGD
-step with Nesterov momentum on ``W_sync`` (``torch.optim.SGD``; DiLoCo's defaults: learning rate
-0.7, momentum 0.9, Nesterov). The inner optimizer and its state stay per worker. ``outer="average"``
+Language Models", 2023): with ``outer="sgd"`` the averaged pseudo-gradient ``mean_i (W_sync -
+W_local,i)`` is not subtracted as it is but is the gradient of an outer SGD step with Nesterov
+momentum on ``W_sync`` (``torch.optim.SGD``; DiLoCo's defaults: learning rate 0.7, momentum 0.9,
+Nesterov). The inner optimizer and its state stay per worker. ``outer="average"``
 (default) is SBC's plain average; ``outer="sgd"`` with ``outer_lr=1`` and ``outer_momentum=0`` gives
 the same weights bit for bit.
 
@@ -103,6 +116,9 @@ from lgc.validation import Momentum, PositiveFloat, PositiveInt, check
 
 __all__ = ["OUTER_OPTIMIZERS", "CommunicationDelayState", "local_step_hook", "register_communication_delay"]
 
+#: What goes through the compressor at an exchange (recorded in checkpoints: it fixes the residuals' sign).
+COMPRESSED = "the pseudo-gradient W_sync - W_local"
+
 #: ``outer`` choices: SBC's plain average, or DiLoCo's outer SGD on the pseudo-gradient.
 OUTER_OPTIMIZERS = ("average", "sgd")
 #: DiLoCo's outer learning rate and Nesterov momentum (Douillard et al. 2023, Sec. 3).
@@ -114,7 +130,7 @@ class CommunicationDelayState(HookState):
     """Local SGD with compressed weight-update exchanges every ``delay`` steps.
 
     Args:
-        compressor: applied to each parameter's weight update, e.g.
+        compressor: applied to each parameter's pseudo-gradient ``W_sync - W_local``, e.g.
             ``ErrorFeedback(SBCCompressor(density=0.01))``; or a hook state of the LGC family
             (:class:`~lgc.learned.LGCHookState`: LGC-RAR, LGC-PS, the shared-index codecs), which
             then exchanges the weight updates as it would exchange gradients, its stages counted in
@@ -128,8 +144,8 @@ class CommunicationDelayState(HookState):
             (``None``: the method's own, as :class:`~lgc.ddp.CompressionHookState`: every parameter
             for SparseLoCo).
         process_group: group to communicate in (default: the world).
-        outer: ``"average"`` (SBC: ``W_sync += mean(dW)``) or ``"sgd"`` (DiLoCo: an outer SGD step
-            with Nesterov momentum on the pseudo-gradient ``-mean(dW)``).
+        outer: ``"average"`` (SBC: ``W_sync -= mean(Delta)``, i.e. ``+= mean(dW)``) or ``"sgd"`` (DiLoCo:
+            an outer SGD step with Nesterov momentum on the pseudo-gradient ``mean(Delta)``).
         outer_lr: the outer learning rate (``outer="sgd"`` only; default 0.7, DiLoCo's).
         outer_momentum: the outer Nesterov momentum in ``[0, 1)`` (``outer="sgd"`` only; default
             0.9, DiLoCo's; 0 is plain SGD).
@@ -404,7 +420,8 @@ class CommunicationDelayState(HookState):
         """Average the weight updates of ``pieces`` (a fragment, or every parameter) and apply the outer step."""
         world_size = dist.get_world_size(self.process_group)
         params = dict(self._named_parameters())
-        update = torch.cat([(read_piece(params[s.name], s) - self.synced[s.key]).reshape(-1) for s in pieces])
+        # The pseudo-gradient W_sync - W_local goes through the compressor (see the module docstring).
+        update = torch.cat([(self.synced[s.key] - read_piece(params[s.name], s)).reshape(-1) for s in pieces])
         update.div_(world_size)
         segments = self.exchange_state.segments([(s.key, s.numel) for s in pieces])
         # The hook's step guard, applied to the weight update: every rank agrees whether some
@@ -427,9 +444,9 @@ class CommunicationDelayState(HookState):
             synced = self.synced[s.key]
             averaged = update[segment.offset : segment.offset + segment.numel].view_as(synced)
             if self.outer_optimizer is None:
-                synced += averaged
+                synced -= averaged
             else:
-                synced.grad = averaged.neg()  # the pseudo-gradient: mean of W_sync - W_local
+                synced.grad = averaged.clone()  # the outer step's gradient: mean of W_sync - W_local
         if self.outer_optimizer is not None:
             self.outer_optimizer.step()
             self.outer_optimizer.zero_grad(set_to_none=True)
@@ -535,6 +552,8 @@ class CommunicationDelayState(HookState):
             "local_steps": self.local_steps,
             "fragments": self.fragments,
             "fragment_split": self.fragment_split,
+            # What the compressor's residuals hold (their sign): see load_state_dict.
+            "compressed": COMPRESSED,
             "synced": {key: t.detach().cpu().clone() for key, t in self.synced.items()},
             "synced_buffers": {name: t.detach().cpu().clone() for name, t in self.synced_buffers.items()},
             # Between exchanges every rank has its own weights and buffers; the model checkpoint holds rank 0's.
@@ -545,6 +564,12 @@ class CommunicationDelayState(HookState):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._refuse_inside_global_model("load_state_dict()")
+        compressed = state.get("compressed", "the weight update W_local - W_sync")
+        if compressed != COMPRESSED:
+            raise ValueError(
+                f"the checkpoint's compressor state was built on {compressed}, this run compresses {COMPRESSED}: its "
+                "error-feedback residuals have the opposite sign; resume it with the lgc version that wrote it"
+            )
         self.exchange_state.load_state_dict(state["exchange"])
         saved_fragments = int(state["fragments"])
         if saved_fragments != self.fragments:

@@ -465,6 +465,15 @@ def test_a_checkpoint_cut_into_other_fragments_is_refused(saved, message):
     CommunicationDelayState(NoneCompressor(), delay=4).load_state_dict({**state, "fragments": 1})
 
 
+def test_a_checkpoint_whose_residuals_hold_the_weight_update_is_refused():
+    """Residuals built on ``W_local - W_sync`` would be fed back with the wrong sign on the pseudo-gradient."""
+    state = CommunicationDelayState(ErrorFeedback(TopKCompressor(0.1)), delay=4).state_dict()
+    assert state["compressed"] == "the pseudo-gradient W_sync - W_local"
+    del state["compressed"]
+    with pytest.raises(ValueError, match="built on the weight update W_local - W_sync, this run compresses the pseudo"):
+        CommunicationDelayState(ErrorFeedback(TopKCompressor(0.1)), delay=4).load_state_dict(state)
+
+
 def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
     """H = 4, two fragments: fragment 0 is exchanged at local steps 2, 6, fragment 1 at 4, 8.
 
