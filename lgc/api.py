@@ -97,7 +97,8 @@ def compress(
             part of its definition (:attr:`~lgc.compressors.Compressor.default_min_numel`): 1 (every
             parameter) for the methods whose reference sends every tensor, 1,024 for the others
             (biases and norm layers dense).
-        start_iter: plain-allreduce iterations before compressing (lgc compressors only; default 1).
+        start_iter: plain-allreduce iterations before compressing (lgc compressors only; default: the
+            method's own, 0 for DeMo as its reference, 1 otherwise).
         overlap: encode and send every bucket as soon as DDP hands it over, overlapping the
             collectives with the rest of the backward pass (default ``False``: held until the
             step's last bucket). Bitwise the same training; costs a second fp32 residual per

@@ -41,8 +41,8 @@ class Comm:
 
     #: Parameters with fewer elements go dense; None: the method's own (``Compressor.default_min_numel``).
     min_numel: int | None = None
-    #: Plain-allreduce iterations before compressing (DDP rebuilds its buckets after the first).
-    start_iter: int | None = 1
+    #: Plain-allreduce iterations before compressing; None: the method's own (``Compressor.default_start_iter``).
+    start_iter: int | None = None
     #: Every step: encode and send each bucket as it arrives (:class:`~lgc.ddp.CompressionHookState`'s ``overlap``).
     overlap: bool | None = False
     #: Every step: module buffers from rank 0 (``broadcast``) or averaged over the workers (``average``).
@@ -91,8 +91,10 @@ class EveryStep:
     #: ``default_min_numel``: 1, every parameter, where its reference sends every tensor; else 1024,
     #: biases and norm layers dense).
     min_numel: int | None = None
-    #: Plain-allreduce iterations before compressing (DDP rebuilds its buckets after the first).
-    start_iter: int = 1
+    #: Plain-allreduce iterations before compressing. None: the method's own (a compressor's
+    #: ``default_start_iter``: 0 for DeMo, whose reference compresses from its first step; else 1,
+    #: so DDP rebuilds its buckets after the first step before any is compressed).
+    start_iter: int | None = None
     #: Encode and send each bucket as soon as DDP hands it over, overlapping communication with the
     #: rest of the backward pass, instead of holding every bucket until the step's last one.
     #: Bitwise the same results; costs a second fp32 residual per compressed parameter (DGC: a

@@ -21,6 +21,7 @@ from torch import Tensor
 
 __all__ = [
     "DEFAULT_MIN_NUMEL",
+    "DEFAULT_START_ITER",
     "CombineMode",
     "Compressor",
     "DecodesInto",
@@ -31,12 +32,18 @@ __all__ = [
     "holds_steps",
     "keyed_seed",
     "method_min_numel",
+    "method_start_iter",
     "view_bytes_as",
 ]
 
 #: The hook's ``min_numel`` for a method that does not define its own (:attr:`Compressor.default_min_numel`):
 #: biases and norm layers are a negligible share of the bytes but sensitive to compression, so they go dense.
 DEFAULT_MIN_NUMEL = 1024
+
+#: The hook's plain-allreduce iterations before compressing, for a method that does not define its own
+#: (:attr:`Compressor.default_start_iter`): one, as PyTorch's PowerSGD hook, so DDP's buckets are
+#: rebuilt before the first compressed step.
+DEFAULT_START_ITER = 1
 
 
 class CombineMode(enum.Enum):
@@ -80,11 +87,24 @@ def method_min_numel(compressor: Any) -> int:
     give 1 (every tensor through the method, as the references do); a compressor that sets none
     gives :data:`DEFAULT_MIN_NUMEL`.
     """
+    return _method_default(compressor, "default_min_numel", DEFAULT_MIN_NUMEL)
+
+
+def method_start_iter(compressor: Any) -> int:
+    """The hook's ``start_iter`` a compressor's method defines: the first ``default_start_iter`` set along its chain.
+
+    ``ErrorFeedback(DeMoCompressor())`` gives 0 (the reference compresses from the first step); a
+    compressor that sets none gives :data:`DEFAULT_START_ITER`.
+    """
+    return _method_default(compressor, "default_start_iter", DEFAULT_START_ITER)
+
+
+def _method_default(compressor: Any, attribute: str, fallback: int) -> int:
     for inner in compressor_chain(compressor):
-        value = getattr(type(inner), "default_min_numel", None)
+        value = getattr(type(inner), attribute, None)
         if value is not None:
             return int(value)
-    return DEFAULT_MIN_NUMEL
+    return fallback
 
 
 def compressor_chain(obj: Any) -> list[Any]:
@@ -179,6 +199,10 @@ class Compressor(abc.ABC):
     #: ``None``: :data:`DEFAULT_MIN_NUMEL`. 1 where the reference sends every tensor (DeMo, SparseLoCo's
     #: chunked top-k, Streaming DiLoCo's fp4).
     default_min_numel: int | None = None
+    #: The hook's ``start_iter`` that is part of this method's definition (plain-allreduce iterations
+    #: before compressing), used wherever no ``start_iter`` is given (:func:`method_start_iter`);
+    #: ``None``: :data:`DEFAULT_START_ITER`. 0 where the reference compresses from its first step (DeMo).
+    default_start_iter: int | None = None
     #: Whether what the compressor does not send is lost unless error feedback keeps it
     #: (sparsifiers, EF-signSGD): ``lgc.compress`` refuses it without error feedback unless told.
     needs_error_feedback: bool = False

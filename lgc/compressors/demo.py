@@ -70,6 +70,9 @@ Deviations from the reference, and what they mean for training:
   scale. The reference's decoupled ``weight_decay`` is ``torch.optim.SGD(weight_decay=wd)``:
   the optimizer adds ``wd * p`` to the aggregated (signed) gradient after the hook, so
   ``p -= lr * (sign + wd * p)``, which is the reference's ``p *= 1 - lr * wd`` and its step.
+* **From the first step.** The reference compresses every step; so does the DDP hook by default
+  (:attr:`DeMoCompressor.default_start_iter` is 0, where other methods take one plain allreduce
+  first). ``start_iter=1`` (``comm.start_iter=1``) makes the first step a plain average.
 * **Every tensor, unless told otherwise.** The reference sends every parameter through DeMo; so
   does the DDP hook by default (:attr:`DeMoCompressor.default_min_numel` is 1, on every entry
   point). A ``min_numel`` given to the hook or ``lgc.compress`` (``comm.min_numel``) sends the
@@ -206,6 +209,9 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
     # The reference sends every parameter through DeMo; a plain average would leave small tensors
     # without momentum and sign, stepping at a sign-SGD lr: effectively frozen.
     default_min_numel = 1
+    #: The reference compresses from the first step; the hook's state is keyed by parameter, not by
+    #: bucket, so DDP's rebuild of its buckets after that step changes nothing.
+    default_start_iter = 0
 
     def __init__(
         self,

@@ -47,7 +47,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, holds_steps, method_min_numel
+from lgc.compressors.base import (
+    CombineMode,
+    Compressor,
+    HoldsSteps,
+    holds_steps,
+    method_min_numel,
+    method_start_iter,
+)
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
@@ -121,8 +128,10 @@ class CompressionHookState(HookState):
             method's own (:func:`~lgc.compressors.base.method_min_numel`): every parameter for
             DeMo and SparseLoCo's chunked top-k, as their references send; 1,024 otherwise, since
             biases and norm layers are a negligible share of the bytes but sensitive to compression.
-        start_iter: iterations of plain allreduce before compressing (at least 1 lets DDP rebuild
-            its buckets first, as PyTorch's PowerSGD hook does).
+        start_iter: iterations of plain allreduce before compressing. ``None`` (default): the
+            method's own (:func:`~lgc.compressors.base.method_start_iter`): 0 for DeMo, whose
+            reference compresses from the first step; 1 otherwise, which lets DDP rebuild its
+            buckets first, as PyTorch's PowerSGD hook does.
         process_group: the group to communicate in (default: the world).
         overlap: encode every bucket as it arrives and start its collectives at once, so they
             overlap the rest of the backward pass, instead of holding every bucket until the step's
@@ -176,7 +185,7 @@ class CompressionHookState(HookState):
         compressor: Compressor,
         *,
         min_numel: int | None = None,
-        start_iter: int = 1,
+        start_iter: int | None = None,
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = False,
         buffers: str = module_buffers.BROADCAST,
@@ -200,6 +209,8 @@ class CompressionHookState(HookState):
             min_numel = method_min_numel(compressor)
         if int(min_numel) < 0:
             raise ValueError(f"min_numel must be >= 0, got {min_numel!r}")
+        if start_iter is None:
+            start_iter = method_start_iter(compressor)
         if int(start_iter) < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter!r}")
         self.compressor = compressor
@@ -602,7 +613,7 @@ def register_compression_hook(
     compressor: Compressor,
     *,
     min_numel: int | None = None,
-    start_iter: int = 1,
+    start_iter: int | None = None,
     process_group: dist.ProcessGroup | None = None,
     overlap: bool = False,
 ) -> CompressionHookState:
@@ -613,7 +624,8 @@ def register_compression_hook(
         compressor: e.g. ``ErrorFeedback(TopKCompressor(density=0.01))``.
         min_numel: parameters with fewer elements go dense (``None``: the method's own, see
             :class:`CompressionHookState`).
-        start_iter: plain-allreduce iterations before compression starts.
+        start_iter: plain-allreduce iterations before compression starts (``None``: the method's
+            own, see :class:`CompressionHookState`).
         process_group: group to communicate in (default: the world).
         overlap: encode and send every bucket as it arrives (see :class:`CompressionHookState`).
 

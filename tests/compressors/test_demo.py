@@ -512,6 +512,69 @@ def test_demo_step_matches_a_transcription_of_the_reference(workers, reference_d
                 torch.testing.assert_close(momentum, deltas[name], rtol=1e-4, atol=1e-6)
 
 
+def _demo_net() -> torch.nn.Module:
+    torch.manual_seed(0)  # weights (96, 40) (tiles of 48 x 40) and (10, 96); 96- and 10-entry biases
+    return torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.Tanh(), torch.nn.Linear(96, 10))
+
+
+def _demo_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 40, generator=gen), torch.randn(16, 10, generator=gen)
+
+
+_DEMO_LR = 0.01
+
+
+def _demo_worker(rank: int, world: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lgc
+
+    model = DDP(_demo_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=_DEMO_LR)  # DeMo's base: no momentum
+    lgc.compress(model, "demo", optimizer=optimizer)  # the method's own first step
+    params = []
+    for step in range(steps):
+        x, y = _demo_batch(rank, step)
+        optimizer.zero_grad()
+        (model(x) - y).square().mean().backward()
+        optimizer.step()
+        params.append({name: p.detach().clone() for name, p in model.module.named_parameters()})
+    return params
+
+
+@pytest.mark.multiprocess
+def test_demo_through_the_hook_follows_a_transcription_of_the_reference_from_its_first_step():
+    """``lgc.compress(model, "demo")`` on 2 DDP workers against bloc97/DeMo ``demo.py``'s ``DeMo.step``.
+
+    Five steps through the DDP hook, the momenta (lgc's error-feedback residuals) carried from step
+    to step, every parameter (the biases too) through DeMo, from the first step as the reference
+    does: the parameters agree bit for bit at every step.
+    """
+    from distributed import run_workers
+
+    steps, workers = 5, 2
+    results = run_workers(_demo_worker, workers, steps)
+    nets = [_demo_net() for _ in range(workers)]
+    reference = _ReferenceDeMo(
+        {name: p.detach().clone() for name, p in nets[0].named_parameters()}, workers, lr=_DEMO_LR
+    )
+    for step in range(steps):
+        grads = []
+        for rank, net in enumerate(nets):
+            with torch.no_grad():
+                for name, p in net.named_parameters():
+                    p.copy_(reference.params[name])
+            x, y = _demo_batch(rank, step)
+            net.zero_grad()
+            (net(x) - y).square().mean().backward()
+            grads.append({name: p.grad.clone() for name, p in net.named_parameters()})
+        reference.step(grads)
+        for rank in range(workers):
+            for name, p in results[rank][step].items():
+                assert torch.equal(p, reference.params[name]), f"step {step}, rank {rank}, {name}"
+
+
 # ------------------------------------------------------------------------------------------------
 # aggregation: the mean over the workers that sent a coefficient
 
