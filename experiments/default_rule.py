@@ -3,7 +3,7 @@
     python experiments/default_rule.py [COMPARISON [STEP_COST]]
     # defaults: this folder's results/fashion_mnist and results/step_cost
 
-The rule (README, "How lgc-train's default is chosen"): among the methods *at dense's accuracy* in
+The rule (``docs/evidence.md``, "How lgc-train's default is chosen"): among the methods *at dense's accuracy* in
 both cells of the Fashion-MNIST comparison (4 workers IID, 8 workers Dirichlet(0.5)): the gap to
 dense, paired by seed over at least 3 seeds, has a 95 % interval whose lower end lies at most
 ``MARGIN`` below 0 (``lgc_verdict.standing``), the one that sends the fewest whole-run bytes, if its

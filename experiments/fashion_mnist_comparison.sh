@@ -23,7 +23,7 @@
 # RESULTS/CELL/report (the table over seeds: mean and 95 % interval, the gap to dense paired by
 # seed); after the cells, experiments/lgc_verdict.py writes RESULTS/lgc_verdict.md (LGC's best
 # setting against DGC and the best non-learned codec, cell by cell) and experiments/default_rule.py
-# RESULTS/default_rule.md (the README's rule for lgc-train's default, with results/step_cost). About
+# RESULTS/default_rule.md (docs/evidence.md's rule for lgc-train's default, with results/step_cost). About
 # 4 min per 4-worker run on 2 cores. JOBS=N runs N at once (on a machine with at least N x workers
 # cores; each worker then gets cores / (N x workers) torch threads), each run's output in
 # OUT/CELL/METHOD/seedN.log; a failed run is listed at the end and the others go on.

@@ -147,8 +147,8 @@ def page(protocol: dict[str, Any], results: Path) -> tuple[str, dict[str, Any]]:
     return "\n".join(pages), data
 
 
-#: The README's block that holds :func:`readme_table` (``--write`` replaces what is between the markers).
-README = HERE.parent / "README.md"
+#: The evidence page's block that holds :func:`readme_table` (``--write`` replaces what is between the markers).
+README = HERE.parent / "docs" / "evidence.md"
 BEGIN, END = "<!-- which-method-scale:begin -->", "<!-- which-method-scale:end -->"
 
 
@@ -203,7 +203,7 @@ def replace_in(readme: str, text: str) -> str:
     """``readme`` with the text between :data:`BEGIN` and :data:`END` replaced by ``text``."""
     start, end = readme.find(BEGIN), readme.find(END)
     if start < 0 or end < start:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+        raise SystemExit(f"{README.name} has no {BEGIN} ... {END} block")
     return readme[: start + len(BEGIN)] + "\n" + text + "\n" + readme[end:]
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What each method's hook costs inside a real DDP step, as a multiple of the no-communication step:
 # lgc-bench step (ResNet-50 shapes, 2 gloo workers on this machine, one thread each, interleaved
-# rounds) at densities 0.1 % and 1 %, for the methods of the README's comparison (its rule for
+# rounds) at densities 0.1 % and 1 %, for the methods of the Fashion-MNIST comparison (docs/evidence.md; its rule for
 # lgc-train's default admits methods whose step costs at most 1.25x DDP's own step;
 # experiments/default_rule.py reads these tables). Methods with communication delay (SBC,
 # shared-index int8 and LGC-RAR's lean codec with delay 4, SparseLoCo and DiLoCo with H = 10) are read

@@ -1,7 +1,7 @@
-"""The README's "Which method" table, generated from both Fashion-MNIST cells' over-seeds reports.
+"""The "Which method" table of ``docs/evidence.md``, generated from both Fashion-MNIST cells' over-seeds reports.
 
     python experiments/which_method.py [RESULTS]            # print the table
-    python experiments/which_method.py [RESULTS] --write    # replace the table in README.md
+    python experiments/which_method.py [RESULTS] --write    # replace the table in docs/evidence.md
 
 Reads ``RESULTS/CELL/report/seeds.json`` (``lgc-report``'s over-seeds table; RESULTS defaults to
 this folder's ``results/fashion_mnist``) and prints one row per method: per cell, accuracy (mean ±
@@ -9,9 +9,9 @@ half-width of the 95 % interval over seeds, Student t), the gap to dense paired 
 mean ± half-width of its 95 % interval), its mark against the 1-point margin
 (:func:`lgc.report.marks.mark`: ``within``, the interval's lower end at most 1 point below 0;
 ``worse``, the whole interval further down; ``inconclusive``, it straddles that line, at the seeds
-the method has), and whole-run wire MB per worker. The README holds the table between the markers
+the method has), and whole-run wire MB per worker. The evidence page holds the table between the markers
 ``<!-- which-method:begin -->`` and ``<!-- which-method:end -->``; ``--write`` replaces what is
-between them, and a test checks that the README's table is this script's output for the committed
+between them, and a test checks that the page's table is this script's output for the committed
 results, so its numbers cannot drift from them.
 """
 
@@ -27,7 +27,7 @@ from lgc.report.marks import detectable_loss, mark, within_probability
 from lgc.report.seeds import Interval
 
 HERE = Path(__file__).parent
-README = HERE.parent / "README.md"
+README = HERE.parent / "docs" / "evidence.md"
 BEGIN, END = "<!-- which-method:begin -->", "<!-- which-method:end -->"
 
 #: Row label in the comparison -> its name in the table, in the table's order (grouped, not ranked).
@@ -130,7 +130,7 @@ def replace_in(readme: str, text: str) -> str:
     """``readme`` with the text between the markers replaced by ``text``."""
     start, end = readme.find(BEGIN), readme.find(END)
     if start < 0 or end < start:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+        raise SystemExit(f"{README.name} has no {BEGIN} ... {END} block")
     return readme[: start + len(BEGIN)] + "\n" + text + "\n" + readme[end:]
 
 

@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors import Compressor, ErrorFeedback
-from lgc.compressors.base import compressor_chain
+from lgc.compressors import Compressor
 from lgc.ddp.protocol import HookState
-from lgc.methods import METHODS, Comm, build_hook_state
+from lgc.methods import METHODS, Comm, build_hook_state, check_error_feedback, optimizer_rules_owner
 
 __all__ = ["METHODS", "HookState", "compress"]
 
@@ -176,7 +175,7 @@ def compress(
         state = method
     else:
         state = _build(method, knobs, Comm(**comm_settings, prefix=""), error_feedback, error_decay, process_group)
-    _check_error_feedback(state, method, error_feedback)
+    check_error_feedback(state, method, error_feedback)
     _check_against_optimizer(state, optimizer, optimizer_momentum, optimizer_weight_decay)
     if grad_scaler is not None:
         if not state.unscales_gradients:
@@ -257,33 +256,6 @@ def _build(
     )
 
 
-def _check_error_feedback(state: Any, method: Any, error_feedback: bool | None) -> None:
-    chain = compressor_chain(state)
-    if any(isinstance(c, ErrorFeedback) for c in chain):
-        return
-    core = chain[-1]
-    if not getattr(core, "needs_error_feedback", False) or error_feedback is False:
-        return
-    name = type(core).__name__
-    density = getattr(core, "density", None)
-    if density is not None:
-        loses = (
-            f"it sends {density:.3g} of each gradient, and without error feedback the other {1 - density:.3g} is "
-            "dropped at every step (lost, not delayed), so training follows a shrunken, biased gradient"
-        )
-    else:
-        loses = (
-            "its scaled sign is biased, and without error feedback the difference is dropped at every step "
-            "(EF-signSGD converges because error feedback sends it later)"
-        )
-    fix = (
-        f"wrap it: ErrorFeedback({name}(...)), or pass error_feedback=True"
-        if isinstance(method, Compressor)
-        else "build the state around ErrorFeedback(...)"
-    )
-    raise ValueError(f"{name} without error feedback: {loses}; {fix}; error_feedback=False runs it without, as asked")
-
-
 def _optimizer_setting(optimizer: torch.optim.Optimizer, setting: str) -> tuple[float, str]:
     """The largest value of a hyperparameter over the optimizer's param groups, and where it was found."""
     found = (0.0, "")
@@ -318,9 +290,9 @@ def _check_against_optimizer(
     missing = [name for name in state.optimizer_settings_needed() if declared[name] is None]
     if missing:
         needed = ", ".join(f"optimizer_{name}=0" for name in missing)
-        who = next(c for c in compressor_chain(state) if isinstance(c, Compressor) and c.optimizer_settings_needed())
+        applied = " and ".join(n.replace("_", " ") for n in missing)
         raise ValueError(
-            f"{type(who).__name__} applies {' and '.join(n.replace('_', ' ') for n in missing)} itself, so it must "
+            f"{optimizer_rules_owner(state)} applies {applied} itself, so it must "
             f"know what the optimizer applies: pass optimizer=your_optimizer, or declare {needed} for an optimizer "
             "built later"
         )

@@ -457,3 +457,37 @@ def build_hook_state(
         overlap=comm.overlap,  # type: ignore[arg-type]
         buffers=comm.buffers,  # type: ignore[arg-type]
     )
+
+
+def check_error_feedback(state: Any, method: Any, error_feedback: bool | None) -> None:
+    """Refuse a sparsifier (or EF-signSGD) built without error feedback unless ``error_feedback=False`` said so."""
+    chain = compressor_chain(state)
+    if any(isinstance(c, ErrorFeedback) for c in chain):
+        return
+    core = chain[-1]
+    if not getattr(core, "needs_error_feedback", False) or error_feedback is False:
+        return
+    name = type(core).__name__
+    density = getattr(core, "density", None)
+    if density is not None:
+        loses = (
+            f"it sends {density:.3g} of each gradient, and without error feedback the other {1 - density:.3g} is "
+            "dropped at every step (lost, not delayed), so training follows a shrunken, biased gradient"
+        )
+    else:
+        loses = (
+            "its scaled sign is biased, and without error feedback the difference is dropped at every step "
+            "(EF-signSGD converges because error feedback sends it later)"
+        )
+    fix = (
+        f"wrap it: ErrorFeedback({name}(...)), or pass error_feedback=True"
+        if isinstance(method, Compressor)
+        else "build the state around ErrorFeedback(...)"
+    )
+    raise ValueError(f"{name} without error feedback: {loses}; {fix}; error_feedback=False runs it without, as asked")
+
+
+def optimizer_rules_owner(state: Any) -> str:
+    """The class name of the compressor in ``state`` whose rules need the optimizer's settings (DGC's)."""
+    owner = next(c for c in compressor_chain(state) if isinstance(c, Compressor) and c.optimizer_settings_needed())
+    return type(owner).__name__

@@ -372,7 +372,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     hook_state.check_run(model, world_size, total_steps)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # comm.min_numel: null follows the method; the summary and the checkpoint record the number it is.
-    effective_min_numel = getattr(getattr(hook_state, "exchange_state", hook_state), "min_numel", None)
+    effective_min_numel = hook_state.dense_below()
     if resolved["comm"].get("min_numel") is None and effective_min_numel is not None:
         resolved["comm"]["min_numel"] = effective_min_numel
     if ckpt_path is not None:

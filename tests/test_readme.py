@@ -78,8 +78,8 @@ def test_plain_ddp_example_runs_under_torchrun(tmp_path, method, min_ratio):
 
 
 def _own_compressor_example() -> str:
-    """The plain-DDP script with the README's own compressor defined above it and passed to ``lgc.compress``."""
-    text = README.read_text()
+    """The plain-DDP script with the usage page's own compressor defined above it and passed to ``lgc.compress``."""
+    text = (README.parent / "docs" / "usage.md").read_text()
     start = text.index("## Write your own compressor")
     (compressor,) = re.findall(r"```python\n(.*?)```", text[start : text.index("\n## ", start)], flags=re.S)
     script = _plain_ddp_examples()["topk"]

@@ -27,7 +27,6 @@ __all__ = [
     "profile_knobs",
     "sgd_for",
     "short_run_knobs",
-    "steady_from",
 ]
 
 #: The methods of the issue's comparison: dense, the 16-bit baseline, PowerSGD, lgc's baselines, LGC.
@@ -143,28 +142,6 @@ def sgd_for(method: str, model: nn.Module, lr: float, momentum: float = 0.9) -> 
     """SGD for ``model`` trained with ``method``: without momentum for DGC and DeMo, which apply it
     themselves (:func:`lgc.compress` refuses an optimizer that would apply it again)."""
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if method in ("dgc", "demo") else momentum)
-
-
-def steady_from(state: Any, steps_per_epoch: int = 1) -> int:
-    """The first step at which ``state``'s method sends what it will send for the rest of the run.
-
-    Counts the stages every method has before its steady state: the hook's plain-allreduce
-    iterations (``start_iter``), PowerSGD's dense iterations, LGC's warm-up and autoencoder
-    training, and DGC's density warm-up epochs (``steps_per_epoch`` each, unless DGC was given
-    its own).
-    """
-    from lgc.compressors.base import compressor_chain
-
-    first = int(getattr(state, "start_iter", 0) or 0)
-    options = getattr(state, "options", None)
-    if isinstance(options, dict):
-        first = max(first, int(options.get("start_powerSGD_iter", 0)))
-    first = max(first, int(getattr(state, "warmup_steps", 0) or 0) + int(getattr(state, "ae_steps", 0) or 0))
-    for part in compressor_chain(getattr(state, "compressor", None)):
-        warmup = getattr(part, "warmup_densities", None)
-        if warmup:
-            first = max(first, len(warmup) * (getattr(part, "steps_per_epoch", None) or steps_per_epoch))
-    return first
 
 
 def method_color(index: int) -> tuple[float, float, float]:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.bench.methods import sgd_for, steady_from
+from lgc.bench.methods import sgd_for
 from lgc.bench.profile import profile_method
 
 __all__ = ["TASKS", "WorkerSpec", "build_model", "load_task_data", "main", "run_worker", "time_collectives"]
@@ -300,7 +300,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     profile.trace = list(trace)  # the last step's collectives, over the real group
     return {
         "profile": profile.to_json(),
-        "steady_from": steady_from(state, steps_per_epoch),
+        "steady_from": state.steady_from(steps_per_epoch),
         "interface_tx_bytes": None if sent_at_start is None else sent_at_end - sent_at_start,
         "rank": rank,
         "world_size": world,
@@ -308,7 +308,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "compute_s": compute_s,
         "steps": records,
         "evaluations": evaluations,
-        "eval_model": getattr(state, "eval_model", "global"),
+        "eval_model": state.eval_model,
         "stats": state.stats.as_dict(),
         "parameters": sum(p.numel() for p in model.parameters()),
     }

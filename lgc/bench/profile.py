@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lgc.bench.cost_model import MethodProfile
-from lgc.bench.methods import sgd_for, steady_from
+from lgc.bench.methods import sgd_for
 
 __all__ = ["profile_method"]
 
@@ -44,7 +44,6 @@ def profile_method(
     from torch.nn.parallel import DistributedDataParallel
 
     import lgc
-    from lgc.compressors.base import CombineMode
     from lgc.ddp.collectives import record_collectives
 
     if dist.get_world_size(group) != 1:
@@ -68,7 +67,7 @@ def profile_method(
 
     state = lgc.compress(model, method, optimizer=optimizer, process_group=group, **knobs)
     state.set_epoch(1000)
-    for _ in range(steady_from(state) + 2):
+    for _ in range(state.steady_from() + 2):
         step(model, optimizer)
     for _ in range(2):
         step(plain, plain_optimizer)
@@ -85,7 +84,7 @@ def profile_method(
             method_s = step(model, optimizer)
         compute.append(plain_s)
         extra.append(method_s - plain_s)
-    gathers = getattr(getattr(state, "compressor", None), "combine", None) is CombineMode.GATHER
+    gathers = state.gathers_payloads()
     decode_per_peer = 0.0
     if gathers and codec is not None and decode_before is not None:
         decode_per_peer = (codec["decode"] - decode_before["decode"]) / steps
@@ -94,7 +93,7 @@ def profile_method(
         compute_s=statistics.median(compute),
         overhead_s=max(0.0, statistics.median(extra)),
         decode_per_peer_s=decode_per_peer,
-        overlaps_backward=getattr(state, "guards_steps", True) is False or getattr(state, "overlap", False),
+        overlaps_backward=state.overlaps_backward,
         trace=list(trace),
         compute_samples_s=compute,
         trailing=len(trace) - trace.last_bucket_from if trace.last_bucket_from is not None else 1,

@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from scipy.stats import t as t_dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs, sgd_for, steady_from
+from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs, sgd_for
 
 __all__ = ["add_arguments", "run", "step_rows"]
 
@@ -87,7 +87,7 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
             knobs = {**profile_knobs(args.density).get(spec.name, {}), **spec.knobs}
             state = lgc.compress(model, spec.name, optimizer=optimizer, **knobs)
             state.set_epoch(1000)  # DGC past its density warm-up
-            warm = steady_from(state) + 2
+            warm = state.steady_from() + 2
         runs[spec.label] = (model, optimizer, warm, spec.name == NO_COMM)
 
     def step(label: str) -> tuple[float, float]:

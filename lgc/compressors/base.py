@@ -341,6 +341,30 @@ class Compressor(abc.ABC):
     def set_epoch(self, epoch: int) -> None:
         """Called at the start of every epoch (by :class:`lgc.lit.CompressionCallback`; plain scripts call it)."""
 
+    def residual_store(self) -> dict[str, Tensor]:
+        """The memory it keeps of what it did not send, per parameter (error feedback's residuals, DGC's accumulators).
+
+        Empty for a compressor that keeps none; read by the per-layer table (its norms) only.
+        """
+        return {}
+
+    def residual_norm(self) -> float | None:
+        """L2 norm of :meth:`residual_store` (a health signal: it should stay bounded); None without one."""
+        return None
+
+    @property
+    def own_weight_decay(self) -> float:
+        """The weight decay the compressor applies itself (DGC's ``weight_decay``); 0 for the others."""
+        return 0.0
+
+    def steady_from(self, steps_per_epoch: int = 1) -> int:
+        """The first compressed step from which this compressor sends what it sends for the rest of the run.
+
+        0 for a compressor without a warm-up; DGC's density warm-up lasts its warm-up epochs of
+        ``steps_per_epoch`` steps each (its own ``steps_per_epoch`` where it was given one).
+        """
+        return 0
+
     def set_shared_seed(self, seed: int) -> None:
         """Receive the seed every worker agrees on (only called when :attr:`needs_shared_seed`)."""
         self.shared_seed = int(seed)
@@ -466,6 +490,19 @@ class ForwardsHookCalls:
 
     def set_epoch(self, epoch: int) -> None:
         self.compressor.set_epoch(epoch)
+
+    def steady_from(self, steps_per_epoch: int = 1) -> int:
+        return self.compressor.steady_from(steps_per_epoch)
+
+    def residual_store(self) -> dict[str, Tensor]:
+        return self.compressor.residual_store()
+
+    def residual_norm(self) -> float | None:
+        return self.compressor.residual_norm()
+
+    @property
+    def own_weight_decay(self) -> float:
+        return self.compressor.own_weight_decay
 
     def set_world_size(self, world_size: int) -> None:
         self.compressor.set_world_size(world_size)

@@ -335,6 +335,10 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         if self.steps_per_epoch is None:
             self._schedule(epoch)
 
+    def steady_from(self, steps_per_epoch: int = 1) -> int:
+        """After the density warm-up: its epochs of ``steps_per_epoch`` steps (DGC's own, where it was given one)."""
+        return len(self.warmup_densities) * (self.steps_per_epoch or steps_per_epoch)
+
     def begin_step(self, step: int) -> None:
         """Follow the step counter (``steps_per_epoch``), or refuse a warm-up nothing advances.
 
@@ -588,6 +592,14 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         return SparsePayload.from_wire(wire, numel)
 
     # -- health and checkpoints ------------------------------------------------------------------
+    def residual_store(self) -> dict[str, Tensor]:
+        """The accumulators ``v``: what was not sent yet."""
+        return self.velocities
+
+    @property
+    def own_weight_decay(self) -> float:
+        return float(self.weight_decay)
+
     def residual_norm(self) -> float:
         """L2 norm of all accumulators ``v`` together (unsent mass; it should stay bounded)."""
         if not self.velocities:

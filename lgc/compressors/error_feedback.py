@@ -308,6 +308,9 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
     def set_shared_seed(self, seed: int) -> None:
         self.compressor.set_shared_seed(seed)
 
+    def residual_store(self) -> dict[str, Tensor]:
+        return self.residuals
+
     def residual_norm(self) -> float:
         """L2 norm of all residuals together (a health signal: it should stay bounded)."""
         if not self.residuals:

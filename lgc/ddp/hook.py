@@ -78,16 +78,6 @@ class LayerStats:
     bytes_sent: int = 0
 
 
-def _residual_store(compressor: Compressor) -> dict[str, Tensor]:
-    """The per-parameter error-feedback memory of ``compressor`` (ErrorFeedback, DGC), if any."""
-    for attribute in ("residuals", "velocities"):
-        store = getattr(compressor, attribute, None)
-        if isinstance(store, dict):
-            return store
-    inner = getattr(compressor, "compressor", None)
-    return _residual_store(inner) if isinstance(inner, Compressor) else {}
-
-
 def bucket_maxima(buffer: Tensor, segments: tuple[Segment, ...]) -> Tensor:
     """Every segment's largest magnitude (NaN or inf where it holds one): the step guard's look at a gradient.
 
@@ -249,7 +239,7 @@ class CompressionHookState(HookState):
 
     def layer_table(self) -> list[dict[str, Any]]:
         """One row per parameter: size, steps, bytes sent, compression ratio and residual norm."""
-        residuals = _residual_store(self.compressor)
+        residuals = self.compressor.residual_store()
         rows = []
         for name, layer in self.layer_stats.items():
             dense = 4 * layer.numel * layer.steps
@@ -280,10 +270,24 @@ class CompressionHookState(HookState):
     def set_epoch(self, epoch: int) -> None:
         self.compressor.set_epoch(epoch)
 
+    def dense_below(self) -> int | None:
+        return self.min_numel
+
+    def steady_from(self, steps_per_epoch: int = 1) -> int:
+        """After the plain-allreduce iterations and the compressor's own warm-up (DGC's densities)."""
+        return max(self.start_iter, self.compressor.steady_from(steps_per_epoch))
+
+    @property
+    def overlaps_backward(self) -> bool:
+        """A compressor without state runs bucket by bucket; one with state only with ``overlap``."""
+        return not self.guards_steps or self.overlap
+
+    def gathers_payloads(self) -> bool:
+        return self.compressor.combine is CombineMode.GATHER
+
     def residual_norm(self) -> float | None:
         """Norm of the error-feedback residuals, or None for compressors without residuals."""
-        norm = getattr(self.compressor, "residual_norm", None)
-        return norm() if norm is not None else None
+        return self.compressor.residual_norm()
 
     def metrics(self) -> dict[str, float]:
         """Method-specific metrics to log every step besides ``comm/*`` (LGC: ``lgc/stage``, ...)."""

@@ -76,6 +76,7 @@ the last exchange; on leaving it, the local weights and buffers are back bit for
 state is never touched). ``lgc-train`` and ``lgc-bench network`` validate inside it.
 
 Steps:
+
 1. The DDP hook :func:`local_step_hook` returns each worker's own gradient untouched (no bytes).
 2. After every optimizer step, :meth:`CommunicationDelayState.after_optimizer_step` counts local
    steps; on every ``delay``-th it averages the weight updates through the gradient hook's step
@@ -97,6 +98,7 @@ cutting is :mod:`lgc.ddp.fragments`).
 import contextlib
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,7 +106,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors.base import Compressor, compressor_chain
+from lgc.compressors.base import Compressor
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
@@ -161,8 +163,6 @@ class CommunicationDelayState(HookState):
     weights and buffers differ. Evaluate inside :meth:`global_model`.
     """
 
-    #: Which model evaluation sees (``summary.json``'s ``eval_model``): the synchronized one.
-    eval_model = "global"
     takes_local_steps = True
 
     __slots__ = (
@@ -246,13 +246,13 @@ class CommunicationDelayState(HookState):
             raise TypeError(
                 f"compressor must be an lgc Compressor or an LGC-family hook state, got {type(compressor).__name__}"
             )
-        for inner in compressor_chain(exchange_state.compressor):
-            if float(getattr(inner, "weight_decay", 0.0) or 0.0) != 0.0:
-                raise ValueError(
-                    f"delay={delay} exchanges weight updates, which the local optimizer's weight decay already "
-                    f"shaped; {type(inner).__name__}'s weight_decay={inner.weight_decay!r} would decay them again: "
-                    "set the compressor's weight_decay=0 and keep the decay in the optimizer"
-                )
+        decay = exchange_state.compressor.own_weight_decay
+        if decay != 0.0:
+            raise ValueError(
+                f"delay={delay} exchanges weight updates, which the local optimizer's weight decay already "
+                f"shaped; the compressor's own weight_decay={decay!r} would decay them again: set the compressor's "
+                "weight_decay=0 and keep the decay in the optimizer"
+            )
         self.delay = delay
         self.outer = outer
         self.outer_lr = float(lr)
@@ -291,6 +291,17 @@ class CommunicationDelayState(HookState):
     @process_group.setter
     def process_group(self, group: dist.ProcessGroup | None) -> None:
         self.exchange_state.process_group = group
+
+    def dense_below(self) -> int | None:
+        return self.exchange_state.dense_below()
+
+    def steady_from(self, steps_per_epoch: int = 1) -> int:
+        """The exchange's stages count exchanges: the local steps up to the first steady exchange's period."""
+        exchanges = self.exchange_state.steady_from(max(1, steps_per_epoch // self.delay))
+        return -(-exchanges // self.fragments) * self.delay
+
+    def save_codec(self, path: str | Path) -> Path | None:
+        return self.exchange_state.save_codec(path)
 
     def describe(self) -> str:
         text = f"{self.exchange_state.describe()} every {self.delay} local step(s)"

@@ -199,6 +199,10 @@ class PowerSGDHookState(TorchHookState):
     def _hook_context(self) -> contextlib.AbstractContextManager[None]:
         return _orthogonalize_with_epsilon(self.options["orthogonalization_epsilon"])
 
+    def steady_from(self, steps_per_epoch: int = 1) -> int:
+        """After PyTorch's dense warm-up (``start_powerSGD_iter``)."""
+        return int(self.options["start_powerSGD_iter"])
+
     def _book_bucket(self, bucket: dist.GradBucket, numel: int, dtype: torch.dtype) -> None:
         """A dense bucket: one allreduce of it. A compressed one: its uncompressed tensors (the
         per-tensor hook only, even when there are none), then ``P``, then ``Q``, as PyTorch's hook

@@ -15,7 +15,13 @@ asks a state what it needs through this interface instead of asking what class i
   starts, what the method would run wrongly;
 * :meth:`~HookState.after_optimizer_step` is called after every optimizer step (an exchange
   under communication delay; nothing otherwise), and :meth:`~HookState.global_model` is entered
-  for evaluation (the synchronized weights under communication delay).
+  for evaluation (the synchronized weights under communication delay);
+* the questions a run, its summary and the benchmarks ask: which parameters go dense
+  (:meth:`~HookState.dense_below`), from which step the method sends what it sends for the rest
+  of the run (:meth:`~HookState.steady_from`), its learned codec (:meth:`~HookState.save_codec`),
+  which model evaluation sees (:attr:`~HookState.eval_model`), and how its collectives meet the
+  backward pass (:attr:`~HookState.overlaps_backward`, :meth:`~HookState.gathers_payloads`).
+  A wrapper (communication delay) answers them for what it wraps, so no caller looks inside.
 
 The three classes subclass :class:`HookState`, which gives the optional parts their defaults; an
 object of another class is a hook state too if it has every member (``isinstance`` checks this).
@@ -30,6 +36,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 from lgc.compressors.base import OPTIMIZER_SOURCES, Compressor, compressor_chain
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
@@ -70,6 +78,9 @@ class HookState(Protocol):
     takes_local_steps: ClassVar[bool] = False
     #: Whether :meth:`check_run` needs the run's length in optimizer steps (LGC's stages must fit).
     needs_total_steps: ClassVar[bool] = False
+    #: Which model evaluation sees (``summary.json``'s ``eval_model``): ``global``, the one every
+    #: worker agrees on (under local steps, the synchronized weights inside :meth:`global_model`).
+    eval_model: ClassVar[str] = "global"
 
     def describe(self) -> str:
         """What this hook does, for summaries and logs."""
@@ -132,6 +143,33 @@ class HookState(Protocol):
         them, PyTorch's hooks inside them, communication delay at its exchanges).
         """
         return None
+
+    def dense_below(self) -> int | None:
+        """Parameters with fewer elements go dense (the ``min_numel`` in effect); None without such a rule."""
+        return None
+
+    def steady_from(self, steps_per_epoch: int = 1) -> int:
+        """The first optimizer step from which the method sends what it sends for the rest of the run.
+
+        Its stages before that (plain-allreduce iterations, warm-ups, codec training, DGC's density
+        warm-up of ``steps_per_epoch`` steps an epoch unless DGC was given its own) send more, so
+        benchmarks of the steady state skip them. Under communication delay the stages count
+        exchanges, and the answer is in the optimizer steps they take.
+        """
+        return 0
+
+    def save_codec(self, path: str | Path) -> Path | None:
+        """Write the method's learned codec to ``path`` (for another run's ``autoencoder.init``); None without one."""
+        return None
+
+    @property
+    def overlaps_backward(self) -> bool:
+        """Whether a bucket's collectives start as DDP hands it over, while the backward pass still runs."""
+        return False
+
+    def gathers_payloads(self) -> bool:
+        """Whether every worker decodes every other worker's payload (an allgather), so decoding grows with them."""
+        return False
 
     def global_model(self) -> contextlib.AbstractContextManager[None]:
         """Entered around evaluation: the model every worker agrees on (under local steps, the synchronized one)."""

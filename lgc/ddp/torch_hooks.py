@@ -90,6 +90,11 @@ class TorchHookState(HookState):
     def describe(self) -> str:
         return f"torch:{self.hook_name}"
 
+    @property
+    def overlaps_backward(self) -> bool:
+        """PyTorch's hooks run bucket by bucket, unless the step guard holds the buckets (PowerSGD)."""
+        return not self.guards_steps
+
     def _inner_state(self) -> Any:
         return self.process_group
 

@@ -241,8 +241,8 @@ class LGCParameterServerState(LGCHookState):
             better and sends exact values, at 8 bytes per entry.
         latent_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` latents on the wire.
         rotate_leader: off by default: the server leads (see the module docstring).
-        autoencoder, ae_updates_per_step, ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size,
-            loss_weights: the codec and its training (:class:`~lgc.learned.training.CodecTraining`;
+        autoencoder, ae_updates_per_step, ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size, loss_weights:
+            the codec and its training (:class:`~lgc.learned.training.CodecTraining`;
             one decoder per worker, with the innovation as an extra input).
         **kwargs: the stages and common knobs of :class:`~lgc.learned.state.LGCHookState`.
 

@@ -204,8 +204,8 @@ class LGCRingAllreduceState(LGCHookState):
             positions) or ``"leader"``: the compressed stage's exchange with the exact sum in place
             of the codec (shared-index float32), so the samples come from the error feedback the
             codec will serve (:mod:`lgc.learned.training`).
-        autoencoder, ae_updates_per_step, ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size,
-            loss_weights: the codec and its training (:class:`~lgc.learned.training.CodecTraining`).
+        autoencoder, ae_updates_per_step, ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size, loss_weights:
+            the codec and its training (:class:`~lgc.learned.training.CodecTraining`).
         **kwargs: the stages and common knobs of :class:`~lgc.learned.state.LGCHookState`.
 
     Example::

@@ -222,9 +222,10 @@ class SharedIndexState(LGCHookState):
         value_order: ``"position"`` by default, the cheapest with Golomb-coded positions, since
             nothing here depends on the order.
         rotate_leader: on by default (see the module docstring).
-        density, warmup_steps, warmup, warmup_densities, leader_rank, index_coding, measure_error,
-            world_size, min_numel, process_group: as :class:`~lgc.learned.state.LGCHookState`'s
-            (there is no codec-training stage: no ``ae_steps``, no refresh).
+        density, warmup_steps, warmup, warmup_densities, leader_rank, index_coding, measure_error:
+            as :class:`~lgc.learned.state.LGCHookState`'s (there is no codec-training stage: no
+            ``ae_steps``, no refresh).
+        world_size, min_numel, process_group: as :class:`~lgc.learned.state.LGCHookState`'s.
 
     Example::
 

@@ -67,8 +67,8 @@ class LGCHookState(CompressionHookState):
             These three are positional: the public classes assemble them; the rest are knobs.
         density: top-k density of the leader's selection and of stage 2 (``k = ceil(density * n)``
             per parameter). The paper uses 0.001.
-        warmup_steps, warmup, warmup_densities, ae_steps, refresh_threshold, refresh_patience,
-            refresh_steps: the stages (:class:`~lgc.learned.schedule.StageSchedule`).
+        warmup_steps, warmup, warmup_densities, ae_steps, refresh_threshold, refresh_patience, refresh_steps:
+            the stages (:class:`~lgc.learned.schedule.StageSchedule`).
         leader_rank: the worker whose top-k positions everyone uses (a fixed leader).
         rotate_leader: the leader of step ``t`` is worker ``t % world_size`` instead (ScaleCom's
             cyclic leader: spreads the leader's extra upload, and every worker's big coordinates
@@ -237,6 +237,10 @@ class LGCHookState(CompressionHookState):
             self.world_size = world_size
             if self.training is not None:
                 self.training.build(world_size)
+
+    def steady_from(self, steps_per_epoch: int = 1) -> int:
+        """After the dense warm-up and the codec's training (the compressed stage's first step)."""
+        return max(super().steady_from(steps_per_epoch), self.warmup_steps + self.ae_steps)
 
     def save_codec(self, path: str | Path) -> Path | None:
         """Write the workers' codec to ``path`` for ``autoencoder.init`` (``None``: none was trained or loaded)."""

@@ -343,7 +343,7 @@ class RunSummary(pl.Callback):
             "wire_dense_equivalent_bytes": total["wire_dense_equivalent_bytes"],
             "hook_calls": total["hook_calls"],
             # Which model validation saw, and how module buffers (BatchNorm statistics) were kept in step.
-            "eval_model": getattr(_hook_state(trainer), "eval_model", "global"),
+            "eval_model": _hook_state(trainer).eval_model,
             "buffer_sync": _hook_state(trainer).buffer_sync.mode,
             "wire_buffer_bytes_sent": total["wire_buffer_bytes_sent"],
             # Every rank skips the same steps (they agree on it); the count is rank 0's.
@@ -372,9 +372,7 @@ class RunSummary(pl.Callback):
         summary["layers"] = layers
         self.output_dir.mkdir(parents=True, exist_ok=True)
         state = _hook_state(trainer)
-        # Under communication delay LGC's state is the exchange's.
-        save_codec = getattr(getattr(state, "exchange_state", state), "save_codec", None)
-        if save_codec is not None and save_codec(self.output_dir / "codec.pt") is not None:
+        if state.save_codec(self.output_dir / "codec.pt") is not None:
             # LGC's trained codec, for another run's autoencoder.init.
             summary["lgc_codec"] = str(self.output_dir / "codec.pt")
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -19,7 +19,6 @@ from lgc.bench.cost_model import (
     fit_link,
     predict_step,
 )
-from lgc.bench.methods import steady_from
 from lgc.ddp import collectives as counted
 from lgc.ddp import wire
 from lgc.ddp.collectives import CollectiveCall, CommStats, record_collectives
@@ -203,14 +202,42 @@ def test_steady_from_counts_each_methods_own_stages(group):
     model = DistributedDataParallel(_net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = lgc.compress(model, "lgc_rar", optimizer=optimizer, warmup_steps=7, ae_steps=11)
-    assert steady_from(state) == 18
+    assert state.steady_from() == 18
     model = DistributedDataParallel(_net())
     state = lgc.compress(model, "powersgd", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert steady_from(state) == 10
+    assert state.steady_from() == 10
     model = DistributedDataParallel(_net())
     state = lgc.compress(model, "dgc", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     epochs = len(state.compressor.warmup_densities)
-    assert epochs > 0 and steady_from(state, steps_per_epoch=5) == 5 * epochs
+    assert epochs > 0 and state.steady_from(steps_per_epoch=5) == 5 * epochs
+    model = DistributedDataParallel(_net())
+    assert lgc.compress(model, "topk", optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).steady_from() == 1
+    model = DistributedDataParallel(_net())
+    assert lgc.compress(model, "demo", optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).steady_from() == 0
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_steady_from_under_communication_delay_counts_the_stages_in_exchanges(group, fragments):
+    """A shared-index state's 30 warm-up steps are 30 exchanges under ``delay=4``: 120 optimizer steps.
+
+    Communication delay answers for the state it wraps (asked nothing, a caller would see 0).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    import lgc
+
+    def build(**comm):
+        model = DistributedDataParallel(_net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return lgc.compress(model, "shared_topk", optimizer=optimizer, warmup_steps=30, **comm)
+
+    assert build().steady_from() == 30
+    assert build(delay=4).steady_from() == 120
+    model = DistributedDataParallel(_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    delayed = lgc.compress(model, "topk", optimizer=optimizer, delay=4, fragments=fragments)
+    assert delayed.steady_from() == 0  # the local steps compress from the first exchange
+    assert delayed.dense_below() == delayed.exchange_state.min_numel
 
 
 # -- lgc-bench model ------------------------------------------------------------------------------

@@ -219,10 +219,10 @@ def test_the_readme_table_is_the_generated_one(monkeypatch):
     sys.modules.pop("which_method", None)
     which = importlib.import_module("which_method")
     readme = which.README.read_text()
-    assert which.BEGIN in readme, "README.md lost its which-method table markers"
+    assert which.BEGIN in readme, "docs/evidence.md lost its which-method table markers"
     block = readme[readme.index(which.BEGIN) + len(which.BEGIN) : readme.index(which.END)].strip()
     expected = which.table(EXPERIMENTS / "results" / "fashion_mnist")
-    assert block == expected, "README's table drifted from the reports: python experiments/which_method.py --write"
+    assert block == expected, "the evidence page's table drifted: python experiments/which_method.py --write"
     assert which.replace_in(readme, expected) == readme
 
 

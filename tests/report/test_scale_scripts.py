@@ -109,9 +109,9 @@ def test_the_committed_tables_are_the_generated_ones(scripts):
     text, data = tables.page(protocol, results)
     assert written == text, "tables.md drifted from the records: python experiments/scale_tables.py --write"
     assert json.loads((results / "tables.json").read_text()) == json.loads(json.dumps(data))
-    readme = (EXPERIMENTS.parent / "README.md").read_text()
+    readme = (EXPERIMENTS.parent / "docs" / "evidence.md").read_text()
     block = readme[readme.index(tables.BEGIN) + len(tables.BEGIN) : readme.index(tables.END)].strip()
-    assert block == tables.readme_table(protocol, data), "README's scale table drifted: scale_tables.py --write"
+    assert block == tables.readme_table(protocol, data), "docs/evidence.md drifted: scale_tables.py --write"
 
 
 def _data(protocol: dict, marks: dict[str, list[str]], mb: dict[str, float]) -> dict:
