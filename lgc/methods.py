@@ -13,8 +13,8 @@ exchanges of weight updates (:class:`~lgc.ddp.local_sgd.CommunicationDelayState`
 it, so a setting is refused, or means the same, wherever it is given. Names in its messages carry
 the caller's prefix (``comm.delay`` for a config, ``delay`` for a keyword argument).
 
-Its length (about 420 lines) is the registry and the builder's refusals, each naming a setting;
-they stay in one module because every refusal depends on what the registry says a method is.
+Why one module: the registry and the builder's refusals, each naming a setting, stay together
+because every refusal depends on what the registry says a method is.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ where the reference's median is 0, as a tiny ``--numel`` can finish within a tic
 clock), and ``bits_per_element`` (``null`` for ``torch_topk_flat`` and ``segment_topk_flat``,
 which are not codecs); compressor rows also carry ``compressor`` (the config name).
 
-Its length (about 410 lines) is the timing protocol above and the table; SBC's Golomb-parameter
-sweep (:func:`golomb_bits`) stays beside them because it times the same ResNet-50 gradient.
+Why one module: the timing protocol above and its table; SBC's Golomb-parameter sweep
+(:func:`golomb_bits`) stays beside them because it times the same ResNet-50 gradient.
 """
 
 from __future__ import annotations

@@ -60,6 +60,11 @@ values at the leader's positions and the share of a non-leader's squared gradien
 
 Every codec sees the raw recorded gradients (no error feedback residuals): the positions are
 those of the first steps of a run's compressed stage, not of its later steps.
+
+Why one module: every codec is scored on the same recorded steps by the same evaluation (the
+leader's positions, delivered-sum and whole-sum errors, per layer, the premise beside them), so the
+codec specifications, the coder that fits and runs them and the evaluation share their structures;
+``lgc-bench codecs`` keeps only the command around them.
 """
 
 from __future__ import annotations

@@ -64,6 +64,10 @@ against the wire bytes a worker sent; one line
 per method, a panel per setting). Needs root and iproute2; without them it says what is missing
 and exits with status 2 before creating anything. Every namespace and interface it creates is
 removed at the end, on Ctrl-C and when a worker crashes.
+
+Why one module: the ``lgc-bench network`` command: its arguments, the calibration of the shaped
+link, each measurement's run and its record (rewritten after each, so a stopped run resumes), and
+the report of those records.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ A compressor never calls :mod:`torch.distributed`. It turns one flat gradient te
 :class:`Payload` (exactly what goes on the wire, with its exact size in bytes) and a payload back
 into a flat tensor, and it declares through :class:`CombineMode` how the communication layer
 (:mod:`lgc.ddp`) must combine the payloads of all workers.
+
+Why one module: the compressor contract is read as one interface by anyone writing a compressor:
+the payload, the :class:`Compressor` base with every call the hook makes, and the mixins that
+hold a step back, decode into a buffer or forward the hook's calls to a wrapped compressor.
 """
 
 from __future__ import annotations

@@ -57,6 +57,11 @@ step), where the authors' optimizer would still decay it.
 
 Its length is DGC's four fixes, its warm-up and where it departs from its authors' code; the
 selection kernel is :mod:`lgc.compressors.selection`.
+
+Why one module: DGC's parts (the sampled threshold, momentum correction and factor masking, the
+weight decay's momentum of its own, local clipping, the density warm-up) act on the same
+per-parameter accumulators within one compress call, in the order the authors' code runs them, and
+are checked together against that code.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ What our references do not pin down is marked [?] in ``algorithms.md``; the choi
   SBC itself sends only the side with the larger mean; our reference says "one float per sign
   side", so both sides are sent here, which keeps every selected position.
 
-About 400 lines: the two selection methods and the two value codings above, each with its
-reference's rule, share one payload and one module.
+Why one module: the two selection methods and the two value codings above, each with its
+reference's rule, share one payload.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ followed by work proportional to ``k``:
    strided sample, its survivors counted after one column scan (:class:`ColumnScan`) that the
    compressor runs span by span while it accumulates.
 
-One module because the three share their idea, their measurements and their tests' shape; it is
-longer than most (about 500 lines) for that reason.
+Why one module: the three share their idea, their measurements and their tests' shape.
 
 SBC's block bound, in detail. The tempting shortcut, one top-k of ``|v|`` split by sign, is *not*
 equivalent: with ``k = 10``, one entry ``+100``, nine entries ``+0.1`` and ten entries ``-5``, the

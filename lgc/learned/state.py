@@ -22,6 +22,10 @@ The public classes (:class:`~lgc.learned.rar.LGCRingAllreduceState`,
 :class:`~lgc.learned.ps.LGCParameterServerState`, :class:`~lgc.learned.shared_index.SharedIndexState`)
 only assemble these parts from their knobs. Every collective is issued inside the hook, in the
 same order on every rank.
+
+Why one module: LGC's one hook state composes the parts of :mod:`lgc.learned` (the schedule, the
+leader's code, codec training, the compressed stage) and owns the step that runs them in order,
+its checkpoint and its summary; the parts live in modules of their own.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.

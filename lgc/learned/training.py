@@ -26,6 +26,10 @@ Three trainers implement :class:`CodecTrainer`: the paper's autoencoder
 ablation) and the PCA-initialised autoencoder
 (:class:`~lgc.autoencoder.pca_autoencoder.PCAAutoencoderTrainer`: those directions and a nonlinear
 correction that starts at zero). The shared-index codecs learn nothing and hold no :class:`CodecTraining` at all.
+
+Why one module: codec training's lifecycle (samples collected in the warm-up, the fit, the
+refresh that fits again when the delivered error grows, saving and loading a codec) runs on one
+sample buffer and one trainer.
 """
 
 from __future__ import annotations

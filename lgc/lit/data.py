@@ -15,6 +15,10 @@ default: the whole set, sharded across ranks by its ``DistributedSampler``.
 Training loaders are torchdata's ``StatefulDataLoader`` over a stateful
 :class:`~lgc.data.PartitionSampler`: Lightning saves their position in every checkpoint, so a run
 resumed from a mid-epoch checkpoint reads the same batches as one that never stopped.
+
+Why one module: every task's data module (digits, CIFAR-10, Fashion-MNIST, ImageNet, CamVid,
+Fashion scenes) shares the resumable loader, the per-worker partition and the evaluation loader;
+each is short, and they are read side by side.
 """
 
 from __future__ import annotations
