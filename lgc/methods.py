@@ -247,13 +247,17 @@ def _delayed(
     process_group: dist.ProcessGroup | None,
     min_numel: int | None = None,
 ) -> CommunicationDelayState:
-    """``built`` exchanging the weight updates of ``comm.delay`` local steps."""
+    """``built`` exchanging the weight updates of ``comm.delay`` local steps.
+
+    A compressor gets the hook state that exchanges them (from the first exchange: ``start_iter``
+    0); an LGC-family state exchanges them itself.
+    """
     assert comm.delay is not None
+    if isinstance(built, Compressor):
+        built = CompressionHookState(built, min_numel=min_numel, start_iter=0, process_group=process_group)
     return CommunicationDelayState(
         built,
         delay=comm.delay,
-        min_numel=min_numel,
-        process_group=process_group,
         outer=comm.outer,
         outer_lr=comm.outer_lr,
         outer_momentum=comm.outer_momentum,

@@ -67,6 +67,7 @@ __all__ = [
     "BUFFER_MODES",
     "NO_SYNC",
     "BufferSync",
+    "ExchangedBuffers",
     "average_buffers",
     "book_dense_buffer_broadcast",
     "average_step_buffers",
@@ -278,3 +279,46 @@ def average_buffers(stats: CommStats, buffers: list[Tensor], world_size: int, gr
         for buffer, mean in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
             buffer.copy_(mean)
     return True
+
+
+class ExchangedBuffers:
+    """The buffers the local-step exchanges average (:func:`keep_buffers_local`), and their last average.
+
+    Integer buffers (BatchNorm's ``num_batches_tracked``) count this worker's forward passes,
+    buffers DDP ignores are the worker's own, and with ``broadcast_buffers=False`` there are none:
+    only the floating-point buffers of :attr:`sync` are averaged. An average that is not finite (a
+    rank's statistics overflowed) is not taken: every rank returns to the last average instead.
+    """
+
+    __slots__ = ("sync", "synced")
+
+    def __init__(self) -> None:
+        #: Which buffers DDP's rule keeps in step (set at registration; per process).
+        self.sync: BufferSync | None = None
+        #: Buffer name -> value after the last average (the initial ones before any; identical on every rank).
+        self.synced: dict[str, Tensor] = {}
+
+    def averaged(self, module: torch.nn.Module) -> dict[str, Tensor]:
+        """The buffers the exchanges average, by name: the floating-point ones DDP's rule keeps in step."""
+        assert self.sync is not None, "register the model first"
+        named = dict(module.named_buffers())
+        return {name: named[name] for name in self.sync.names if named[name].is_floating_point()}
+
+    def snapshot(self, module: torch.nn.Module) -> None:
+        """Take every buffer's present value as the last average (at registration)."""
+        self.synced = {name: b.detach().clone() for name, b in module.named_buffers()}
+
+    def restore(self, module: torch.nn.Module) -> None:
+        """The averaged buffers back to their last average (an exchange or its average was not finite)."""
+        for name, buffer in self.averaged(module).items():
+            buffer.copy_(self.synced[name])
+
+    def average(
+        self, module: torch.nn.Module, stats: CommStats, world_size: int, group: dist.ProcessGroup | None
+    ) -> None:
+        """Every worker's averaged buffers replaced by their mean (a counted allreduce); all continue from it."""
+        floating = list(self.averaged(module).values())
+        if not average_buffers(stats, floating, world_size, group):
+            self.restore(module)
+            return
+        self.synced.update({name: b.detach().clone() for name, b in self.averaged(module).items()})

@@ -40,7 +40,7 @@ guard is :mod:`lgc.ddp.step_guard`, the exchange :mod:`lgc.ddp.exchange`).
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -141,6 +141,9 @@ class CompressionHookState(HookState):
     """
 
     unscales_gradients = True
+    #: Whether its state is keyed by whole parameters (LGC's leader positions and residuals), so that
+    #: communication delay may not cut parameters into fragments for it.
+    codes_whole_parameters: ClassVar[bool] = False
 
     __slots__ = (
         # hyperparameters

@@ -110,6 +110,7 @@ class LGCHookState(CompressionHookState):
     )
 
     needs_total_steps = True
+    codes_whole_parameters = True
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lgc.compressors import CombineMode, FP4Compressor
 from lgc.compressors.fp4 import e3m0_values
 from lgc.ddp.fragments import split_into_fragments
+from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 
 
@@ -121,7 +122,9 @@ def _net() -> nn.Module:
 
 def _streaming(rank: int, world: int, steps: int) -> dict:
     model = DDP(_net())
-    state = CommunicationDelayState(FP4Compressor(64), delay=4, min_numel=1, fragments=2)
+    state = CommunicationDelayState(
+        CompressionHookState(FP4Compressor(64), min_numel=1, start_iter=0), delay=4, fragments=2
+    )
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     flat = []

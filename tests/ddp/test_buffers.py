@@ -50,7 +50,7 @@ def _train(rank: int, world: int, method: str, steps: int) -> dict:
         state = CompressionHookState(NoneCompressor(), min_numel=0, buffers="average")
         state.register(model)
     elif method == "delay":
-        state = CommunicationDelayState(NoneCompressor(), delay=3, min_numel=0)
+        state = CommunicationDelayState(CompressionHookState(NoneCompressor(), min_numel=0, start_iter=0), delay=3)
         state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch_means, before_exchange, buffers, weights, evaluations = [], [], [], [], []
@@ -357,7 +357,7 @@ def test_both_paths_keep_in_step_only_the_buffers_ddp_would():
         lambda: CompressionHookState(NoneCompressor()),
         lambda: LGCRingAllreduceState(),
         lambda: PowerSGDHookState(),
-        lambda: CommunicationDelayState(NoneCompressor(), delay=2),
+        lambda: CommunicationDelayState(CompressionHookState(NoneCompressor(), start_iter=0), delay=2),
     ],
     ids=["compression_hook", "lgc", "powersgd", "delay"],
 )

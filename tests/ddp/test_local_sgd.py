@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lgc
 from lgc import ErrorFeedback, NoneCompressor, TopKCompressor
+from lgc.ddp import CompressionHookState
 from lgc.ddp.fragments import split_into_fragments
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.learned import LGCHookState, SharedIndexState
@@ -28,6 +29,13 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
 
 
+def _delayed(compressor, *, min_numel: int | None = None, **settings) -> CommunicationDelayState:
+    """``compressor`` (or an LGC-family state) exchanging local steps' updates, wrapped as the builder wraps it."""
+    if not isinstance(compressor, CompressionHookState):
+        compressor = CompressionHookState(compressor, min_numel=min_numel, start_iter=0)
+    return CommunicationDelayState(compressor, **settings)
+
+
 def _train(
     rank: int, world: int, compressor, delay: int | None, steps: int, outer: dict | None = None, net=_net
 ) -> dict:
@@ -36,7 +44,7 @@ def _train(
     if delay is not None:
         # An LGC-family hook state brings its own min_numel.
         min_numel = None if isinstance(compressor, LGCHookState) else 0
-        state = CommunicationDelayState(compressor, delay=delay, min_numel=min_numel, **(outer or {}))
+        state = _delayed(compressor, delay=delay, min_numel=min_numel, **(outer or {}))
         state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     weights, sent, stages = [], [], []
@@ -119,7 +127,6 @@ def test_the_lgc_familys_stages_count_exchanges_and_only_exchanges_send():
     "settings,message",
     [
         ({"fragments": 2}, r"fragments=2 cuts parameters into pieces; SharedIndexState codes whole parameters"),
-        ({"min_numel": 10}, r"min_numel=10 is SharedIndexState's own setting"),
     ],
 )
 def test_an_lgc_family_state_refuses_what_it_cannot_do_under_a_delay(settings, message):
@@ -144,9 +151,17 @@ def test_an_lgc_family_state_configured_for_other_workers_is_refused_under_a_del
         state.register(DDP(_net()))
 
 
+def test_communication_delay_wraps_a_built_state_and_builds_none():
+    """A compressor is wrapped by the builder (lgc.compress, lgc-train), never by the delay itself."""
+    with pytest.raises(TypeError, match=r"exchanges through a built CompressionHookState .*got TopKCompressor: wrap"):
+        CommunicationDelayState(TopKCompressor(0.1), delay=4)
+    with pytest.raises(ValueError, match=r"CompressionHookState has start_iter=1: .*build it with start_iter=0"):
+        CommunicationDelayState(CompressionHookState(ErrorFeedback(TopKCompressor(0.1))), delay=4)
+
+
 def test_delay_rejects_non_positive_steps():
     with pytest.raises(ValueError, match="delay must be a positive integer, got 0"):
-        CommunicationDelayState(NoneCompressor(), delay=0)
+        _delayed(NoneCompressor(), delay=0)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +176,7 @@ def test_delay_rejects_non_positive_steps():
 )
 def test_bad_outer_settings_are_named(outer, message):
     with pytest.raises(ValueError, match=message):
-        CommunicationDelayState(NoneCompressor(), delay=4, **outer)
+        _delayed(NoneCompressor(), delay=4, **outer)
 
 
 def test_outer_sgd_with_lr_one_and_no_momentum_is_periodic_averaging_bit_for_bit():
@@ -415,7 +430,7 @@ def test_a_tiled_compressor_tiles_each_piece_of_a_cut_parameter_as_the_matrix_of
 
     compressor = Recording(chunk=64, k=64)
     model = DDP(resnet8(num_classes=10))
-    state = CommunicationDelayState(ErrorFeedback(compressor), delay=4, fragments=4)
+    state = _delayed(ErrorFeedback(compressor), delay=4, fragments=4)
     state.register(model)
     params = dict(model.module.named_parameters())
     pieces = [s for s in state.slices if not s.whole]
@@ -435,16 +450,16 @@ def test_a_tiled_compressor_tiles_each_piece_of_a_cut_parameter_as_the_matrix_of
 @pytest.mark.parametrize("fragments", [0, 5, 2.0, True])
 def test_bad_fragment_counts_are_named(fragments):
     with pytest.raises(ValueError, match=f"fragments must be an integer from 1 to delay=4.*got {fragments!r}"):
-        CommunicationDelayState(NoneCompressor(), delay=4, fragments=fragments)
+        _delayed(NoneCompressor(), delay=4, fragments=fragments)
 
 
 def test_an_unknown_fragment_split_is_named():
     with pytest.raises(ValueError, match="fragment_split must be one of \\('strided', 'contiguous'\\), got 'layers'"):
-        CommunicationDelayState(NoneCompressor(), delay=4, fragments=2, fragment_split="layers")
+        _delayed(NoneCompressor(), delay=4, fragments=2, fragment_split="layers")
 
 
 def _saved_state(**changes) -> dict:
-    state = CommunicationDelayState(NoneCompressor(), delay=4, fragments=2, fragment_split="contiguous")
+    state = _delayed(NoneCompressor(), delay=4, fragments=2, fragment_split="contiguous")
     return {**state.state_dict(), **changes}
 
 
@@ -460,18 +475,18 @@ def test_a_checkpoint_cut_into_other_fragments_is_refused(saved, message):
     if saved.get("fragment_split", "") is None:
         del state["fragment_split"]
     with pytest.raises(ValueError, match=message):
-        CommunicationDelayState(NoneCompressor(), delay=4, fragments=2).load_state_dict(state)
+        _delayed(NoneCompressor(), delay=4, fragments=2).load_state_dict(state)
     # One fragment is never cut: any split loads.
-    CommunicationDelayState(NoneCompressor(), delay=4).load_state_dict({**state, "fragments": 1})
+    _delayed(NoneCompressor(), delay=4).load_state_dict({**state, "fragments": 1})
 
 
 def test_a_checkpoint_whose_residuals_hold_the_weight_update_is_refused():
     """Residuals built on ``W_local - W_sync`` would be fed back with the wrong sign on the pseudo-gradient."""
-    state = CommunicationDelayState(ErrorFeedback(TopKCompressor(0.1)), delay=4).state_dict()
+    state = _delayed(ErrorFeedback(TopKCompressor(0.1)), delay=4).state_dict()
     assert state["compressed"] == "the pseudo-gradient W_sync - W_local"
     del state["compressed"]
     with pytest.raises(ValueError, match="built on the weight update W_local - W_sync, this run compresses the pseudo"):
-        CommunicationDelayState(ErrorFeedback(TopKCompressor(0.1)), delay=4).load_state_dict(state)
+        _delayed(ErrorFeedback(TopKCompressor(0.1)), delay=4).load_state_dict(state)
 
 
 def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
@@ -507,9 +522,7 @@ def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
 def _streaming_trace(rank: int, world: int, delay: int, fragments: int, split: str, steps: int) -> dict:
     """Per local step: the weights before the exchange, after it, and those of :meth:`global_model`."""
     model = DDP(_net())
-    state = CommunicationDelayState(
-        NoneCompressor(), delay=delay, min_numel=0, outer="sgd", fragments=fragments, fragment_split=split
-    )
+    state = _delayed(NoneCompressor(), delay=delay, min_numel=0, outer="sgd", fragments=fragments, fragment_split=split)
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -612,7 +625,7 @@ def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _train_evaluating(rank: int, world: int, evaluate_after: tuple[int, ...], steps: int) -> dict:
     model = DDP(_bn_net())
-    state = CommunicationDelayState(ErrorFeedback(TopKCompressor(0.5)), delay=4, min_numel=0, fragments=2, outer="sgd")
+    state = _delayed(ErrorFeedback(TopKCompressor(0.5)), delay=4, min_numel=0, fragments=2, outer="sgd")
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     probe = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
@@ -684,7 +697,7 @@ def _one_local_step(state: CommunicationDelayState, model: DDP) -> None:
 
 def _registered_bn_state() -> tuple[CommunicationDelayState, DDP]:
     model = DDP(_bn_net())
-    state = CommunicationDelayState(NoneCompressor(), delay=4, min_numel=0, fragments=2)
+    state = _delayed(NoneCompressor(), delay=4, min_numel=0, fragments=2)
     state.register(model)
     _one_local_step(state, model)
     return state, model
