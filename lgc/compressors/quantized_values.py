@@ -35,7 +35,7 @@ import dataclasses
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import torch
 from pydantic import Field
@@ -47,7 +47,7 @@ from lgc.compressors.tiles import tile_layout
 from lgc.compressors.topk import SparsePayload
 from lgc.validation import PositiveFloat, check
 
-__all__ = ["QuantizedPayload", "QuantizedValues", "quantize_values", "quantized_values_nbytes"]
+__all__ = ["FixedCountSparsifier", "QuantizedPayload", "QuantizedValues", "quantize_values", "quantized_values_nbytes"]
 
 #: A code width :class:`QuantizedValues` accepts.
 Bits = Annotated[int, Field(ge=1, le=8, description="an integer from 1 to 8")]
@@ -106,6 +106,21 @@ def quantize_values(values: Tensor, bits: int, range_sigmas: float) -> tuple[Ten
     return codes, table
 
 
+@runtime_checkable
+class FixedCountSparsifier(Protocol):
+    """A sparsifier whose count of kept (value, position) pairs follows from the tensor's length.
+
+    :class:`~lgc.compressors.TopKCompressor` and :class:`~lgc.compressors.ChunkedTopKCompressor`
+    are; :class:`QuantizedValues` wraps only such a one (and one whose payloads are gathered).
+    """
+
+    value_dtype: torch.dtype
+
+    def selected_count(self, numel: int, key: str | None = None) -> int:
+        """How many pairs a tensor of ``numel`` entries (the parameter ``key``) sends."""
+        ...
+
+
 @dataclass
 class QuantizedPayload(Payload):
     """A sparsifier's payload with its values replaced by ``bits``-bit codes and a table of centroids.
@@ -150,7 +165,7 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
         self, sparsifier: Compressor | Mapping[str, Any], bits: Bits = 2, range_sigmas: PositiveFloat = 6.0
     ) -> None:
         sparsifier = _build_sparsifier(sparsifier)
-        if not callable(getattr(sparsifier, "selected_count", None)) or sparsifier.combine is not CombineMode.GATHER:
+        if not isinstance(sparsifier, FixedCountSparsifier) or sparsifier.combine is not CombineMode.GATHER:
             raise ValueError(
                 f"QuantizedValues needs a sparsifier that sends a known number of (value, position) pairs, "
                 f"ChunkedTopKCompressor or TopKCompressor; got {sparsifier!r}"
@@ -200,8 +215,7 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
         table = view_bytes_as(wire[code_bytes : code_bytes + table_bytes], torch.float32)
         values = table[unpack_uint(codes, self.bits, count)]
         # The sparsifier parses its positions behind placeholder values of its own wire dtype.
-        value_dtype = getattr(self.sparsifier, "value_dtype", torch.float32)
-        placeholder = torch.zeros(count, dtype=value_dtype, device=wire.device).view(torch.uint8)
+        placeholder = torch.zeros(count, dtype=self.sparsifier.value_dtype, device=wire.device).view(torch.uint8)
         inner = self.sparsifier.payload_from_wire(
             torch.cat([placeholder, wire[code_bytes + table_bytes :]]), numel, key=key
         )

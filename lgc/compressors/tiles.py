@@ -284,6 +284,9 @@ class TiledCompressorMixin:
     chunk: int
     k: int
     tiling: str
+    #: Set by the compressor's ``__init__``: how payloads combine, and the values' wire dtype.
+    aggregation: str
+    value_dtype: torch.dtype
 
     def _init_tiles(self, chunk: TileChunk, k: PositiveInt, tiling: str) -> None:
         check("chunk", chunk, TileChunk)
@@ -308,11 +311,9 @@ class TiledCompressorMixin:
     def _knobs_repr(self) -> str:
         """The knobs shared with the other tiled compressor that differ from their defaults, for ``repr``."""
         extra = "" if self.tiling == "shape" else f", tiling={self.tiling!r}"
-        aggregation = getattr(self, "aggregation", "sender_mean")
-        extra += "" if aggregation == "sender_mean" else f", aggregate={aggregation!r}"
-        value_dtype = getattr(self, "value_dtype", torch.float32)
-        if value_dtype != torch.float32:
-            extra += f", value_dtype={str(value_dtype).removeprefix('torch.')}"
+        extra += "" if self.aggregation == "sender_mean" else f", aggregate={self.aggregation!r}"
+        if self.value_dtype != torch.float32:
+            extra += f", value_dtype={str(self.value_dtype).removeprefix('torch.')}"
         return extra
 
     def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
