@@ -191,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         start = time.time()
-        with open(run_dir.parent / f"seed{seed}.log", "a") as log:
-            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+        done = _run_logged(command, run_dir.parent / f"seed{seed}.log")
         minutes = (time.time() - start) / 60
         if done.returncode == 0 and (run_dir / "summary.json").is_file():
             kept.mkdir(parents=True, exist_ok=True)
@@ -205,6 +204,25 @@ def main(argv: list[str] | None = None) -> int:
         print("unfinished: " + " ".join(failed), file=sys.stderr)
         return 1
     return 0
+
+
+#: Attempts of a run whose workers could not bind the rendezvous port: the port Lightning found free
+#: was taken before its store listened (other jobs on the machine), which says nothing about the run.
+PORT_ATTEMPTS = 3
+
+
+def _run_logged(command: list[str], log_path: Path) -> subprocess.CompletedProcess:
+    """Run ``command`` appending to ``log_path``; again (up to :data:`PORT_ATTEMPTS`) if only the port was taken."""
+    for _ in range(PORT_ATTEMPTS):
+        with open(log_path, "a") as log:
+            offset = log.tell()
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+        with open(log_path, errors="replace") as log:
+            log.seek(offset)
+            port_taken = "EADDRINUSE" in log.read()
+        if done.returncode == 0 or not port_taken:
+            return done
+    return done
 
 
 if __name__ == "__main__":

@@ -231,6 +231,28 @@ def test_a_checkpoint_saved_at_the_last_step_without_a_summary_is_run_again(scri
     assert "ckpt_path=" not in commands[1] and "seed=1" in commands[1]  # at step 600 of 600: from the start
 
 
+def test_a_run_whose_rendezvous_port_was_taken_runs_again_and_no_other_failure_does(scripts, tmp_path, monkeypatch):
+    import subprocess
+
+    sweep, _ = scripts
+    outcomes = {"port": ["EADDRINUSE: address already in use", "EADDRINUSE", ""], "crash": ["ValueError: bad", ""]}
+    calls = []
+
+    def fake_run(command, stdout, stderr):
+        kind = command[0]
+        calls.append(kind)
+        text = outcomes[kind].pop(0)
+        stdout.write(text + "\n")
+        return subprocess.CompletedProcess(command, 0 if not text else 1)
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    assert sweep._run_logged(["port"], tmp_path / "port.log").returncode == 0
+    assert calls == ["port"] * 3  # twice the port, then the run
+    assert sweep._run_logged(["crash"], tmp_path / "crash.log").returncode == 1
+    assert calls[3:] == ["crash"]  # a failure of the run itself is not retried
+    assert "EADDRINUSE" in (tmp_path / "port.log").read_text()
+
+
 def test_the_scale_rule_refuses_missing_or_ambiguous_step_costs(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
     sys.modules.pop("scale_rule", None)
