@@ -101,16 +101,16 @@ def _correlated_chunks(samples: int, workers: int, chunk: int, noise: float, see
 def test_training_lowers_reconstruction_error_and_the_mean_latent_decodes_to_the_mean():
     """On correlated synthetic gradients (4 workers, noise 0.3 of the shared curve's scale).
 
-    Before training the mean decode is useless (relative error ~1); after 400 Adam updates the
+    Before training the mean decode is useless (relative error ~1); after 100 Adam updates the
     decode of the mean latent is within 10 % (relative squared error) of the workers' mean on
-    samples it never saw (measured ~0.03).
+    samples it never saw (measured 0.021; 0.017 after 400).
     """
     train = _correlated_chunks(512, 4, 64, 0.3, seed=0)
     held_out = _correlated_chunks(128, 4, 64, 0.3, seed=1)
     trainer = AutoencoderTrainer(GradientAutoencoder(AutoencoderConfig(chunk=64)), batch_size=64, seed=0)
     trainer.add(train)
     before = trainer.evaluate(held_out)
-    trainer.train(400)
+    trainer.train(100)
     after = trainer.evaluate(held_out)
     assert before["relative_error"] > 0.8
     assert after["relative_error"] < 0.1
