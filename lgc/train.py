@@ -4,11 +4,9 @@
 launching process, before any worker process starts; a bad value raises an error that names it,
 and ``lgc-train`` then removes the run folder Hydra made for it if it holds only Hydra's own files.
 
-Its length is the checks that refuse a run before any worker starts, each naming its field.
-
 Why one module: ``lgc-train`` from a config to its summary, in the order a run takes it: the checks
-that must pass before any worker starts (devices, types, the model against the task, the
-optimizer), the launch environment, the fit, and the run folder's cleanup.
+that refuse a run before any worker starts, each naming its field (devices, types, the model
+against the task, the optimizer), the launch environment, the fit, and the run folder's cleanup.
 """
 
 from __future__ import annotations

@@ -40,12 +40,10 @@ Example::
         subprocess.run(net.command(1, [sys.executable, "worker.py", net.address(0)]), env=env)
         print(counter_delta(before, net.counters()))
 
-Its length is one job: building, shaping, measuring and always tearing down the namespaces, whose
-cleanup paths (signals, a crashed worker, a build that fails halfway) must stay beside the build.
-
-Why one module: the shaped network is one resource with one lifetime (namespaces, veth pairs, the
-hub bridge, the tbf and netem queues, the byte counters and the cleanup of stale namespaces), and
-the parsing of rates and delays beside it is what its commands take.
+Why one module: one job, building, shaping, measuring and always tearing down the namespaces
+(veth pairs, the hub bridge, the tbf and netem queues, the byte counters), whose cleanup paths
+(signals, a crashed worker, a build that fails halfway, stale namespaces) must stay beside the
+build; the parsing of rates and delays beside it is what its commands take.
 """
 
 from __future__ import annotations

@@ -55,13 +55,11 @@ authors' CIFAR configuration (``configs/dgc/wm5.py``) computes five epochs at
 whose gradient is exactly zero on every rank is left alone by the hook (no update, no decay that
 step), where the authors' optimizer would still decay it.
 
-Its length is DGC's four fixes, its warm-up and where it departs from its authors' code; the
-selection kernel is :mod:`lgc.compressors.selection`.
-
 Why one module: DGC's parts (the sampled threshold, momentum correction and factor masking, the
-weight decay's momentum of its own, local clipping, the density warm-up) act on the same
-per-parameter accumulators within one compress call, in the order the authors' code runs them, and
-are checked together against that code.
+weight decay's momentum of its own, local clipping, the density warm-up) and where it departs from
+its authors' code act on the same per-parameter accumulators within one compress call, in the order
+the authors' code runs them, and are checked together against that code; the selection kernel is
+:mod:`lgc.compressors.selection`.
 """
 
 from __future__ import annotations
