@@ -38,6 +38,7 @@ from lgc.compressors.dgc import DGCCompressor
 from lgc.ddp.buffers import check_buffer_mode
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
+from lgc.ddp.local_step_hook import local_step_exchange
 from lgc.ddp.torch_hooks import TorchHookState
 
 __all__ = ["METHODS", "Comm", "Method", "build_compressor", "build_hook_state", "instantiate"]
@@ -254,7 +255,7 @@ def _delayed(
     """
     assert comm.delay is not None
     if isinstance(built, Compressor):
-        built = CompressionHookState(built, min_numel=min_numel, start_iter=0, process_group=process_group)
+        built = local_step_exchange(built, min_numel=min_numel, process_group=process_group)
     return CommunicationDelayState(
         built,
         delay=comm.delay,

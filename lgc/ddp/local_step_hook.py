@@ -29,6 +29,7 @@ __all__ = [
     "LocalStepCheck",
     "checked_exchange",
     "checked_local_step_hook",
+    "local_step_exchange",
     "local_step_hook",
     "register_communication_delay",
 ]
@@ -115,6 +116,17 @@ def checked_local_step_hook(check: LocalStepCheck, bucket: dist.GradBucket) -> t
     return future
 
 
+def local_step_exchange(
+    compressor: "Compressor", *, min_numel: int | None = None, process_group: dist.ProcessGroup | None = None
+) -> CompressionHookState:
+    """The hook state that exchanges ``compressor``'s pseudo-gradients under local steps (``start_iter`` 0).
+
+    The builder (:func:`lgc.methods.build_hook_state`) and :func:`register_communication_delay` wrap a
+    compressor with it; communication delay itself builds none.
+    """
+    return CompressionHookState(compressor, min_numel=min_numel, start_iter=0, process_group=process_group)
+
+
 def register_communication_delay(
     model: "DistributedDataParallel", compressor: "Compressor", *, delay: int, min_numel: int | None = None
 ) -> "CommunicationDelayState":
@@ -134,7 +146,7 @@ def register_communication_delay(
     """
     from lgc.ddp.local_sgd import CommunicationDelayState  # it registers with this module's hook
 
-    state = CommunicationDelayState(CompressionHookState(compressor, min_numel=min_numel, start_iter=0), delay=delay)
+    state = CommunicationDelayState(local_step_exchange(compressor, min_numel=min_numel), delay=delay)
     state.register(model)
     return state
 

@@ -14,6 +14,7 @@ from lgc import ErrorFeedback, NoneCompressor, TopKCompressor
 from lgc.ddp import CompressionHookState
 from lgc.ddp.fragments import split_into_fragments
 from lgc.ddp.local_sgd import CommunicationDelayState
+from lgc.ddp.local_step_hook import local_step_exchange
 from lgc.learned import LGCHookState, SharedIndexState
 
 pytestmark = pytest.mark.multiprocess
@@ -32,7 +33,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _delayed(compressor, *, min_numel: int | None = None, **settings) -> CommunicationDelayState:
     """``compressor`` (or an LGC-family state) exchanging local steps' updates, wrapped as the builder wraps it."""
     if not isinstance(compressor, CompressionHookState):
-        compressor = CompressionHookState(compressor, min_numel=min_numel, start_iter=0)
+        compressor = local_step_exchange(compressor, min_numel=min_numel)
     return CommunicationDelayState(compressor, **settings)
 
 
