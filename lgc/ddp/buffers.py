@@ -317,8 +317,8 @@ class ExchangedBuffers:
         self, module: torch.nn.Module, stats: CommStats, world_size: int, group: dist.ProcessGroup | None
     ) -> None:
         """Every worker's averaged buffers replaced by their mean (a counted allreduce); all continue from it."""
-        floating = list(self.averaged(module).values())
-        if not average_buffers(stats, floating, world_size, group):
+        averaged = self.averaged(module)
+        if not average_buffers(stats, list(averaged.values()), world_size, group):
             self.restore(module)
             return
-        self.synced.update({name: b.detach().clone() for name, b in self.averaged(module).items()})
+        self.synced.update({name: b.detach().clone() for name, b in averaged.items()})

@@ -370,11 +370,9 @@ class CommunicationDelayState(HookState):
     def __getstate__(self) -> dict[str, Any]:
         # The per-process parts (the model, its pieces and weights, the outer optimizer over them,
         # the buffers and the view) are rebuilt by register() in the process that unpickles it.
-        outer = OuterStep(self.outer)
-        outer.lr, outer.momentum = self.outer_lr, self.outer_momentum
         return {
             "schedule": self.schedule,
-            "outer_step": outer,
+            "outer_step": self.outer_step,
             "exchange_state": self.exchange_state,
             "local_steps": self.local_steps,
             "slices": (),

@@ -91,6 +91,14 @@ class OuterStep:
         """The outer optimizer's state (its momentum), or None for the plain average."""
         return None if self.optimizer is None else self.optimizer.state_dict()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The optimizer holds this process's synchronized weights: build() makes it again after unpickling.
+        return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum, "optimizer": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict` (after :meth:`build`); a checkpoint of the other kind is refused."""
         if (saved is None) != (self.optimizer is None):
