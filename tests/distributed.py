@@ -45,9 +45,10 @@ def _worker(
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # The result is on disk: skip interpreter teardown. Under load a worker was seen (about once in
-    # 40 runs) to die with SIGABRT, "terminate called without an active exception", a C++ thread
-    # destroyed while running; leaving without static destructors rules teardown out as a cause.
+    # The result is on disk: skip interpreter teardown. A test may issue collectives through
+    # torch.distributed itself, whose last work gloo's thread can free while the interpreter shuts
+    # down (SIGABRT, "terminate called without an active exception"; lgc's own collectives keep
+    # their handles against it, lgc.ddp.collectives); leaving without teardown rules that out.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

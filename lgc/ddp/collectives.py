@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lgc.ddp import wire
+from lgc.ddp.held_works import kept
 
 __all__ = [
     "CollectiveCall",
@@ -50,6 +51,7 @@ __all__ = [
     "broadcast_bytes",
     "gather",
     "mark_last_bucket",
+    "measure_all_gather",
     "nbytes",
     "record_collectives",
     "recv",
@@ -295,16 +297,24 @@ def all_reduce(
     The future holds ``[tensor]``. Every op sends the same bytes, so all are booked alike.
     """
     book_all_reduce(stats, tensor, group)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=True).get_future()
+    return kept(dist.all_reduce(tensor, op=op, group=group, async_op=True)).get_future()
 
 
 def all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> tuple[list[Tensor], Any]:
     """Every rank's ``tensor`` (same size everywhere), asynchronous: returns the outputs and the work."""
     world_size = dist.get_world_size(group)
     outputs = [torch.empty_like(tensor) for _ in range(world_size)]
-    work = dist.all_gather(outputs, tensor, group=group, async_op=True)
+    work = kept(dist.all_gather(outputs, tensor, group=group, async_op=True))
     book_all_gather(stats, tensor, group)
     return outputs, work
+
+
+def measure_all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
+    """Every rank's ``tensor`` (blocking), not booked: for diagnostics that are not the method's traffic
+    (LGC's delivered-sum error and premise statistics), which a deployment would not send."""
+    outputs = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    kept(dist.all_gather(outputs, tensor, group=group, async_op=True)).wait()
+    return outputs
 
 
 def broadcast(
@@ -314,7 +324,7 @@ def broadcast(
 
     ``as_server`` books the source's bytes as server traffic (:attr:`CommStats.server_bytes_sent`).
     """
-    dist.broadcast(tensor, src=_global(group, src), group=group)
+    kept(dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)).wait()
     book_broadcast(stats, tensor, src, group, as_server=as_server)
     return tensor
 
@@ -342,9 +352,9 @@ def gather(stats: CommStats, tensor: Tensor, dst: int, group: dist.ProcessGroup 
     book_gather(stats, tensor, dst, group)
     if dist.get_rank(group) == dst:
         outputs = [torch.empty_like(tensor) for _ in range(world_size)]
-        dist.gather(tensor, gather_list=outputs, dst=_global(group, dst), group=group)
+        kept(dist.gather(tensor, gather_list=outputs, dst=_global(group, dst), group=group, async_op=True)).wait()
         return outputs
-    dist.gather(tensor, gather_list=None, dst=_global(group, dst), group=group)
+    kept(dist.gather(tensor, gather_list=None, dst=_global(group, dst), group=group, async_op=True)).wait()
     return None
 
 
@@ -356,7 +366,8 @@ def send(
     gloo sends a buffer from host memory only: a CUDA tensor goes through a host copy there (workers
     that share a GPU, ``ddp.oversubscribe``); NCCL sends it from the device.
     """
-    dist.send(tensor.cpu() if _staged_on_host(tensor, group) else tensor, dst=_global(group, dst), group=group)
+    staged = tensor.cpu() if _staged_on_host(tensor, group) else tensor
+    kept(dist.isend(staged, dst=_global(group, dst), group=group)).wait()
     _record("send", tensor, group, dst)
     book_point_to_point(stats, tensor, sender=True, as_server=as_server)
 
@@ -365,10 +376,10 @@ def recv(stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | 
     """Receive into ``tensor`` from group rank ``src`` (blocking); on gloo a CUDA tensor through host memory."""
     if _staged_on_host(tensor, group):
         host = torch.empty_like(tensor, device="cpu")
-        dist.recv(host, src=_global(group, src), group=group)
+        kept(dist.irecv(host, src=_global(group, src), group=group)).wait()
         tensor.copy_(host)
     else:
-        dist.recv(tensor, src=_global(group, src), group=group)
+        kept(dist.irecv(tensor, src=_global(group, src), group=group)).wait()
     _record("recv", tensor, group, src)
     book_point_to_point(stats, tensor, sender=False)
     return tensor

@@ -113,9 +113,7 @@ class DeliveredError:
         values = own.detach().to(torch.float32).reshape(-1)
         share = float(values.square().sum()) / energy if energy else float("nan")
         packed = torch.cat([values, values.new_tensor([share])])
-        gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, packed, group=group)
-        workers = torch.stack(gathered)  # [W, K + 1], the same on every rank
+        workers = torch.stack(counted.measure_all_gather(packed, group))  # [W, K + 1], the same on every rank
         exact = workers[:, :-1].sum(dim=0)
         error, norm = float((delivered.float().reshape(-1) - exact).square().sum()), float(exact.square().sum())
         self.sums[0] += error
@@ -157,7 +155,7 @@ class StepContext:
     residuals: dict[str, Tensor]
     stats: CommStats
     group: Any
-    #: ``book_layer(name, numel, compressed, nbytes)`` of the hook state (per-parameter bytes).
+    #: ``layer_stats.book(name, numel, compressed, nbytes)`` of the hook state (per-parameter bytes).
     book_layer: Callable[[str, int, bool, int], None]
     schedule: StageSchedule
     errors: DeliveredError

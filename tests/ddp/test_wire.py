@@ -212,9 +212,9 @@ def _fake_counts(record: dict, world: int, rank: int) -> wire.WireBytes:
         return fake_tree_broadcast(world, record["peer"], zeros[0], itemsize)[1].counts(rank)
     if kind == "gather":
         return fake_flat_gather(zeros, record["peer"], itemsize)[1].counts(rank)
-    if kind == "send":
+    if kind in ("send", "isend"):
         return wire.WireBytes(numel * itemsize, 0)
-    assert kind == "recv"
+    assert kind in ("recv", "irecv")
     return wire.WireBytes(0, numel * itemsize)
 
 
@@ -225,6 +225,8 @@ _COLLECTIVES = {
     "gather": "dst",
     "send": "dst",
     "recv": "src",
+    "isend": "dst",
+    "irecv": "src",
 }
 
 
@@ -324,6 +326,6 @@ def test_hooks_book_on_the_wire_what_each_of_their_collectives_sends_with_three_
         assert "all_gather" in per_method["topk"]["kinds"]
         assert topk["compression_ratio"] < topk["logical_compression_ratio"]
         # LGC-PS exercised every kind of collective: leader 1 sends its message to the server (0).
-        point_to_point = {0: {"recv"}, 1: {"send"}, 2: set()}[rank]
+        point_to_point = {0: {"irecv"}, 1: {"isend"}, 2: set()}[rank]
         assert {"all_reduce", "broadcast", "gather"} | point_to_point <= set(per_method["lgc_ps"]["kinds"])
         assert "broadcast" in per_method["lgc_rar"]["kinds"]
