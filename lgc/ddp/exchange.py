@@ -30,6 +30,7 @@ from torch import Tensor
 from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
+from lgc.ddp.layer_stats import LayerLedger
 
 __all__ = ["PayloadExchange", "Segment", "average_compressed", "encode_buffers", "prepare_compressor"]
 
@@ -47,7 +48,8 @@ class ExchangeHost(Protocol):
     #: Whether rank 0's shared seed has been broadcast.
     seed_shared: bool
 
-    def book_layer(self, name: str, numel: int, compressed: bool, nbytes: int) -> None: ...
+    #: Bytes per parameter (:mod:`lgc.ddp.layer_stats`).
+    layer_stats: LayerLedger
 
 
 class Segment(NamedTuple):
@@ -183,9 +185,9 @@ class PayloadExchange:
         #: Segment name -> every rank's payload (gathered payloads only; filled by :meth:`finish`).
         self.received: dict[str, list[Payload]] = {}
         for s, payload in zip(self.sparse, self.own, strict=True):
-            state.book_layer(s.name, s.numel, True, payload.nbytes)
+            state.layer_stats.book(s.name, s.numel, True, payload.nbytes)
         for s in self.dense:
-            state.book_layer(s.name, s.numel, False, s.numel * buffer.element_size())
+            state.layer_stats.book(s.name, s.numel, False, s.numel * buffer.element_size())
         state.stats.payload_bytes += sum(p.nbytes for p in self.own)
         state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in self.sparse) * buffer.element_size()
         if compressor.combine is CombineMode.SUM:

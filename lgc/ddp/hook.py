@@ -8,16 +8,12 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    while DDP rebuilds its buckets after the first iteration; the iteration counter is saved, so a
    resumed run does not repeat them.
 3. A stateful compressor (residuals, momenta, random generators) runs once per *step*, at the
-   step's last bucket, after the ranks agree whether some rank's gradients are non-finite (then
-   the step passes through dense and unchanged, counted in ``stats.skipped_steps``, as if it never
-   happened) and which parameters are unused on every rank (left alone): the step guard,
-   :mod:`lgc.ddp.step_guard`. Stateless compressors (``none``, ``fp16``) need neither: they run
-   bucket by bucket as the buckets become ready, overlapping communication with the backward
-   pass, and an inf or NaN simply passes through their sum (the step is counted as skipped all the
-   same). With ``overlap``, a compressor that can hold a step back (error feedback over a
-   compressor without state of its own, DGC, QSGD, TernGrad, RedSync, unshared random-block) encodes
-   each bucket as it arrives into held state and starts its collectives at once; the same
-   agreement then commits or drops the step (:meth:`CompressionHookState.encode_ahead`).
+   step's last bucket, behind the step guard (:mod:`lgc.ddp.step_guard`): a step in which some
+   rank has an inf or NaN passes through dense and unchanged (counted in ``stats.skipped_steps``),
+   parameters unused on every rank are left alone. With ``overlap`` it encodes each bucket as it
+   arrives instead (:mod:`lgc.ddp.overlap`). Stateless compressors (``none``, ``fp16``) run bucket
+   by bucket as the buckets become ready, overlapping the backward pass; an inf or NaN passes
+   through their sum (the step is counted as skipped all the same).
 4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
    in the gradient's dtype (by default the method's own threshold: none for DeMo and SparseLoCo,
    whose references compress every tensor).
@@ -30,82 +26,34 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    stateless compressor's ``finish_aggregate`` must keep no state.
 
 Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
-for an fp32 model, 2 for a model in fp16 or bf16).
-
-Its length is the hook state, which holds the step guard's and the exchange's bookkeeping (the
-guard is :mod:`lgc.ddp.step_guard`, the exchange :mod:`lgc.ddp.exchange`).
+for an fp32 model, 2 for a model in fp16 or bf16). The state composes its parts: the step guard
+(:mod:`lgc.ddp.step_guard`), the overlap path (:mod:`lgc.ddp.overlap`), the bucket layouts
+(:mod:`lgc.ddp.layout`), the exchange (:mod:`lgc.ddp.exchange`), the byte table
+(:mod:`lgc.ddp.layer_stats`).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
-import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, NamedTuple
+from dataclasses import asdict
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lgc.compressors.base import (
-    CombineMode,
-    Compressor,
-    HoldsSteps,
-    holds_steps,
-    method_min_numel,
-    method_start_iter,
-)
+from lgc.compressors.base import CombineMode, Compressor, holds_steps, method_min_numel, method_start_iter
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, encode_buffers
+from lgc.ddp.layer_stats import LayerLedger
+from lgc.ddp.layout import BucketLayouts, split_segments
+from lgc.ddp.overlap import EncodeAhead
 from lgc.ddp.protocol import HookState
-from lgc.ddp.step_guard import PendingBucket, StepVerdict, agree_flags, all_finite, allreduce_as_they_are, run_holding
+from lgc.ddp.step_guard import PendingBucket, SkipCounter, agree_on_step, complete_dense, run_holding
 
-__all__ = ["CompressionHookState", "LayerStats", "compression_hook", "register_compression_hook"]
-
-
-@dataclass
-class LayerStats:
-    """What one parameter cost on the wire (one worker)."""
-
-    numel: int
-    #: Whether the compressor handled it (the last step's answer; LGC's warm-up sends everything dense).
-    compressed: bool
-    #: Steps it was sent in.
-    steps: int = 0
-    #: Bytes of it this worker sent (a share of a joint code is booked pro rata, see LGC).
-    bytes_sent: int = 0
-
-
-def bucket_maxima(buffer: Tensor, segments: tuple[Segment, ...]) -> Tensor:
-    """Every segment's largest magnitude (NaN or inf where it holds one): the step guard's look at a gradient.
-
-    On a GPU one multi-tensor infinity norm (``torch._foreach_norm``: one kernel for many tensors)
-    instead of a reduction per parameter; on the CPU ``aminmax`` per parameter, which vectorizes
-    there where the norm does not (ResNet-50's gradient on one thread: 15 ms against 84 ms). Both
-    propagate NaN, as torch's max reductions do (tested on every device). A segment is used where
-    its maximum is nonzero (NaN counts as nonzero; its step is skipped anyway).
-    """
-    views = [buffer[s.offset : s.offset + s.numel] for s in segments if s.numel]
-    if not views:
-        return buffer.new_zeros(len(segments))
-    if buffer.device.type == "cpu":
-        extremes = torch.stack([torch.stack(torch.aminmax(view)) for view in views])
-        norms = torch.maximum(extremes[:, 1], extremes[:, 0].neg())
-    else:
-        norms = torch.stack(torch._foreach_norm(views, float("inf")))
-    if len(views) == len(segments):
-        return norms
-    maxima = buffer.new_zeros(len(segments))
-    maxima[[i for i, s in enumerate(segments) if s.numel]] = norms
-    return maxima
-
-
-class _BucketLayout(NamedTuple):
-    #: Identifies the bucket's content, so a layout is rebuilt when DDP rebuilds its buckets.
-    signature: tuple[int, ...]
-    segments: tuple[Segment, ...]
+__all__ = ["CompressionHookState", "compression_hook", "register_compression_hook"]
 
 
 class CompressionHookState(HookState):
@@ -125,7 +73,7 @@ class CompressionHookState(HookState):
         process_group: the group to communicate in (default: the world).
         overlap: encode every bucket as it arrives and start its collectives at once, so they
             overlap the rest of the backward pass, instead of holding every bucket until the step's
-            last one (:meth:`encode_ahead`). Results, state and the step guard's policy are bitwise
+            last one (:class:`~lgc.ddp.overlap.EncodeAhead`). Results, state and the step guard's policy are bitwise
             the same; what it costs is memory, a second fp32 residual per compressed parameter (DGC:
             a second momentum and accumulator), and, for a parameter unused on every rank, its
             payload sent for nothing. Needs a compressor that can hold a step back (``speculates``)
@@ -155,19 +103,16 @@ class CompressionHookState(HookState):
         "iteration",  # steps completed (counted at the last bucket); saved, so resume is exact
         "begun_step",  # the step compressor.begin_step() was last called for
         "seed_shared",  # whether rank 0's shared seed has been broadcast (compressors that need one)
-        "param_names",  # data_ptr -> parameter name, filled by attach(); per process, not saved
-        "bucket_layouts",  # bucket index -> which parts of the flat buffer are compressed
+        "layouts",  # which parts of each bucket's flat buffer are which parameter (lgc.ddp.layout); per process
         "loss_scale",  # returns the loss scale of this step (a GradScaler's get_scale), or None; per process
         "step_scale",  # the loss scale the current step's buckets were divided by
         "pending",  # buckets of the current step, run together at its last bucket (the step guard)
-        "overlap",  # encode each bucket as it arrives (encode_ahead) instead of at the step's last bucket
-        "ahead",  # overlap: the current step's exchanges, started as their buckets arrived
-        "ahead_maxima",  # overlap: their buckets' maxima per parameter (the step guard's look), kept for agree
-        "nonfinite_lock",  # stateless compressors: guards the skipped-step count set from callbacks
-        "nonfinite_step",  # stateless compressors: the last step counted as non-finite
+        "overlap",  # encode each bucket as it arrives (lgc.ddp.overlap) instead of at the step's last bucket
+        "ahead",  # overlap: the step's exchanges started as their buckets arrived (EncodeAhead), else None
+        "skips",  # stateless compressors: counts a non-finite step once, from DDP's callbacks (SkipCounter)
         # stats
         "stats",
-        "layer_stats",  # parameter name -> LayerStats (bytes per parameter, for the per-layer table)
+        "layer_stats",  # parameter name -> LayerStats (bytes per parameter, the per-layer table)
         "codec_seconds",  # "encode" / "decode" -> wall seconds spent compressing / decoding; per process
         "buffer_sync",  # the module buffers kept in step (lgc.ddp.buffers.BufferSync), set by register(); per process
         "buffers",  # how: lgc.ddp.buffers.BUFFER_MODES
@@ -213,56 +158,28 @@ class CompressionHookState(HookState):
         self.iteration = 0
         self.begun_step = -1
         self.seed_shared = False
-        self.param_names: dict[int, str] = {}
-        self.bucket_layouts: dict[int, _BucketLayout] = {}
+        self.layouts = BucketLayouts()
         self.loss_scale: Callable[[], float] | None = None
         self.step_scale = 1.0
         self.pending: list[PendingBucket] = []
         self.overlap = overlap
-        self.ahead: list[PayloadExchange] = []
-        self.ahead_maxima: list[Tensor] = []
-        self.nonfinite_lock = threading.Lock()
-        self.nonfinite_step = -1
+        self.ahead = EncodeAhead(self) if overlap else None
+        self.skips = SkipCounter()
         self.stats = CommStats()
-        self.layer_stats: dict[str, LayerStats] = {}
+        self.layer_stats = LayerLedger()
         #: Wall seconds this process spent compressing (``encode``) and decoding (``decode``)
         #: payloads, for benchmarks (``lgc-bench network``); not saved in checkpoints.
         self.codec_seconds = {"encode": 0.0, "decode": 0.0}
         self.buffer_sync: module_buffers.BufferSync | None = None
         self.buffers = buffers
 
-    def book_layer(self, name: str, numel: int, compressed: bool, nbytes: int) -> None:
-        """Count ``nbytes`` of payload (logical bytes) for one parameter in one step."""
-        layer = self.layer_stats.get(name)
-        if layer is None:
-            layer = self.layer_stats[name] = LayerStats(numel, compressed)
-        layer.steps += 1
-        layer.compressed = compressed
-        layer.bytes_sent += nbytes
-
     def layer_table(self) -> list[dict[str, Any]]:
         """One row per parameter: size, steps, bytes sent, compression ratio and residual norm."""
-        residuals = self.compressor.residual_store()
-        rows = []
-        for name, layer in self.layer_stats.items():
-            dense = 4 * layer.numel * layer.steps
-            residual = residuals.get(name)
-            rows.append(
-                {
-                    "layer": name,
-                    "numel": layer.numel,
-                    "compressed": layer.compressed,
-                    "steps": layer.steps,
-                    "bytes_sent": layer.bytes_sent,
-                    "compression_ratio": dense / layer.bytes_sent if layer.bytes_sent else None,
-                    "residual_norm": None if residual is None else float(torch.linalg.vector_norm(residual)),
-                }
-            )
-        return rows
+        return self.layer_stats.table(self.compressor.residual_store())
 
     def attach(self, model: DistributedDataParallel) -> None:
         """Learn the parameter names of ``model`` (compressor state is keyed by them)."""
-        self.param_names = {p.data_ptr(): name for name, p in model.module.named_parameters()}
+        self.layouts.attach(model.module)
         self.compressor.attach_parameters(dict(model.module.named_parameters()))
 
     # The HookState interface (lgc.ddp.protocol).
@@ -315,51 +232,21 @@ class CompressionHookState(HookState):
 
     def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[Segment, ...]:
         """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed."""
-        segments, offset = [], 0
-        for name, numel in names_and_numels:
-            segments.append(Segment(name, offset, numel, numel >= self.min_numel))
-            offset += numel
-        return tuple(segments)
-
-    def layout(self, bucket: dist.GradBucket) -> _BucketLayout:
-        """The bucket's segments, cached per bucket index and rebuilt when the bucket changes."""
-        params = bucket.parameters()
-        signature = (bucket.buffer().numel(), *(p.data_ptr() for p in params))
-        cached = self.bucket_layouts.get(bucket.index())
-        if cached is not None and cached.signature == signature:
-            return cached
-        names = [self.param_names.get(param.data_ptr()) for param in params]
-        if None in names:
-            raise RuntimeError("a bucket holds a parameter the hook state does not know; call attach(model)")
-        segments = self.segments([(name, param.numel()) for name, param in zip(names, params, strict=True)])
-        total = sum(s.numel for s in segments)
-        if total != bucket.buffer().numel():
-            raise RuntimeError(f"bucket {bucket.index()} has {bucket.buffer().numel()} elements, parameters {total}")
-        layout = _BucketLayout(signature, segments)
-        self.bucket_layouts[bucket.index()] = layout
-        return layout
+        return split_segments(names_and_numels, self.min_numel)
 
     # The state travels to spawned workers and into checkpoints without its process group.
     def __getstate__(self) -> dict[str, Any]:
         slots = [slot for cls in type(self).__mro__ for slot in getattr(cls, "__slots__", ())]
         state = {slot: getattr(self, slot) for slot in slots}
-        state.update(process_group=None, param_names={}, bucket_layouts={}, begun_step=-1, seed_shared=False)
-        state.update(
-            pending=[],
-            ahead=[],
-            ahead_maxima=[],
-            nonfinite_lock=None,
-            nonfinite_step=-1,
-            loss_scale=None,
-            step_scale=1.0,
-        )
-        state.update(codec_seconds={"encode": 0.0, "decode": 0.0}, buffer_sync=None)
+        state.update(process_group=None, layouts=BucketLayouts(), begun_step=-1, seed_shared=False, pending=[])
+        state.update(ahead=None, loss_scale=None, step_scale=1.0, codec_seconds={"encode": 0.0, "decode": 0.0})
+        state.update(buffer_sync=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
-        self.nonfinite_lock = threading.Lock()
+        self.ahead = EncodeAhead(self) if self.overlap else None
 
     # -- the step guard ---------------------------------------------------------------------------
     @property
@@ -376,135 +263,14 @@ class CompressionHookState(HookState):
             run_holding([bucket.future for bucket in pending], lambda: self.run_step(pending))
         return future
 
-    def encode_ahead(
-        self, buffer: Tensor, segments: tuple[Segment, ...], is_last: bool
-    ) -> torch.futures.Future[Tensor]:
-        """Encode a bucket as it arrives and start its collectives; settle the step at its last bucket.
-
-        The compressor encodes every compressed parameter of the bucket into held state
-        (``compress_pending``: :meth:`~lgc.compressors.ErrorFeedback.compress_pending`,
-        :meth:`~lgc.compressors.DGCCompressor.compress_pending`) and the allgather of the payloads
-        starts at once, in bucket order on every rank, while the backward pass goes on. ``buffer``
-        is left as it is. At the step's last bucket the ranks agree (:meth:`agree`, the same
-        reduction as without overlap), then (:meth:`settle`):
-
-        * a skipped step (inf/NaN on some rank): the held state is dropped and every bucket is
-          allreduced dense and unchanged (:meth:`pass_through`), as without overlap; the payloads
-          already sent are counted, and not decoded;
-        * otherwise the held state of the used parameters is committed, the others' dropped; the
-          parameters sent dense are allreduced then, the used ones bucket by bucket (the held
-          path's allreduces exactly, so a ring sums them in the same order), and every bucket is
-          decoded, a parameter unused on every rank left at its zero. A payload sent for a
-          parameter unused on every rank, or in a skipped step, is counted in the statistics.
-        """
-        future: torch.futures.Future[Tensor] = torch.futures.Future()
-        self.pending.append(PendingBucket(buffer, segments, future))
-        maxima = bucket_maxima(buffer, segments)
-        self.ahead_maxima.append(maxima)
-        # A rank that sees an inf or NaN knows the step will be skipped: it encodes zeros instead
-        # (its payloads are never decoded), so every compressor gets finite input and every rank
-        # issues the same collectives.
-        finite = bool(torch.isfinite(maxima).all())
-        source = buffer if finite else torch.zeros_like(buffer)
-        compressed = tuple(s for s in segments if s.compressed)
-        try:
-            self.ahead.append(PayloadExchange(self, source, compressed, self.iteration, pending=True))
-        except BaseException:
-            self.pending, self.ahead, self.ahead_maxima = [], [], []
-            self.drop_held()
-            raise
-        if is_last:
-            pending, self.pending = self.pending, []
-            exchanges, self.ahead = self.ahead, []
-            tables, self.ahead_maxima = self.ahead_maxima, []
-            run_holding([bucket.future for bucket in pending], lambda: self.settle(pending, exchanges, tables))
-        return future
-
-    def settle(self, pending: list[PendingBucket], exchanges: list[PayloadExchange], maxima: list[Tensor]) -> None:
-        """The end of a step encoded ahead (:meth:`encode_ahead`): agree, then commit and decode, or pass it through."""
-        # Whatever raises before the commit drops the held step (decoding reads no held state, so
-        # the commit comes last).
-        try:
-            verdict = self.agree(pending, maxima)
-            torch.futures.wait_all([future for exchange in exchanges for future in exchange.futures])
-            if verdict.skip:
-                self.drop_held()
-                self.pass_through(pending)
-            else:
-                step = self.iteration
-                dense = [
-                    PayloadExchange(
-                        self, b.buffer, tuple(s for s in b.segments if not s.compressed), step, used=verdict.used
-                    )
-                    for b in pending
-                ]
-                for sent_dense, exchange, bucket in zip(dense, exchanges, pending, strict=True):
-                    torch.futures.wait_all(sent_dense.futures)
-                    sent_dense.finish()
-                    bucket.future.set_result(exchange.finish(verdict.used))
-                self.holder.commit(verdict.used)
-                self.iteration = step + 1
-        except BaseException:
-            self.drop_held()
-            raise
-        self.step_done(skipped=verdict.skip)
-        self.scale_back(pending)
-
-    def drop_held(self) -> None:
-        """Drop a step encoded ahead (skipped, or failed): the compressor's held state and its schedule.
-
-        ``begin_step`` ran at the step's first bucket, before the agreement; the compressor undoes
-        what it moved (DGC's warm-up epoch) and the step that retries this one begins it again, so
-        a skipped step leaves the state as the held path, which never began it, does.
-        """
-        self.holder.drop()
-        self.begun_step = -1
-
-    @property
-    def holder(self) -> HoldsSteps:
-        """The compressor, which holds steps back (``overlap`` is refused at construction otherwise)."""
-        assert isinstance(self.compressor, HoldsSteps), self.compressor
-        return self.compressor
-
-    def agree(self, pending: list[PendingBucket], maxima: list[Tensor] | None = None) -> StepVerdict:
-        """One small allreduce (MAX of a byte per parameter, plus one) that every rank decides the step by.
-
-        Each rank looks at its own gradients once (every parameter's largest magnitude, per bucket:
-        finite? nonzero?; ``maxima``: those already taken, one per bucket, see
-        :func:`bucket_maxima`); the reduction tells every rank whether some rank saw an inf or
-        NaN, and which parameters have a nonzero gradient on some rank. Its bytes are counted like
-        any other collective's.
-        """
-        names = [s.name for bucket in pending for s in bucket.segments]
-        if maxima is None:
-            maxima = [bucket_maxima(bucket.buffer, bucket.segments) for bucket in pending]
-        table = torch.cat(maxima).float()
-        finite = torch.isfinite(table).all()
-        # NaN != 0 is True, so a NaN parameter also counts as used (it is skipped anyway).
-        flags = torch.cat([(~finite).reshape(1), table != 0]).to(torch.uint8)
-        flags = agree_flags(self.stats, flags, self.process_group)
-        used = frozenset(name for name, flag in zip(names, flags[1:].tolist(), strict=True) if flag)
-        return StepVerdict(skip=bool(flags[0]), used=used)
-
-    def allreduce_dense(self, pending: list[PendingBucket]) -> None:
-        """Every bucket allreduced dense and unchanged (what plain DDP does); their futures completed."""
-        allreduce_as_they_are(self.stats, [bucket.buffer for bucket in pending], self.process_group)
-        for bucket in pending:
-            bucket.future.set_result(bucket.buffer)
-
-    def pass_through(self, pending: list[PendingBucket]) -> None:
-        """A skipped step: :meth:`allreduce_dense`, counted in ``skipped_steps``; no state touched."""
-        self.allreduce_dense(pending)
-        self.stats.skipped_steps += 1
-
     def run_step(self, pending: list[PendingBucket]) -> None:
         """Run one guarded step over all its buckets and complete their futures.
 
         Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared.
         """
-        verdict = self.agree(pending)
+        verdict = agree_on_step(self.stats, self.process_group, pending)
         if verdict.skip:
-            self.pass_through(pending)
+            complete_dense(self.stats, self.process_group, pending, skipped=True)
         else:
             step = self.iteration
             self.compress_step(pending, verdict.used, step)
@@ -556,42 +322,32 @@ class CompressionHookState(HookState):
             torch.futures.wait_all(exchange.futures)
             bucket.future.set_result(exchange.finish())
 
-    def note_result(self, step: int, result: Tensor) -> Tensor:
-        """Stateless compressors: count a step whose averaged gradient is non-finite as skipped."""
-        if not all_finite(result):
-            with self.nonfinite_lock:
-                if self.nonfinite_step != step:
-                    self.nonfinite_step = step
-                    self.stats.skipped_steps += 1
-        return result
-
     def state_dict(self) -> dict[str, Any]:
         """This worker's state: compressor state (residuals), iteration counter and statistics."""
         return {
             "compressor": self.compressor.state_dict(),
             "iteration": self.iteration,
             "stats": asdict(self.stats),
-            "layers": {name: asdict(layer) for name, layer in self.layer_stats.items()},
+            "layers": self.layer_stats.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.compressor.load_state_dict(state["compressor"])
         self.iteration = int(state["iteration"])
         self.stats = CommStats(**state["stats"])
-        self.layer_stats = {name: LayerStats(**layer) for name, layer in state["layers"].items()}
+        self.layer_stats.load_state_dict(state["layers"])
 
 
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Average one bucket of gradients across workers with ``state.compressor``.
 
-    Register it with :func:`register_compression_hook` rather than directly, so parameter names
-    are known.
+    Register it with :func:`register_compression_hook`, not directly: it needs the parameter names.
     """
     world_size = dist.get_world_size(state.process_group)
     buffer = bucket.buffer()
     state.stats.hook_calls += 1
     counted.book_dense_equivalent(state.stats, buffer, state.process_group)
-    segments = state.layout(bucket).segments
+    segments = state.layouts.segments(bucket, state.min_numel)
     iteration = state.iteration
 
     if iteration < state.start_iter:
@@ -599,19 +355,19 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         if bucket.is_last():
             state.iteration += 1
         for segment in segments:
-            state.book_layer(segment.name, segment.numel, False, segment.numel * buffer.element_size())
+            state.layer_stats.book(segment.name, segment.numel, False, segment.numel * buffer.element_size())
         return counted.all_reduce(state.stats, buffer, state.process_group).then(lambda fut: fut.value()[0])
 
     state.unscale(buffer, world_size)
     if state.guards_steps:
-        if state.overlap:
-            return state.encode_ahead(buffer, segments, bucket.is_last())
+        if state.ahead is not None:
+            return state.ahead.bucket(buffer, segments, bucket.is_last())
         return state.defer(buffer, segments, bucket.is_last())
     if bucket.is_last():
         state.iteration += 1
     scale = state.step_scale
     return average_compressed(state, buffer, segments, iteration).then(
-        lambda fut: state.note_result(iteration, fut.value() if scale == 1.0 else fut.value().mul_(scale))
+        lambda fut: state.skips.note(state.stats, iteration, fut.value() if scale == 1.0 else fut.value().mul_(scale))
     )
 
 
@@ -626,19 +382,9 @@ def register_compression_hook(
 ) -> CompressionHookState:
     """Make ``model`` average its gradients through ``compressor``; works on gloo and NCCL.
 
-    Args:
-        model: a :class:`~torch.nn.parallel.DistributedDataParallel` model (any DDP program).
-        compressor: e.g. ``ErrorFeedback(TopKCompressor(density=0.01))``.
-        min_numel: parameters with fewer elements go dense (``None``: the method's own, see
-            :class:`CompressionHookState`).
-        start_iter: plain-allreduce iterations before compression starts (``None``: the method's
-            own, see :class:`CompressionHookState`).
-        process_group: group to communicate in (default: the world).
-        overlap: encode and send every bucket as it arrives (see :class:`CompressionHookState`).
-
-    Returns:
-        The hook state: its ``stats`` count bytes; save ``state_dict()`` with every rank's
-        checkpoint, because residuals differ between ranks.
+    ``model`` is a :class:`~torch.nn.parallel.DistributedDataParallel` model (any DDP program); the
+    keywords are :class:`CompressionHookState`'s. Returns the hook state: its ``stats`` count bytes;
+    save ``state_dict()`` with every rank's checkpoint, because residuals differ between ranks.
 
     Example::
 

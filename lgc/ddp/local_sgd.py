@@ -35,7 +35,7 @@ Steps:
 1. The DDP hook returns each worker's own gradient untouched (no bytes).
 2. After every optimizer step, :meth:`CommunicationDelayState.after_optimizer_step` counts local
    steps; on every ``delay``-th (a fragment's turn) it averages the pseudo-gradients through the
-   gradient hook's step guard and exchange (:meth:`lgc.ddp.CompressionHookState.agree` and
+   gradient hook's step guard and exchange (:func:`lgc.ddp.step_guard.agree_on_step` and
    ``compress_step``: the same collectives and byte accounting), applies the outer step and moves
    every worker to the new synchronized weights.
 
@@ -75,7 +75,7 @@ from lgc.ddp.local_step_hook import (
 )
 from lgc.ddp.outer_step import OUTER_OPTIMIZERS, OuterStep
 from lgc.ddp.protocol import HookState, RunTooShort
-from lgc.ddp.step_guard import PendingBucket
+from lgc.ddp.step_guard import PendingBucket, agree_on_step
 from lgc.validation import Momentum, PositiveFloat, PositiveInt, check
 
 __all__ = ["OUTER_OPTIMIZERS", "CommunicationDelayState", "local_step_hook", "register_communication_delay"]
@@ -317,7 +317,7 @@ class CommunicationDelayState(HookState):
         # rank's weights went non-finite (a local step without a GradScaler to skip it) and which
         # parameters did not move anywhere.
         pending = [PendingBucket(update, segments, torch.futures.Future())]
-        verdict = self.exchange_state.agree(pending)
+        verdict = agree_on_step(self.stats, self.process_group, pending)
         if verdict.skip:
             # A rank's update is inf/NaN: no average can use it. Every rank returns to the last
             # synchronized weights (and buffers), and the residuals stay as they were.

@@ -43,7 +43,7 @@ from lgc.compressors.topk import TopKCompressor
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CompressionHookState
-from lgc.ddp.step_guard import PendingBucket
+from lgc.ddp.step_guard import PendingBucket, complete_dense
 from lgc.learned.byte_book import StageByteBook
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.plan import plan_step
@@ -319,7 +319,7 @@ class LGCHookState(CompressionHookState):
     def process_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         """Hold the bucket; the whole step runs at its last bucket, behind the step guard.
 
-        Every stage needs the whole step: the guard (:meth:`CompressionHookState.agree`) decides
+        Every stage needs the whole step: the guard (:func:`~lgc.ddp.step_guard.agree_on_step`) decides
         before any state moves, and the compressed stage encodes all parameters as one vector.
         DDP waits for the buckets' futures only at the end of the backward pass.
         """
@@ -328,7 +328,7 @@ class LGCHookState(CompressionHookState):
         self.unscale(buffer, world_size)
         self.stats.hook_calls += 1
         counted.book_dense_equivalent(self.stats, buffer, self.process_group)
-        return self.defer(buffer, self.layout(bucket).segments, bucket.is_last())
+        return self.defer(buffer, self.layouts.segments(bucket, self.min_numel), bucket.is_last())
 
     def step_done(self, skipped: bool) -> None:
         # Every step's bytes go to its stage; a skipped step's (guard and dense pass-through) to "skipped".
@@ -341,8 +341,8 @@ class LGCHookState(CompressionHookState):
             if dense:
                 for bucket in pending:
                     for s in bucket.segments:
-                        self.book_layer(s.name, s.numel, False, s.numel * bucket.buffer.element_size())
-                self.allreduce_dense(pending)
+                        self.layer_stats.book(s.name, s.numel, False, s.numel * bucket.buffer.element_size())
+                complete_dense(self.stats, self.process_group, pending)
                 return
             self.topk.density = self.schedule.warmup_density(step)
             super().compress_step(pending, used, step)
@@ -386,7 +386,7 @@ class LGCHookState(CompressionHookState):
             residuals=self.ef.residuals,
             stats=self.stats,
             group=self.process_group,
-            book_layer=self.book_layer,
+            book_layer=self.layer_stats.book,
             schedule=self.schedule,
             errors=self.errors,
             metrics=self.last_metrics,

@@ -264,7 +264,7 @@ def _same_sized_layers_in_separate_buckets(rank: int, world: int, steps: int) ->
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
         model(x).square().mean().backward()
         grads.append({name: p.grad.flatten().clone() for name, p in model.module.named_parameters()})
-    return {"grads": grads, "sent": compressor.sent_by_key, "buckets": len(state.bucket_layouts)}
+    return {"grads": grads, "sent": compressor.sent_by_key, "buckets": len(state.layouts)}
 
 
 def _both_scenarios(rank: int, world: int, steps: int) -> dict:

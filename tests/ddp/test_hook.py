@@ -61,7 +61,7 @@ def _compare_with_plain_ddp(rank: int, world: int, compressor, steps: int) -> di
         "stats": state.stats.as_dict(),
         "counted_sent": sum(n for kind, n in log if kind == "sent"),
         "counted_received": sum(n for kind, n in log if kind == "received"),
-        "buckets": len(state.bucket_layouts),
+        "buckets": len(state.layouts),
         "numels": [p.numel() for p in hooked.parameters()],
     }
 
@@ -217,7 +217,7 @@ def test_none_sends_half_precision_gradients_as_plain_ddp_does(dtype):
 def test_the_step_guard_look_sees_every_nan_and_inf_and_every_nonzero_parameter(reference_device, dtype):
     """bucket_maxima: each segment's largest magnitude; NaN and inf show wherever they sit in a large segment."""
     from lgc.ddp.exchange import Segment
-    from lgc.ddp.hook import bucket_maxima
+    from lgc.ddp.step_guard import bucket_maxima
 
     numels = [300_001, 0, 5, 70_000, 1]
     offsets = [sum(numels[:i]) for i in range(len(numels))]
