@@ -97,8 +97,15 @@ def test_every_experiment_builds_its_parts(name, tmp_path, data_roots):
         hydra.utils.instantiate(cfg.scheduler)(optimizer)
 
 
+#: The ResNet-50 and ResNet-101 LGC smoke variants differ from the others mainly in model size (their
+#: parts are built by test_every_experiment_builds_its_parts); they train with -m slow.
+LARGE_SMOKE = {"paper/lgc_cifar10_resnet50_smoke", "paper/lgc_cifar10_resnet101_smoke"}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", PAPER_SMOKE)
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow) if name in LARGE_SMOKE else name for name in PAPER_SMOKE]
+)
 def test_paper_smoke_variant_trains_on_fixtures(name, tmp_path, data_roots, cifar_checksums_patched):
     cfg = _compose(name, tmp_path, data_roots, "logger=csv", "ddp.start_method=fork")
     summary = train(cfg)
