@@ -34,7 +34,6 @@ from omegaconf import DictConfig, OmegaConf
 from lgc.comm import COMM_OPTIONS, Comm, DiLoCo, EveryStep, LocalSGD
 from lgc.compressors import Compressor, ErrorFeedback
 from lgc.compressors.base import compressor_chain
-from lgc.compressors.dgc import DGCCompressor
 from lgc.ddp.buffers import check_buffer_mode
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
@@ -319,8 +318,6 @@ def build_compressor(
                 f"{prefix}error_decay={node_decay!r} is the decay of error feedback's residual: it needs "
                 f"{prefix}error_feedback=true"
             )
-    if wrap or isinstance(built, ErrorFeedback):
-        _refuse_error_feedback_around_dgc(built)
     if not wrap:
         if error_decay is not None:
             raise ValueError(
@@ -328,18 +325,12 @@ def build_compressor(
                 f"without error feedback: pass {prefix}error_feedback=True, or a method whose yaml has it"
             )
         return built
+    if built.keeps_own_residual:
+        return ErrorFeedback(built)  # refuses, saying why
     try:
         return ErrorFeedback(built, decay=1.0 if decay is None else decay)
     except ValueError as err:
         raise ValueError(f"{prefix}error_decay: {err}") from None
-
-
-def _refuse_error_feedback_around_dgc(compressor: Any) -> None:
-    if any(isinstance(c, DGCCompressor) for c in compressor_chain(compressor)):
-        raise ValueError(
-            "DGC keeps its own error feedback (its accumulator holds what was not sent); ErrorFeedback around it "
-            "would feed the error back twice: pass DGCCompressor(...) itself, or 'dgc' without error_feedback=True"
-        )
 
 
 def _field_names(cls: type) -> list[str]:

@@ -210,6 +210,9 @@ class Compressor(abc.ABC):
     #: Whether what the compressor does not send is lost unless error feedback keeps it
     #: (sparsifiers, EF-signSGD): ``lgc.compress`` refuses it without error feedback unless told.
     needs_error_feedback: bool = False
+    #: Whether it keeps what it does not send itself (DGC's accumulator is its error feedback):
+    #: :class:`~lgc.compressors.ErrorFeedback` refuses to wrap it, which would feed the error back twice.
+    keeps_own_residual: bool = False
 
     def optimizer_settings_needed(self) -> tuple[str, ...]:
         """The optimizer settings this method must know before it runs (``"momentum"``, ``"weight_decay"``).

@@ -81,7 +81,6 @@ from lgc.compressors.base import (
     compressor_chain,
     keyed_seed,
 )
-from lgc.compressors.error_feedback import ErrorFeedback
 from lgc.compressors.selection import ColumnScan, SelectionInfo, exact_topk, sampled_topk
 from lgc.compressors.topk import (
     ScatterAddAggregation,
@@ -219,6 +218,7 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
 
     combine = CombineMode.GATHER
     variable_size = True
+    keeps_own_residual = True
 
     def __init__(
         self,
@@ -651,14 +651,14 @@ def check_optimizer_momentum(
     weight_decay: float | None = None,
     sources: tuple[str, str] = OPTIMIZER_SOURCES,
 ) -> None:
-    """Refuse DGC combined with optimizer momentum or optimizer weight decay, or DGC inside error feedback.
+    """Refuse DGC combined with optimizer momentum or optimizer weight decay.
 
     DGC's momentum correction already sends heavy-ball updates; momentum in the optimizer as well
     would apply it twice. A DGC with ``weight_decay > 0`` adds the decay (with its own momentum) to
-    the averaged update; decay in the optimizer as well would apply it twice. Its accumulator is the
-    error-feedback residual, so :class:`~lgc.compressors.ErrorFeedback` around it would feed the
-    error back twice. Anything that is not (and does not wrap, via ``.compressor``) a
-    :class:`DGCCompressor` passes. The one set of rules ``lgc-train`` and ``lgc.compress`` apply.
+    the averaged update; decay in the optimizer as well would apply it twice. (Error feedback around
+    it is refused where it is built: DGC declares ``keeps_own_residual``.) Anything that is not (and
+    does not wrap, via ``.compressor``) a :class:`DGCCompressor` passes. The one set of rules
+    ``lgc-train`` and ``lgc.compress`` apply.
 
     Args:
         compressor: a compressor, a wrapper such as ``ErrorFeedback``, or a hook state.
@@ -667,11 +667,10 @@ def check_optimizer_momentum(
         sources: where the two values come from, named in the messages.
 
     Raises:
-        ValueError: if a DGC compressor meets a nonzero optimizer momentum, a nonzero optimizer
-            weight decay while it applies its own, or error feedback.
+        ValueError: if a DGC compressor meets a nonzero optimizer momentum, or a nonzero optimizer
+            weight decay while it applies its own.
     """
-    chain = compressor_chain(compressor)
-    dgc = next((c for c in chain if isinstance(c, DGCCompressor)), None)
+    dgc = next((c for c in compressor_chain(compressor) if isinstance(c, DGCCompressor)), None)
     if dgc is None:
         return
     momentum_source, decay_source = sources
@@ -691,8 +690,6 @@ def check_optimizer_momentum(
             "SGD(momentum, weight_decay) and DGC's authors do), or DGC's to 0 (lgc-train: compressor.weight_decay=0) "
             "to keep the decay in the optimizer, where it acts outside the momentum, (1 - momentum) times as strong"
         )
-    if any(isinstance(c, ErrorFeedback) for c in chain):
-        raise ValueError("DGC keeps its own error feedback (its accumulator v); set compressor.error_feedback=false")
 
 
 class _SampleStart:

@@ -73,6 +73,13 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
     def __init__(self, compressor: Compressor, decay: PositiveFraction = 1.0, bucketed: bool | None = None) -> None:
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("error feedback is already applied; do not wrap ErrorFeedback twice")
+        if compressor.keeps_own_residual:
+            name = type(compressor).__name__
+            raise ValueError(
+                f"{name.removesuffix('Compressor')} keeps its own error feedback (its accumulator holds what was not "
+                f"sent); ErrorFeedback around it would feed the error back twice: pass {name}(...) itself "
+                "(lgc-train: compressor.error_feedback=false; lgc.compress: without error_feedback=True)"
+            )
         check("decay", decay, PositiveFraction)
         if bucketed is not None and not isinstance(bucketed, bool):
             raise ValueError(f"bucketed must be None, True or False, got {bucketed!r}")
