@@ -476,7 +476,8 @@ class ForwardsHookCalls:
     """Mixin for a compressor that wraps another (``self.compressor``): the hook's calls reach the inner one.
 
     The per-step and per-run calls that configure a compressor rather than encode for it (rank,
-    world size, parameters, step, epoch, dense small tensors, the finished aggregate) are forwarded, so a wrapper
+    world size, parameters, step, epoch, dense small tensors, the finished aggregate, the optimizer's
+    rules) are forwarded, so a wrapper
     (:class:`~lgc.compressors.ErrorFeedback`, :class:`~lgc.compressors.QuantizedValues`) cannot
     forget one. Put it before :class:`Compressor` in the bases.
     """
@@ -516,3 +517,11 @@ class ForwardsHookCalls:
 
     def set_rank(self, rank: int) -> None:
         self.compressor.set_rank(rank)
+
+    def optimizer_settings_needed(self) -> tuple[str, ...]:
+        return self.compressor.optimizer_settings_needed()
+
+    def check_optimizer(
+        self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
+    ) -> None:
+        self.compressor.check_optimizer(momentum, weight_decay, sources=sources)

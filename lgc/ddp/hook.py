@@ -173,10 +173,6 @@ class CompressionHookState(HookState):
         self.buffer_sync: module_buffers.BufferSync | None = None
         self.buffers = buffers
 
-    def layer_table(self) -> list[dict[str, Any]]:
-        """One row per parameter: size, steps, bytes sent, compression ratio and residual norm."""
-        return self.layer_stats.table(self.compressor.residual_store())
-
     def attach(self, model: DistributedDataParallel) -> None:
         """Learn the parameter names of ``model`` (compressor state is keyed by them)."""
         self.layouts.attach(model.module)
@@ -205,17 +201,19 @@ class CompressionHookState(HookState):
     def gathers_payloads(self) -> bool:
         return self.compressor.combine is CombineMode.GATHER
 
+    def optimizer_settings_needed(self) -> tuple[str, ...]:
+        return self.compressor.optimizer_settings_needed()
+
+    def check_optimizer(self, momentum: float, weight_decay: float | None, **sources: tuple[str, str]) -> None:
+        self.compressor.check_optimizer(momentum, weight_decay, **sources)
+
     def residual_norm(self) -> float | None:
         """Norm of the error-feedback residuals, or None for compressors without residuals."""
         return self.compressor.residual_norm()
 
-    def metrics(self) -> dict[str, float]:
-        """Method-specific metrics to log every step besides ``comm/*`` (LGC: ``lgc/stage``, ...)."""
-        return {}
-
     def summary_extras(self) -> dict[str, Any]:
         """Method-specific fields for this worker's entry in ``summary.json`` (and its per-layer table)."""
-        return {"layers": self.layer_table()}
+        return {"layers": self.layer_stats.table(self.compressor.residual_store())}
 
     def codec_times(self) -> dict[str, float] | None:
         return self.codec_seconds

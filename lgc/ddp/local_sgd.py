@@ -189,6 +189,12 @@ class CommunicationDelayState(HookState):
     def compressor(self) -> Compressor:
         return self.exchange_state.compressor
 
+    def optimizer_settings_needed(self) -> tuple[str, ...]:
+        return self.exchange_state.optimizer_settings_needed()
+
+    def check_optimizer(self, momentum: float, weight_decay: float | None, **sources: tuple[str, str]) -> None:
+        self.exchange_state.check_optimizer(momentum, weight_decay, **sources)
+
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         return self.exchange_state.process_group

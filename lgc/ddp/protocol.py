@@ -30,10 +30,9 @@ object of another class is a hook state too if it has every member (``isinstance
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from lgc.compressors.base import OPTIMIZER_SOURCES, Compressor, compressor_chain
+from lgc.compressors.base import OPTIMIZER_SOURCES
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -118,8 +117,8 @@ class HookState(Protocol):
         return {}
 
     def optimizer_settings_needed(self) -> tuple[str, ...]:
-        """The optimizer settings the method must know before it runs (its compressors', in order)."""
-        return tuple(dict.fromkeys(n for c in _compressors(self) for n in c.optimizer_settings_needed()))
+        """The optimizer settings the method must know before it runs (its compressor's; none by default)."""
+        return ()
 
     def check_optimizer(
         self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
@@ -127,11 +126,9 @@ class HookState(Protocol):
         """Refuse an optimizer that applies what the method applies itself (DGC's momentum and decay, DeMo's momentum).
 
         ``weight_decay=None``: not known, not checked; ``sources`` name the values in the messages.
-        Each compressor along the chain applies its own rules
-        (:meth:`lgc.compressors.Compressor.check_optimizer`).
+        A state that runs a compressor applies its rules
+        (:meth:`lgc.compressors.Compressor.check_optimizer`, forwarded by wrappers); nothing by default.
         """
-        for compressor in _compressors(self):
-            compressor.check_optimizer(momentum, weight_decay, sources=sources)
 
     def check_run(self, model: nn.Module, world_size: int, total_steps: int | None) -> None:
         """Refuse a run the method cannot serve, before any worker starts (and learn its world size)."""
@@ -174,8 +171,3 @@ class HookState(Protocol):
     def global_model(self) -> contextlib.AbstractContextManager[None]:
         """Entered around evaluation: the model every worker agrees on (under local steps, the synchronized one)."""
         return contextlib.nullcontext()
-
-
-def _compressors(state: Any) -> Iterator[Compressor]:
-    """The compressors along a hook state's chain (wrappers, then what they wrap)."""
-    return (c for c in compressor_chain(state) if isinstance(c, Compressor))
