@@ -277,7 +277,9 @@ class RunSummary(pl.Callback):
     the workers: what ``fit_time_s`` depends on), ``hydra``: the option of every config group and
     the overrides the run was given (:func:`lgc.train.hydra_record`; what ``lgc-report`` labels runs by), when known,
     ``provenance``: the commit the run's code came from, whether its tracked files had changes, and
-    the versions of lgc, torch, Lightning and torchvision (:func:`lgc.provenance.run_provenance`). An
+    the versions of lgc, torch, Lightning and torchvision (:func:`lgc.provenance.run_provenance`); a run
+    resumed from a checkpoint adds ``earlier_segments``, each earlier segment's provenance, fit time
+    and last saved step (the checkpoints carry them), since ``fit_time_s`` is this segment's. An
     LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
     start from with ``compressor.autoencoder.init=PATH``.
     ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
@@ -297,6 +299,19 @@ class RunSummary(pl.Callback):
         self._start = time.perf_counter()
         # CPU seconds spent in training steps, the steps timed, and the current step's start.
         self._step_cpu_s, self._timed_steps, self._batch_cpu = 0.0, 0, None
+        #: What the checkpoint this run resumed from recorded of the run's earlier segments.
+        self.earlier_segments: list[dict[str, Any]] = []
+        self._step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """In every checkpoint: the segments so far, this one as of the checkpoint's step."""
+        # Plain JSON values (torch's version string is a class of its own, which weights-only loading refuses).
+        provenance = json.loads(json.dumps(self.provenance))
+        now = {"provenance": provenance, "fit_time_s": time.perf_counter() - self._start, "step": self._step}
+        return {"segments": [*self.earlier_segments, now]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.earlier_segments = list(state_dict["segments"])
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
@@ -314,6 +329,7 @@ class RunSummary(pl.Callback):
             self._step_cpu_s += time.process_time() - self._batch_cpu
             self._timed_steps += 1
             self._batch_cpu = None
+        self._step = trainer.global_step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step_cpu_ms = 1000 * self._step_cpu_s / self._timed_steps if self._timed_steps else None
@@ -359,6 +375,8 @@ class RunSummary(pl.Callback):
             summary["hydra"] = self.hydra
         if self.provenance is not None:
             summary["provenance"] = self.provenance
+        if self.earlier_segments:
+            summary["earlier_segments"] = self.earlier_segments
         if all("lgc" in w for w in workers):
             summary["lgc_stages"] = _stage_totals([w["lgc"]["stages"] for w in workers])
             if "true_error" in workers[0]["lgc"]:

@@ -10,6 +10,7 @@ LGC-RAR's compressed stage.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,13 @@ def test_lgc_rar_stopped_by_max_steps_in_its_compressed_stage_resumes_bit_identi
     assert loader_state["_sampler_iter_state"]["sampler_state"] == {"epoch": 1, "yielded": 5 * 32, "replicas": 2}
     assert checkpoint["lgc"]["world_size"] == 2
     assert checkpoint["lgc"]["compressor"]["_target_"].endswith("LGCRingAllreduceState")
+    # The resumed run's summary names the segment before it: its commit, fit time and last step.
+    first = json.loads((tmp_path / "max_steps13" / "first" / "summary.json").read_text())
+    resumed = json.loads((tmp_path / "max_steps13" / "resumed" / "summary.json").read_text())
+    (earlier,) = resumed["earlier_segments"]
+    assert earlier["provenance"] == first["provenance"] and earlier["step"] == 13
+    assert 0 < earlier["fit_time_s"] <= first["fit_time_s"]
+    assert "earlier_segments" not in first
 
 
 def test_shared_index_int8_stopped_in_its_compressed_stage_resumes_bit_identically(tmp_path):
