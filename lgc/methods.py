@@ -39,6 +39,7 @@ from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.local_step_hook import local_step_exchange
 from lgc.ddp.torch_hooks import TorchHookState
+from lgc.validation import PositiveFraction, check
 
 __all__ = ["METHODS", "Comm", "Method", "build_compressor", "build_hook_state", "instantiate"]
 
@@ -325,12 +326,8 @@ def build_compressor(
                 f"without error feedback: pass {prefix}error_feedback=True, or a method whose yaml has it"
             )
         return built
-    if built.keeps_own_residual:
-        return ErrorFeedback(built)  # refuses, saying why
-    try:
-        return ErrorFeedback(built, decay=1.0 if decay is None else decay)
-    except ValueError as err:
-        raise ValueError(f"{prefix}error_decay: {err}") from None
+    # The decay named as the config field it came from; ErrorFeedback refuses what it cannot wrap itself.
+    return ErrorFeedback(built, decay=check(f"{prefix}error_decay", 1.0 if decay is None else decay, PositiveFraction))
 
 
 def _field_names(cls: type) -> list[str]:

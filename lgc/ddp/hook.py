@@ -50,7 +50,7 @@ from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, encod
 from lgc.ddp.layer_stats import LayerLedger
 from lgc.ddp.layout import BucketLayouts, split_segments
 from lgc.ddp.overlap import EncodeAhead
-from lgc.ddp.protocol import HookState
+from lgc.ddp.protocol import OPTIMIZER_SOURCES, HookState
 from lgc.ddp.step_guard import PendingBucket, SkipCounter, agree_on_step, complete_dense, run_holding
 
 __all__ = ["CompressionHookState", "compression_hook", "register_compression_hook"]
@@ -204,8 +204,10 @@ class CompressionHookState(HookState):
     def optimizer_settings_needed(self) -> tuple[str, ...]:
         return self.compressor.optimizer_settings_needed()
 
-    def check_optimizer(self, momentum: float, weight_decay: float | None, **sources: tuple[str, str]) -> None:
-        self.compressor.check_optimizer(momentum, weight_decay, **sources)
+    def check_optimizer(
+        self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
+    ) -> None:
+        self.compressor.check_optimizer(momentum, weight_decay, sources=sources)
 
     def residual_norm(self) -> float | None:
         """Norm of the error-feedback residuals, or None for compressors without residuals."""

@@ -74,7 +74,7 @@ from lgc.ddp.local_step_hook import (
     register_communication_delay,
 )
 from lgc.ddp.outer_step import OUTER_OPTIMIZERS, OuterStep
-from lgc.ddp.protocol import HookState, RunTooShort
+from lgc.ddp.protocol import OPTIMIZER_SOURCES, HookState, RunTooShort
 from lgc.ddp.step_guard import PendingBucket, agree_on_step
 from lgc.validation import Momentum, PositiveFloat, PositiveInt, check
 
@@ -192,8 +192,10 @@ class CommunicationDelayState(HookState):
     def optimizer_settings_needed(self) -> tuple[str, ...]:
         return self.exchange_state.optimizer_settings_needed()
 
-    def check_optimizer(self, momentum: float, weight_decay: float | None, **sources: tuple[str, str]) -> None:
-        self.exchange_state.check_optimizer(momentum, weight_decay, **sources)
+    def check_optimizer(
+        self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
+    ) -> None:
+        self.exchange_state.check_optimizer(momentum, weight_decay, sources=sources)
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:

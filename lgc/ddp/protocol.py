@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
     from lgc.ddp.collectives import CommStats
 
-__all__ = ["HookState", "RunTooShort"]
+# OPTIMIZER_SOURCES (lgc.compressors.base's): check_optimizer's default, for the states that implement it.
+__all__ = ["OPTIMIZER_SOURCES", "HookState", "RunTooShort"]
 
 
 class RunTooShort(ValueError):
