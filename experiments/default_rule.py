@@ -28,7 +28,7 @@ from lgc_verdict import CELLS, MARGIN, MARKS, MAX_SEEDS, MIN_PAIRED, load_cell, 
 
 HERE = Path(__file__).parent
 #: LGC-RAR's lean codec (experiment=embedded/lgc_rar_lean) as lgc-bench step names it.
-LEAN = "lgc_rar:codec=linear;latent_dtype=int8;index_coding=golomb;value_order=position"
+LEAN = "lgc_rar:training.codec=linear;latent_dtype=int8;leaders.index_coding=golomb;leaders.value_order=position"
 #: The comparison's method -> the row of experiments/step_cost.sh's tables that times the same setup
 #: (None: not timed there, so not admitted).
 STEP_ROWS = {
@@ -43,7 +43,7 @@ STEP_ROWS = {
     "shared_topk_int8": "shared_topk:values=int8;measure_error=true",
     "shared_topk_fp16": "shared_topk:values=float16;measure_error=false",
     "lgc_rar": "lgc_rar",
-    "lgc_rar_linear": "lgc_rar:codec=linear",
+    "lgc_rar_linear": "lgc_rar:training.codec=linear",
     "demo": "demo",
     "signsgd": "signsgd",
     "sbc_delay": "sbc:delay=4",

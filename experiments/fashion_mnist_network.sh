@@ -21,7 +21,7 @@ out=${1:-experiments/results/fashion_mnist_network}
 methods="none,torch_fp16,powersgd,dgc:steps_per_epoch=6,shared_topk_int8,sbc:delay=4,sbc:delay=4;min_numel=0"
 methods+=",none:delay=10;outer=sgd,sparseloco:delay=10,demo:lr=0.003,lgc_rar"
 methods+=",shared_topk_int8:delay=4;min_numel=0"
-methods+=",lgc_rar:delay=4;min_numel=0;codec=linear;warmup_steps=1;ae_steps=20;latent_dtype=int8;index_coding=golomb;value_order=position"
+methods+=",lgc_rar:delay=4;min_numel=0;training.codec=linear;stages.warmup_steps=1;stages.ae_steps=20;latent_dtype=int8;leaders.index_coding=golomb;leaders.value_order=position"
 lgc-bench network --task fashion_mnist --workers 4 --bandwidth "${BANDWIDTHS:-100mbit,1gbit}" \
   --seeds "${SEEDS:-0,1,2}" --steps "${STEPS:-1000}" --eval-every 50 --target "${TARGET:-0.86}" \
   --methods "$methods" --out "$out"

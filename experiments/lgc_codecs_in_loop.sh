@@ -16,10 +16,10 @@ out=${1:-outputs/lgc_codecs_in_loop}
 results=${RESULTS:-experiments/results/lgc_codecs_in_loop}
 declare -A variant=(
   [linear]=""
-  [linear_leader]="compressor.codec_samples=leader"
-  [pcaae]="compressor.codec=pca_autoencoder +compressor.pca_hidden=64 compressor.loss_weights.similarity=0"
-  [ae]="compressor.codec=autoencoder"
-  [ae_w025]="compressor.codec=autoencoder compressor.autoencoder.width=0.25"
+  [linear_leader]="compressor.training.samples=leader"
+  [pcaae]="compressor.training.codec=pca_autoencoder compressor.training.pca_hidden=64 compressor.training.loss_weights.similarity=0"
+  [ae]="compressor.training.codec=autoencoder"
+  [ae_w025]="compressor.training.codec=autoencoder compressor.training.autoencoder.width=0.25"
 )
 for seed in ${SEEDS:-0 1 2}; do
   for name in ${VARIANTS:-linear linear_leader pcaae ae ae_w025}; do

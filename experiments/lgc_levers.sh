@@ -14,8 +14,8 @@ out=${1:-outputs/lgc_ablation}
 epochs=${EPOCHS:-46}
 common=(data.partition=dirichlet data.alpha=0.3 "trainer.max_epochs=$epochs" "scheduler.T_max=$epochs"
         logger=csv trainer.enable_progress_bar=false ddp.oversubscribe=true)
-narrow=(compressor.autoencoder.encoder_channels=[16,32,64,16] compressor.autoencoder.decoder_channels=[16,32,32,16])
-golomb=(compressor.index_coding=golomb compressor.value_order=position)
+narrow=(compressor.training.autoencoder.encoder_channels=[16,32,64,16] compressor.training.autoencoder.decoder_channels=[16,32,32,16])
+golomb=(compressor.leaders.index_coding=golomb compressor.leaders.value_order=position)
 for workers in ${WORKERS:-8}; do
   batch=$((64 / workers))
   run() {
@@ -24,7 +24,7 @@ for workers in ${WORKERS:-8}; do
     lgc-train "${common[@]}" "trainer.devices=$workers" "data.batch_size=$batch" output_dir="$out/w$workers/$name" "$@"
   }
   for density in ${DENSITIES:-0.01}; do
-    d=(compressor.density="$density" compressor.warmup_steps=1)
+    d=(compressor.density="$density" compressor.stages.warmup_steps=1)
     lgc=(experiment=embedded/lgc_rar "${d[@]}" compressor.measure_error=true)
     run "lgc_rar_w1_$density" "${lgc[@]}"
     run "shared_fp16_w1_$density" experiment=embedded/shared_topk "${d[@]}" compressor.values=float16
@@ -32,8 +32,8 @@ for workers in ${WORKERS:-8}; do
     run "lgc_rar_w1_golomb_fp16_$density" "${lgc[@]}" "${golomb[@]}" compressor.latent_dtype=float16
     run "shared_int8_w1_golomb_$density" experiment=embedded/shared_topk_int8 "${d[@]}" "${golomb[@]}"
     run "lgc_rar_w1_narrow_$density" "${lgc[@]}" "${narrow[@]}"
-    run "lgc_rar_w1_init_$density" "${lgc[@]}" compressor.ae_steps=0 \
-      "compressor.autoencoder.init=$out/w$workers/lgc_rar_w1_$density/codec.pt"
+    run "lgc_rar_w1_init_$density" "${lgc[@]}" compressor.stages.ae_steps=0 \
+      "compressor.training.autoencoder.init=$out/w$workers/lgc_rar_w1_$density/codec.pt"
   done
 done
 lgc-report "$out" --out "$out/report"

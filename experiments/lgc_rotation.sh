@@ -32,14 +32,14 @@ codec() {  # codec NAME DENSITY ARGS...: the codec with each leader
   for leader in ${LEADERS:-rotating fixed}; do
     local rotate=false
     [ "$leader" = rotating ] && rotate=true
-    run "${name}_${density}_$leader" compressor.density="$density" compressor.rotate_leader=$rotate "$@"
+    run "${name}_${density}_$leader" compressor.density="$density" compressor.leaders.rotate=$rotate "$@"
   done
 }
 codecs() {  # codecs DENSITY: every leader-index codec with each leader
   local density=$1
   codec lgc_rar "$density" experiment=embedded/lgc_rar compressor.measure_error=true
-  codec shared_int8_w1_golomb "$density" experiment=embedded/shared_topk_int8 compressor.warmup_steps=1 \
-    compressor.index_coding=golomb compressor.value_order=position
+  codec shared_int8_w1_golomb "$density" experiment=embedded/shared_topk_int8 compressor.stages.warmup_steps=1 \
+    compressor.leaders.index_coding=golomb compressor.leaders.value_order=position
   codec lgc_ps "$density" experiment=embedded/lgc_ps compressor.measure_error=true \
     compressor.innovation_density="$(python -c "print($density / 10)")"
   codec lgc_rar_linear "$density" experiment=embedded/lgc_rar_linear
@@ -47,12 +47,12 @@ codecs() {  # codecs DENSITY: every leader-index codec with each leader
   codec shared_fp16 "$density" experiment=embedded/shared_topk compressor.values=float16
   codec shared_fp32 "$density" experiment=embedded/shared_topk
   codec leader_scaled "$density" experiment=embedded/leader_scaled
-  codec lgc_rar_w1 "$density" experiment=embedded/lgc_rar compressor.measure_error=true compressor.warmup_steps=1
+  codec lgc_rar_w1 "$density" experiment=embedded/lgc_rar compressor.measure_error=true compressor.stages.warmup_steps=1
 }
 seeds() {  # more seeds (initialization and data order): 1 and 2 of shared int8 with 1 warm-up step, 1 to 4 of LGC-RAR
   for seed in ${SEEDS:-1 2}; do
-    codec "shared_int8_w1_golomb_seed$seed" 0.01 experiment=embedded/shared_topk_int8 compressor.warmup_steps=1 \
-      compressor.index_coding=golomb compressor.value_order=position seed="$seed"
+    codec "shared_int8_w1_golomb_seed$seed" 0.01 experiment=embedded/shared_topk_int8 compressor.stages.warmup_steps=1 \
+      compressor.leaders.index_coding=golomb compressor.leaders.value_order=position seed="$seed"
   done
   # The autoencoder failed outright on one of LGC-RAR's first three seeds, so it gets two more.
   for seed in ${LGC_SEEDS:-1 2 3 4}; do

@@ -16,10 +16,10 @@ set -euo pipefail
 out=${1:-experiments/results/step_cost}
 mkdir -p "$out"
 # LGC-RAR's lean codec (experiment=embedded/lgc_rar_lean).
-lean="lgc_rar:codec=linear;latent_dtype=int8;index_coding=golomb;value_order=position"
+lean="lgc_rar:training.codec=linear;latent_dtype=int8;leaders.index_coding=golomb;leaders.value_order=position"
 declare -A group=(
   [main]="ddp,none,torch_fp16,powersgd,topk,dgc,sbc,redsync,shared_topk_int8,lgc_rar,demo,sbc:delay=4,sbc:delay=4;min_numel=0,sparseloco:delay=10"
-  [more]="ddp,fp16,signsgd,shared_topk:values=int8;measure_error=true,shared_topk:values=float16;measure_error=false,lgc_rar:codec=linear,none:delay=10;outer=sgd"
+  [more]="ddp,fp16,signsgd,shared_topk:values=int8;measure_error=true,shared_topk:values=float16;measure_error=false,lgc_rar:training.codec=linear,none:delay=10;outer=sgd"
   [lean]="ddp,shared_topk_int8:delay=4,$lean,$lean;delay=4,$lean;delay=4;min_numel=0"
   [quant]="ddp,qsgd,terngrad,random_block:shared=true,lgc_ps"
 )

@@ -9,7 +9,7 @@ a plain DDP script gets wrong silently and refuses it with a message that says w
   does not send would be dropped, not delayed; ``error_feedback=False`` says that is meant;
 * :class:`~lgc.compressors.ErrorFeedback` around DGC, which keeps its own;
 * DGC next to an optimizer that applies momentum, or weight decay that DGC applies as well
-  (:func:`lgc.compressors.dgc.check_optimizer_momentum`'s rules, the ones ``lgc-train`` applies
+  (:meth:`lgc.compressors.DGCCompressor.check_optimizer`, the rules ``lgc-train`` applies
   too; DeMo's likewise), and DGC's per-epoch warm-up
   with neither ``steps_per_epoch`` nor ``state.set_epoch`` to advance it (refused at its first
   compressed step, where it is known that nothing called ``set_epoch``);
@@ -138,7 +138,7 @@ def compress(
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> state = lgc.compress(model, "topk", optimizer=opt, density=0.01)  # with error feedback
         >>> state = lgc.compress(model, "dgc", optimizer=opt, steps_per_epoch=len(loader))  # opt: momentum=0
-        >>> state = lgc.compress(model, "lgc_rar", warmup_steps=100, ae_steps=300)
+        >>> state = lgc.compress(model, "lgc_rar", stages={"warmup_steps": 100, "ae_steps": 300})
         >>> state = lgc.compress(model, "sbc", optimizer=opt, delay=4)  # 4 local steps per exchange
         >>> state = lgc.compress(model, "none", optimizer=opt, delay=50, outer="sgd")  # DiLoCo, H = 50
     """

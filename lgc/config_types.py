@@ -16,6 +16,7 @@ the constructor stays the authority on consistency between knobs.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 import types
@@ -79,12 +80,44 @@ def check_node_types(node: Mapping[str, Any], what: str, *, ignore: Collection[s
             continue
         if key in parameters.annotations and not _is_node(value):
             annotation = parameters.annotations[key]
+            group = _knob_group(annotation)
+            if group is not None and isinstance(value, Mapping):
+                _check_group(value, group, f"{what}.{key}")
+                continue
             misfit = json_misfit(value, annotation)
             if misfit is not None:
                 error = ValueError if misfit == "value" else TypeError
                 raise error(f"{what}.{key}={value!r} must be {spell(annotation)} (a parameter of {_name_of(target)})")
         if recursive:
             _check_nested(value, f"{what}.{key}")
+
+
+def _knob_group(annotation: Any) -> type | None:
+    """The dataclass a parameter takes as a group of knobs (``stages: Stages | Mapping[str, Any]``), if any."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _check_group(node: Mapping[str, Any], group: type, what: str) -> None:
+    """Check a mapping given for a group of knobs field by field, naming ``{what}.{field}``.
+
+    A mapping changes the fields it names of the target's preset: a key the group lacks is
+    refused; a field that is itself a mapping (merged into the preset's) is the constructor's to
+    check.
+    """
+    hints = typing.get_type_hints(group, include_extras=True)
+    names = [f.name for f in dataclasses.fields(group)]
+    for key, value in node.items():
+        if key not in names:
+            raise TypeError(f"{what}.{key} is not a knob of {_name_of(group)} (its knobs: {', '.join(names)})")
+        if isinstance(value, str) and value == _MISSING or isinstance(value, Mapping):
+            continue
+        misfit = json_misfit(value, hints[key])
+        if misfit is not None:
+            error = ValueError if misfit == "value" else TypeError
+            raise error(f"{what}.{key}={value!r} must be {spell(hints[key])} (a knob of {_name_of(group)})")
 
 
 def _resolve_target(target: Any) -> Callable[..., Any] | None:

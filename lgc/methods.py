@@ -33,7 +33,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from lgc.comm import COMM_OPTIONS, Comm, DiLoCo, EveryStep, LocalSGD
 from lgc.compressors import Compressor, ErrorFeedback
-from lgc.compressors.base import compressor_chain
 from lgc.ddp.buffers import check_buffer_mode
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
@@ -41,7 +40,16 @@ from lgc.ddp.local_step_hook import local_step_exchange
 from lgc.ddp.torch_hooks import TorchHookState
 from lgc.validation import PositiveFraction, check
 
-__all__ = ["METHODS", "Comm", "Method", "build_compressor", "build_hook_state", "instantiate"]
+__all__ = [
+    "METHODS",
+    "Comm",
+    "Method",
+    "build_compressor",
+    "build_hook_state",
+    "compressor_chain",
+    "instantiate",
+    "merge_knobs",
+]
 
 #: The packaged compressor configs, one per method.
 CONF = Path(__file__).parent / "conf" / "compressor"
@@ -102,15 +110,23 @@ class Method:
     def resolve(self, **knobs: Any) -> dict[str, Any]:
         """The node as a plain dict (run-dependent knobs at their fallback), with ``knobs`` applied.
 
-        A knob's value replaces the yaml's; a dict knob (LGC's ``autoencoder``, ``loss_weights``)
-        changes the keys it gives and keeps the rest.
+        A knob's value replaces the yaml's; a dict knob (LGC's ``stages``, ``training``) changes
+        the keys it gives and keeps the rest, at any depth (:func:`merge_knobs`).
         """
         run = OmegaConf.create({"compressor": self.node})
         node: dict[str, Any] = OmegaConf.to_container(run, resolve=True)["compressor"]  # type: ignore[index]
-        for key, value in knobs.items():
-            default = node.get(key)
-            node[key] = {**default, **value} if isinstance(default, dict) and isinstance(value, Mapping) else value
+        return merge_knobs(node, knobs)
         return node
+
+
+def merge_knobs(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s knobs on top; where both hold a mapping (a group of knobs), merged key by key."""
+    merged = dict(base)
+    for key, value in over.items():
+        below = merged.get(key)
+        both = isinstance(below, Mapping) and isinstance(value, Mapping)
+        merged[key] = merge_knobs(below, value) if both else value  # type: ignore[arg-type]
+    return merged
 
 
 def _init_parameters(cls: type) -> list[str]:
@@ -421,7 +437,7 @@ def build_hook_state(
         if comm.changed("start_iter"):
             raise ValueError(
                 f"{comm.field('start_iter')} does not apply to {what}: its own knob sets the dense warm-up "
-                "(LGC: warmup_steps; PowerSGD: start_powerSGD_iter)"
+                "(LGC: stages.warmup_steps; PowerSGD: start_powerSGD_iter)"
             )
         if isinstance(built, TorchHookState) and comm.min_numel is not None:
             raise ValueError(
@@ -450,6 +466,19 @@ def build_hook_state(
         overlap=comm.overlap,  # type: ignore[arg-type]
         buffers=comm.buffers,  # type: ignore[arg-type]
     )
+
+
+def compressor_chain(obj: Any) -> list[Any]:
+    """``obj`` and everything it wraps through ``.compressor`` (ErrorFeedback, hook states), outermost first.
+
+    Only the builder walks it, for the checks that must see through wrappers (error feedback
+    around a sparsifier, the compressor whose rules need the optimizer's settings); everything
+    else asks the outermost object, which forwards (:class:`~lgc.compressors.base.ForwardsHookCalls`).
+    """
+    chain = [obj]
+    while (inner := getattr(chain[-1], "compressor", None)) is not None and len(chain) < 16:
+        chain.append(inner)
+    return chain
 
 
 def check_error_feedback(state: Any, method: Any, error_feedback: bool | None) -> None:

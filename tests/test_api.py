@@ -27,11 +27,10 @@ from lgc import (
     TorchHookState,
 )
 from lgc.api import _build
-from lgc.compressors.base import compressor_chain
 from lgc.compressors.tiles import TiledCompressorMixin
 from lgc.ddp.local_sgd import register_communication_delay
 from lgc.learned.state import LGCHookState, LGCStage
-from lgc.methods import Comm, build_compressor
+from lgc.methods import Comm, build_compressor, compressor_chain
 
 CONF = Path(lgc.__file__).parent / "conf" / "compressor"
 YAML_NAMES = sorted(path.stem for path in CONF.glob("*.yaml"))
@@ -194,7 +193,9 @@ def test_demo_and_sparseloco_send_every_parameter_through_the_method_under_lgc_t
 
 
 def test_knobs_override_the_defaults_and_dict_knobs_merge(model):
-    state = lgc.compress(model, "lgc_rar", density=0.05, warmup_steps=3, autoencoder={"chunk": 32})
+    state = lgc.compress(
+        model, "lgc_rar", density=0.05, stages={"warmup_steps": 3}, training={"autoencoder": {"chunk": 32}}
+    )
     assert (state.density, state.warmup_steps, state.ae_steps) == (0.05, 3, 60)
     assert state.ae_config.chunk == 32 and state.ae_config.encoder_channels == (64, 128, 256, 64)
 
@@ -314,7 +315,7 @@ def test_hook_states_refuse_what_belongs_to_compressors(model):
         lgc.compress(model, "lgc_rar", error_feedback=True)
     with pytest.raises(ValueError, match=r"delay=2 needs an lgc compressor .* not 'powersgd'"):
         lgc.compress(model, "powersgd", delay=2)
-    with pytest.raises(ValueError, match=r"start_iter=3 does not apply to 'lgc_ps'.*warmup_steps"):
+    with pytest.raises(ValueError, match=r"start_iter=3 does not apply to 'lgc_ps'.*stages.warmup_steps"):
         lgc.compress(model, "lgc_ps", start_iter=3)
     with pytest.raises(ValueError, match=r"min_numel=10 does not apply to 'torch_fp16'"):
         lgc.compress(model, "torch_fp16", min_numel=10)
@@ -361,7 +362,8 @@ def _by_name_and_by_object(rank: int, world: int) -> dict:
     lgc_model, psgd_model = DDP(_net()), DDP(_net())
     lgc_opt = torch.optim.SGD(lgc_model.parameters(), lr=0.1)
     psgd_opt = torch.optim.SGD(psgd_model.parameters(), lr=0.1)
-    lgc_state = lgc.compress(lgc_model, "lgc_rar", density=0.05, warmup_steps=2, ae_steps=2, autoencoder={"chunk": 32})
+    stages, training = {"warmup_steps": 2, "ae_steps": 2}, {"autoencoder": {"chunk": 32}}
+    lgc_state = lgc.compress(lgc_model, "lgc_rar", density=0.05, stages=stages, training=training)
     psgd_state = lgc.compress(psgd_model, "powersgd", start_powerSGD_iter=2)
     others = []
     for step in range(6):

@@ -51,17 +51,18 @@ FEATURES = ("plain", "unused_all", "unused_one", "bucket_view", "static_graph", 
 #: Small stages and knobs so that every method compresses within STEPS steps of a tiny model.
 _LGC = [
     "compressor.density=0.05",
-    "compressor.warmup_steps=2",
-    "compressor.ae_steps=2",
-    "compressor.ae_updates_per_step=1",
-    "compressor.ae_batch_size=8",
-    "compressor.autoencoder.chunk=16",
-    "compressor.autoencoder.encoder_channels=[4,4]",
-    "compressor.autoencoder.decoder_channels=[4,4]",
-    "compressor.autoencoder.latent_channels=2",
+    "compressor.stages.warmup_steps=2",
+    "compressor.stages.ae_steps=2",
+    "compressor.training.updates_per_step=1",
+    "compressor.training.batch_size=8",
+    "compressor.training.autoencoder.chunk=16",
+    "compressor.training.autoencoder.encoder_channels=[4,4]",
+    "compressor.training.autoencoder.decoder_channels=[4,4]",
+    "compressor.training.autoencoder.latent_channels=2",
 ]
 _PS = ["compressor.innovation_density=0.01"]
-_SHARED = ("compressor.density=0.05", "compressor.warmup_steps=2", "compressor.chunk=16")
+_GOLOMB = "compressor.leaders.index_coding=golomb"
+_SHARED = ("compressor.density=0.05", "compressor.stages.warmup_steps=2", "compressor.chunk=16")
 _SPARSELOCO = ("compressor.sparsifier.chunk=64", "compressor.sparsifier.k=4")
 
 
@@ -138,14 +139,14 @@ METHODS = (
     Method("lgc_rar_warmup", "lgc_rar", (*_LGC,), inject_step=1),
     Method("lgc_rar_ae", "lgc_rar", (*_LGC,), inject_step=3),
     Method("lgc_rar", "lgc_rar", (*_LGC,), inject_step=5),
-    Method("lgc_rar_dgc_warmup", "lgc_rar", (*_LGC, "compressor.warmup=dgc"), inject_step=1),
+    Method("lgc_rar_dgc_warmup", "lgc_rar", (*_LGC, "compressor.stages.warmup=dgc"), inject_step=1),
     Method("lgc_ps_ae", "lgc_ps", (*_LGC, *_PS), inject_step=3),
     Method("lgc_ps", "lgc_ps", (*_LGC, *_PS), inject_step=5),
     Method("lgc_rar_linear", "lgc_rar_linear", (*_LGC,), inject_step=5),
     Method("shared_topk", "shared_topk", _SHARED, inject_step=4),
     Method("shared_topk_fp16", "shared_topk", (*_SHARED, "compressor.values=float16"), inject_step=4),
     Method("shared_topk_int8", "shared_topk_int8", _SHARED, inject_step=4),
-    Method("shared_topk_int4", "shared_topk", (*_SHARED, "compressor.values=int4", "compressor.index_coding=golomb")),
+    Method("shared_topk_int4", "shared_topk", (*_SHARED, "compressor.values=int4", _GOLOMB)),
     Method("leader_scaled", "leader_scaled", _SHARED, inject_step=4),
     Method("chunked_topk", "chunked_topk", ("compressor.chunk=64", "compressor.k=4")),
     Method("sparseloco", "sparseloco", _SPARSELOCO),
@@ -166,7 +167,7 @@ METHODS = (
     Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
     Method("delay_none", "none", ("comm=local_sgd", "comm.delay=2"), inject_step=2, delay=2),
     Method("delay_fp4", "fp4", ("comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
-    Method("lgc_rar_pca", "lgc_rar_pca", (*_LGC, "compressor.pca_hidden=4"), inject_step=5),
+    Method("lgc_rar_pca", "lgc_rar_pca", (*_LGC, "compressor.training.pca_hidden=4"), inject_step=5),
 )
 
 #: Methods without state between steps (no step guard: an inf/NaN passes through their sum).

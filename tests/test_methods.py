@@ -1,6 +1,13 @@
 """``lgc.methods``: the registry read from the yamls, and the one builder every entry point uses."""
 
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
 from lgc import CommunicationDelayState, CompressionHookState, ErrorFeedback, HookState, TopKCompressor
 from lgc.comm import EveryStep
@@ -8,14 +15,78 @@ from lgc.compressors import SBCCompressor
 from lgc.ddp.powersgd import PowerSGDHookState
 from lgc.learned.rar import LGCRingAllreduceState
 from lgc.learned.shared_index import SharedIndexState
-from lgc.methods import METHODS, Comm, build_compressor, build_hook_state, instantiate
+from lgc.methods import CONF, METHODS, Comm, build_compressor, build_hook_state, instantiate
 
 
 def test_a_variant_is_its_base_yaml_with_its_own_changes():
     base, variant = METHODS["shared_topk"].resolve(), METHODS["shared_topk_int8"].resolve()
     changed = {key for key in base if base[key] != variant[key]}
-    assert changed == {"values", "warmup_steps", "index_coding"}
-    assert (variant["values"], variant["warmup_steps"], variant["index_coding"]) == ("int8", 1, "golomb")
+    assert changed == {"values", "stages", "leaders"}
+    assert variant["values"] == "int8" and variant["stages"] == {**base["stages"], "warmup_steps": 1}
+    assert variant["leaders"] == {**base["leaders"], "index_coding": "golomb"}
+
+
+def _plain(value: Any) -> Any:
+    """A default as a yaml holds it: tuples as lists, dataclass groups and mappings as dicts."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    return [_plain(item) for item in value] if isinstance(value, tuple) else value
+
+
+def _given_differs(default: Any, given: Any, where: str) -> list[str]:
+    """Where a yaml's value differs from a default; a mapping compares the keys the yaml gives."""
+    if isinstance(given, Mapping) and isinstance(default, Mapping):
+        missing = [f"{where}.{key} (no such knob)" for key in given if key not in default]
+        inner = [_given_differs(default[key], given[key], f"{where}.{key}") for key in given if key in default]
+        return missing + [line for lines in inner for line in lines]
+    return [] if default == given else [f"{where}: {given!r} in the yaml, {default!r} in the constructor"]
+
+
+def _constructor_defaults(cls: type) -> dict[str, Any]:
+    """The keyword defaults of ``cls(...)``, through ``**kwargs`` to its bases (``empty``: none)."""
+    defaults: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[1:]
+        for p in params:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                defaults.setdefault(p.name, p.default)
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return defaults
+
+
+_ROOTS = [name for name in METHODS if "defaults" not in yaml.safe_load((CONF / f"{name}.yaml").read_text())]
+
+
+@pytest.mark.parametrize("name", _ROOTS)
+def test_a_yaml_without_a_base_gives_its_constructors_defaults(name):
+    # One source of truth per default: a method's own yaml gives what its class's constructor
+    # defaults to (or the constructor has no default); a variant (defaults: [base]) lists its changes.
+    method = METHODS[name]
+    defaults = _constructor_defaults(method.cls)
+    differs = []
+    for key, given in method.defaults.items():
+        if OmegaConf.is_interpolation(method.node, key):
+            continue  # follows the run (DGC's weight decay follows regularization.weight_decay)
+        assert key in defaults, f"{name}: {key} is not a knob of {method.cls.__name__}"
+        if defaults[key] is not inspect.Parameter.empty:
+            differs += _given_differs(_plain(defaults[key]), given, f"{name}: {key}")
+    assert not differs, "\n".join(differs)
+
+
+def test_the_tie_sees_a_default_that_differs():
+    # The check above, on a changed yaml value inside a group and on a plain knob.
+    stages = _plain(_constructor_defaults(LGCRingAllreduceState)["stages"])
+    assert _given_differs(stages, {**stages, "ae_steps": 61}, "lgc_rar: stages") == [
+        "lgc_rar: stages.ae_steps: 61 in the yaml, 60 in the constructor"
+    ]
+    assert _given_differs(stages, {"ae_stepz": 60}, "s") == ["s.ae_stepz (no such knob)"]
+    assert _given_differs(0.01, 0.001, "d") and not _given_differs([0.5], [0.5], "d")
 
 
 def test_knobs_that_follow_the_run_resolve_for_a_plain_script():
@@ -35,9 +106,14 @@ def test_knobs_that_follow_the_run_resolve_for_a_plain_script():
 
 
 def test_dict_knobs_merge_key_by_key():
-    node = METHODS["lgc_rar"].resolve(autoencoder={"chunk": 32})
-    assert node["autoencoder"]["chunk"] == 32
-    assert node["autoencoder"]["latent_channels"] == METHODS["lgc_rar"].resolve()["autoencoder"]["latent_channels"]
+    node = METHODS["lgc_rar_paper"].resolve(training={"autoencoder": {"width": 0.25}}, stages={"ae_steps": 5})
+    paper = METHODS["lgc_rar_paper"].resolve()
+    assert node["training"]["autoencoder"] == {**paper["training"]["autoencoder"], "width": 0.25}
+    assert node["training"]["autoencoder"]["chunk"] == 256  # the variant's, kept at depth two
+    assert node["stages"] == {**paper["stages"], "ae_steps": 5}
+    assert {key: value for key, value in node.items() if key not in ("training", "stages")} == {
+        key: value for key, value in paper.items() if key not in ("training", "stages")
+    }
 
 
 def test_error_feedback_follows_the_node_unless_told():

@@ -1,4 +1,4 @@
-"""A trained codec on disk: written at the end of an LGC run, read by ``autoencoder.init`` to warm-start another.
+"""A trained codec on disk: written at the end of an LGC run, read by ``training.autoencoder.init`` to start another.
 
 A codec trained on one run may serve another (another number of workers, data split, model or
 task), which spares the new run its codec-training stage and the samples it gathers; whether it
@@ -56,16 +56,19 @@ def read_codec(path: str | Path) -> dict[str, Any]:
     """Read and check a file written by :func:`save_codec` (a clear error for anything else)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"autoencoder.init={str(path)!r}: no such file (a codec.pt written by an LGC run)")
+        raise FileNotFoundError(
+            f"training.autoencoder.init={str(path)!r}: no such file (a codec.pt written by an LGC run)"
+        )
     try:
         record = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a pickle error, a truncated file: say which file
-        raise ValueError(f"autoencoder.init={str(path)!r} is not a saved lgc codec: {error}") from error
+        raise ValueError(f"training.autoencoder.init={str(path)!r} is not a saved lgc codec: {error}") from error
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise ValueError(f"autoencoder.init={str(path)!r} is not a saved lgc codec (no format {FORMAT!r})")
+        raise ValueError(f"training.autoencoder.init={str(path)!r} is not a saved lgc codec (no format {FORMAT!r})")
     if record.get("version") != _VERSION:
         raise ValueError(
-            f"autoencoder.init={str(path)!r} has codec format version {record.get('version')!r}, expected {_VERSION}"
+            f"training.autoencoder.init={str(path)!r} has codec format version {record.get('version')!r}, "
+            f"expected {_VERSION}"
         )
     return record
 
@@ -78,6 +81,6 @@ def load_codec_into(codec: nn.Module, path: str | Path) -> None:
     differ = [key for key in sorted(set(want) | set(have)) if want.get(key) != have.get(key)]
     if differ:
         details = ", ".join(f"{key}: saved {have.get(key)!r}, this run {want.get(key)!r}" for key in differ)
-        raise ValueError(f"autoencoder.init={str(path)!r} does not fit this run's codec ({details})")
+        raise ValueError(f"training.autoencoder.init={str(path)!r} does not fit this run's codec ({details})")
     with torch.no_grad():
         codec.load_state_dict(record["state_dict"])

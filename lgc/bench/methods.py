@@ -55,8 +55,8 @@ def short_run_knobs(density: float, warmup_steps: int, ae_steps: int) -> dict[st
     stages = {"warmup_steps": warmup_steps, "ae_steps": ae_steps}
     return {
         **{method: dict(sparse) for method in ("topk", "dgc", "redsync", "random_block")},
-        "lgc_rar": {**sparse, **stages},
-        "lgc_ps": {**sparse, "innovation_density": density / 10, **stages},
+        "lgc_rar": {**sparse, "stages": dict(stages)},
+        "lgc_ps": {**sparse, "innovation_density": density / 10, "stages": dict(stages)},
     }
 
 

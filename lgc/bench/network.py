@@ -108,6 +108,7 @@ from lgc.bench.network_results import (
 )
 from lgc.bench.network_worker import SCHEDULES, TASKS, WorkerSpec
 from lgc.ddp.collectives import CollectiveCall
+from lgc.methods import merge_knobs
 
 __all__ = ["RECORD", "add_arguments", "read_record", "run", "validate", "write_record"]
 
@@ -359,7 +360,7 @@ def run(args: argparse.Namespace) -> None:
                         for index, method in enumerate(order):
                             if _has_seed(measurements.get(setting, {}).get(method.label, []), seed):
                                 continue  # measured before this run (the record in --out)
-                            knobs = {**SHORT_RUN_KNOBS.get(method.name, {}), **method.knobs}
+                            knobs = merge_knobs(SHORT_RUN_KNOBS.get(method.name, {}), method.knobs)
                             optimizer = {key: knobs.pop(key) for key in OPTIMIZER_KNOBS if key in knobs}
                             spec = {
                                 "method": method.name,

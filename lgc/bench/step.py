@@ -19,7 +19,7 @@ A method is an ``lgc.compress`` name, optionally with knobs after a colon, ``;``
 for nested knobs and YAML-valued; e.g. LGC-RAR with a narrower autoencoder::
 
     lgc-bench step --density 0.01 --methods \\
-      'none,dgc,lgc_rar,lgc_rar:autoencoder.encoder_channels=[16,32,64,16];autoencoder.decoder_channels=[16,32,32,16]'
+      'none,dgc,lgc_rar,lgc_rar:training.autoencoder.encoder_channels=[16,32,64,16];training.autoencoder.decoder_channels=[16,32,32,16]'
 
 Targets it measures: top-k 0.1 % and DGC at most 1.25x the no-communication step in CPU time,
 no more than PyTorch's fp16 and PowerSGD hooks; LGC's compressed stage at most 1.5x at densities
@@ -45,6 +45,7 @@ from scipy.stats import t as t_dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs, sgd_for
+from lgc.methods import merge_knobs
 
 __all__ = ["add_arguments", "run", "step_rows"]
 
@@ -84,7 +85,7 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
         warm = 2
         if spec.name not in (NO_COMM, PLAIN_DDP):
             # lgc.compress merges dict knobs (LGC's autoencoder) into the method's defaults key by key.
-            knobs = {**profile_knobs(args.density).get(spec.name, {}), **spec.knobs}
+            knobs = merge_knobs(profile_knobs(args.density).get(spec.name, {}), spec.knobs)
             state = lgc.compress(model, spec.name, optimizer=optimizer, **knobs)
             state.set_epoch(1000)  # DGC past its density warm-up
             warm = state.steady_from() + 2

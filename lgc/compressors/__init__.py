@@ -3,7 +3,7 @@
 One algorithm per module; each yaml in ``conf/compressor/`` instantiates one of these.
 """
 
-from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload, compressor_chain, view_bytes_as
+from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload, view_bytes_as
 from lgc.compressors.chunked_topk import ChunkedTopKCompressor
 from lgc.compressors.demo import DeMoCompressor
 from lgc.compressors.dgc import DGCCompressor
@@ -42,6 +42,5 @@ __all__ = [
     "SparsePayload",
     "TernGradCompressor",
     "TopKCompressor",
-    "compressor_chain",
     "view_bytes_as",
 ]

@@ -32,7 +32,6 @@ __all__ = [
     "ForwardsHookCalls",
     "HoldsSteps",
     "Payload",
-    "compressor_chain",
     "holds_steps",
     "keyed_seed",
     "method_min_numel",
@@ -84,43 +83,25 @@ def keyed_seed(seed: int, key: str, count: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def method_min_numel(compressor: Any) -> int:
-    """The hook's ``min_numel`` a compressor's method defines: the first ``default_min_numel`` set along its chain.
+def method_min_numel(compressor: Compressor) -> int:
+    """The hook's ``min_numel`` a compressor's method defines: ``default_min_numel``, or :data:`DEFAULT_MIN_NUMEL`.
 
-    ``ErrorFeedback(DeMoCompressor())`` and ``ErrorFeedback(QuantizedValues(ChunkedTopKCompressor()))``
-    give 1 (every tensor through the method, as the references do); a compressor that sets none
-    gives :data:`DEFAULT_MIN_NUMEL`.
+    Wrappers forward the attribute (:class:`ForwardsHookCalls`), so ``ErrorFeedback(DeMoCompressor())``
+    and ``ErrorFeedback(QuantizedValues(ChunkedTopKCompressor()))`` give 1 (every tensor through the
+    method, as the references do).
     """
-    return _method_default(compressor, "default_min_numel", DEFAULT_MIN_NUMEL)
+    value = compressor.default_min_numel
+    return DEFAULT_MIN_NUMEL if value is None else int(value)
 
 
-def method_start_iter(compressor: Any) -> int:
-    """The hook's ``start_iter`` a compressor's method defines: the first ``default_start_iter`` set along its chain.
+def method_start_iter(compressor: Compressor) -> int:
+    """The hook's ``start_iter`` a compressor's method defines: ``default_start_iter``, or :data:`DEFAULT_START_ITER`.
 
-    ``ErrorFeedback(DeMoCompressor())`` gives 0 (the reference compresses from the first step); a
-    compressor that sets none gives :data:`DEFAULT_START_ITER`.
+    ``ErrorFeedback(DeMoCompressor())`` gives 0 (the reference compresses from the first step;
+    wrappers forward the attribute).
     """
-    return _method_default(compressor, "default_start_iter", DEFAULT_START_ITER)
-
-
-def _method_default(compressor: Any, attribute: str, fallback: int) -> int:
-    for inner in compressor_chain(compressor):
-        value = getattr(type(inner), attribute, None)
-        if value is not None:
-            return int(value)
-    return fallback
-
-
-def compressor_chain(obj: Any) -> list[Any]:
-    """``obj`` and everything it wraps through ``.compressor`` (ErrorFeedback, hook states), outermost first.
-
-    The checks that must see through wrappers (DGC inside error feedback, a compressor's own
-    weight decay under communication delay) walk this list instead of guessing the nesting.
-    """
-    chain = [obj]
-    while (inner := getattr(chain[-1], "compressor", None)) is not None and len(chain) < 16:
-        chain.append(inner)
-    return chain
+    value = compressor.default_start_iter
+    return DEFAULT_START_ITER if value is None else int(value)
 
 
 @functools.cache
@@ -511,6 +492,14 @@ class ForwardsHookCalls:
     @property
     def own_weight_decay(self) -> float:
         return self.compressor.own_weight_decay
+
+    @property
+    def default_min_numel(self) -> int | None:  # type: ignore[override]
+        return self.compressor.default_min_numel
+
+    @property
+    def default_start_iter(self) -> int | None:  # type: ignore[override]
+        return self.compressor.default_start_iter
 
     def set_world_size(self, world_size: int) -> None:
         self.compressor.set_world_size(world_size)

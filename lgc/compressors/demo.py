@@ -110,7 +110,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload, compressor_chain
+from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload
 from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, TileLayout
 from lgc.compressors.topk import SparseMeanAggregation, check_aggregation, wire_float_dtype
 from lgc.validation import PositiveInt
@@ -118,7 +118,6 @@ from lgc.validation import PositiveInt
 __all__ = [
     "DCTPayload",
     "DeMoCompressor",
-    "check_demo_optimizer",
     "dct_matrix",
     "dct_tiles",
     "idct_tiles",
@@ -232,8 +231,25 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
     def check_optimizer(
         self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
     ) -> None:
-        """No momentum in the optimizer: DeMo's is the error feedback's residual (:func:`check_demo_optimizer`)."""
-        check_demo_optimizer(self, momentum)
+        """Refuse momentum in the optimizer: DeMo's momentum is its error feedback's residual.
+
+        Wrappers and hook states forward the call here (``state.check_optimizer(...)``).
+
+        Args:
+            momentum: the optimizer's momentum factor (Adam's first beta counts).
+            weight_decay: not checked (DeMo applies no weight decay of its own).
+            sources: where the two values come from.
+
+        Raises:
+            ValueError: on a nonzero optimizer momentum.
+        """
+        if float(momentum) != 0.0:
+            raise ValueError(
+                f"optimizer momentum is {momentum!r} but DeMo keeps its momentum in the error feedback's "
+                "residual (compressor.error_decay, the reference's compression_decay) and sends only its fast "
+                "components; a second momentum in the optimizer would smooth the signed updates again: set "
+                "optimizer.momentum=0 (plain SGD, as the reference's torch.optim.SGD base)"
+            )
 
     def _basis(self, n: int, like: Tensor) -> Tensor:
         """The ``(n, n)`` DCT matrix on ``like``'s device, in fp32 (float64 for float64 input)."""
@@ -351,24 +367,3 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
 
     def __repr__(self) -> str:
         return f"DeMoCompressor(chunk={self.chunk}, k={self.k}, sign={self.sign}{self._knobs_repr()})"
-
-
-def check_demo_optimizer(compressor: Any, optimizer_momentum: float) -> None:
-    """Refuse DeMo next to an optimizer with momentum: DeMo's momentum is its error feedback's residual.
-
-    Args:
-        compressor: a compressor, a wrapper such as ``ErrorFeedback``, or a hook state.
-        optimizer_momentum: the optimizer's momentum factor (Adam's first beta counts).
-
-    Raises:
-        ValueError: if a :class:`DeMoCompressor` meets a nonzero optimizer momentum.
-    """
-    if not any(isinstance(c, DeMoCompressor) for c in compressor_chain(compressor)):
-        return
-    if float(optimizer_momentum) != 0.0:
-        raise ValueError(
-            f"optimizer momentum is {optimizer_momentum!r} but DeMo keeps its momentum in the error feedback's "
-            "residual (compressor.error_decay, the reference's compression_decay) and sends only its fast "
-            "components; a second momentum in the optimizer would smooth the signed updates again: set "
-            "optimizer.momentum=0 (plain SGD, as the reference's torch.optim.SGD base)"
-        )

@@ -78,7 +78,6 @@ from lgc.compressors.base import (
     Compressor,
     HoldsSteps,
     Payload,
-    compressor_chain,
     keyed_seed,
 )
 from lgc.compressors.selection import ColumnScan, SelectionInfo, exact_topk, sampled_topk
@@ -99,7 +98,7 @@ from lgc.validation import (
     check,
 )
 
-__all__ = ["PAPER_WARMUP_DENSITIES", "DGCCompressor", "StepsPerEpoch", "check_optimizer_momentum"]
+__all__ = ["PAPER_WARMUP_DENSITIES", "DGCCompressor", "StepsPerEpoch"]
 
 #: The paper's warm-up densities, one per epoch (an exponential decay by 4x towards 0.1 %).
 PAPER_WARMUP_DENSITIES: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
@@ -144,7 +143,7 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
 
     **The optimizer must apply neither momentum nor weight decay**: use
     ``torch.optim.SGD(momentum=0, nesterov=False, weight_decay=0)`` and give the decay to the
-    compressor (``weight_decay``); :func:`check_optimizer_momentum` refuses momentum in both
+    compressor (``weight_decay``); :meth:`DGCCompressor.check_optimizer` refuses momentum in both
     places, and decay in both places. Decay left in the optimizer (``weight_decay=0`` here) acts
     without momentum: at equilibrium the momentum multiplies the gradient by ``1 / (1 - m)`` but
     not the decay, so its effective strength is ``(1 - m) * wd``, 10x weaker than in momentum SGD
@@ -189,8 +188,8 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         world_size: number of workers ``N`` the hook divides the gradient by: scales ``clip_norm``.
             :meth:`set_world_size` overrides it.
         warmup_densities: density per warm-up epoch; from epoch ``len(warmup_densities)`` on,
-            ``density`` is used (a warm-up value below ``density`` counts as ``density``). ``None``
-            is the paper's ``[0.25, 0.0625, 0.015625, 0.00390625]`` (4 epochs); ``[]`` disables
+            ``density`` is used (a warm-up value below ``density`` counts as ``density``). The
+            default is the paper's ``[0.25, 0.0625, 0.015625, 0.00390625]`` (4 epochs); ``[]`` disables
             warm-up. Stretch it (repeat values) when epochs are short; the paper's schedule assumes
             ~100+ epochs.
         steps_per_epoch: optimizer steps per epoch: the warm-up then follows the hook's step
@@ -230,7 +229,7 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         clip_norm: PositiveFloat | None = None,
         weight_decay: NonNegativeFloat = 0.0,
         world_size: PositiveInt = 1,
-        warmup_densities: Sequence[float] | None = None,
+        warmup_densities: Sequence[float] = PAPER_WARMUP_DENSITIES,
         steps_per_epoch: StepsPerEpoch | None = None,
         sample_fraction: PositiveFraction = 0.01,
         exact_below_numel: NonNegativeInt = 0,
@@ -241,8 +240,6 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         check("clip_norm", clip_norm, PositiveFloat | None)
         check("weight_decay", weight_decay, NonNegativeFloat)
         check("world_size", world_size, PositiveInt)
-        if warmup_densities is None:
-            warmup_densities = PAPER_WARMUP_DENSITIES
         if isinstance(warmup_densities, (str, bytes)) or not isinstance(warmup_densities, Sequence):
             # Hydra hands over a ListConfig, which is a Sequence; anything else is a mistake.
             warmup_densities = list(warmup_densities)  # type: ignore[arg-type]
@@ -302,8 +299,44 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
     def check_optimizer(
         self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
     ) -> None:
-        """No momentum in the optimizer, nor decay there while DGC has its own (:func:`check_optimizer_momentum`)."""
-        check_optimizer_momentum(self, momentum, weight_decay=weight_decay, sources=sources)
+        """Refuse momentum in the optimizer, and weight decay there while DGC applies its own.
+
+        DGC's momentum correction already sends heavy-ball updates; momentum in the optimizer as
+        well would apply it twice. A DGC with ``weight_decay > 0`` adds the decay (with its own
+        momentum) to the averaged update; decay in the optimizer as well would apply it twice.
+        (Error feedback around it is refused where it is built: DGC declares
+        ``keeps_own_residual``.) Wrappers and hook states forward the call here, so
+        ``state.check_optimizer(...)`` is the one set of rules ``lgc-train`` and ``lgc.compress``
+        apply.
+
+        Args:
+            momentum: the optimizer's momentum factor.
+            weight_decay: the optimizer's weight decay; ``None`` skips that check.
+            sources: where the two values come from, named in the messages.
+
+        Raises:
+            ValueError: on a nonzero optimizer momentum, or a nonzero optimizer weight decay while
+                DGC applies its own.
+        """
+        momentum_source, decay_source = sources
+        momentum = float(momentum)
+        if momentum != 0.0:
+            raise ValueError(
+                f"DGC applies momentum itself (momentum correction, DGC's momentum={self.momentum}), but the "
+                f"optimizer applies momentum too ({momentum_source}={momentum:g}), so it would be applied twice: set "
+                "the optimizer's momentum to 0 (and nesterov off; lgc-train: optimizer.momentum=0) and give the "
+                f"momentum to DGC (lgc-train: compressor.momentum={momentum:g}; "
+                f"lgc.compress(model, 'dgc', momentum={momentum:g}))"
+            )
+        if weight_decay is not None and float(weight_decay) != 0.0 and self.weight_decay > 0.0:
+            raise ValueError(
+                f"weight decay in the optimizer ({decay_source}={float(weight_decay):g}) and in DGC "
+                f"(weight_decay={self.weight_decay:g}) would be applied twice: set the optimizer's weight_decay to 0 "
+                "(lgc-train: optimizer.weight_decay=0; DGC gives the decay a momentum of its own, as "
+                "SGD(momentum, weight_decay) and DGC's authors do), or DGC's to 0 "
+                "(lgc-train: compressor.weight_decay=0) to keep the decay in the optimizer, where it acts outside the "
+                "momentum, (1 - momentum) times as strong"
+            )
 
     # -- what the hook tells the compressor ------------------------------------------------------
     def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
@@ -641,54 +674,6 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
             f"weight_decay={self.weight_decay}, "
             f"warmup_densities={list(self.warmup_densities)}, steps_per_epoch={self.steps_per_epoch}, "
             f"sample_fraction={self.sample_fraction})"
-        )
-
-
-def check_optimizer_momentum(
-    compressor: Any,
-    optimizer_momentum: float,
-    *,
-    weight_decay: float | None = None,
-    sources: tuple[str, str] = OPTIMIZER_SOURCES,
-) -> None:
-    """Refuse DGC combined with optimizer momentum or optimizer weight decay.
-
-    DGC's momentum correction already sends heavy-ball updates; momentum in the optimizer as well
-    would apply it twice. A DGC with ``weight_decay > 0`` adds the decay (with its own momentum) to
-    the averaged update; decay in the optimizer as well would apply it twice. (Error feedback around
-    it is refused where it is built: DGC declares ``keeps_own_residual``.) Anything that is not (and
-    does not wrap, via ``.compressor``) a :class:`DGCCompressor` passes. The one set of rules
-    ``lgc-train`` and ``lgc.compress`` apply.
-
-    Args:
-        compressor: a compressor, a wrapper such as ``ErrorFeedback``, or a hook state.
-        optimizer_momentum: the optimizer's momentum factor.
-        weight_decay: the optimizer's weight decay; ``None`` skips that check.
-        sources: where the two values come from, named in the messages.
-
-    Raises:
-        ValueError: if a DGC compressor meets a nonzero optimizer momentum, or a nonzero optimizer
-            weight decay while it applies its own.
-    """
-    dgc = next((c for c in compressor_chain(compressor) if isinstance(c, DGCCompressor)), None)
-    if dgc is None:
-        return
-    momentum_source, decay_source = sources
-    momentum = float(optimizer_momentum)
-    if momentum != 0.0:
-        raise ValueError(
-            f"DGC applies momentum itself (momentum correction, DGC's momentum={dgc.momentum}), but the optimizer "
-            f"applies momentum too ({momentum_source}={momentum:g}), so it would be applied twice: set the "
-            "optimizer's momentum to 0 (and nesterov off; lgc-train: optimizer.momentum=0) and give the momentum to "
-            f"DGC (lgc-train: compressor.momentum={momentum:g}; lgc.compress(model, 'dgc', momentum={momentum:g}))"
-        )
-    if weight_decay is not None and float(weight_decay) != 0.0 and dgc.weight_decay > 0.0:
-        raise ValueError(
-            f"weight decay in the optimizer ({decay_source}={float(weight_decay):g}) and in DGC "
-            f"(weight_decay={dgc.weight_decay:g}) would be applied twice: set the optimizer's weight_decay to 0 "
-            "(lgc-train: optimizer.weight_decay=0; DGC gives the decay a momentum of its own, as "
-            "SGD(momentum, weight_decay) and DGC's authors do), or DGC's to 0 (lgc-train: compressor.weight_decay=0) "
-            "to keep the decay in the optimizer, where it acts outside the momentum, (1 - momentum) times as strong"
         )
 
 

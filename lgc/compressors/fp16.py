@@ -25,7 +25,7 @@ class FP16Compressor(Compressor):
     combine = CombineMode.SUM
     stateless = True
 
-    def __init__(self, dtype: torch.dtype | str = torch.float16) -> None:
+    def __init__(self, dtype: torch.dtype | str = "float16") -> None:
         if isinstance(dtype, str):
             dtype = {
                 "float16": torch.float16,

@@ -180,7 +180,7 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
 
     @property
     def compressor(self) -> Compressor:
-        """The wrapped sparsifier (:func:`~lgc.compressors.base.compressor_chain` walks through it)."""
+        """The wrapped sparsifier (the hook's calls reach it: :class:`~lgc.compressors.base.ForwardsHookCalls`)."""
         return self.sparsifier
 
     @property

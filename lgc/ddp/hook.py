@@ -26,10 +26,9 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
    stateless compressor's ``finish_aggregate`` must keep no state.
 
 Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
-for an fp32 model, 2 for a model in fp16 or bf16). The state composes its parts: the step guard
-(:mod:`lgc.ddp.step_guard`), the overlap path (:mod:`lgc.ddp.overlap`), the bucket layouts
-(:mod:`lgc.ddp.layout`), the exchange (:mod:`lgc.ddp.exchange`), the byte table
-(:mod:`lgc.ddp.layer_stats`).
+for an fp32 model, 2 for fp16 or bf16). The state composes its parts, each a module of :mod:`lgc.ddp`:
+the step guard (``step_guard``), the overlap path (``overlap``), the bucket layouts (``layout``), the
+exchange (``exchange``) and the byte table (``layer_stats``).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.

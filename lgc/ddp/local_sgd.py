@@ -92,7 +92,7 @@ class CommunicationDelayState(HookState):
             parameters, or fragment pieces, dense), or a hook state of the LGC family
             (:class:`~lgc.learned.LGCHookState`: LGC-RAR, LGC-PS, the shared-index codecs), which
             then exchanges the weight updates as it would exchange gradients, its stages counted in
-            exchanges, a skipped one included (``warmup_steps=30`` is the first 30 exchanges,
+            exchanges, a skipped one included (``stages.warmup_steps=30`` is the first 30 exchanges,
             ``30 * delay`` local steps) and whole parameters only (``fragments=1``).
             :func:`lgc.compress` (``delay=``) and ``lgc-train`` (``comm.delay``) build it;
             :func:`register_communication_delay` builds one around a compressor.

@@ -157,7 +157,7 @@ class HookState(Protocol):
         return 0
 
     def save_codec(self, path: str | Path) -> Path | None:
-        """Write the method's learned codec to ``path`` (for another run's ``autoencoder.init``); None without one."""
+        """Write the method's learned codec to ``path`` (for ``training.autoencoder.init``); None without one."""
         return None
 
     @property

@@ -18,12 +18,12 @@ step and bucket:
    already divided by the world size) is the averaged update.
 4. The server broadcasts the update: ``I``, the extra innovation positions and their values.
 
-A rotating leader (``rotate_leader``, the leader of step ``t`` is worker ``t % P``, as ScaleCom's
+A rotating leader (``leaders.rotate``, the leader of step ``t`` is worker ``t % P``, as ScaleCom's
 cyclic leader) changes only who encodes: that step's leader sends its message to the server point to
 point (nothing travels when the server leads), and the server decodes it with the same decoders,
 which were trained with a random worker's latent standing in for the leader's, so they expect any
 worker's latent. Every worker therefore holds the encoder (its weights go to all of them once).
-The leader is fixed by default (``rotate_leader=False``, the server leads): every worker's own
+The leader is fixed by default (``leaders.rotate=False``, the server leads): every worker's own
 largest values already reach the server in its innovation, and a rotating leader's message costs
 upload bytes that the server's own does not. On the 8-worker non-IID embedded task
 (``experiments/lgc_rotation.sh``, one seed) rotating sent 2.5 % more bytes for a delivered-sum
@@ -38,7 +38,7 @@ stage 2, where every worker's values at the leader's positions and its innovatio
 per value) are gathered; the loss is reconstruction + the similarity of the workers' latents, a
 random worker's latent standing in for the leader's in every sample. Then the encoder's weights
 go to the leader (counted; nothing is sent when the leader is the server itself; with
-``rotate_leader``, to every worker). Upstream (worker -> server) and downstream (server's
+``leaders.rotate``, to every worker). Upstream (worker -> server) and downstream (server's
 broadcasts and weights, :attr:`~lgc.ddp.collectives.CommStats.server_bytes_sent`) bytes are
 counted apart. The server runs in rank 0's process: the logical upstream bytes count rank 0's own
 messages to it too (its innovation, and the leader's message when rank 0 leads), as a server of
@@ -48,19 +48,21 @@ its own would receive them, while the wire bytes (``wire_*``) count only what cr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from lgc.autoencoder import AutoencoderConfig, num_chunks
+from lgc.autoencoder import num_chunks
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
+from lgc.learned.knobs import CodecTrainingKnobs, LeaderChoice, Stages, knob_group
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.state import LGCHookState
 from lgc.learned.step import Leaders, StepContext, latent_bytes, latent_wire_dtype, send_parameters
 from lgc.learned.training import CodecTraining
-from lgc.validation import NonNegativeInt
+from lgc.validation import Density, check
 
 __all__ = ["LGCParameterServerState", "ParameterServerStage"]
 
@@ -232,23 +234,37 @@ class ParameterServerStage:
         ctx.allreduce_dense([])
 
 
+#: LGC-PS's presets (lgc_ps.yaml's): LGC-RAR's stages and codec training, the server as the leader.
+_STAGES = Stages()
+_LEADERS = LeaderChoice(rotate=False)
+_TRAINING = CodecTrainingKnobs()
+
+
 class LGCParameterServerState(LGCHookState):
     """LGC-PS (``compressor=lgc_ps``): the leader's latent + every worker's innovation, via a server.
 
+    The defaults are ``lgc/conf/compressor/lgc_ps.yaml``'s (LGC-RAR's stages and codec training,
+    the server as the fixed leader, innovations 10x sparser than the leader's selection);
+    ``lgc_ps_paper.yaml`` has the paper's.
+
     Args:
+        density: top-k density of the leader's selection and of stage 2.
         innovation_density: density of every worker's innovation top-k, below ``density`` (the
             paper's is about 100x below). More innovation lets the decoders tell the workers apart
             better and sends exact values, at 8 bytes per entry.
+        stages: the stages (:class:`~lgc.learned.knobs.Stages`, or a mapping of the fields to change).
+        leaders: whose positions (:class:`~lgc.learned.knobs.LeaderChoice`): the server by default
+            (see the module docstring).
+        training: the autoencoder and its training (:class:`~lgc.learned.knobs.CodecTrainingKnobs`;
+            one decoder per worker, with the innovation as an extra input; the autoencoder is the
+            only codec, trained on the paper's top-k samples).
         latent_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` latents on the wire.
-        rotate_leader: off by default: the server leads (see the module docstring).
-        autoencoder, ae_updates_per_step, ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size, loss_weights:
-            the codec and its training (:class:`~lgc.learned.training.CodecTraining`;
-            one decoder per worker, with the innovation as an extra input).
-        **kwargs: the stages and common knobs of :class:`~lgc.learned.state.LGCHookState`.
+        measure_error, world_size, min_numel, process_group: as
+            :class:`~lgc.learned.state.LGCHookState`'s.
 
     Example::
 
-        >>> state = LGCParameterServerState(density=0.01, innovation_density=0.001, warmup_steps=20, ae_steps=50)
+        >>> state = LGCParameterServerState(density=0.01, innovation_density=0.001, stages={"ae_steps": 50})
         >>> state.register(ddp_model)
     """
 
@@ -257,31 +273,36 @@ class LGCParameterServerState(LGCHookState):
     def __init__(
         self,
         *,
-        innovation_density: float = 0.0001,
-        latent_dtype: str = "float32",
-        autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
-        ae_updates_per_step: NonNegativeInt = 1,
-        ae_optimizer: str = "adam",
-        ae_lr: float = 1e-3,
-        ae_batch_size: int = 64,
-        ae_buffer_size: int = 4096,
-        loss_weights: Mapping[str, float] | None = None,
-        rotate_leader: bool = False,
-        **kwargs: Any,
+        density: Density = 0.01,
+        innovation_density: Density = 0.001,
+        stages: Stages | Mapping[str, Any] = _STAGES,
+        leaders: LeaderChoice | Mapping[str, Any] = _LEADERS,
+        training: CodecTrainingKnobs | Mapping[str, Any] = _TRAINING,
+        latent_dtype: Literal["float32", "float16", "bfloat16"] = "float32",
+        measure_error: bool = False,
+        world_size: int | None = None,
+        min_numel: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        innovation_density = check_innovation_density(innovation_density, float(kwargs.get("density", 0.001)))
-        stage = ParameterServerStage(innovation_density, latent_dtype)
-        training = CodecTraining(
-            innovation_density=innovation_density,
-            autoencoder=autoencoder,
-            ae_updates_per_step=ae_updates_per_step,
-            ae_optimizer=ae_optimizer,
-            ae_lr=ae_lr,
-            ae_batch_size=ae_batch_size,
-            ae_buffer_size=ae_buffer_size,
-            loss_weights=loss_weights,
+        check("density", density, Density)
+        innovation_density = check_innovation_density(innovation_density, density)
+        knobs = knob_group(training, _TRAINING)
+        if knobs.codec != "autoencoder":
+            raise ValueError(
+                f"training.codec={knobs.codec!r}: LGC-PS decodes every worker with its own decoder and "
+                "innovation input, which only the autoencoder has; use training.codec=autoencoder"
+            )
+        super().__init__(
+            ParameterServerStage(innovation_density, latent_dtype),
+            CodecTraining(knobs, innovation_density=innovation_density),
+            density=density,
+            stages=knob_group(stages, _STAGES),
+            leaders=knob_group(leaders, _LEADERS),
+            measure_error=measure_error,
+            world_size=world_size,
+            min_numel=min_numel,
+            process_group=process_group,
         )
-        super().__init__(stage, training, rotate_leader=rotate_leader, **kwargs)
 
     def describe(self) -> str:
         stage = self.compressed_stage

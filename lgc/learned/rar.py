@@ -21,13 +21,13 @@ not exactly the sum of these). With ``"zero"`` the residual is cleared at ``I`` 
 Everything outside ``I`` stays in the residual, so coordinates that only other workers find large
 are not lost, only delayed until they become the leader's, or the leader rotates.
 
-The leader rotates by default (``rotate_leader=True``: worker ``t % P`` leads step ``t``, as
+The leader rotates by default (``leaders.rotate=True``: worker ``t % P`` leads step ``t``, as
 ScaleCom's cyclic leader), so no worker's large coordinates wait on one leader's view. On the
 8-worker non-IID embedded task (``experiments/lgc_rotation.sh``, five seeds) it cut the relative
 error of the delivered sum from 0.88-0.91 to 0.58-0.60 on the three seeds where the autoencoder
 worked; on the other two the codec failed with either leader (error about 1.0), and the
-accuracies over the five seeds do not separate the two leaders. ``rotate_leader=False`` keeps
-``leader_rank``.
+accuracies over the five seeds do not separate the two leaders. ``leaders.rotate=False`` keeps
+``leaders.rank``.
 
 ``latent_dtype="int8"`` quantizes the latent as shared-index int8 quantizes values
 (:mod:`lgc.learned.shared_index`): one scale per chunk's latent shared by every worker (the largest
@@ -46,24 +46,23 @@ decide a refresh alike.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
-from lgc.autoencoder import AutoencoderConfig
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
+from lgc.learned.knobs import CodecTrainingKnobs, LeaderChoice, Stages, knob_group
 from lgc.learned.shared_index import SharedIndexStage, quantization_levels, shared_scale_codes
 from lgc.learned.state import LGCHookState
 from lgc.learned.step import LATENT_DTYPES, Leaders, StepContext, latent_wire_dtype, send_parameters
 from lgc.learned.training import CodecTraining
-from lgc.validation import NonNegativeInt
+from lgc.validation import Density, Seed
 
 __all__ = ["LGCRingAllreduceState", "RingAllreduceStage"]
 
 RESIDUALS = ("own_reconstruction", "zero")
-#: What LGC-RAR's codec-training stage communicates and learns from.
-CODEC_SAMPLES = ("topk", "leader")
 
 
 class RingAllreduceStage:
@@ -185,32 +184,36 @@ def _own_error(values: torch.Tensor, own: torch.Tensor, metrics: dict[str, float
     return relative
 
 
+#: LGC-RAR's presets (lgc_rar.yaml's): its stages, its rotating leader, its codec training.
+_STAGES = Stages()
+_LEADERS = LeaderChoice()
+_TRAINING = CodecTrainingKnobs()
+
+
 class LGCRingAllreduceState(LGCHookState):
     """LGC-RAR (``compressor=lgc_rar``): workers sum autoencoder latents with an allreduce.
 
+    The defaults are ``lgc/conf/compressor/lgc_rar.yaml``'s (the embedded task's scale: 1 %
+    density, 30 warm-up steps, 60 steps of codec training); ``lgc_rar_paper.yaml`` has the paper's.
+
     Args:
+        density: top-k density of the leader's selection and of stage 2 (``k = ceil(density * n)``
+            per parameter). The paper uses 0.001.
+        stages: the stages (:class:`~lgc.learned.knobs.Stages`, or a mapping of the fields to change).
+        leaders: whose positions (:class:`~lgc.learned.knobs.LeaderChoice`; rotating by default,
+            see the module docstring).
+        training: the codec and its training (:class:`~lgc.learned.knobs.CodecTrainingKnobs`):
+            the autoencoder (the paper's), the linear codec (the top principal directions of the
+            same samples, :class:`~lgc.autoencoder.linear.LinearChunkCodec`: LGC's learned but
+            linear ablation, exact for the sum since decoding is linear) or the PCA-initialised
+            autoencoder; what stage 2 learns from (``samples``).
         residual, latent_dtype, seed: the compressed stage's knobs (:class:`RingAllreduceStage`).
-        codec: ``"autoencoder"`` (the paper's), ``"linear"``: the top principal directions of the
-            same samples (:class:`~lgc.autoencoder.linear.LinearChunkCodec`, LGC's learned but
-            linear ablation; exact for the sum, since decoding is linear), or ``"pca_autoencoder"``:
-            those directions plus a nonlinear correction that starts at zero and trains on the
-            autoencoder's loss (:class:`~lgc.autoencoder.pca_autoencoder.PCAAutoencoder`).
-        linear_latent: the linear and PCA-initialised codecs' floats per chunk (default: the
-            autoencoder's ``latent_numel``, so all send the same bytes).
-        pca_hidden: the PCA-initialised codec's correction width (0: none, the linear codec).
-        rotate_leader: worker ``t % P`` leads step ``t`` (the default, see the module docstring).
-        codec_samples: what stage 2 communicates and learns from: ``"topk"`` (the paper: top-k with
-            error feedback, the samples are every worker's corrected gradient at the leader's
-            positions) or ``"leader"``: the compressed stage's exchange with the exact sum in place
-            of the codec (shared-index float32), so the samples come from the error feedback the
-            codec will serve (:mod:`lgc.learned.training`).
-        autoencoder, ae_updates_per_step, ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size, loss_weights:
-            the codec and its training (:class:`~lgc.learned.training.CodecTraining`).
-        **kwargs: the stages and common knobs of :class:`~lgc.learned.state.LGCHookState`.
+        measure_error, world_size, min_numel, process_group: as
+            :class:`~lgc.learned.state.LGCHookState`'s.
 
     Example::
 
-        >>> state = LGCRingAllreduceState(density=0.01, warmup_steps=20, ae_steps=50)
+        >>> state = LGCRingAllreduceState(density=0.01, stages={"warmup_steps": 20, "ae_steps": 50})
         >>> state.register(ddp_model)  # then train as usual; state.metrics()["lgc/stage"] tells the stage
     """
 
@@ -219,40 +222,31 @@ class LGCRingAllreduceState(LGCHookState):
     def __init__(
         self,
         *,
-        residual: str = "own_reconstruction",
-        latent_dtype: str = "float32",
-        seed: int = 0,
-        codec: str = "autoencoder",
-        linear_latent: int | None = None,
-        pca_hidden: NonNegativeInt = 64,
-        autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
-        ae_updates_per_step: NonNegativeInt = 1,
-        ae_optimizer: str = "adam",
-        ae_lr: float = 1e-3,
-        ae_batch_size: int = 64,
-        ae_buffer_size: int = 4096,
-        loss_weights: Mapping[str, float] | None = None,
-        rotate_leader: bool = True,
-        codec_samples: str = "topk",
-        **kwargs: Any,
+        density: Density = 0.01,
+        stages: Stages | Mapping[str, Any] = _STAGES,
+        leaders: LeaderChoice | Mapping[str, Any] = _LEADERS,
+        training: CodecTrainingKnobs | Mapping[str, Any] = _TRAINING,
+        residual: Literal["own_reconstruction", "zero"] = "own_reconstruction",
+        latent_dtype: Literal["float32", "float16", "bfloat16", "int8"] = "float32",
+        seed: Seed = 0,
+        measure_error: bool = False,
+        world_size: int | None = None,
+        min_numel: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if codec_samples not in CODEC_SAMPLES:
-            raise ValueError(f"codec_samples must be one of {CODEC_SAMPLES}, got {codec_samples!r}")
-        stage = RingAllreduceStage(residual, latent_dtype, seed)
-        training = CodecTraining(
-            codec=codec,
-            linear_latent=linear_latent,
-            pca_hidden=pca_hidden,
-            autoencoder=autoencoder,
-            ae_updates_per_step=ae_updates_per_step,
-            ae_optimizer=ae_optimizer,
-            ae_lr=ae_lr,
-            ae_batch_size=ae_batch_size,
-            ae_buffer_size=ae_buffer_size,
-            loss_weights=loss_weights,
-            sample_exchange=SharedIndexStage("float32") if codec_samples == "leader" else None,
+        knobs = knob_group(training, _TRAINING)
+        exchange = SharedIndexStage("float32") if knobs.samples == "leader" else None
+        super().__init__(
+            RingAllreduceStage(residual, latent_dtype, seed),
+            CodecTraining(knobs, sample_exchange=exchange),
+            density=density,
+            stages=knob_group(stages, _STAGES),
+            leaders=knob_group(leaders, _LEADERS),
+            measure_error=measure_error,
+            world_size=world_size,
+            min_numel=min_numel,
+            process_group=process_group,
         )
-        super().__init__(stage, training, rotate_leader=rotate_leader, **kwargs)
 
     def describe(self) -> str:
         return self.learned_description(self.compressed_stage.latent_dtype)

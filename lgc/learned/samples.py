@@ -7,7 +7,7 @@ bucket the whole model's samples are joined in cat space, put in wire order
 (:class:`~lgc.learned.leader_code.LeaderIndexCodec`), gathered at rank 0 (counted with the stage's
 bytes), cut into chunks and divided by the leader's chunk scales: ``[rows, workers, chunk]``,
 what the codec's trainer takes (:class:`~lgc.learned.training.CodecTraining` runs the stage).
-With ``codec_samples="leader"`` the step runs the compressed stage's own exchange exactly instead
+With ``training.samples="leader"`` the step runs the compressed stage's own exchange exactly instead
 (every worker's float32 values at the leader's positions, summed), and its values, in wire order
 already, are gathered by :func:`gather_leader_samples`.
 """
@@ -102,7 +102,7 @@ def gather_leader_samples(
     """Gather every worker's ``values`` at the leader's positions, already in wire order, at rank 0.
 
     What :func:`gather_samples` returns, for a step that ran the leader's exchange itself (codec
-    training with ``codec_samples="leader"``): the leader's own values give the chunk scales. A
+    training with ``training.samples="leader"``): the leader's own values give the chunk scales. A
     collective: every rank calls it; the gathered samples at rank 0, None elsewhere.
     """
     gathered = counted.gather(stats, values, 0, group)

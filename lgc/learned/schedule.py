@@ -19,16 +19,12 @@ takes the same decision at the same step. The schedule is pure: no tensors, no c
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from typing import Any
 
-from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES
 from lgc.ddp.protocol import RunTooShort
-from lgc.validation import NonNegativeInt, PositiveFloat, PositiveInt, check
+from lgc.learned.knobs import Stages
 
-__all__ = ["WARMUPS", "LGCStage", "StageSchedule"]
-
-WARMUPS = ("dense", "dgc")
+__all__ = ["LGCStage", "StageSchedule"]
 
 
 class LGCStage(enum.IntEnum):
@@ -39,61 +35,31 @@ class LGCStage(enum.IntEnum):
     COMPRESSED = 3
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 class StageSchedule:
     """Which stage every step is in, refreshes included; checkpointable.
 
     Args:
-        warmup_steps: stage 1 length in optimizer steps (at least 1: DDP rebuilds its buckets
-            during the first step, which is always dense).
-        ae_steps: stage 2 length; 0 only for codecs that learn nothing (``min_ae_steps``).
-        warmup: ``"dense"`` or ``"dgc"``.
-        warmup_densities: the ``"dgc"`` warm-up's densities, spread evenly over its steps (DGC's
-            25 %, 6.25 %, 1.5625 %, 0.39 % by default); never below ``density``.
+        stages: the knobs (:class:`~lgc.learned.knobs.Stages`, checked there).
         density: the compressed stage's top-k density (the floor of the warm-up densities).
-        refresh_threshold: relative reconstruction error above which a compressed step is a
-            strike; ``None`` never refreshes (the paper).
-        refresh_patience: consecutive strikes that start a refresh.
-        refresh_steps: a refresh's stage 2 length (default ``ae_steps``).
-        min_ae_steps: the smallest ``ae_steps`` the codec allows (1 for a codec that trains).
+        min_ae_steps: the smallest ``ae_steps`` the codec allows (1 for a codec that trains; 0 for
+            one that learns nothing or was loaded from an earlier run).
     """
 
-    def __init__(
-        self,
-        *,
-        warmup_steps: PositiveInt,
-        ae_steps: NonNegativeInt,
-        warmup: str = "dense",
-        warmup_densities: Sequence[float] | None = None,
-        density: float = 0.001,
-        refresh_threshold: PositiveFloat | None = None,
-        refresh_patience: PositiveInt = 5,
-        refresh_steps: PositiveInt | None = None,
-        min_ae_steps: int = 1,
-    ) -> None:
-        self.warmup_steps = check("warmup_steps", warmup_steps, PositiveInt)
-        # The floor depends on the codec (min_ae_steps), so it is spelled out here.
-        self.ae_steps = _check_int("ae_steps", ae_steps, min_ae_steps)
-        self.refresh_patience = check("refresh_patience", refresh_patience, PositiveInt)
-        if warmup not in WARMUPS:
-            raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
-        densities = tuple(float(d) for d in (PAPER_WARMUP_DENSITIES if warmup_densities is None else warmup_densities))
-        if any(not 0.0 < d <= 1.0 for d in densities):
-            raise ValueError(f"warmup_densities must lie in (0, 1], got {list(densities)}")
-        check("refresh_threshold", refresh_threshold, PositiveFloat | None)
-        check("refresh_steps", refresh_steps, PositiveInt | None)
-        if refresh_threshold is not None and ae_steps == 0:
-            raise ValueError("refresh_threshold needs a codec that trains: this one has ae_steps=0")
-        self.warmup = warmup
-        self.warmup_densities = densities
+    def __init__(self, stages: Stages, *, density: float, min_ae_steps: int = 1) -> None:
+        if stages.ae_steps < min_ae_steps:
+            raise ValueError(
+                f"stages.ae_steps must be at least {min_ae_steps} for a codec that trains, got {stages.ae_steps!r}"
+            )
+        if stages.refresh_threshold is not None and stages.ae_steps == 0:
+            raise ValueError("stages.refresh_threshold needs a codec that trains: this one has stages.ae_steps=0")
+        self.warmup_steps = stages.warmup_steps
+        self.ae_steps = stages.ae_steps
+        self.refresh_patience = stages.refresh_patience
+        self.warmup = stages.warmup
+        self.warmup_densities = tuple(float(d) for d in stages.warmup_densities)
         self.density = float(density)
-        self.refresh_threshold = None if refresh_threshold is None else float(refresh_threshold)
-        self.refresh_steps = ae_steps if refresh_steps is None else refresh_steps
+        self.refresh_threshold = None if stages.refresh_threshold is None else float(stages.refresh_threshold)
+        self.refresh_steps = stages.ae_steps if stages.refresh_steps is None else stages.refresh_steps
         #: A running refresh's stage 2 lasts until this step (None: no refresh running).
         self.refresh_until: int | None = None
         #: Consecutive compressed steps with too large an error.
@@ -153,7 +119,8 @@ class StageSchedule:
         """Refuse stage lengths that leave no compressed stage in a run of ``total_steps`` steps."""
         if self.warmup_steps + self.ae_steps >= total_steps:
             raise RunTooShort(
-                f"LGC stages leave no compressed stage: warmup_steps={self.warmup_steps} + ae_steps={self.ae_steps}",
+                f"LGC stages leave no compressed stage: stages.warmup_steps={self.warmup_steps} + "
+                f"stages.ae_steps={self.ae_steps}",
                 total_steps,
             )
 

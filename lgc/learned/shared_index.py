@@ -38,7 +38,8 @@ DGC-style), then the compressed stage. Nothing is learned, so these states hold 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -48,9 +49,10 @@ from torch import Tensor, nn
 from lgc.coding import pack_uint, unpack_uint
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
+from lgc.learned.knobs import LeaderChoice, Stages, knob_group
 from lgc.learned.state import LGCHookState
 from lgc.learned.step import Leaders, StepContext
-from lgc.validation import Density, NonNegativeInt, PositiveInt, check
+from lgc.validation import Density, Seed, check
 
 __all__ = [
     "VALUE_FORMATS",
@@ -212,24 +214,32 @@ class SharedIndexStage:
         return code.unscaled(summed.view_as(chunks) / levels, scales, plan.k), carried
 
 
+#: The shared-index codecs' presets: no codec-training stage; values in position order.
+_STAGES = Stages(ae_steps=0)
+_LEADERS = LeaderChoice(value_order="position")
+
+
 class SharedIndexState(LGCHookState):
     """The leader's top-k positions, every worker's values there summed, no codec.
 
+    The defaults are ``lgc/conf/compressor/shared_topk.yaml``'s.
+
     Args:
+        density: top-k density of the leader's selection (``k = ceil(density * n)`` per parameter).
+        stages: the warm-up (:class:`~lgc.learned.knobs.Stages`, or a mapping of the fields to
+            change); there is no codec-training stage (``ae_steps`` 0) and no refresh.
+        leaders: whose positions (:class:`~lgc.learned.knobs.LeaderChoice`): rotating (see the
+            module docstring), values in ``"position"`` order, the cheapest with Golomb-coded
+            positions, since nothing here depends on the order.
         values, leader_only, seed: the compressed stage's knobs (:class:`SharedIndexStage`).
         chunk: values per chunk of the per-chunk scales (float16/bfloat16: the leader's RMS;
             int8/int4: the largest magnitude over the workers): 4 bytes per ``chunk`` values.
-        value_order: ``"position"`` by default, the cheapest with Golomb-coded positions, since
-            nothing here depends on the order.
-        rotate_leader: on by default (see the module docstring).
-        density, warmup_steps, warmup, warmup_densities, leader_rank, index_coding, measure_error:
-            as :class:`~lgc.learned.state.LGCHookState`'s (there is no codec-training stage: no
-            ``ae_steps``, no refresh).
-        world_size, min_numel, process_group: as :class:`~lgc.learned.state.LGCHookState`'s.
+        measure_error, world_size, min_numel, process_group: as
+            :class:`~lgc.learned.state.LGCHookState`'s.
 
     Example::
 
-        >>> state = SharedIndexState(density=0.01, warmup_steps=20, values="int8")
+        >>> state = SharedIndexState(density=0.01, stages={"warmup_steps": 20}, values="int8")
         >>> state.register(ddp_model)
     """
 
@@ -238,18 +248,13 @@ class SharedIndexState(LGCHookState):
     def __init__(
         self,
         *,
-        values: str = "float32",
+        density: Density = 0.01,
+        stages: Stages | Mapping[str, Any] = _STAGES,
+        leaders: LeaderChoice | Mapping[str, Any] = _LEADERS,
+        values: Literal["float32", "float16", "bfloat16", "int8", "int4"] = "float32",
         leader_only: bool = False,
-        seed: int = 0,
+        seed: Seed = 0,
         chunk: ScaleChunk = 64,
-        value_order: str = "position",
-        rotate_leader: bool = True,
-        density: Density = 0.001,
-        warmup_steps: PositiveInt = 100,
-        warmup: str = "dense",
-        warmup_densities: list[float] | None = None,
-        leader_rank: NonNegativeInt = 0,
-        index_coding: str = "raw",
         measure_error: bool = False,
         world_size: int | None = None,
         min_numel: int | None = None,
@@ -260,15 +265,9 @@ class SharedIndexState(LGCHookState):
             SharedIndexStage(values, leader_only, seed),
             None,
             chunk,
-            ae_steps=0,
-            value_order=value_order,
-            rotate_leader=rotate_leader,
             density=density,
-            warmup_steps=warmup_steps,
-            warmup=warmup,
-            warmup_densities=warmup_densities,
-            leader_rank=leader_rank,
-            index_coding=index_coding,
+            stages=knob_group(stages, _STAGES),
+            leaders=knob_group(leaders, _LEADERS),
             measure_error=measure_error,
             world_size=world_size,
             min_numel=min_numel,

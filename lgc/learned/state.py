@@ -45,12 +45,13 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.step_guard import PendingBucket, complete_dense
 from lgc.learned.byte_book import StageByteBook
+from lgc.learned.knobs import LeaderChoice, Stages
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.plan import plan_step
 from lgc.learned.schedule import LGCStage, StageSchedule
 from lgc.learned.step import CompressedStage, DeliveredError, Leaders, StepContext
 from lgc.learned.training import CodecTraining
-from lgc.validation import Density, NonNegativeInt, PositiveFloat, PositiveInt
+from lgc.validation import Density, check
 
 __all__ = ["LGCHookState", "LGCStage", "lgc_hook"]
 
@@ -66,30 +67,24 @@ class LGCHookState(CompressionHookState):
     Args:
         compressed_stage: the topology's compressed stage.
         training: the codec and its training; ``None`` for codecs that learn nothing (then
-            ``ae_steps`` must be 0).
+            ``stages.ae_steps`` must be 0).
         chunk: values per chunk of the leader's code (default: the codec's input length).
-            These three are positional: the public classes assemble them; the rest are knobs.
+            These three are positional: the public classes assemble them.
         density: top-k density of the leader's selection and of stage 2 (``k = ceil(density * n)``
             per parameter). The paper uses 0.001.
-        warmup_steps, warmup, warmup_densities, ae_steps, refresh_threshold, refresh_patience, refresh_steps:
-            the stages (:class:`~lgc.learned.schedule.StageSchedule`).
-        leader_rank: the worker whose top-k positions everyone uses (a fixed leader).
-        rotate_leader: the leader of step ``t`` is worker ``t % world_size`` instead (ScaleCom's
-            cyclic leader: spreads the leader's extra upload, and every worker's big coordinates
-            get their turn). A ``leader_rank`` other than 0 with it is refused. LGC-RAR and the
-            shared-index codecs rotate by default (:mod:`lgc.learned.rar` and
-            :mod:`lgc.learned.shared_index` say what it measured); LGC-PS keeps the server as its
-            fixed leader (:mod:`lgc.learned.ps` says why).
-        index_coding, value_order: the leader's wire layout (:class:`~lgc.learned.leader_code.LeaderIndexCodec`).
+        stages: the stages (:class:`~lgc.learned.knobs.Stages`).
+        leaders: whose positions, and their wire layout (:class:`~lgc.learned.knobs.LeaderChoice`).
         measure_error: diagnostics (:class:`~lgc.learned.step.DeliveredError`): logs
             ``lgc/true_error`` and the premise (``lgc/premise_r``, ``lgc/premise_share``) every
             compressed step and their run-wide values in the summary, at the cost of one uncounted
-            fp32 allgather of ``K + 1`` values a worker. Off by default.
-        world_size: number of workers, if known before the workers start (checks ``leader_rank``
+            fp32 allgather of ``K + 1`` values a worker.
+        world_size: number of workers, if known before the workers start (checks the leader
             early; LGC-PS builds one decoder per worker). Otherwise taken at :meth:`register`.
         min_numel: parameters with fewer elements are allreduced dense (``None``: 1,024, the
             default of its top-k, :func:`~lgc.compressors.base.method_min_numel`).
         process_group: the group to communicate in (default: the world).
+
+    The public classes give every knob a default (their presets); this one gives none.
     """
 
     __slots__ = (
@@ -119,51 +114,39 @@ class LGCHookState(CompressionHookState):
         chunk: int | None = None,
         /,
         *,
-        density: Density = 0.001,
-        warmup_steps: PositiveInt = 100,
-        warmup: str = "dense",
-        warmup_densities: list[float] | None = None,
-        ae_steps: NonNegativeInt = 300,
-        refresh_threshold: PositiveFloat | None = None,
-        refresh_patience: PositiveInt = 5,
-        refresh_steps: PositiveInt | None = None,
-        leader_rank: NonNegativeInt = 0,
-        rotate_leader: bool = False,
-        index_coding: str = "raw",
-        value_order: str = "value",
-        measure_error: bool = False,
-        world_size: int | None = None,
-        min_numel: int | None = None,
-        process_group: dist.ProcessGroup | None = None,
+        density: Density,
+        stages: Stages,
+        leaders: LeaderChoice,
+        measure_error: bool,
+        world_size: int | None,
+        min_numel: int | None,
+        process_group: dist.ProcessGroup | None,
     ) -> None:
+        check("density", density, Density)
         super().__init__(
             ErrorFeedback(TopKCompressor(density)), min_numel=min_numel, start_iter=0, process_group=process_group
         )
-        if training is None and ae_steps != 0:
-            raise ValueError(f"a codec that learns nothing has no training stage: ae_steps must be 0, got {ae_steps!r}")
+        if training is None and stages.ae_steps != 0:
+            raise ValueError(
+                f"a codec that learns nothing has no training stage: stages.ae_steps must be 0, got {stages.ae_steps!r}"
+            )
         self.compressed_stage = compressed_stage
         self.training = training
         self.schedule = StageSchedule(
-            warmup_steps=warmup_steps,
-            ae_steps=ae_steps,
-            warmup=warmup,
-            warmup_densities=warmup_densities,
+            stages,
             density=density,
-            refresh_threshold=refresh_threshold,
-            refresh_patience=refresh_patience,
-            refresh_steps=refresh_steps,
             # A warm-started codec may skip its training stage; a codec that learns nothing has none.
             min_ae_steps=0 if training is None or training.init is not None else 1,
         )
         if training is not None:
             training.warm_start(self.schedule.ae_steps)
-        self.leaders = Leaders(leader_rank, bool(rotate_leader))
+        self.leaders = Leaders(leaders.rank, leaders.rotate)
         if world_size is not None:
             self._check_world(int(world_size))
         if chunk is None:
             assert training is not None, "a chunk length is needed without a codec"
             chunk = training.chunk
-        self.leader_code = LeaderIndexCodec(chunk, value_order, index_coding)
+        self.leader_code = LeaderIndexCodec(chunk, leaders.value_order, leaders.index_coding)
         self.errors = DeliveredError(measure_error)
         self.byte_book = StageByteBook()
         self.density = float(density)
@@ -172,7 +155,7 @@ class LGCHookState(CompressionHookState):
             training.build(self.world_size)
         self.stage = LGCStage.WARMUP
         self.current_step = -1
-        self.leader = leader_rank
+        self.leader = leaders.rank
         self.last_metrics: dict[str, float] = {}
         self.param_order: dict[str, int] = {}
 
@@ -248,7 +231,7 @@ class LGCHookState(CompressionHookState):
         return max(super().steady_from(steps_per_epoch), self.warmup_steps + self.ae_steps)
 
     def save_codec(self, path: str | Path) -> Path | None:
-        """Write the workers' codec to ``path`` for ``autoencoder.init`` (``None``: none was trained or loaded)."""
+        """Write the workers' codec to ``path`` for ``training.autoencoder.init`` (``None``: none trained or loaded)."""
         return None if self.training is None else self.training.save(path)
 
     def attach(self, model: DistributedDataParallel) -> None:

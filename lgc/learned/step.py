@@ -52,18 +52,18 @@ class Leaders:
     rotate: bool = False
 
     def __post_init__(self) -> None:
-        check("leader_rank", self.rank, NonNegativeInt)
+        check("leaders.rank", self.rank, NonNegativeInt)
         if self.rotate and self.rank != 0:
             raise ValueError(
-                f"leader_rank={self.rank} fixes the leader, but rotate_leader=True lets worker "
-                "step % world_size lead each step: set rotate_leader=false to keep that leader"
+                f"leaders.rank={self.rank} fixes the leader, but leaders.rotate=true lets worker "
+                "step % world_size lead each step: set leaders.rotate=false to keep that leader"
             )
 
     def check_world(self, world_size: int) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size!r}")
         if not 0 <= self.rank < world_size:
-            raise ValueError(f"leader_rank={self.rank} is outside the world of {world_size} worker(s)")
+            raise ValueError(f"leaders.rank={self.rank} is outside the world of {world_size} worker(s)")
 
     def at(self, step: int, world_size: int) -> int:
         """The leader of ``step``."""

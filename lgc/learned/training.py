@@ -4,7 +4,7 @@ During codec training (Abrahamyan et al. 2021, stage 2) the workers communicate 
 feedback exactly as ``compressor=topk`` does, and every worker also keeps its error-corrected
 gradient at the step leader's top-k positions, the vector the codec will encode in the compressed
 stage. At the step's end those samples are gathered at rank 0 (:mod:`lgc.learned.samples`),
-which trains the codec on them (``ae_updates_per_step`` updates per step). Rank 0 logs, per step,
+which trains the codec on them (``training.updates_per_step`` updates per step). Rank 0 logs, per step,
 ``lgc/leader_correlation`` (Pearson's r between the workers' values at the leader's positions, the
 mean over pairs: LGC's premise), ``lgc/leader_energy_share`` (the share of rank 0's error-corrected
 gradient energy at those positions: the most the codec can carry), ``lgc/recon_error`` (the codec's
@@ -15,7 +15,7 @@ stage begins, rank 0's weights go to the workers that need them (the topology's 
 
 The paper's stage 2 learns from a different regime than the one the codec serves: its error
 feedback is each worker's own top-k's, while the compressed stage keeps what the leader's positions
-leave. With ``codec_samples="leader"`` (LGC-RAR) stage 2 communicates as the compressed stage will,
+leave. With ``training.samples="leader"`` (LGC-RAR) stage 2 communicates as the compressed stage will,
 with the codec replaced by the exact sum (shared-index float32:
 :class:`~lgc.learned.shared_index.SharedIndexStage`), and learns from the values that exchange
 carried: the samples come from the error feedback the codec will see.
@@ -34,7 +34,6 @@ sample buffer and one trainer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -51,15 +50,12 @@ from lgc.compressors.selection import topk_indices
 from lgc.compressors.topk import SparsePayload, num_selected
 from lgc.ddp.exchange import ExchangeHost, PayloadExchange
 from lgc.ddp.step_guard import PendingBucket
+from lgc.learned.knobs import CodecTrainingKnobs
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.samples import Sample, gather_leader_samples, gather_samples, mean_pairwise_correlation
 from lgc.learned.step import StepContext
-from lgc.validation import NonNegativeInt, check
 
-__all__ = ["CODECS", "ChunkCodec", "CodecTrainer", "CodecTraining"]
-
-#: The codecs a learned LGC state can train.
-CODECS = ("autoencoder", "linear", "pca_autoencoder")
+__all__ = ["ChunkCodec", "CodecTrainer", "CodecTraining"]
 
 
 @runtime_checkable
@@ -114,31 +110,18 @@ class CodecTraining:
     """The codec of a learned LGC state: how it is built, what it learns from, and where it goes.
 
     Args:
-        autoencoder: :class:`~lgc.autoencoder.AutoencoderConfig` fields (``chunk``,
-            ``encoder_channels``, ``latent_channels``, ``decoder_channels``, ``decoder``, ``seed``),
-            and ``init``: the path of a ``codec.pt`` saved by an earlier run (:meth:`save`;
-            ``lgc-train`` writes one beside ``summary.json``) whose weights start this codec. Stage 2
-            then fine-tunes them, or, with ``ae_steps=0``, is skipped: every worker loads the same
-            weights, so none are broadcast. A codec of another shape is refused.
-        codec: ``"autoencoder"`` (the paper's), ``"linear"`` (the top principal directions of the
-            same samples, :class:`~lgc.autoencoder.linear.LinearChunkCodec`) or
-            ``"pca_autoencoder"`` (those directions plus a nonlinear correction that starts at zero,
-            :class:`~lgc.autoencoder.pca_autoencoder.PCAAutoencoder`).
-        linear_latent: the linear and PCA-initialised codecs' floats per chunk (default: the
-            autoencoder's ``latent_numel``, so all send the same bytes).
-        pca_hidden: the PCA-initialised codec's correction width (0: none, the linear codec).
+        knobs: the codec and its training (:class:`~lgc.learned.knobs.CodecTrainingKnobs`). A
+            ``knobs.autoencoder["init"]`` (a ``codec.pt`` saved by :meth:`save`; ``lgc-train`` writes
+            one beside ``summary.json``) starts this codec from its weights: stage 2 then fine-tunes
+            them, or, with ``stages.ae_steps=0``, is skipped: every worker loads the same weights,
+            so none are broadcast. A codec of another shape is refused.
         innovation_density: LGC-PS: every worker's innovation density. Its samples then carry
             each worker's innovation mask and the autoencoder has one decoder per worker with an
             innovation input; ``None`` (LGC-RAR): one decoder, no innovation.
-        ae_updates_per_step: codec optimizer steps per training step in stage 2.
-        ae_optimizer, ae_lr, ae_batch_size, ae_buffer_size: the autoencoder's trainer
-            (:class:`~lgc.autoencoder.AutoencoderTrainer`; the linear codec keeps the buffer only).
-        loss_weights: :class:`~lgc.autoencoder.LossWeights` fields (``reconstruction``,
-            ``similarity``, ``mean``).
         sample_exchange: the exchange stage 2 runs instead of top-k (an object with
             ``exchange(ctx)`` returning this worker's values at the leader's positions in wire
             order, e.g. a float32 :class:`~lgc.learned.shared_index.SharedIndexStage`): the
-            samples are then those values (``codec_samples="leader"``). ``None``: the paper's top-k.
+            samples are then those values (``knobs.samples="leader"``). ``None``: the paper's top-k.
     """
 
     __slots__ = (
@@ -153,65 +136,55 @@ class CodecTraining:
         "frozen",  # a warm-started codec that stage 2 does not retrain (ae_steps=0)
         "trainer",  # built for the world size (build()); rank 0's buffer holds the samples
         "samples",  # this worker's samples of the current step, joined at its end
-        "sample_exchange",  # stage 2's exchange in place of top-k (codec_samples="leader"), or None
+        "sample_exchange",  # stage 2's exchange in place of top-k (training.samples="leader"), or None
         "weights_sent",  # whether the workers hold the trained weights (the compressed stage may start)
     )
 
     def __init__(
         self,
+        knobs: CodecTrainingKnobs,
         *,
-        autoencoder: Mapping[str, Any] | AutoencoderConfig | None = None,
-        codec: str = "autoencoder",
-        linear_latent: int | None = None,
-        pca_hidden: NonNegativeInt = 64,
         innovation_density: float | None = None,
-        ae_updates_per_step: NonNegativeInt = 1,
-        ae_optimizer: str = "adam",
-        ae_lr: float = 1e-3,
-        ae_batch_size: int = 64,
-        ae_buffer_size: int = 4096,
-        loss_weights: Mapping[str, float] | None = None,
         sample_exchange: Any = None,
     ) -> None:
-        init = None
-        if isinstance(autoencoder, Mapping):  # a dict, or Hydra's DictConfig
-            autoencoder = dict(autoencoder)
-            init = autoencoder.pop("init", None)
+        autoencoder = dict(knobs.autoencoder)
+        init = autoencoder.pop("init", None)
         self.init: str | None = None if init is None else str(init)
         if self.init is not None:
             read_codec(self.init)  # a missing or foreign file is named before any worker starts
-        if codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-        if linear_latent is not None and codec == "autoencoder":
+        if knobs.linear_latent is not None and knobs.codec == "autoencoder":
             raise ValueError(
-                f"linear_latent={linear_latent!r} sizes the linear and PCA-initialised codecs, but codec={codec!r}"
+                f"training.linear_latent={knobs.linear_latent!r} sizes the linear and PCA-initialised codecs, "
+                f"but training.codec={knobs.codec!r}"
             )
-        self.updates_per_step = check("ae_updates_per_step", ae_updates_per_step, NonNegativeInt)
-        if isinstance(autoencoder, AutoencoderConfig):
-            self.config = autoencoder
-        else:
-            self.config = AutoencoderConfig.from_kwargs(**(autoencoder or {}))
-        self.codec = codec
-        self.linear_latent = linear_latent
-        self.pca_hidden = check("pca_hidden", pca_hidden, NonNegativeInt)
+        if knobs.samples == "leader" and innovation_density is not None:
+            raise ValueError(
+                "training.samples='leader' learns from the exact exchange at the leader's positions, which "
+                "carries no worker's innovation: LGC-PS's codec trains on the paper's top-k samples only"
+            )
+        if knobs.samples == "leader" and sample_exchange is None:
+            raise ValueError("training.samples='leader' needs the compressed stage's exchange (LGC-RAR's)")
+        self.updates_per_step = knobs.updates_per_step
+        try:
+            self.config = AutoencoderConfig.from_kwargs(**autoencoder)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"training.autoencoder: {err}") from None
+        self.codec = knobs.codec
+        self.linear_latent = knobs.linear_latent
+        self.pca_hidden = knobs.pca_hidden
         self.innovation_density = None if innovation_density is None else float(innovation_density)
         self.options = dict(
-            optimizer=ae_optimizer,
-            lr=ae_lr,
-            batch_size=ae_batch_size,
-            buffer_size=ae_buffer_size,
-            weights=LossWeights(**(loss_weights or {})),
+            optimizer=knobs.optimizer,
+            lr=knobs.lr,
+            batch_size=knobs.batch_size,
+            buffer_size=knobs.buffer_size,
+            weights=LossWeights(**knobs.loss_weights),
             seed=self.config.seed,
         )
         self.frozen = False
         self.trainer: CodecTrainer | None = None
         self.samples: list[Sample] = []
         self.sample_exchange = sample_exchange
-        if sample_exchange is not None and self.innovation_density is not None:
-            raise ValueError(
-                "codec_samples='leader' learns from the exact exchange at the leader's positions, which "
-                "carries no worker's innovation: LGC-PS's codec trains on the paper's top-k samples only"
-            )
         self.weights_sent = False
 
     @property
@@ -314,7 +287,7 @@ class CodecTraining:
         self._train(ctx.group, ctx.metrics)
 
     def _train(self, group: dist.ProcessGroup | None, metrics: dict[str, float]) -> None:
-        """Rank 0 trains the codec on its buffer (``ae_updates_per_step`` updates)."""
+        """Rank 0 trains the codec on its buffer (``training.updates_per_step`` updates)."""
         assert self.trainer is not None
         if dist.get_rank(group) == 0:
             losses = self.trainer.train(self.updates_per_step)

@@ -281,7 +281,7 @@ class RunSummary(pl.Callback):
     resumed from a checkpoint adds ``earlier_segments``, each earlier segment's provenance, fit time
     and last saved step (the checkpoints carry them), since ``fit_time_s`` is this segment's. An
     LGC run also writes its trained codec to ``codec.pt`` (``lgc_codec``), which another run can
-    start from with ``compressor.autoencoder.init=PATH``.
+    start from with ``compressor.training.autoencoder.init=PATH``.
     ``lgc.train.train`` adds ``wall_time_s`` (including process start-up) afterwards.
     """
 
@@ -391,7 +391,7 @@ class RunSummary(pl.Callback):
         self.output_dir.mkdir(parents=True, exist_ok=True)
         state = _hook_state(trainer)
         if state.save_codec(self.output_dir / "codec.pt") is not None:
-            # LGC's trained codec, for another run's autoencoder.init.
+            # LGC's trained codec, for another run's training.autoencoder.init.
             summary["lgc_codec"] = str(self.output_dir / "codec.pt")
         (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         _log_layer_table(trainer, layers)

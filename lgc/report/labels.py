@@ -64,7 +64,7 @@ class _Run:
     flat: dict[str, Any]
     #: The settings the run overrides (groups and dotted keys); None without a record: every key counts.
     overridden: set[str] | None
-    #: Values inside a node the run sets whole (``compressor.autoencoder={chunk:32}``): they label
+    #: Values inside a node the run sets whole (``compressor.training.autoencoder={chunk:32}``): they label
     #: the run where they differ from another run's, as a value only some runs override does.
     inside: set[str]
 

@@ -122,10 +122,10 @@ print("loaded:", sorted(name for name in heavy if name in sys.modules))
 def test_step_methods_take_nested_knobs_and_bad_ones_are_named():
     from lgc.bench.methods import parse_methods, parse_overrides
 
-    specs = parse_methods("none,lgc_rar:density=0.001;autoencoder.encoder_channels=[16,32,64,16],dgc")
+    specs = parse_methods("none,lgc_rar:density=0.001;training.autoencoder.encoder_channels=[16,32,64,16],dgc")
     assert [spec.name for spec in specs] == ["none", "lgc_rar", "dgc"]
-    assert specs[1].knobs == {"density": 0.001, "autoencoder": {"encoder_channels": [16, 32, 64, 16]}}
-    assert specs[1].label == "lgc_rar:density=0.001;autoencoder.encoder_channels=[16,32,64,16]"
+    assert specs[1].knobs == {"density": 0.001, "training": {"autoencoder": {"encoder_channels": [16, 32, 64, 16]}}}
+    assert specs[1].label == "lgc_rar:density=0.001;training.autoencoder.encoder_channels=[16,32,64,16]"
     with pytest.raises(ValueError, match="unknown method 'lgc_rarr'"):
         parse_methods("lgc_rarr")
     with pytest.raises(ValueError, match="names a method twice"):
@@ -151,7 +151,7 @@ def test_autoencoder_benchmark_names_a_bad_architecture_before_recording():
 def test_step_benchmark_times_lgc_past_its_stages_against_no_communication(tmp_path):
     """``lgc-bench step`` on a small ResNet-18 step: every row timed, no-comm the reference (1.0)."""
     out = tmp_path / "step.json"
-    narrow = "lgc_rar:autoencoder.encoder_channels=[8,8,8,8];autoencoder.decoder_channels=[8,8,8,8]"
+    narrow = "lgc_rar:training.autoencoder.encoder_channels=[8,8,8,8];training.autoencoder.decoder_channels=[8,8,8,8]"
     main(
         ["step", "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--density", "0.01",
          "--steps", "2", "--rounds", "1", "--methods", f"topk,{narrow},sbc:delay=2", "--json", str(out)]

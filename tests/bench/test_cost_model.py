@@ -201,7 +201,7 @@ def test_steady_from_counts_each_methods_own_stages(group):
 
     model = DistributedDataParallel(_net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = lgc.compress(model, "lgc_rar", optimizer=optimizer, warmup_steps=7, ae_steps=11)
+    state = lgc.compress(model, "lgc_rar", optimizer=optimizer, stages={"warmup_steps": 7, "ae_steps": 11})
     assert state.steady_from() == 18
     model = DistributedDataParallel(_net())
     state = lgc.compress(model, "powersgd", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -229,7 +229,7 @@ def test_steady_from_under_communication_delay_counts_the_stages_in_exchanges(gr
     def build(**comm):
         model = DistributedDataParallel(_net())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        return lgc.compress(model, "shared_topk", optimizer=optimizer, warmup_steps=30, **comm)
+        return lgc.compress(model, "shared_topk", optimizer=optimizer, stages={"warmup_steps": 30}, **comm)
 
     assert build().steady_from() == 30
     assert build(delay=4).steady_from() == 120

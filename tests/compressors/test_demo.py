@@ -729,3 +729,19 @@ def test_an_infinite_entry_does_not_crash():
     compressor = DeMoCompressor(chunk=8, k=4)
     payload = compressor.compress(x, "w")
     compressor.aggregate([compressor.payload_from_wire(payload.to_wire(), 300, key="w")])
+
+
+def test_momentum_in_the_optimizer_is_refused_through_every_wrapper():
+    from lgc.ddp.hook import CompressionHookState
+    from lgc.methods import METHODS, build_hook_state
+
+    demo = DeMoCompressor()
+    # DeMo's momentum is the error feedback's residual: a second one in the optimizer is refused,
+    # asked of the compressor, of error feedback around it and of the hook state alike.
+    for asked in (demo, ErrorFeedback(demo, 0.999), CompressionHookState(ErrorFeedback(demo, 0.999))):
+        with pytest.raises(ValueError, match=r"optimizer momentum is 0.9 but DeMo keeps its momentum"):
+            asked.check_optimizer(0.9, None)
+        asked.check_optimizer(0.0, 5e-4)  # no weight decay of its own: the optimizer's passes
+    state = build_hook_state(METHODS["demo"].resolve(), {"delay": 2}, name="demo")  # communication delay's
+    with pytest.raises(ValueError, match="optimizer.momentum=0"):
+        state.check_optimizer(0.5, None)

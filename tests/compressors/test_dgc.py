@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lgc import ErrorFeedback, TopKCompressor, register_compression_hook
 from lgc.compressors import SparsePayload
 from lgc.compressors.base import keyed_seed
-from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, DGCCompressor, check_optimizer_momentum
+from lgc.compressors.dgc import PAPER_WARMUP_DENSITIES, DGCCompressor
 from lgc.compressors.selection import ColumnScan, sampled_topk
 from lgc.compressors.topk import num_selected
 from lgc.ddp.hook import CompressionHookState
@@ -1027,34 +1027,33 @@ def test_apply_momentum_is_sgd_momentum_for_dense_tensors():
 
 
 # -- (7) configuration checks ------------------------------------------------------------------------
-def test_check_optimizer_momentum_refuses_weight_decay_in_both_places():
+def test_check_optimizer_refuses_weight_decay_in_both_places():
     dgc = DGCCompressor(weight_decay=5e-4)
     with pytest.raises(
         ValueError, match=r"weight decay in the optimizer \(optimizer.weight_decay=0.0005\) and in DGC"
     ) as err:
-        check_optimizer_momentum(dgc, 0.0, weight_decay=5e-4)
+        dgc.check_optimizer(0.0, 5e-4)
     assert "optimizer.weight_decay=0" in str(err.value) and "compressor.weight_decay" in str(err.value)
     with pytest.raises(ValueError, match="applied twice"):
-        check_optimizer_momentum(CompressionHookState(dgc), 0, weight_decay=1e-4)
-    check_optimizer_momentum(dgc, 0.0, weight_decay=0.0)
-    check_optimizer_momentum(dgc, 0.0, weight_decay=None)  # not told: not checked
-    check_optimizer_momentum(dgc, 0.0)  # no weight decay given: not checked
-    check_optimizer_momentum(DGCCompressor(), 0.0, weight_decay=5e-4)  # decay only in the optimizer
-    check_optimizer_momentum(ErrorFeedback(TopKCompressor(0.01)), 0.9, weight_decay=5e-4)
+        CompressionHookState(dgc).check_optimizer(0, 1e-4)
+    dgc.check_optimizer(0.0, 0.0)
+    dgc.check_optimizer(0.0, None)  # not told: not checked
+    DGCCompressor().check_optimizer(0.0, 5e-4)  # decay only in the optimizer
+    ErrorFeedback(TopKCompressor(0.01)).check_optimizer(0.9, 5e-4)
 
 
-def test_check_optimizer_momentum_refuses_double_momentum_and_double_error_feedback():
+def test_check_optimizer_refuses_double_momentum_and_double_error_feedback():
     dgc = DGCCompressor()
     with pytest.raises(ValueError, match=r"applies momentum too \(optimizer.momentum=0.9\).*optimizer.momentum=0\)"):
-        check_optimizer_momentum(dgc, 0.9)
+        dgc.check_optimizer(0.9, None)
     with pytest.raises(ValueError, match="optimizer.momentum=0"):
-        check_optimizer_momentum(CompressionHookState(dgc), 0.5)
+        CompressionHookState(dgc).check_optimizer(0.5, None)
     # Error feedback around DGC is refused where it is built (DGC declares keeps_own_residual).
     with pytest.raises(ValueError, match=r"DGC keeps its own error feedback .* compressor.error_feedback=false"):
         ErrorFeedback(dgc)
-    check_optimizer_momentum(dgc, 0.0)
-    check_optimizer_momentum(CompressionHookState(dgc), 0)
-    check_optimizer_momentum(ErrorFeedback(TopKCompressor(0.01)), 0.9)
+    dgc.check_optimizer(0.0, None)
+    CompressionHookState(dgc).check_optimizer(0, None)
+    ErrorFeedback(TopKCompressor(0.01)).check_optimizer(0.9, None)
 
 
 @pytest.mark.parametrize(
@@ -1102,7 +1101,7 @@ def test_yaml_holds_the_paper_defaults_without_error_feedback():
     assert "world_size" not in cfg.compressor and dgc.world_size == 1
     # The weight decay moves from the optimizer (train.yaml's 5e-4) into the compressor.
     assert dgc.weight_decay == 5e-4 and cfg.optimizer.weight_decay == 0.0
-    check_optimizer_momentum(state, cfg.optimizer.momentum, weight_decay=cfg.optimizer.weight_decay)
+    state.check_optimizer(cfg.optimizer.momentum, cfg.optimizer.weight_decay)
 
 
 def test_yaml_weight_decay_follows_the_runs_weight_decay_and_refuses_it_twice():
@@ -1117,7 +1116,7 @@ def test_yaml_weight_decay_follows_the_runs_weight_decay_and_refuses_it_twice():
     assert dgc.weight_decay == paper.regularization.weight_decay == 1e-4 and paper.optimizer.weight_decay == 0.0
     state = build_hook_state(twice.compressor, twice.comm)
     with pytest.raises(ValueError, match="applied twice"):
-        check_optimizer_momentum(state, twice.optimizer.momentum, weight_decay=twice.optimizer.weight_decay)
+        state.check_optimizer(twice.optimizer.momentum, twice.optimizer.weight_decay)
 
 
 # -- (8) two-process DDP training ---------------------------------------------------------------------

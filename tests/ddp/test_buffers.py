@@ -190,8 +190,11 @@ def test_local_steps_keep_each_workers_buffers_and_average_them_at_exchanges():
 
 # -- every per-step method: rank 0's buffers once per step, within the step's statistics -----------
 def _per_step_state(method: str):
-    lgc_common = dict(density=0.05, warmup_steps=1, min_numel=100)  # both weight matrices compressed
-    codec = dict(ae_steps=2, ae_updates_per_step=1, autoencoder=dict(_LGC_AE), ae_batch_size=16)
+    lgc_common = dict(density=0.05, min_numel=100)  # both weight matrices compressed
+    codec = dict(
+        stages={"warmup_steps": 1, "ae_steps": 2},
+        training={"updates_per_step": 1, "autoencoder": dict(_LGC_AE), "batch_size": 16},
+    )
     if method == "powersgd":
         return PowerSGDHookState(start_powerSGD_iter=2, min_compression_rate=1.1)
     if method == "fp16":
@@ -201,7 +204,7 @@ def _per_step_state(method: str):
     if method == "lgc_ps":
         return LGCParameterServerState(innovation_density=0.01, **lgc_common, **codec)
     assert method == "shared_index"
-    return SharedIndexState(chunk=32, **lgc_common)
+    return SharedIndexState(chunk=32, stages={"warmup_steps": 1}, **lgc_common)
 
 
 def _counter_sums(stages: dict) -> dict[str, float]:

@@ -100,7 +100,7 @@ def test_a_shared_index_state_exchanges_the_exact_mean_update_at_full_density():
     # is exact, so every step's weights are periodic averaging's; the first exchange is the dense
     # warm-up, the others go through the shared-index stage (a rotating leader).
     delay, steps = 2, 8
-    exact = SharedIndexState(values="float32", density=1.0, warmup_steps=1, min_numel=0)
+    exact = SharedIndexState(values="float32", density=1.0, stages={"warmup_steps": 1}, min_numel=0)
     shared = run_workers(_train, 2, exact, delay, steps)
     averaged = run_workers(_train, 2, NoneCompressor(), delay, steps)
     for rank in range(2):
@@ -111,7 +111,9 @@ def test_a_shared_index_state_exchanges_the_exact_mean_update_at_full_density():
 
 def test_the_lgc_familys_stages_count_exchanges_and_only_exchanges_send():
     delay, steps = 3, 12
-    shared = SharedIndexState(values="int8", density=0.1, warmup_steps=2, min_numel=0, index_coding="golomb")
+    shared = SharedIndexState(
+        values="int8", density=0.1, stages={"warmup_steps": 2}, leaders={"index_coding": "golomb"}, min_numel=0
+    )
     # BatchNorm's statistics are averaged at every exchange: their bytes belong to that exchange's stage.
     results = run_workers(_train, 2, shared, delay, steps, None, _bn_net)
     numel = sum(p.numel() for p in _bn_net().parameters())
@@ -119,7 +121,7 @@ def test_the_lgc_familys_stages_count_exchanges_and_only_exchanges_send():
         sent = result["sent"]
         increments = [b - a for a, b in zip([0, *sent[:-1]], sent, strict=True)]
         assert [step for step, inc in enumerate(increments) if inc] == [2, 5, 8, 11]
-        # warmup_steps=2: the first two exchanges (six local steps) dense, then the compressed stage.
+        # stages.warmup_steps=2: the first two exchanges (six local steps) dense, then the compressed stage.
         assert result["stages"][2] == result["stages"][5] == "WARMUP"
         assert result["stages"][8] == result["stages"][11] == "COMPRESSED"
         # Each dense exchange: the fp32 update and the step guard's byte per parameter (plus one).
@@ -142,14 +144,14 @@ def test_an_lgc_family_state_refuses_what_it_cannot_do_under_a_delay(settings, m
 
 
 def test_the_lgc_familys_stages_are_checked_in_exchanges():
-    state = CommunicationDelayState(SharedIndexState(values="int8", warmup_steps=10), delay=4)
+    state = CommunicationDelayState(SharedIndexState(values="int8", stages={"warmup_steps": 10}), delay=4)
     state.check_run(_net(), 2, 44)  # 11 exchanges: one after the warm-up
-    with pytest.raises(ValueError, match=r"warmup_steps=10 \+ ae_steps=0 >= the run's 10 exchanges \(40 optimizer"):
+    too_short = r"stages.warmup_steps=10 \+ stages.ae_steps=0 >= the run's 10 exchanges \(40 optimizer"
+    with pytest.raises(ValueError, match=too_short):
         state.check_run(_net(), 2, 40)
-    with pytest.raises(ValueError, match=r"^leader_rank=3 is outside"):  # other refusals as they are
-        CommunicationDelayState(SharedIndexState(values="int8", leader_rank=3, rotate_leader=False), delay=4).check_run(
-            _net(), 2, None
-        )
+    with pytest.raises(ValueError, match=r"^leaders.rank=3 is outside"):  # other refusals as they are
+        leader_three = SharedIndexState(values="int8", leaders={"rank": 3, "rotate": False})
+        CommunicationDelayState(leader_three, delay=4).check_run(_net(), 2, None)
 
 
 def test_an_lgc_family_state_configured_for_other_workers_is_refused_under_a_delay(group):
@@ -239,7 +241,12 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
         # The LGC family: its dense warm-up exchange before the checkpoint, compressed ones after.
         ["comm=local_sgd", "compressor=shared_topk_int8"],
         # LGC-RAR's linear codec: warm-up, codec fitting and a compressed exchange before the checkpoint.
-        ["comm=local_sgd", "experiment=embedded/lgc_rar_lean", "compressor.warmup_steps=1", "compressor.ae_steps=1"],
+        [
+            "comm=local_sgd",
+            "experiment=embedded/lgc_rar_lean",
+            "compressor.stages.warmup_steps=1",
+            "compressor.stages.ae_steps=1",
+        ],
     ],
     ids=["average", "diloco", "streaming", "shared_index", "lgc_rar"],
 )

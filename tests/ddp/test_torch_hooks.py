@@ -268,12 +268,11 @@ def test_powersgd_constructor_rejects_bad_values_by_name(kwargs, name):
         PowerSGDHookState(**kwargs)
 
 
-@pytest.mark.parametrize("config", ["powersgd.yaml", "batched_powersgd.yaml"])
+@pytest.mark.parametrize("config", ["powersgd", "batched_powersgd"])
 def test_powersgd_configs_build_the_wrapper_with_an_epsilon(config):
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+    from lgc.methods import METHODS, build_hook_state
 
-    state = instantiate(OmegaConf.load(CONF / config))
+    state = build_hook_state(METHODS[config].resolve())
     assert isinstance(state, PowerSGDHookState)
-    assert state.batched == (config == "batched_powersgd.yaml")
+    assert state.batched == (config == "batched_powersgd")
     assert state.options["orthogonalization_epsilon"] == 1e-8

@@ -260,10 +260,10 @@ def _book_like_the_fakes(rank: int, world: int) -> dict:
         "torch_fp16": lambda: TorchHookState("fp16"),
         "powersgd": lambda: PowerSGDHookState(matrix_approximation_rank=1, start_powerSGD_iter=2),
         "lgc_rar": lambda: LGCRingAllreduceState(
-            density=0.05, warmup_steps=2, ae_steps=3, min_numel=100, index_coding="golomb", **_SMALL_AE
+            density=0.05, stages=_SHORT, min_numel=100, leaders={"index_coding": "golomb"}, training=_SMALL_AE
         ),
         "lgc_ps": lambda: LGCParameterServerState(
-            density=0.05, innovation_density=0.01, warmup_steps=2, ae_steps=3, min_numel=100, leader_rank=1, **_SMALL_AE
+            density=0.05, innovation_density=0.01, stages=_SHORT, min_numel=100, leaders={"rank": 1}, training=_SMALL_AE
         ),
     }
     for name, make in states.items():
@@ -304,8 +304,9 @@ def _book_like_the_fakes(rank: int, world: int) -> dict:
 
 _SMALL_AE = dict(
     autoencoder=dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2),
-    ae_batch_size=16,
+    batch_size=16,
 )
+_SHORT = {"warmup_steps": 2, "ae_steps": 3}
 
 
 @pytest.mark.multiprocess

@@ -17,6 +17,7 @@ from lgc.ddp.collectives import CommStats
 from lgc.ddp.exchange import Segment
 from lgc.ddp.step_guard import PendingBucket
 from lgc.learned.byte_book import StageByteBook
+from lgc.learned.knobs import CodecTrainingKnobs, Stages
 from lgc.learned.leader_code import LeaderIndexCodec, order_bits
 from lgc.learned.plan import plan_step
 from lgc.learned.samples import mean_pairwise_correlation
@@ -25,6 +26,11 @@ from lgc.learned.step import Leaders
 from lgc.learned.training import ChunkCodec, CodecTrainer, CodecTraining
 
 W, T, C = LGCStage.WARMUP, LGCStage.AUTOENCODER_TRAINING, LGCStage.COMPRESSED
+
+
+def _schedule(*, density: float = 0.001, min_ae_steps: int = 1, **stages) -> StageSchedule:
+    """A schedule of the given stage knobs (the rest at :class:`Stages`' defaults)."""
+    return StageSchedule(Stages(**stages), density=density, min_ae_steps=min_ae_steps)
 
 
 # -- the schedule -------------------------------------------------------------------------------------
@@ -55,13 +61,13 @@ def test_the_workers_correlation_is_pearsons_r_averaged_over_pairs():
 
 
 def test_the_stages_follow_their_lengths():
-    schedule = StageSchedule(warmup_steps=2, ae_steps=3)
+    schedule = _schedule(warmup_steps=2, ae_steps=3)
     assert [schedule.stage_at(step) for step in range(7)] == [W, W, T, T, T, C, C]
     assert _run(schedule, range(7), {}) == [W, W, T, T, T, C, C]
 
 
 def test_a_refresh_follows_patience_strikes_lasts_refresh_steps_and_counts_once():
-    schedule = StageSchedule(warmup_steps=1, ae_steps=2, refresh_threshold=0.5, refresh_patience=2, refresh_steps=3)
+    schedule = _schedule(warmup_steps=1, ae_steps=2, refresh_threshold=0.5, refresh_patience=2, refresh_steps=3)
     # Compressed from step 3; steps 3 and 4 exceed the threshold (two strikes), so step 5 starts a refresh.
     stages = _run(schedule, range(12), {3: 0.9, 4: 0.8, 8: 0.9, 9: 0.1, 10: 0.9})
     assert stages == [W, T, T, C, C, T, T, T, C, C, C, C]
@@ -70,7 +76,7 @@ def test_a_refresh_follows_patience_strikes_lasts_refresh_steps_and_counts_once(
 
 
 def test_the_step_error_is_weighted_by_values_and_cleared_at_every_step():
-    schedule = StageSchedule(warmup_steps=1, ae_steps=1, refresh_threshold=0.5, refresh_patience=1)
+    schedule = _schedule(warmup_steps=1, ae_steps=1, refresh_threshold=0.5, refresh_patience=1)
     schedule.begin(2, C)
     schedule.record_error(1.0, 1)  # 1 value far off ...
     schedule.record_error(0.0, 9)  # ... and 9 exact: 0.1 < 0.5, no strike
@@ -81,11 +87,11 @@ def test_the_step_error_is_weighted_by_values_and_cleared_at_every_step():
 
 def test_a_restored_schedule_decides_as_the_original_would():
     errors = {step: 0.9 for step in range(3, 30)}
-    straight = StageSchedule(warmup_steps=1, ae_steps=2, refresh_threshold=0.5, refresh_patience=3)
+    straight = _schedule(warmup_steps=1, ae_steps=2, refresh_threshold=0.5, refresh_patience=3)
     expected = _run(straight, range(20), errors)
-    first = StageSchedule(warmup_steps=1, ae_steps=2, refresh_threshold=0.5, refresh_patience=3)
+    first = _schedule(warmup_steps=1, ae_steps=2, refresh_threshold=0.5, refresh_patience=3)
     head = _run(first, range(7), errors)  # stopped with two strikes recorded and one step's error pending
-    resumed = StageSchedule(warmup_steps=1, ae_steps=2, refresh_threshold=0.5, refresh_patience=3)
+    resumed = _schedule(warmup_steps=1, ae_steps=2, refresh_threshold=0.5, refresh_patience=3)
     resumed.load_state_dict(first.state_dict())
     stage, tail = head[-1], []
     for step in range(7, 20):
@@ -97,7 +103,7 @@ def test_a_restored_schedule_decides_as_the_original_would():
 
 
 def test_the_dgc_warmup_spreads_its_densities_evenly_and_never_below_the_density():
-    schedule = StageSchedule(warmup_steps=8, ae_steps=1, warmup="dgc", warmup_densities=[0.5, 0.1, 0.001], density=0.01)
+    schedule = _schedule(warmup_steps=8, ae_steps=1, warmup="dgc", warmup_densities=[0.5, 0.1, 0.001], density=0.01)
     # 3 phases over 8 steps: steps 0-2, 3-5, 6-7; the last phase's 0.001 is floored at 0.01.
     assert [schedule.warmup_density(step) for step in range(8)] == [0.5] * 3 + [0.1] * 3 + [0.01] * 2
 
@@ -105,27 +111,30 @@ def test_the_dgc_warmup_spreads_its_densities_evenly_and_never_below_the_density
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(warmup_steps=0, ae_steps=1), "warmup_steps must be a positive integer, got 0"),
-        (dict(warmup_steps=1, ae_steps=0), "ae_steps must be an integer >= 1, got 0"),
-        (dict(warmup_steps=1, ae_steps=1, warmup="cosine"), "warmup must be one of"),
-        (dict(warmup_steps=1, ae_steps=1, warmup_densities=[0.5, 0.0]), r"warmup_densities must lie in \(0, 1\]"),
+        (dict(warmup_steps=0, ae_steps=1), "stages.warmup_steps must be a positive integer, got 0"),
+        (dict(warmup_steps=1, ae_steps=0), "stages.ae_steps must be at least 1 for a codec that trains, got 0"),
+        (dict(warmup_steps=1, ae_steps=1, warmup="cosine"), "stages.warmup must be one of 'dense', 'dgc'"),
+        (
+            dict(warmup_steps=1, ae_steps=1, warmup_densities=[0.5, 0.0]),
+            r"stages.warmup_densities must be a list of number in \(0, 1\], got \(0.5, 0.0\)",
+        ),
         (
             dict(warmup_steps=1, ae_steps=1, refresh_threshold=0.0),
-            "refresh_threshold must be a positive finite number or None, got 0.0",
+            "stages.refresh_threshold must be a positive finite number or None, got 0.0",
         ),
         (dict(warmup_steps=1, ae_steps=0, min_ae_steps=0, refresh_threshold=0.5), "needs a codec that trains"),
-        (dict(warmup_steps=1, ae_steps=1, refresh_steps=0), "refresh_steps must be a positive integer"),
+        (dict(warmup_steps=1, ae_steps=1, refresh_steps=0), "stages.refresh_steps must be a positive integer"),
     ],
 )
 def test_the_schedule_refuses_bad_stages(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        StageSchedule(**kwargs)
+        _schedule(**kwargs)
 
 
 def test_stages_that_leave_no_compressed_stage_are_refused():
-    schedule = StageSchedule(warmup_steps=3, ae_steps=2)
+    schedule = _schedule(warmup_steps=3, ae_steps=2)
     schedule.check_total_steps(6)
-    with pytest.raises(ValueError, match=r"warmup_steps=3 \+ ae_steps=2 >= the run's 5 optimizer steps"):
+    with pytest.raises(ValueError, match=r"stages.warmup_steps=3 \+ stages.ae_steps=2 >= the run's 5 optimizer steps"):
         schedule.check_total_steps(5)
 
 
@@ -135,11 +144,11 @@ def test_stages_that_leave_no_compressed_stage_are_refused():
 def test_a_rotating_leader_cycles_through_the_workers_and_a_fixed_one_stays():
     assert [Leaders(rotate=True).at(step, 3) for step in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     assert {Leaders(rank=2).at(step, 3) for step in range(7)} == {2}
-    with pytest.raises(ValueError, match="leader_rank=2 fixes the leader, but rotate_leader=True"):
+    with pytest.raises(ValueError, match="leaders.rank=2 fixes the leader, but leaders.rotate=true"):
         Leaders(rank=2, rotate=True)
-    with pytest.raises(ValueError, match="leader_rank=3 is outside the world of 2 worker"):
+    with pytest.raises(ValueError, match="leaders.rank=3 is outside the world of 2 worker"):
         Leaders(rank=3).check_world(2)
-    with pytest.raises(ValueError, match="leader_rank must be a non-negative integer, got True"):
+    with pytest.raises(ValueError, match="leaders.rank must be a non-negative integer, got True"):
         Leaders(rank=True)
 
 
@@ -332,44 +341,46 @@ _SMALL = dict(chunk=16, encoder_channels=[4, 4], decoder_channels=[4, 4], latent
 
 
 def test_both_trainers_are_codec_trainers_of_chunk_codecs():
-    autoencoder = AutoencoderTrainer(GradientAutoencoder(CodecTraining(autoencoder=_SMALL).config))
+    autoencoder = AutoencoderTrainer(GradientAutoencoder(CodecTraining(CodecTrainingKnobs(autoencoder=_SMALL)).config))
     linear = LinearCodecTrainer(LinearChunkCodec(16, 2))
     for trainer in (autoencoder, linear):
         assert isinstance(trainer, CodecTrainer) and isinstance(trainer.autoencoder, ChunkCodec)
 
 
 def test_the_codec_is_built_for_its_topology_and_world():
-    rar = CodecTraining(autoencoder=_SMALL)
+    rar = CodecTraining(CodecTrainingKnobs(autoencoder=_SMALL))
     rar.build(4)
     assert rar.config.num_decoders == 1 and not rar.config.innovation
-    ps = CodecTraining(autoencoder=_SMALL, innovation_density=0.001)
+    ps = CodecTraining(CodecTrainingKnobs(autoencoder=_SMALL), innovation_density=0.001)
     ps.build(4)
     assert ps.config.num_decoders == 4 and ps.config.innovation
-    linear = CodecTraining(autoencoder=_SMALL, codec="linear")
+    linear = CodecTraining(CodecTrainingKnobs(autoencoder=_SMALL, codec="linear"))
     linear.build(4)
     # The linear codec sends as many floats per chunk as the autoencoder would: the same bytes.
     assert isinstance(linear.model, LinearChunkCodec) and linear.model.latent_size == rar.config.latent_numel
 
 
 def test_codec_training_refuses_knobs_that_do_not_apply():
-    with pytest.raises(ValueError, match="codec must be one of"):
-        CodecTraining(codec="pca")
-    with pytest.raises(ValueError, match="linear_latent=8 sizes the linear and PCA-initialised codecs"):
-        CodecTraining(linear_latent=8)
-    with pytest.raises(ValueError, match="ae_updates_per_step must be a non-negative integer, got -1"):
-        CodecTraining(ae_updates_per_step=-1)
+    with pytest.raises(ValueError, match="training.codec must be one of 'autoencoder', 'linear', 'pca_autoencoder'"):
+        CodecTrainingKnobs(codec="pca")
+    with pytest.raises(ValueError, match="training.linear_latent=8 sizes the linear and PCA-initialised codecs"):
+        CodecTraining(CodecTrainingKnobs(linear_latent=8))
+    with pytest.raises(ValueError, match="training.updates_per_step must be a non-negative integer, got -1"):
+        CodecTrainingKnobs(updates_per_step=-1)
+    with pytest.raises(TypeError, match="training has no knob 'ae_updates_per_step'; its knobs: codec, samples"):
+        CodecTrainingKnobs().changed({"ae_updates_per_step": 1})
     with pytest.raises(FileNotFoundError):
-        CodecTraining(autoencoder={**_SMALL, "init": "/no/such/codec.pt"})
+        CodecTraining(CodecTrainingKnobs(autoencoder={**_SMALL, "init": "/no/such/codec.pt"}))
 
 
 def test_a_codec_is_saved_only_once_the_workers_hold_it(tmp_path):
-    training = CodecTraining(autoencoder=_SMALL)
+    training = CodecTraining(CodecTrainingKnobs(autoencoder=_SMALL))
     training.build(2)
     assert training.save(tmp_path / "codec.pt") is None
     training.weights_sent = True
     saved = training.save(tmp_path / "codec.pt")
     assert saved is not None and saved.is_file()
-    warm = CodecTraining(autoencoder={**_SMALL, "init": str(saved)})
+    warm = CodecTraining(CodecTrainingKnobs(autoencoder={**_SMALL, "init": str(saved)}))
     warm.warm_start(ae_steps=0)
     warm.build(2)
     # Warm-started and not retrained: every worker holds the weights, so none are broadcast.

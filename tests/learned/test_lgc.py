@@ -48,7 +48,7 @@ def test_latent_is_a_quarter_of_the_chunk_and_receptive_field_is_checked():
 
 
 def test_width_sizes_the_reference_architecture_and_keeps_its_latent():
-    state = LGCRingAllreduceState(autoencoder=dict(chunk=64, width=0.125), world_size=2)
+    state = LGCRingAllreduceState(training={"autoencoder": dict(chunk=64, width=0.125)}, world_size=2)
     config = state.ae_config
     assert config.encoder_channels == (8, 16, 32, 8) and config.decoder_channels == (4, 8, 16, 4)
     assert config.latent_numel == AutoencoderConfig(chunk=64).latent_numel
@@ -56,7 +56,7 @@ def test_width_sizes_the_reference_architecture_and_keeps_its_latent():
     assert (sum(p.numel() for p in state.autoencoder.parameters()), reference) == (3569, 216677)
     for width in (0, -1, "wide", True):
         with pytest.raises(ValueError, match="autoencoder width must be a number in"):
-            LGCRingAllreduceState(autoencoder=dict(width=width))
+            LGCRingAllreduceState(training={"autoencoder": dict(width=width)})
 
 
 @pytest.mark.parametrize("decoder", ["transposed", "upsample"])
@@ -158,11 +158,12 @@ def test_trainer_resumes_exactly_and_pickles():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(leader_rank=2, rotate_leader=False, world_size=2), r"leader_rank=2 is outside the world of 2 worker"),
-        (dict(leader_rank=1, rotate_leader=True), r"leader_rank=1 fixes the leader, but rotate_leader=True"),
-        (dict(autoencoder=dict(chunk=16)), r"chunk=16 is shorter than the encoder's receptive field"),
-        (dict(value_order="random"), "value_order must be one of"),
-        (dict(warmup_steps=0), "warmup_steps must be a positive integer, got 0"),
+        (dict(leaders=dict(rank=2, rotate=False), world_size=2), r"leaders.rank=2 is outside the world of 2 worker"),
+        (dict(leaders=dict(rank=1)), r"leaders.rank=1 fixes the leader, but leaders.rotate=true"),
+        (dict(training=dict(autoencoder=dict(chunk=16))), r"chunk=16 is shorter than the encoder's receptive field"),
+        (dict(leaders=dict(value_order="random")), "leaders.value_order must be one of 'value', 'magnitude'"),
+        (dict(stages=dict(warmup_steps=0)), "stages.warmup_steps must be a positive integer, got 0"),
+        (dict(training=dict(codec="pca")), "training.codec must be one of 'autoencoder', 'linear', 'pca_autoencoder'"),
         (dict(latent_dtype="int4"), "latent_dtype must be one of"),
         (dict(latent_dtype="int8", world_size=128), r"latent_dtype='int8' cannot hold the sum of 128 workers"),
     ],
@@ -170,6 +171,13 @@ def test_trainer_resumes_exactly_and_pickles():
 def test_bad_lgc_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LGCRingAllreduceState(**kwargs)
+
+
+def test_a_knob_a_group_lacks_is_named_with_the_groups_knobs():
+    with pytest.raises(TypeError, match="stages has no knob 'warmup_stepz'; its knobs: warmup_steps, warmup,"):
+        LGCRingAllreduceState(stages={"warmup_stepz": 1})
+    with pytest.raises(TypeError, match=r"leaders must be a LeaderChoice or a mapping of its fields, got 3"):
+        LGCRingAllreduceState(leaders=3)
 
 
 @pytest.mark.multiprocess
@@ -192,7 +200,7 @@ def test_innovation_must_be_sparser_than_the_leaders_selection():
 
 
 def test_stage_schedule_and_a_run_too_short_for_a_compressed_stage():
-    state = LGCRingAllreduceState(warmup_steps=3, ae_steps=4)
+    state = LGCRingAllreduceState(stages={"warmup_steps": 3, "ae_steps": 4})
     assert [state.stage_at(s) for s in (0, 2, 3, 6, 7, 100)] == [
         LGCStage.WARMUP,
         LGCStage.WARMUP,
@@ -202,7 +210,7 @@ def test_stage_schedule_and_a_run_too_short_for_a_compressed_stage():
         LGCStage.COMPRESSED,
     ]
     state.check_total_steps(8)
-    with pytest.raises(ValueError, match=r"warmup_steps=3 \+ ae_steps=4 >= the run's 7 optimizer steps"):
+    with pytest.raises(ValueError, match=r"stages.warmup_steps=3 \+ stages.ae_steps=4 >= the run's 7 optimizer steps"):
         state.check_total_steps(7)
 
 
@@ -225,26 +233,21 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 _LGC_AE = dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2)
 
 
-def _lgc_state(variant: str, **kwargs):
-    common = dict(
-        density=0.05,
-        warmup_steps=2,
-        ae_steps=4,
-        ae_updates_per_step=2,
-        min_numel=MIN_NUMEL,
-        autoencoder=dict(_LGC_AE),
-        ae_batch_size=16,
-    )
+def _lgc_state(variant: str, *, stages: dict | None = None, training: dict | None = None, **kwargs):
+    """A small LGC state of ``variant``; ``stages`` and ``training`` change those groups' fields."""
+    stages = {"warmup_steps": 2, "ae_steps": 4, **(stages or {})}
+    training = {"updates_per_step": 2, "autoencoder": dict(_LGC_AE), "batch_size": 16, **(training or {})}
+    common = dict(density=0.05, min_numel=MIN_NUMEL, stages=stages, training=training)
     if variant == "ps":
         return LGCParameterServerState(**{"innovation_density": 0.01, **common, **kwargs})
     if variant == "rar_int8":  # int8 latents: stochastic rounding that a resumed run must repeat
         common["latent_dtype"] = "int8"
     if variant == "rar_leader":  # stage 2 runs the exact exchange at the leader's positions
-        common["codec_samples"] = "leader"
+        training["samples"] = "leader"
     if variant == "rar_linear":  # the linear codec: refitted in closed form at every stage-2 step
-        common["codec"] = "linear"
+        training["codec"] = "linear"
     if variant == "rar_pca":  # the PCA-initialised autoencoder: a refitted basis, Adam on the correction
-        common.update(codec="pca_autoencoder", pca_hidden=8)
+        training.update(codec="pca_autoencoder", pca_hidden=8)
     return LGCRingAllreduceState(**{**common, **kwargs})
 
 
@@ -353,7 +356,7 @@ def _converges(rank: int, world: int, variant: str) -> dict:
             optimizer.step()
             losses.append(loss.item())
         return {"losses": losses}
-    state = _lgc_state(variant, warmup_steps=10, ae_steps=30, ae_updates_per_step=4)
+    state = _lgc_state(variant, stages=dict(warmup_steps=10, ae_steps=30), training=dict(updates_per_step=4))
     state.register(model)
     log = _train(model, state, 120)
     params = [p.detach().clone() for p in model.parameters()]
@@ -391,16 +394,20 @@ def _identity_autoencoder(state) -> None:
     ae.latent_shape = lambda rows: (rows, 1, state.ae_config.chunk)
 
 
+#: The identity code's shape (the test replaces its weights).
+_IDENTITY_SHAPE = dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2)
+
+
 def _compressed_steps(
     rank: int, world: int, variant: str, index_coding: str, rotate_leader: bool, steps: int, extra: dict | None = None
 ) -> list:
     """``steps`` compressed steps of LGC with an identity code, each observed (:func:`observe_step`)."""
     cls = LGCRingAllreduceState if variant == "rar" else LGCParameterServerState
-    kwargs = dict(density=0.05, warmup_steps=1, ae_steps=1, ae_updates_per_step=0, min_numel=MIN_NUMEL)
+    kwargs = dict(density=0.05, stages=dict(warmup_steps=1, ae_steps=1), min_numel=MIN_NUMEL)
     extra = dict(extra or {})
     bucket_cap_mb = extra.pop("bucket_cap_mb", 0.01)
-    kwargs.update(index_coding=index_coding, value_order="value", rotate_leader=rotate_leader, **extra)
-    kwargs.update(autoencoder=dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2))
+    kwargs.update(leaders=dict(index_coding=index_coding, value_order="value", rotate=rotate_leader), **extra)
+    kwargs["training"] = dict(updates_per_step=0, autoencoder=_IDENTITY_SHAPE)
     if variant == "ps":
         kwargs["innovation_density"] = 0.01
     model = DDP(_net(), bucket_cap_mb=bucket_cap_mb)
@@ -542,8 +549,9 @@ def test_int8_latents_deliver_the_sum_within_the_workers_rounding_steps_and_coun
 
 
 def _decode_calls(rank: int, world: int, kwargs: dict) -> list[int]:
-    kwargs = dict(density=0.05, warmup_steps=1, ae_steps=1, ae_updates_per_step=0, min_numel=MIN_NUMEL, **kwargs)
-    kwargs.update(autoencoder=dict(chunk=32, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2))
+    stages = dict(warmup_steps=1, ae_steps=1, **kwargs.pop("stages", {}))
+    kwargs = dict(density=0.05, stages=stages, min_numel=MIN_NUMEL, **kwargs)
+    kwargs["training"] = dict(updates_per_step=0, autoencoder=_IDENTITY_SHAPE)
     model = DDP(_net(), bucket_cap_mb=100)  # one bucket
     state = LGCRingAllreduceState(**kwargs)
     state.register(model)
@@ -563,7 +571,7 @@ def _decode_calls(rank: int, world: int, kwargs: dict) -> list[int]:
     [
         ({}, ["2r"]),  # own reconstruction and the mean: one call of both
         ({"residual": "zero"}, ["r"]),  # the mean only
-        ({"refresh_threshold": 10.0}, ["r", "r"]),  # the own error rides in the allreduce: decoded first
+        ({"stages": {"refresh_threshold": 10.0}}, ["r", "r"]),  # the own error rides in the allreduce: decoded first
     ],
 )
 def test_lgc_rar_decodes_once_per_bucket_unless_the_refresh_needs_its_error_first(kwargs, expected):
@@ -584,7 +592,7 @@ def _trained_codec(rank: int, world: int, path: str) -> dict:
 
 def _warm_started(rank: int, world: int, path: str) -> dict:
     model = DDP(_net(), bucket_cap_mb=100)
-    state = _lgc_state("rar", ae_steps=0, autoencoder=dict(_LGC_AE, init=path))
+    state = _lgc_state("rar", stages={"ae_steps": 0}, training={"autoencoder": dict(_LGC_AE, init=path)})
     state.register(model)
     log = _train(model, state, 5)
     return {
@@ -613,18 +621,18 @@ def test_a_missing_or_misfitting_codec_is_refused_before_training(tmp_path):
     from lgc.autoencoder.saved import save_codec
 
     with pytest.raises(FileNotFoundError, match="autoencoder.init='.*nowhere.pt': no such file"):
-        _lgc_state("rar", autoencoder=dict(_LGC_AE, init=str(tmp_path / "nowhere.pt")))
+        _lgc_state("rar", training={"autoencoder": dict(_LGC_AE, init=str(tmp_path / "nowhere.pt"))})
     (tmp_path / "junk.pt").write_bytes(b"not a codec")
     with pytest.raises(ValueError, match="is not a saved lgc codec"):
-        _lgc_state("rar", autoencoder=dict(_LGC_AE, init=str(tmp_path / "junk.pt")))
+        _lgc_state("rar", training={"autoencoder": dict(_LGC_AE, init=str(tmp_path / "junk.pt"))})
     other = GradientAutoencoder(
         AutoencoderConfig(chunk=64, encoder_channels=(8, 8), decoder_channels=(8, 8), latent_channels=2)
     )
     save_codec(other, tmp_path / "chunk64.pt")
     with pytest.raises(ValueError, match="does not fit this run's codec .*chunk: saved 64, this run 32"):
-        _lgc_state("rar", world_size=2, autoencoder=dict(_LGC_AE, init=str(tmp_path / "chunk64.pt")))
-    with pytest.raises(ValueError, match="ae_steps must be an integer >= 1"):
-        _lgc_state("rar", ae_steps=0)  # only a warm-started codec may skip its training
+        _lgc_state("rar", world_size=2, training={"autoencoder": dict(_LGC_AE, init=str(tmp_path / "chunk64.pt"))})
+    with pytest.raises(ValueError, match="stages.ae_steps must be at least 1 for a codec that trains, got 0"):
+        _lgc_state("rar", stages={"ae_steps": 0})  # only a warm-started codec may skip its training
 
 
 # -- resume -------------------------------------------------------------------------------------------
@@ -636,7 +644,7 @@ def _resume(rank: int, world: int, variant: str, stop: int) -> dict:
 
     def fresh():
         model = DDP(_net(), bucket_cap_mb=0.01)
-        state = _lgc_state(variant, rotate_leader=True)
+        state = _lgc_state(variant, leaders={"rotate": True})
         state.register(model)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 

@@ -11,8 +11,10 @@ from lgc.autoencoder import LossWeights, num_chunks
 from lgc.autoencoder.linear import LinearChunkCodec, LinearCodecTrainer
 from lgc.autoencoder.pca_autoencoder import PCAAutoencoder, PCAAutoencoderConfig, PCAAutoencoderTrainer
 from lgc.compressors.topk import num_selected
+from lgc.learned.knobs import CodecTrainingKnobs
+from lgc.learned.ps import LGCParameterServerState
 from lgc.learned.rar import LGCRingAllreduceState
-from lgc.learned.shared_index import SharedIndexStage, SharedIndexState, quantization_levels
+from lgc.learned.shared_index import SharedIndexState, quantization_levels
 from lgc.learned.state import LGCStage
 from lgc.learned.training import CodecTraining
 
@@ -22,10 +24,8 @@ CHUNK = 32
 
 def _state(**kwargs) -> SharedIndexState:
     # DGC-style warm-up: step 0 dense, step 1 top-k with error feedback (fills the residuals), then compressed.
-    common = dict(
-        density=DENSITY, warmup_steps=2, warmup="dgc", warmup_densities=[0.2], min_numel=MIN_NUMEL, chunk=CHUNK
-    )
-    return SharedIndexState(**{**common, **kwargs})
+    stages = dict(warmup_steps=2, warmup="dgc", warmup_densities=[0.2])
+    return SharedIndexState(**{**dict(density=DENSITY, stages=stages, min_numel=MIN_NUMEL, chunk=CHUNK), **kwargs})
 
 
 def _step(model: DDP, step: int, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -64,7 +64,7 @@ def _one_compressed_step(rank: int, world: int, kwargs: dict) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("index_coding", ["raw", "golomb"])
 def test_shared_index_fp32_delivers_the_exact_sum_at_the_leaders_positions(index_coding):
-    results = run_workers(_one_compressed_step, 2, dict(index_coding=index_coding))
+    results = run_workers(_one_compressed_step, 2, dict(leaders=dict(index_coding=index_coding)))
     compressed_k = 0
     for rank, result in enumerate(results):
         assert result["stage"] == LGCStage.COMPRESSED
@@ -164,8 +164,8 @@ def test_leader_scaled_applies_world_size_times_the_leaders_values_and_feeds_bac
 def test_bad_values_are_refused_before_workers_start():
     with pytest.raises(ValueError, match=r"values must be one of .*got 'int2'"):
         SharedIndexState(values="int2")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'ae_steps'"):
-        SharedIndexState(ae_steps=5)  # no codec-training stage: lgc.compress says "has no knob 'ae_steps'"
+    with pytest.raises(ValueError, match="learns nothing has no training stage: stages.ae_steps must be 0"):
+        SharedIndexState(stages={"ae_steps": 5})
     with pytest.raises(ValueError, match="chunk must be an even integer >= 2, got 33"):
         SharedIndexState(chunk=33)
     with pytest.raises(ValueError, match="leader_only .* float format, got 'int8'"):
@@ -174,12 +174,12 @@ def test_bad_values_are_refused_before_workers_start():
     with pytest.raises(ValueError, match=r"values='int4' cannot hold the sum of 8 workers' codes .*at most 7 workers"):
         SharedIndexState(values="int4", world_size=8)
     SharedIndexState(values="int4", world_size=7)  # 1 level each way: allowed
-    with pytest.raises(ValueError, match="codec must be one of"):
-        LGCRingAllreduceState(codec="pca")
-    with pytest.raises(ValueError, match="linear_latent=4 sizes the linear and PCA-initialised codecs"):
-        LGCRingAllreduceState(linear_latent=4)
-    with pytest.raises(ValueError, match="pca_hidden must be a non-negative integer"):
-        LGCRingAllreduceState(codec="pca_autoencoder", pca_hidden=-1)
+    with pytest.raises(ValueError, match="training.codec must be one of"):
+        LGCRingAllreduceState(training={"codec": "pca"})
+    with pytest.raises(ValueError, match="training.linear_latent=4 sizes the linear and PCA-initialised codecs"):
+        LGCRingAllreduceState(training={"linear_latent": 4})
+    with pytest.raises(ValueError, match="training.pca_hidden must be a non-negative integer"):
+        LGCRingAllreduceState(training={"codec": "pca_autoencoder", "pca_hidden": -1})
 
 
 # -- the linear codec ------------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def test_linear_codec_trainer_fits_the_top_directions_of_its_buffer_and_round_tr
 @pytest.mark.multiprocess
 def test_the_measured_premise_is_the_workers_correlation_and_energy_share_at_the_leaders_positions():
     world = 3
-    results = run_workers(_one_compressed_step, world, dict(index_coding="golomb"))
+    results = run_workers(_one_compressed_step, world, dict(leaders=dict(index_coding="golomb")))
     at, energy = [[] for _ in range(world)], [0.0] * world
     lead = 2 % world  # the leader rotates: worker t % W leads step t
     for _name, v, leader, _ in per_parameter(results[0], 0, DENSITY, leader=lead):
@@ -244,13 +244,14 @@ def test_the_measured_premise_is_the_workers_correlation_and_energy_share_at_the
 def _linear_rar(rank: int, world: int) -> dict:
     model = DDP(_net(), bucket_cap_mb=0.01)
     state = LGCRingAllreduceState(
-        codec="linear",
         density=DENSITY,
-        warmup_steps=1,
-        ae_steps=3,
+        stages=dict(warmup_steps=1, ae_steps=3),
+        training=dict(
+            codec="linear",
+            autoencoder=dict(chunk=CHUNK, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2),
+        ),
         min_numel=MIN_NUMEL,
         measure_error=True,
-        autoencoder=dict(chunk=CHUNK, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2),
     )
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -280,12 +281,13 @@ def _stage_two_at_the_leader(rank: int, world: int) -> dict:
     runs = {}
     for name in ("lgc", "shared"):
         model = DDP(_net(), bucket_cap_mb=0.01)
-        common = dict(density=DENSITY, warmup_steps=2, min_numel=MIN_NUMEL, value_order="value")
+        common = dict(density=DENSITY, min_numel=MIN_NUMEL, leaders=dict(value_order="value"))
         if name == "lgc":
             ae = dict(chunk=CHUNK, encoder_channels=[8, 8], decoder_channels=[8, 8], latent_channels=2)
-            state = LGCRingAllreduceState(codec="linear", codec_samples="leader", ae_steps=4, autoencoder=ae, **common)
+            training = dict(codec="linear", samples="leader", autoencoder=ae)
+            state = LGCRingAllreduceState(stages=dict(warmup_steps=2, ae_steps=4), training=training, **common)
         else:
-            state = SharedIndexState(chunk=CHUNK, measure_error=True, **common)
+            state = SharedIndexState(stages=dict(warmup_steps=2), chunk=CHUNK, measure_error=True, **common)
         state.register(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(6):
@@ -341,10 +343,14 @@ def test_codec_training_at_the_leader_runs_the_exact_exchange_and_learns_from_it
 
 
 def test_codec_samples_are_named_and_lgc_ps_keeps_the_papers():
-    with pytest.raises(ValueError, match="codec_samples must be one of"):
-        LGCRingAllreduceState(codec_samples="exact")
+    with pytest.raises(ValueError, match="training.samples must be one of 'topk', 'leader'"):
+        LGCRingAllreduceState(training={"samples": "exact"})
     with pytest.raises(ValueError, match="LGC-PS's codec trains on the paper's top-k samples only"):
-        CodecTraining(innovation_density=0.001, sample_exchange=SharedIndexStage("float32"))
+        LGCParameterServerState(training={"samples": "leader"})
+    with pytest.raises(ValueError, match="LGC-PS's codec trains on the paper's top-k samples only"):
+        CodecTraining(CodecTrainingKnobs(samples="leader"), innovation_density=0.001)
+    with pytest.raises(ValueError, match="training.codec='linear': LGC-PS decodes every worker with its own decoder"):
+        LGCParameterServerState(training={"codec": "linear"})
 
 
 # -- the PCA-initialised autoencoder -------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_the_optimizers_learning_rate_is_a_float_though_torch_also_takes_a_tenso
 
 def test_list_elements_are_checked():
     message = _refused(["compressor=dgc", "compressor.warmup_densities=[0.25,abc]"], "compressor")
-    assert message.startswith("compressor.warmup_densities=[0.25, 'abc'] must be a list of float or None")
+    assert message.startswith("compressor.warmup_densities=[0.25, 'abc'] must be a list of float")
     assert _refused(["compressor=dgc", "compressor.warmup_densities=0.25"], "compressor").startswith(
         "compressor.warmup_densities=0.25 must be a list of float"
     )
@@ -135,17 +135,27 @@ def test_a_nested_target_is_checked_under_its_own_name():
     assert _refused(["scheduler=multistep", "scheduler.gamma=abc"], "scheduler").startswith("scheduler.gamma='abc'")
 
 
-def test_keyword_arguments_forwarded_to_a_base_class_are_checked_against_its_annotations():
-    # LGCRingAllreduceState(*, residual, **kwargs) hands kwargs to LGCHookState.__init__.
+def test_a_group_of_knobs_is_checked_field_by_field():
+    # LGC's states take their knobs in groups (stages, leaders, training): each field is checked
+    # against the group's annotation and named with its path; a field the group lacks is refused.
     message = _refused(["compressor=lgc_rar", "compressor.density=abc"], "compressor")
     assert (
         message.startswith("compressor.density='abc' must be a number in (0, 1]") and "LGCRingAllreduceState" in message
     )
-    assert _refused(["compressor=lgc_ps", "compressor.ae_steps=abc"], "compressor").startswith(
-        "compressor.ae_steps='abc' must be a non-negative integer"
+    assert _refused(["compressor=lgc_ps", "compressor.stages.ae_steps=abc"], "compressor") == (
+        "compressor.stages.ae_steps='abc' must be a non-negative integer (a knob of lgc.learned.knobs.Stages)"
+    )
+    assert _refused(["compressor=lgc_rar", "compressor.leaders.rotate=maybe"], "compressor").startswith(
+        "compressor.leaders.rotate='maybe' must be a bool"
+    )
+    assert _refused(["compressor=lgc_rar", "compressor.training.lr=fast"], "compressor").startswith(
+        "compressor.training.lr='fast' must be a positive finite number"
+    )
+    assert _refused(["compressor=shared_topk", "+compressor.stages.ae_stepz=1"], "compressor").startswith(
+        "compressor.stages.ae_stepz is not a knob of lgc.learned.knobs.Stages (its knobs: warmup_steps, warmup,"
     )
     assert _refused(["compressor=lgc_ps", "compressor.innovation_density=abc"], "compressor").startswith(
-        "compressor.innovation_density='abc' must be a float"
+        "compressor.innovation_density='abc' must be a number in (0, 1]"
     )
 
 
@@ -158,9 +168,11 @@ def test_an_unknown_key_is_refused_where_the_target_takes_no_kwargs():
 
 
 def test_an_unknown_key_is_left_to_a_target_with_kwargs():
-    # WandbLogger(**kwargs) passes them to wandb.init; LGC's states to their base class.
+    # WandbLogger(**kwargs) passes them to wandb.init.
     check_node_types({"_target_": "pytorch_lightning.loggers.WandbLogger", "group": "g", "tags": ["a"]}, "logger.w")
-    _check(_compose("compressor=lgc_rar", "+compressor.anything=1"), "compressor")
+    assert _refused(["compressor=lgc_rar", "+compressor.anything=1"], "compressor").startswith(
+        "compressor.anything is not a parameter of lgc.learned.rar.LGCRingAllreduceState (it takes: density, stages,"
+    )
 
 
 # Right types, accepted.
@@ -189,7 +201,11 @@ def test_a_number_outside_its_knobs_bounds_is_a_value_error_in_the_constructors_
 
 def test_null_is_accepted_where_none_is():
     _check(_compose("compressor=qsgd", "compressor.bucket_size=null"), "compressor")
-    _check(_compose("compressor=dgc", "compressor.clip_norm=null", "compressor.warmup_densities=null"), "compressor")
+    _check(_compose("compressor=dgc", "compressor.clip_norm=null"), "compressor")
+    # DGC's warm-up has no "none": [] turns it off.
+    assert _refused(["compressor=dgc", "compressor.warmup_densities=null"], "compressor").startswith(
+        "compressor.warmup_densities=None must be a list of float"
+    )
     _check(_compose("trainer.max_epochs=null", "trainer.limit_train_batches=null"), "trainer")
     assert _refused(["data=digits", "data.batch_size=null"], "data").startswith(
         "data.batch_size=None must be a positive integer"

@@ -123,7 +123,7 @@ def test_paper_smoke_variant_trains_on_fixtures(name, tmp_path, data_roots, cifa
 def test_embedded_experiment_trains_a_few_steps(name, tmp_path, data_roots):
     overrides = ["logger=csv", "trainer.max_epochs=2", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2"]
     if "lgc" in name:
-        overrides += ["compressor.warmup_steps=1", "compressor.ae_steps=2"]
+        overrides += ["compressor.stages.warmup_steps=1", "compressor.stages.ae_steps=2"]
     summary = train(_compose(name, tmp_path, data_roots, *overrides))
     assert summary["steps"] == 8 and summary["hook_calls"] > 0
     assert torch.isfinite(torch.tensor(summary["val/loss"]))

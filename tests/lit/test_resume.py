@@ -34,7 +34,7 @@ COMMON = (
     f"scheduler.T_max={EPOCHS}",
 )
 #: LGC's stages over the 24 steps: dense warm-up 0-1, autoencoder training 2-5, compressed 6-23.
-LGC_STAGES = ("compressor.warmup_steps=2", "compressor.ae_steps=4", "compressor.ae_batch_size=16")
+LGC_STAGES = ("compressor.stages.warmup_steps=2", "compressor.stages.ae_steps=4", "compressor.training.batch_size=16")
 
 METHODS: dict[str, tuple[str, ...]] = {
     "topk": ("compressor=topk", "compressor.density=0.05"),
@@ -44,7 +44,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     "lgc_ps": ("compressor=lgc_ps", *LGC_STAGES),
     "lgc_rar_linear": ("compressor=lgc_rar_linear", *LGC_STAGES),
     # Stochastic rounding (seeded by step and rank) and the shared-index stages (no codec training).
-    "shared_topk_int8": ("compressor=shared_topk", "compressor.values=int8", "compressor.warmup_steps=2"),
+    "shared_topk_int8": ("compressor=shared_topk", "compressor.values=int8", "compressor.stages.warmup_steps=2"),
     # Decaying error feedback on the pseudo-gradient, DiLoCo's outer momentum, three
     # fragments exchanged on staggered steps (one per local step); and DeMo's momentum.
     "sparseloco_streaming": ("compressor=sparseloco", "comm=streaming_diloco", "comm.delay=3", "comm.fragments=3"),

@@ -186,10 +186,10 @@ class _StrategyWithoutHook(CompressedDDPStrategy):
 
 _TINY_LGC = (
     "compressor=lgc_rar",
-    "compressor.warmup_steps=1",
-    "compressor.ae_steps=2",
-    "compressor.autoencoder.encoder_channels=[4,4,4,4]",
-    "compressor.autoencoder.decoder_channels=[4,4,4,4]",
+    "compressor.stages.warmup_steps=1",
+    "compressor.stages.ae_steps=2",
+    "compressor.training.autoencoder.encoder_channels=[4,4,4,4]",
+    "compressor.training.autoencoder.decoder_channels=[4,4,4,4]",
 )
 
 
@@ -201,7 +201,12 @@ def test_an_lgc_run_saves_its_codec_and_another_run_starts_from_it(tmp_path):
     assert first["lgc_stages"]["autoencoder_training"]["bytes_sent"] > 0
 
     second = train(
-        compose_cfg(tmp_path / "second", *_TINY_LGC, f"compressor.autoencoder.init={codec}", "compressor.ae_steps=0")
+        compose_cfg(
+            tmp_path / "second",
+            *_TINY_LGC,
+            f"compressor.training.autoencoder.init={codec}",
+            "compressor.stages.ae_steps=0",
+        )
     )
     assert set(second["lgc_stages"]) == {"warmup", "compressed"}  # no training stage, no weights broadcast
     assert second["lgc_stages"]["compressed"]["bytes_sent"] > 0
@@ -287,7 +292,7 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
             "comm.delay is not a setting of comm=every_step .*; it is a setting of comm=local_sgd/diloco/streaming_",
         ),
         (
-            ["compressor=lgc_rar", "compressor.autoencoder.init=/no/such/codec.pt"],
+            ["compressor=lgc_rar", "compressor.training.autoencoder.init=/no/such/codec.pt"],
             FileNotFoundError,
             "autoencoder.init='/no/such/codec.pt': no such file",
         ),

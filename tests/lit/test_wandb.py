@@ -32,8 +32,8 @@ def test_an_offline_lgc_run_holds_every_metric_the_config_and_the_layer_table(tm
             overrides=[
                 f"output_dir={tmp_path}",
                 "compressor=lgc_rar",
-                "compressor.warmup_steps=1",
-                "compressor.ae_steps=2",
+                "compressor.stages.warmup_steps=1",
+                "compressor.stages.ae_steps=2",
                 "trainer.max_epochs=2",
                 "trainer.limit_train_batches=3",
                 "trainer.limit_val_batches=1",

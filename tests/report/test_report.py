@@ -234,7 +234,7 @@ def _classification_sweep(root: Path) -> tuple[Path, Path]:
     lgc_run = root / "outputs" / "2026-11-23" / "14-02-10"
     _write_run(
         lgc_run,
-        ("compressor=lgc_ps", "compressor.warmup_steps=2", "compressor.ae_steps=1"),
+        ("compressor=lgc_ps", "compressor.stages.warmup_steps=2", "compressor.stages.ae_steps=1"),
         "LGCParameterServerState(density=0.01, warmup_steps=2 (dense), ae_steps=1, chunk=64, latent=float32, "
         "indices=raw, leader=0, innovation_density=0.001)",
         [_lgc_ps_worker(5_000, server=10_000), _lgc_ps_worker(5_000, server=0)],
@@ -260,7 +260,7 @@ def test_a_multirun_folder_and_a_run_folder_give_one_labelled_record_per_run(tmp
         "topk density=0.001",
         "dgc",
         "torch_fp16",
-        "lgc_ps warmup_steps=2 ae_steps=1",
+        "lgc_ps stages.warmup_steps=2 stages.ae_steps=1",
     ]
     assert [record.compressor for record in records] == ["none", "topk", "topk", "dgc", "torch_fp16", "lgc_ps"]
     assert [record.is_dense for record in records] == [True, False, False, False, False, False]
@@ -369,11 +369,11 @@ def test_a_summary_without_hydras_record_is_labelled_by_its_class_and_what_diffe
 
 
 def test_a_node_set_whole_labels_a_run_by_each_value_it_changes(tmp_path):
-    chunks = ("compressor=lgc_rar", "compressor.autoencoder={chunk:32}")
+    chunks = ("compressor=lgc_rar", "compressor.training.autoencoder={chunk:32}")
     _write_run(tmp_path / "0", ("compressor=lgc_rar",), "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
     _write_run(tmp_path / "1", chunks, "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
     labels = [record.label for record in load_runs([tmp_path])]
-    assert labels == ["lgc_rar autoencoder.chunk=64", "lgc_rar autoencoder.chunk=32"]
+    assert labels == ["lgc_rar training.autoencoder.chunk=64", "lgc_rar training.autoencoder.chunk=32"]
 
 
 def test_multirun_subfolders_in_natural_order(tmp_path):
@@ -406,28 +406,28 @@ def test_a_folder_without_any_summary_is_an_error_that_names_it(tmp_path, capsys
 def test_table_rows_with_null_ratios_and_lgc_stages(tmp_path):
     records = load_runs(_classification_sweep(tmp_path))
     assert report_table(records).splitlines() == [
-        "| run                              | compressor | world size | steps | val/acc "
+        "| run                                            | compressor | world size | steps | val/acc "
         "| wire MB/worker | compression ratio (wire) | logical ratio | upstream ratio | payload ratio "
         "| LGC compressed-stage ratio | x fewer bytes than DGC | wall time (s) |",
-        "|----------------------------------|------------|-----------:|------:|--------:"
+        "|------------------------------------------------|------------|-----------:|------:|--------:"
         "|---------------:|-------------------------:|--------------:|---------------:|--------------:"
         "|---------------------------:|-----------------------:|--------------:|",
-        "| none                             | none       |          2 |     4 |  0.5156 "
+        "| none                                           | none       |          2 |     4 |  0.5156 "
         "|            1.2 |                     1.00 |          1.00 |           1.00 |          1.00 "
         "|                          - |                      - |          22.8 |",
-        "| topk density=0.01                | topk       |          2 |     4 |  0.4297 "
+        "| topk density=0.01                              | topk       |          2 |     4 |  0.4297 "
         "|          0.333 |                     3.61 |          3.61 |           3.61 |         50.00 "
         "|                          - |                      - |          21.5 |",
-        "| topk density=0.001               | topk       |          2 |     4 |  0.4062 "
+        "| topk density=0.001                             | topk       |          2 |     4 |  0.4062 "
         "|          0.317 |                     3.79 |          3.79 |           3.79 |        500.00 "
         "|                          - |                   2.39 |          21.5 |",
-        "| dgc                              | dgc        |          2 |     4 |  0.3125 "
+        "| dgc                                            | dgc        |          2 |     4 |  0.3125 "
         "|          0.757 |                     1.58 |          1.58 |           1.58 |          2.00 "
         "|                          - |                   1.00 |          21.5 |",
-        "| torch_fp16                       | torch_fp16 |          2 |     4 |  0.5078 "
+        "| torch_fp16                                     | torch_fp16 |          2 |     4 |  0.5078 "
         "|            0.6 |                     2.00 |          2.00 |           2.00 |           n/a "
         "|                          - |                      - |          19.4 |",
-        "| lgc_ps warmup_steps=2 ae_steps=1 | lgc_ps     |          2 |     4 |  0.7500 "
+        "| lgc_ps stages.warmup_steps=2 stages.ae_steps=1 | lgc_ps     |          2 |     4 |  0.7500 "
         "|           0.63 |                     1.90 |          1.90 |           1.92 |         95.24 "
         "|                      30.00 |                      - |          20.2 |",
     ]
@@ -517,7 +517,7 @@ def test_plot_has_a_labelled_marker_per_run_and_the_dense_baseline(tmp_path):
     assert axis.get_legend_handles_labels()[1] == ["none", "topk", "dgc", "torch_fp16", "lgc_ps", "dense baseline"]
 
     (axis,) = plot_tradeoff(records, ratio=LGC_COMPRESSED_RATIO).axes
-    assert [text.get_text() for text in axis.texts] == ["lgc_ps warmup_steps=2 ae_steps=1"]
+    assert [text.get_text() for text in axis.texts] == ["lgc_ps stages.warmup_steps=2 stages.ae_steps=1"]
     without_dense = plot_tradeoff(records[1:]).axes[0]
     assert not [line for line in without_dense.get_lines() if "dense" in line.get_label()]
     with pytest.raises(ValueError, match="no runs"):

@@ -343,7 +343,7 @@ def test_the_lgc_study_extends_the_comparison_and_every_run_composes(scripts, tm
                 cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}"])
                 assert cfg.compressor.measure_error and cfg.data.partition == "iid"
                 if "codec_at" in how:
-                    assert cfg.compressor.density == how["codec_at"] and cfg.compressor.refresh_threshold == 0.5
+                    assert cfg.compressor.density == how["codec_at"] and cfg.compressor.stages.refresh_threshold == 0.5
 
 
 def test_the_codec_rule_picks_the_lowest_error_then_the_fewest_bits_and_waits_for_its_rows(monkeypatch, tmp_path):
