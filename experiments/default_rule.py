@@ -67,6 +67,29 @@ MAX_STEP_VS_DDP = 1.25
 SECOND_TIER = "iid4"
 
 
+#: LGC's knobs in a table's row names as lgc-bench step spelled them before they were grouped
+#: (the committed tables of experiments/results/step_cost/), and as it spells them now.
+_GROUPED = {
+    "codec=": "training.codec=",
+    "index_coding=": "leaders.index_coding=",
+    "value_order=": "leaders.value_order=",
+    "warmup_steps=": "stages.warmup_steps=",
+    "ae_steps=": "stages.ae_steps=",
+}
+
+
+def _row_name(name: str) -> str:
+    """A table's row name with LGC's knobs spelled in their groups (``lgc_rar:codec=linear`` -> ``training.codec``)."""
+    method, sep, knobs = name.partition(":")
+    if not method.startswith("lgc_") or not sep:
+        return name
+    grouped = []
+    for knob in knobs.split(";"):
+        prefix = next((flat for flat in _GROUPED if knob.startswith(flat)), None)
+        grouped.append(_GROUPED[prefix] + knob[len(prefix) :] if prefix else knob)
+    return f"{method}:{';'.join(grouped)}"
+
+
 def _steps(step_cost: Path) -> dict[str, dict[str, float]]:
     """Method row -> density -> its mean CPU step over DDP's (lgc-bench step's ``mean_cpu_x`` ratio)."""
     out: dict[str, dict[str, float]] = {}
@@ -80,7 +103,7 @@ def _steps(step_cost: Path) -> dict[str, dict[str, float]]:
             ddp = rows["ddp"]["mean_cpu_x"]
             for name, row in rows.items():
                 if name != "ddp":
-                    out.setdefault(name, {})[density] = row["mean_cpu_x"] / ddp
+                    out.setdefault(_row_name(name), {})[density] = row["mean_cpu_x"] / ddp
         out.setdefault("ddp", {})[density] = 1.0
     return out
 

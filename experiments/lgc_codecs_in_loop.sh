@@ -5,7 +5,7 @@
 # measuring the relative error of the delivered sum against the exact one at the leader's positions
 # (compressor.measure_error=true; lgc_true_error in summary.json, "error at leader positions" in
 # lgc-report's runs table). Variants: the linear codec (PCA) with the paper's stage-2 samples (own
-# top-k) and with codec_samples=leader; the PCA-initialised autoencoder; the paper's autoencoder at
+# top-k) and with training.samples=leader; the PCA-initialised autoencoder; the paper's autoencoder at
 # the reference widths and at a quarter of them. Each finished run's summary.json goes to
 # RESULTS/VARIANT/seedN (resumable: runs that have one are skipped); then lgc-report RESULTS.
 #   experiments/lgc_codecs_in_loop.sh [OUT]

@@ -3,10 +3,10 @@
 # non-IID Dirichlet 0.3, 46 epochs, about 1,000 steps) with 8 workers, beside the same levers on the
 # best simple codecs (shared-index top-k, fp16 and int8 values), so each kept lever has its row:
 #   w1      one dense warm-up step instead of 30 (the warm-up was half of LGC's whole-run bytes)
-#   golomb  Golomb-coded leader positions (SBC's code; needs value_order=position)
+#   golomb  Golomb-coded leader positions (SBC's code; needs leaders.value_order=position)
 #   fp16    fp16 latents on the wire
 #   narrow  a 12x cheaper autoencoder (widths 16-32-64-16 / 16-32-32-16)
-#   init    the codec of the lgc_rar_w1 run, loaded with autoencoder.init, no codec-training stage
+#   init    the codec of the lgc_rar_w1 run, loaded with training.autoencoder.init, no codec-training stage
 # Runs land beside the ablation's (OUT/w8/...), so one lgc-report shows them all.
 #   WORKERS=8 DENSITIES=0.01 EPOCHS=46 experiments/lgc_levers.sh [OUT]
 set -euo pipefail

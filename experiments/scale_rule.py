@@ -26,7 +26,7 @@ STEP_ROWS = {
     "fp16": "fp16",
     "topk": "topk",
     "lgc_rar": "lgc_rar",
-    "lgc_rar_linear": "lgc_rar:codec=linear",
+    "lgc_rar_linear": "lgc_rar:training.codec=linear",
     # compressor=shared_topk_int8 as its config sets it: int8 values, Golomb positions, one warm-up step
     "shared_topk_int8": "shared_topk_int8",
     "dgc": "dgc",

@@ -104,15 +104,15 @@ def _check_group(node: Mapping[str, Any], group: type, what: str) -> None:
     """Check a mapping given for a group of knobs field by field, naming ``{what}.{field}``.
 
     A mapping changes the fields it names of the target's preset: a key the group lacks is
-    refused; a field that is itself a mapping (merged into the preset's) is the constructor's to
-    check.
+    refused, and each value is checked against its field's annotation (a field that is itself a
+    mapping, such as ``training.loss_weights``, by its value type).
     """
     hints = typing.get_type_hints(group, include_extras=True)
     names = [f.name for f in dataclasses.fields(group)]
     for key, value in node.items():
         if key not in names:
             raise TypeError(f"{what}.{key} is not a knob of {_name_of(group)} (its knobs: {', '.join(names)})")
-        if isinstance(value, str) and value == _MISSING or isinstance(value, Mapping):
+        if isinstance(value, str) and value == _MISSING:
             continue
         misfit = json_misfit(value, hints[key])
         if misfit is not None:

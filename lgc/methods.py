@@ -116,7 +116,6 @@ class Method:
         run = OmegaConf.create({"compressor": self.node})
         node: dict[str, Any] = OmegaConf.to_container(run, resolve=True)["compressor"]  # type: ignore[index]
         return merge_knobs(node, knobs)
-        return node
 
 
 def merge_knobs(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

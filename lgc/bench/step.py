@@ -84,7 +84,7 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
         optimizer = sgd_for(spec.name, model, lr=1e-3)
         warm = 2
         if spec.name not in (NO_COMM, PLAIN_DDP):
-            # lgc.compress merges dict knobs (LGC's autoencoder) into the method's defaults key by key.
+            # Dict knobs (LGC's stages, training) merge into the method's defaults key by key, at any depth.
             knobs = merge_knobs(profile_knobs(args.density).get(spec.name, {}), spec.knobs)
             state = lgc.compress(model, spec.name, optimizer=optimizer, **knobs)
             state.set_epoch(1000)  # DGC past its density warm-up

@@ -16,9 +16,12 @@ The public classes (:class:`~lgc.learned.rar.LGCRingAllreduceState`,
 :class:`~lgc.learned.ps.LGCParameterServerState`, :class:`~lgc.learned.shared_index.SharedIndexState`)
 are presets: each takes one group per part, defaulting to its preset (LGC-PS's leader is the
 server, not a rotating one; the shared-index codecs have no training stage and order values by
-position). A group is given as its dataclass, or as a mapping of some of its fields (a yaml node,
-``compressor.stages.warmup_steps=100``), which changes those fields of the preset's group and keeps
-the rest; a mapping inside a group (``training.autoencoder``, ``training.loss_weights``) likewise.
+position); each class holds its presets (``STAGES``, ``LEADERS``, ``TRAINING``). A group is given
+as a mapping of some of its fields (a yaml node, ``compressor.stages.warmup_steps=100``), which
+changes those fields of the class's preset and keeps the rest (a mapping inside a group,
+``training.autoencoder`` or ``training.loss_weights``, likewise), or as its dataclass, which is
+taken whole: start from the preset to change a few fields
+(``LGCParameterServerState.LEADERS.changed({"index_coding": "golomb"})``).
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ class _KnobGroup:
             value = _python(getattr(self, f.name))
             if f.name in self._merged:
                 default = f.default_factory() if f.default_factory is not dataclasses.MISSING else {}  # type: ignore[misc]
+                if value is None:
+                    value = {}
+                elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # an AutoencoderConfig
+                    value = _python(dataclasses.asdict(value))
                 if not isinstance(value, Mapping):
                     raise TypeError(f"{self.node}.{f.name} must be a mapping, got {value!r}")
                 value = {**default, **value}

@@ -2,8 +2,8 @@
 
 Abrahamyan et al., "Learned Gradient Compression for Distributed Deep Learning" (2021), the
 parameter-server variant, over torch.distributed: rank 0 is also the server (a gather to it, a
-broadcast from it). :mod:`lgc.learned.state` has the stages and the common knobs. Per compressed
-step and bucket:
+broadcast from it). :mod:`lgc.learned.state` runs the stages, :mod:`lgc.learned.knobs` declares the
+common knobs. Per compressed step and bucket:
 
 1. Every worker forms ``v = residual + g`` (error feedback) and its *innovation*: a much sparser
    top-k of ``v`` (``innovation_density`` < ``density``) as fp32 values + int32 positions.
@@ -48,7 +48,7 @@ its own would receive them, while the wire bytes (``wire_*``) count only what cr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -269,6 +269,10 @@ class LGCParameterServerState(LGCHookState):
     """
 
     __slots__ = ()
+    #: The presets (a mapping given for a group changes their fields; a dataclass replaces them).
+    STAGES: ClassVar[Stages] = _STAGES
+    LEADERS: ClassVar[LeaderChoice] = _LEADERS
+    TRAINING: ClassVar[CodecTrainingKnobs] = _TRAINING
 
     def __init__(
         self,

@@ -2,7 +2,8 @@
 
 Abrahamyan et al., "Learned Gradient Compression for Distributed Deep Learning" (2021), the
 ring-allreduce variant. The paper gives few details of it; this is the design implemented here
-(:mod:`lgc.learned.state` has the stages and the common knobs). Per compressed step and bucket:
+(:mod:`lgc.learned.state` runs the stages, :mod:`lgc.learned.knobs` declares the common knobs).
+Per compressed step and bucket:
 
 1. Every worker forms ``v = residual + g`` (error feedback).
 2. The leader selects its top-k positions ``I`` (``k = ceil(density * n)`` per parameter) and
@@ -46,7 +47,7 @@ decide a refresh alike.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -218,6 +219,10 @@ class LGCRingAllreduceState(LGCHookState):
     """
 
     __slots__ = ()
+    #: The presets (a mapping given for a group changes their fields; a dataclass replaces them).
+    STAGES: ClassVar[Stages] = _STAGES
+    LEADERS: ClassVar[LeaderChoice] = _LEADERS
+    TRAINING: ClassVar[CodecTrainingKnobs] = _TRAINING
 
     def __init__(
         self,

@@ -3,16 +3,16 @@
 Abrahamyan et al., "Learned Gradient Compression for Distributed Deep Learning" (2021) train in
 three stages, driven by the hook's step counter:
 
-1. **Warm-up** (``warmup_steps``): dense allreduce (``warmup="dense"``) or top-k with error
-   feedback at DGC's exponentially falling densities (``warmup="dgc"``).
-2. **Codec training** (``ae_steps``): top-k communication while rank 0 trains the codec (the
+1. **Warm-up** (``stages.warmup_steps``): dense allreduce (``stages.warmup="dense"``) or top-k with
+   error feedback at DGC's exponentially falling densities (``stages.warmup="dgc"``).
+2. **Codec training** (``stages.ae_steps``): top-k communication while rank 0 trains the codec (the
    autoencoder) on the workers' values at the leader's positions. Codecs that learn nothing (the
-   shared-index ablations) skip it: ``ae_steps=0``.
+   shared-index ablations) skip it: ``stages.ae_steps=0``.
 3. **Compressed**: the frozen codec carries the values.
 
 Beyond the paper, a **refresh**: when the compressed stage's reconstruction error stays above
-``refresh_threshold`` for ``refresh_patience`` steps, every worker re-enters stage 2 for
-``refresh_steps`` steps. Every rank sees the same (allreduced or broadcast) error, so every rank
+``stages.refresh_threshold`` for ``stages.refresh_patience`` steps, every worker re-enters stage 2
+for ``stages.refresh_steps`` steps. Every rank sees the same (allreduced or broadcast) error, so every rank
 takes the same decision at the same step. The schedule is pure: no tensors, no collectives.
 """
 

@@ -24,13 +24,13 @@ carry: its rounding error (quantized formats), zero (exact formats), or ``v_i - 
 over all workers keep exactly the estimate's error). Everything outside the positions stays in
 the residual, as in LGC.
 
-The leader rotates by default (``rotate_leader=True``: worker ``t % P`` leads step ``t``, as
+The leader rotates by default (``leaders.rotate=True``: worker ``t % P`` leads step ``t``, as
 ScaleCom's cyclic leader), so every worker's largest coordinates get their turn instead of piling
 up in its residual where a fixed leader never looks. On the 8-worker non-IID embedded task
 (``experiments/lgc_rotation.sh``) it cut the error of int8's delivered sum about 7x (0.054 to
 0.0074) at the same accuracy over three seeds, and it is what makes leader-scaled learn from every
-worker's data rather than the fixed leader's shard (0.925 to 0.972, one seed). ``rotate_leader=False``
-keeps ``leader_rank``.
+worker's data rather than the fixed leader's shard (0.925 to 0.972, one seed). ``leaders.rotate=False``
+keeps ``leaders.rank``.
 
 The stages are LGC's (:mod:`lgc.learned.schedule`) without codec training: warm-up (dense or
 DGC-style), then the compressed stage. Nothing is learned, so these states hold no codec trainer.
@@ -39,7 +39,7 @@ DGC-style), then the compressed stage. Nothing is learned, so these states hold 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -144,7 +144,7 @@ class SharedIndexStage:
         """Run the step (as :meth:`run`); return this worker's values at the leader's positions, in wire order.
 
         ``None`` when the step compresses no parameter. LGC's codec training with
-        ``codec_samples="leader"`` runs the exact (float32) exchange and learns from these values.
+        ``training.samples="leader"`` runs the exact (float32) exchange and learns from these values.
         """
         plan = ctx.plan
         if not plan.compressed:
@@ -244,6 +244,9 @@ class SharedIndexState(LGCHookState):
     """
 
     __slots__ = ()
+    #: The presets (a mapping given for a group changes their fields; a dataclass replaces them).
+    STAGES: ClassVar[Stages] = _STAGES
+    LEADERS: ClassVar[LeaderChoice] = _LEADERS
 
     def __init__(
         self,

@@ -55,7 +55,7 @@ from lgc.validation import Density, check
 
 __all__ = ["LGCHookState", "LGCStage", "lgc_hook"]
 
-#: Stage 2's exact exchange (``codec_samples="leader"``) measures no delivered error.
+#: Stage 2's exact exchange (``training.samples="leader"``) measures no delivered error.
 _EXACT = DeliveredError(False)
 
 
@@ -333,7 +333,7 @@ class LGCHookState(CompressionHookState):
         if self.stage is LGCStage.AUTOENCODER_TRAINING:
             assert self.training is not None
             self.topk.density = self.density
-            if self.training.sample_exchange is not None:  # codec_samples="leader"
+            if self.training.sample_exchange is not None:  # training.samples="leader"
                 # Its exchange is exact: lgc/true_error measures the compressed stage alone.
                 ctx = replace(
                     self._context(plan_step(pending, used, self.param_order, self.density), step), errors=_EXACT

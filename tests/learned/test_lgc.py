@@ -173,6 +173,19 @@ def test_bad_lgc_settings_are_named(kwargs, message):
         LGCRingAllreduceState(**kwargs)
 
 
+def test_a_group_given_whole_replaces_the_preset_and_a_mapping_changes_it():
+    # LGC-PS's preset leader is the server; a mapping keeps that, a dataclass is taken as given.
+    assert not LGCParameterServerState(leaders={"index_coding": "golomb"}).rotate_leader
+    golomb = LGCParameterServerState.LEADERS.changed({"index_coding": "golomb"})
+    state = LGCParameterServerState(leaders=golomb)
+    assert (state.rotate_leader, state.index_coding) == (False, "golomb")
+    assert LGCParameterServerState.LEADERS.index_coding == "raw"  # the preset is not changed
+    # The autoencoder as its config, as a mapping or left to the preset: one shape.
+    config = AutoencoderConfig(chunk=64)
+    from_config = LGCRingAllreduceState(training={"autoencoder": config}).ae_config
+    assert from_config.chunk == 64 and from_config == LGCRingAllreduceState().ae_config
+
+
 def test_a_knob_a_group_lacks_is_named_with_the_groups_knobs():
     with pytest.raises(TypeError, match="stages has no knob 'warmup_stepz'; its knobs: warmup_steps, warmup,"):
         LGCRingAllreduceState(stages={"warmup_stepz": 1})
@@ -605,7 +618,7 @@ def _warm_started(rank: int, world: int, path: str) -> dict:
 
 @pytest.mark.multiprocess
 def test_a_saved_codec_warm_starts_another_run_without_its_training_stage(tmp_path):
-    """``autoencoder.init``: the saved weights on every worker, stage 2 skipped, nothing broadcast."""
+    """``training.autoencoder.init``: the saved weights on every worker, stage 2 skipped, nothing broadcast."""
     path = str(tmp_path / "codec.pt")
     trained = run_workers(_trained_codec, 2, path)
     assert trained[0]["saved"] == path

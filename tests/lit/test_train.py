@@ -194,7 +194,7 @@ _TINY_LGC = (
 
 
 def test_an_lgc_run_saves_its_codec_and_another_run_starts_from_it(tmp_path):
-    """lgc-train writes codec.pt; ``autoencoder.init`` with ``ae_steps=0`` skips the codec-training stage."""
+    """lgc-train writes codec.pt; ``training.autoencoder.init`` with ``stages.ae_steps=0`` skips codec training."""
     first = train(compose_cfg(tmp_path / "first", *_TINY_LGC))
     codec = tmp_path / "first" / "codec.pt"
     assert first["lgc_codec"] == str(codec) and codec.is_file()
