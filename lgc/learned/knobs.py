@@ -93,13 +93,6 @@ class _KnobGroup:
         }
         return dataclasses.replace(self, **merged)  # type: ignore[type-var]
 
-    def as_node(self) -> dict[str, Any]:
-        """The group as a config node (tuples as lists, mappings as dicts)."""
-        return {
-            f.name: _plain(getattr(self, f.name))
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
-        }
-
 
 def _python(value: Any) -> Any:
     """A config value as plain Python (a yaml's mappings and lists, OmegaConf's included, as dicts and lists)."""
@@ -112,14 +105,6 @@ def _python(value: Any) -> Any:
 
 def _unannotated(hint: Any) -> Any:
     return typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 @dataclass(frozen=True)
