@@ -52,6 +52,7 @@ def compress(
     min_numel: int | None = None,
     start_iter: int | None = None,
     overlap: bool | None = None,
+    pack: bool | None = None,
     buffers: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     optimizer_momentum: float | None = None,
@@ -64,8 +65,12 @@ def compress(
     Call it in every worker, after ``dist.init_process_group`` and ``DistributedDataParallel(...)``,
     before the first backward pass; then train as usual.
 
+    Compiled models train through the hook, every method (``tests/ddp/test_compile.py``):
+    ``DistributedDataParallel(torch.compile(net))``; ``torch.compile`` of the DDP model is taken as
+    the DDP model it wraps.
+
     Args:
-        model: the :class:`~torch.nn.parallel.DistributedDataParallel` model.
+        model: the :class:`~torch.nn.parallel.DistributedDataParallel` model, or ``torch.compile`` of it.
         method: a name of :data:`METHODS` (``"topk"``, ``"dgc"``, ``"lgc_rar"``, ``"powersgd"``, ...: the
             configs of ``lgc/conf/compressor/``, with their paper's defaults), a
             :class:`~lgc.compressors.Compressor` (e.g. ``ErrorFeedback(TopKCompressor(0.01))``), or a
@@ -106,6 +111,11 @@ def compress(
             EF-signSGD, chunked top-k, DeMo), DGC, QSGD, TernGrad, RedSync and random-block with
             unshared offsets, which hold their own state back too; LGC, the shared-index codecs
             and summed payloads refuse it (:class:`~lgc.ddp.CompressionHookState`).
+        pack: put each compressed step on the wire in two collectives whatever the number of
+            buckets (flags, sizes, dense tensors and buffers in one allreduce, the payloads in one
+            more; :mod:`lgc.ddp.packed`). ``None`` (default): wherever the method allows it (every
+            lgc compressor with state, unless ``overlap``); ``True``: required; ``False``: bucket by
+            bucket.
         buffers: module buffers (BatchNorm's running statistics) every step: ``"broadcast"``
             (rank 0's on every rank, as DDP keeps them; the default) or ``"average"`` (the
             floating-point ones averaged over the workers, for shards that differ in
@@ -142,12 +152,14 @@ def compress(
         >>> state = lgc.compress(model, "sbc", optimizer=opt, delay=4)  # 4 local steps per exchange
         >>> state = lgc.compress(model, "none", optimizer=opt, delay=50, outer="sgd")  # DiLoCo, H = 50
     """
+    model = _uncompiled(model)
     _check_model(model, process_group)
     _check_optimizer(model, optimizer, optimizer_momentum, optimizer_weight_decay)
     comm_settings = dict(
         min_numel=min_numel,
         start_iter=start_iter,
         overlap=overlap,
+        pack=pack,
         buffers=buffers,
         delay=delay,
         outer=outer,
@@ -186,6 +198,13 @@ def compress(
         state.loss_scale = grad_scaler.get_scale
     state.register(model, optimizer)
     return state
+
+
+def _uncompiled(model: Any) -> Any:
+    """The module ``torch.compile`` wrapped (its hooks are the wrapped DDP model's), else ``model``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
 
 
 def _check_model(model: Any, process_group: dist.ProcessGroup | None) -> None:

@@ -45,6 +45,9 @@ class Comm:
     start_iter: int | None = None
     #: Every step: encode and send each bucket as it arrives (:class:`~lgc.ddp.CompressionHookState`'s ``overlap``).
     overlap: bool | None = False
+    #: Every step: put a compressed step on the wire in two collectives (:class:`~lgc.ddp.CompressionHookState`'s
+    #: ``pack``); None: wherever the method allows it.
+    pack: bool | None = None
     #: Every step: module buffers from rank 0 (``broadcast``) or averaged over the workers (``average``).
     buffers: str | None = "broadcast"
     #: Local optimizer steps per exchange of weight updates (SBC's communication delay); None: every step.
@@ -103,6 +106,12 @@ class EveryStep:
     #: QSGD, TernGrad, RedSync and unshared random-block, which hold their own state back too
     #: (:class:`~lgc.ddp.CompressionHookState`).
     overlap: bool = False
+    #: Put each compressed step on the wire in two collectives, whatever the number of buckets: the
+    #: step guard's flags, the payloads' sizes, the tensors sent dense and the module buffers in one
+    #: allreduce, every bucket's payloads in one more (:mod:`lgc.ddp.packed`). ``null`` (default):
+    #: wherever the method allows it (every lgc compressor with state; not with ``overlap``, which
+    #: sends each bucket as it arrives); ``true``: required; ``false``: bucket by bucket.
+    pack: bool | None = None
     #: Module buffers (BatchNorm's running statistics) every step: ``broadcast`` (rank 0's on every
     #: rank, as DDP keeps them) or ``average`` (the floating-point ones averaged over the workers:
     #: on shards that differ in distribution, rank 0's statistics describe rank 0's data only).
@@ -110,7 +119,13 @@ class EveryStep:
     buffers: str = "broadcast"
 
     def to_comm(self) -> Comm:
-        return Comm(min_numel=self.min_numel, start_iter=self.start_iter, overlap=self.overlap, buffers=self.buffers)
+        return Comm(
+            min_numel=self.min_numel,
+            start_iter=self.start_iter,
+            overlap=self.overlap,
+            pack=self.pack,
+            buffers=self.buffers,
+        )
 
 
 @dataclasses.dataclass

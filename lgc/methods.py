@@ -426,6 +426,12 @@ def build_hook_state(
             f"{comm.field('overlap')} applies to an lgc compressor's every-step exchange (e.g. 'topk', 'sbc'), "
             f"not to {what}"
         )
+    if comm.pack is not None and (_is_hook_state(built) or comm.delay is not None):
+        what = f"{comm.field('delay')}, whose exchanges come after the optimizer" if comm.delay else _what(built, name)
+        raise ValueError(
+            f"{comm.field('pack')} applies to an lgc compressor's every-step exchange (e.g. 'topk', 'sbc'), "
+            f"not to {what}"
+        )
     if _is_hook_state(built):
         what = _what(built, name)
         if comm.delay is not None and not isinstance(built, CompressionHookState):
@@ -464,6 +470,7 @@ def build_hook_state(
         process_group=process_group,
         overlap=comm.overlap,  # type: ignore[arg-type]
         buffers=comm.buffers,  # type: ignore[arg-type]
+        pack=comm.pack,
     )
 
 

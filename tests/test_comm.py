@@ -19,10 +19,10 @@ def _compose(*overrides: str):
 
 def test_the_default_option_is_every_step_with_the_general_records_defaults():
     cfg = _compose()
-    assert set(cfg.comm) == {"min_numel", "start_iter", "overlap", "buffers"}
+    assert set(cfg.comm) == {"min_numel", "start_iter", "overlap", "pack", "buffers"}
     assert EveryStep().to_comm() == Comm()
     state = build_hook_state(cfg.compressor, cfg.comm)
-    assert type(state) is CompressionHookState and state.start_iter == 1 and not state.overlap
+    assert type(state) is CompressionHookState and state.start_iter == 1 and not state.overlap and state.packs
     assert state.buffers == "broadcast"
 
 
@@ -49,6 +49,20 @@ def test_overlap_reaches_the_hook_and_is_refused_by_a_hook_state_of_its_own():
         cfg = compose("train", overrides=["compressor=shared_topk_int8", "logger=none", "comm.overlap=true"])
     with pytest.raises(ValueError, match=r"comm.overlap=True applies to an lgc compressor's every-step exchange"):
         build_hook_state(cfg.compressor, cfg.comm)
+
+
+def test_pack_reaches_the_hook_and_is_refused_where_a_step_cannot_go_out_as_one_message():
+    assert not build_hook_state(_compose("comm.pack=false").compressor, _compose("comm.pack=false").comm).packs
+    assert not build_hook_state(_compose("comm.overlap=true").compressor, _compose("comm.overlap=true").comm).packs
+    with pytest.raises(ValueError, match=r"pack=True needs steps that can go out as one message: overlap=True"):
+        cfg = _compose("comm.pack=true", "comm.overlap=true")
+        build_hook_state(cfg.compressor, cfg.comm)
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["compressor=lgc_rar", "logger=none", "comm.pack=false"])
+    with pytest.raises(ValueError, match=r"comm.pack=False applies to an lgc compressor's every-step exchange"):
+        build_hook_state(cfg.compressor, cfg.comm)
+    with pytest.raises(Exception, match="pack"):  # not a field of comm=local_sgd: Hydra refuses it
+        _compose("comm=local_sgd", "comm.delay=4", "comm.pack=true")
 
 
 @pytest.mark.parametrize(

@@ -194,6 +194,10 @@ class Compressor(abc.ABC):
     #: Whether it keeps what it does not send itself (DGC's accumulator is its error feedback):
     #: :class:`~lgc.compressors.ErrorFeedback` refuses to wrap it, which would feed the error back twice.
     keeps_own_residual: bool = False
+    #: Whether :meth:`transform_dense` is not the identity (DGC's momentum on the tensors sent dense):
+    #: the hook's one-message step then encodes the dense tensors ahead of the ranks' agreement too,
+    #: which needs :meth:`HoldsSteps.transform_dense_pending`.
+    transforms_dense: bool = False
 
     def optimizer_settings_needed(self) -> tuple[str, ...]:
         """The optimizer settings this method must know before it runs (``"momentum"``, ``"weight_decay"``).
@@ -447,6 +451,13 @@ class HoldsSteps:
         """Drop the held step (the ranks agreed to skip it): ``commit(frozenset())``, unless a compressor says more."""
         self.commit(frozenset())
 
+    def transform_dense_pending(self, tensor: Tensor, key: str) -> Tensor:
+        """:meth:`~Compressor.transform_dense`, the state it moves held aside with the step until :meth:`commit`.
+
+        Needed only where ``transforms_dense`` is true (DGC); the identity transform holds nothing.
+        """
+        raise NotImplementedError(f"{type(self).__name__} transforms dense tensors but cannot hold that step back")
+
 
 def holds_steps(compressor: Compressor) -> bool:
     """Whether ``compressor`` can encode a step ahead of the ranks' agreement (:class:`HoldsSteps`, ``speculates``)."""
@@ -467,6 +478,10 @@ class ForwardsHookCalls:
 
     def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
         return self.compressor.transform_dense(tensor, key)
+
+    @property
+    def transforms_dense(self) -> bool:  # type: ignore[override]
+        return self.compressor.transforms_dense
 
     def attach_parameters(self, parameters: Mapping[str, Tensor]) -> None:
         self.compressor.attach_parameters(parameters)

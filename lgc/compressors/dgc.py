@@ -218,6 +218,7 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
     combine = CombineMode.GATHER
     variable_size = True
     keeps_own_residual = True
+    transforms_dense = True
 
     def __init__(
         self,
@@ -285,6 +286,8 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         #: A step encoded ahead of the ranks' agreement (:meth:`compress_pending`): key -> the held
         #: (accumulator, momentum or None), until :meth:`commit`.
         self._pending: dict[str, tuple[Tensor, Tensor | None]] = {}
+        #: The dense tensors' momenta of a step held so (:meth:`transform_dense_pending`): key -> new ``u``.
+        self._dense_pending: dict[str, Tensor] = {}
         #: Second buffers the held steps are written into, per (key, "v" or "u") (never saved).
         self._spares: dict[tuple[str, str], Tensor] = {}
         #: The schedule (epoch, density) before the last :meth:`begin_step`, until a held step commits.
@@ -354,11 +357,13 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         state = self.__dict__.copy()
         state["_parameters"] = None
         # Second buffers are scratch and a held step belongs to this process: neither travels.
-        state["_pending"], state["_spares"], state["_before_step"] = {}, {}, None
+        state["_pending"], state["_dense_pending"], state["_spares"], state["_before_step"] = {}, {}, {}, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_pending": {}, "_spares": {}, "draws": {}, "_before_step": None, **state})
+        self.__dict__.update(
+            {"_pending": {}, "_dense_pending": {}, "_spares": {}, "draws": {}, "_before_step": None, **state}
+        )
 
     # -- schedule --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -493,7 +498,11 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         """
         # Taken first: a commit interrupted halfway leaves no held step for the hook's drop to reuse.
         pending, self._pending = self._pending, {}
+        dense, self._dense_pending = self._dense_pending, {}
         self._before_step = None
+        for key, u in dense.items():
+            if key in keys:
+                self.dense_momenta[key] = u
         for key, (v, u) in pending.items():
             if key in keys:
                 v, self.velocities[key] = self.velocities.get(key), v
@@ -583,18 +592,30 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         over workers equals ``torch.optim.SGD(momentum=m)``'s update for the averaged gradient. The
         weight decay is added after the allreduce, by :meth:`finish_aggregate`.
         """
+        return self._dense_update(tensor, key, held=False)
+
+    def _dense_update(self, tensor: Tensor, key: str, *, held: bool) -> Tensor:
+        """:meth:`apply_momentum`; ``held``: the new momentum kept aside until :meth:`commit` (same bits)."""
         grad, scale = self._clipped(tensor)
         if self.momentum == 0.0:
             return grad * scale
-        u = self._buffer(self.dense_momenta, key, grad)
         # torch.optim.SGD's buffer: u = m*u + g (Nesterov then steps along g + m*u).
-        u.mul_(self.momentum).add_(grad, alpha=scale)
+        if held:
+            u = torch.mul(self._state(self.dense_momenta, key, grad, held=True), self.momentum).add_(grad, alpha=scale)
+            self._dense_pending[key] = u
+        else:
+            u = self._buffer(self.dense_momenta, key, grad)
+            u.mul_(self.momentum).add_(grad, alpha=scale)
         if self.nesterov:
             return torch.add(grad * scale, u, alpha=self.momentum)
         return u.clone()
 
     def transform_dense(self, tensor: Tensor, key: str) -> Tensor:
         return self.apply_momentum(tensor, key).to(tensor.dtype)
+
+    def transform_dense_pending(self, tensor: Tensor, key: str) -> Tensor:
+        """:meth:`transform_dense` with the dense momentum's step held aside until :meth:`commit`."""
+        return self._dense_update(tensor, key, held=True).to(tensor.dtype)
 
     def finish_aggregate(self, aggregate: Tensor, key: str) -> None:
         """Add the weight decay's own momentum to ``key``'s averaged update (a slice of the bucket).
@@ -663,7 +684,7 @@ class DGCCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         self.decay_momenta = {key: t.clone() for key, t in state.get("decay_momenta", {}).items()}
         # (A checkpoint written before the draws were counted per key starts their count at zero.)
         self.draws = {key: int(count) for key, count in state.get("draws", {}).items()}
-        self._pending, self._spares, self._before_step = {}, {}, None
+        self._pending, self._dense_pending, self._spares, self._before_step = {}, {}, {}, None
         # Restored, not told: a resumed program must still advance the schedule itself.
         self._schedule(state["epoch"])
 

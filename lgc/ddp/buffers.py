@@ -176,10 +176,12 @@ def register_comm_hook(
 ) -> BufferSync:
     """``model.register_comm_hook(state, hook)``, and the buffers kept in step once per step, counted.
 
-    The broadcast comes with the step's last bucket, just before ``hook``'s call for it, so every
-    rank issues it at the same point and every byte of a step is spent within the hook calls of
-    that step (what per-step statistics, such as LGC's stages, book). DDP's own broadcast before
-    forward passes is turned off.
+    The broadcast comes with the step's last bucket, just before ``hook``'s call for it (or the
+    step's own header carries the buffers, where the state takes them:
+    :meth:`~lgc.ddp.protocol.HookState.take_buffers`, :mod:`lgc.ddp.packed`), so every rank issues
+    it at the same point and every byte of a step is spent within the hook calls of that step
+    (what per-step statistics, such as LGC's stages, book). DDP's own broadcast before forward
+    passes is turned off.
 
     Args:
         model: the DDP model.
@@ -212,7 +214,9 @@ def register_comm_hook(
                 assert ddp is not None, "DDP calls its hook only while the model lives"
                 with torch.no_grad():
                     kept = sync.buffers(ddp.module)
-                    if sync.mode == AVERAGE:
+                    if state.take_buffers(kept, sync.mode):
+                        pass  # the step's own header carries them (lgc.ddp.packed)
+                    elif sync.mode == AVERAGE:
                         average_step_buffers(state.stats, kept, state.process_group)
                     else:
                         broadcast_buffers(state.stats, kept, state.process_group)

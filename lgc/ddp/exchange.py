@@ -32,7 +32,15 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.layer_stats import LayerLedger
 
-__all__ = ["PayloadExchange", "Segment", "average_compressed", "encode_buffers", "prepare_compressor"]
+__all__ = [
+    "PayloadExchange",
+    "Segment",
+    "average_compressed",
+    "encode_buffers",
+    "packed_payloads",
+    "prepare_compressor",
+    "sum_gathered",
+]
 
 
 class ExchangeHost(Protocol):
@@ -221,7 +229,6 @@ class PayloadExchange:
             futures.append(_allreduce(state, self.dense_flat))
         self.gathered: list[Tensor] = []
         if self.own:
-            # Every payload's pieces joined by one cat (not one per payload, then one of them all).
             parts = [p.wire_parts() for p in self.own]
             # Known on the host: a fixed-size payload's sizes cost no copy from the device.
             local_sizes = torch.tensor([sum(piece.numel() for piece in pieces) for pieces in parts], dtype=torch.int64)
@@ -232,13 +239,7 @@ class PayloadExchange:
                 self.sizes = torch.stack(size_lists).cpu()
             else:
                 self.sizes = local_sizes.expand(world_size, -1)
-            max_total = int(self.sizes.sum(dim=1).max())
-            pieces = [piece for payload_pieces in parts for piece in payload_pieces]
-            own_total = sum(piece.numel() for piece in pieces)
-            if own_total < max_total:
-                pieces.append(pieces[0].new_zeros(max_total - own_total))
-            packed = torch.cat(pieces)
-            self.gathered, work = _allgather(state, packed, world_size)
+            self.gathered, work = _allgather(state, packed_payloads(parts, self.sizes), world_size)
             futures.append(work.get_future())
         return futures
 
@@ -279,28 +280,62 @@ class PayloadExchange:
                 target.copy_(piece)
                 compressor.finish_aggregate(target, s.name)
         if self.own:
-            per_rank = [
-                iter(g.split(row.tolist() + [g.numel() - int(row.sum())]))
-                for g, row in zip(self.gathered, self.sizes, strict=True)
-            ]
-            rank = dist.get_rank(self.state.process_group)
-            decoded: list[Segment] = []
-            for s, own in zip(self.sparse, self.own, strict=True):
-                received = [
-                    compressor.payload_from_wire(next(wires_of_rank), s.numel, key=s.name) for wires_of_rank in per_rank
-                ]
-                _check_round_trip(compressor, own, received[rank])
-                if used is not None and s.name not in used:
-                    continue
-                self.received[s.name] = received
-                decoded.append(s)
-            # The bucket's sums at once (one pass per rank where the compressor batches them), then
-            # each completed in turn.
-            targets = [buffer[s.offset : s.offset + s.numel] for s in decoded]
-            compressor.aggregate_many([self.received[s.name] for s in decoded], targets)
-            for s, target in zip(decoded, targets, strict=True):
-                compressor.finish_aggregate(target, s.name)
+            targets = [buffer[s.offset : s.offset + s.numel] for s in self.sparse]
+            self.received = sum_gathered(
+                self.state, list(zip(self.sparse, targets, strict=True)), self.own, self.gathered, self.sizes, used
+            )
         return buffer
+
+
+def packed_payloads(parts: list[list[Tensor]], sizes: Tensor) -> Tensor:
+    """This rank's payloads' wire pieces (``[p.wire_parts() for p in payloads]``) joined into one byte
+    buffer by one ``cat``, padded to the longest rank's total.
+
+    ``sizes``: every rank's wire elements per payload (``world x len(parts)``, on the host).
+    """
+    pieces = [piece for payload_pieces in parts for piece in payload_pieces]
+    own_total = sum(piece.numel() for piece in pieces)
+    max_total = int(sizes.sum(dim=1).max())
+    if own_total < max_total:
+        pieces.append(pieces[0].new_zeros(max_total - own_total))
+    return torch.cat(pieces)
+
+
+def sum_gathered(
+    state: ExchangeHost,
+    segments: list[tuple[Segment, Tensor]],
+    own: list[Payload],
+    gathered: list[Tensor],
+    sizes: Tensor,
+    used: frozenset[str] | None = None,
+) -> dict[str, list[Payload]]:
+    """Every rank's payloads parsed from an allgather of :func:`packed_payloads`, summed into the targets.
+
+    ``segments``: each payload's segment and the tensor its sum goes to, in the order packed;
+    ``used`` (for payloads encoded ahead of the agreement): the names some rank has a gradient for,
+    the others left as they are (zero on every rank). Returns every rank's payloads by name.
+    """
+    compressor = state.compressor
+    per_rank = [
+        iter(g.split(row.tolist() + [g.numel() - int(row.sum())])) for g, row in zip(gathered, sizes, strict=True)
+    ]
+    rank = dist.get_rank(state.process_group)
+    received: dict[str, list[Payload]] = {}
+    decoded: list[tuple[Segment, Tensor]] = []
+    for (s, target), mine in zip(segments, own, strict=True):
+        payloads = [
+            compressor.payload_from_wire(next(wires_of_rank), s.numel, key=s.name) for wires_of_rank in per_rank
+        ]
+        _check_round_trip(compressor, mine, payloads[rank])
+        if used is not None and s.name not in used:
+            continue
+        received[s.name] = payloads
+        decoded.append((s, target))
+    # The sums at once (one pass per rank where the compressor batches them), then each completed in turn.
+    compressor.aggregate_many([received[s.name] for s, _ in decoded], [target for _, target in decoded])
+    for s, target in decoded:
+        compressor.finish_aggregate(target, s.name)
+    return received
 
 
 def _joined(parts: list[Tensor]) -> Tensor:

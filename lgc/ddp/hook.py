@@ -10,13 +10,15 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
 3. A stateful compressor (residuals, momenta, random generators) runs once per *step*, at the
    step's last bucket, behind the step guard (:mod:`lgc.ddp.step_guard`): a step in which some
    rank has an inf or NaN passes through dense and unchanged (counted in ``stats.skipped_steps``),
-   parameters unused on every rank are left alone. With ``overlap`` it encodes each bucket as it
-   arrives instead (:mod:`lgc.ddp.overlap`). Stateless compressors (``none``, ``fp16``) run bucket
-   by bucket as the buckets become ready, overlapping the backward pass; an inf or NaN passes
-   through their sum (the step is counted as skipped all the same).
+   parameters unused on every rank are left alone. The whole step goes out in two collectives
+   (:mod:`lgc.ddp.packed`; ``pack=False``: the guard's allreduce, then each bucket's collectives).
+   With ``overlap`` it encodes each bucket as it arrives instead (:mod:`lgc.ddp.overlap`). Stateless
+   compressors (``none``, ``fp16``) run bucket by bucket as the buckets become ready, overlapping
+   the backward pass; an inf or NaN passes through their sum (the step is counted as skipped all
+   the same).
 4. Parameters with fewer than ``min_numel`` elements (biases, norm layers) are allreduced dense,
-   in the gradient's dtype (by default the method's own threshold: none for DeMo and SparseLoCo,
-   whose references compress every tensor).
+   in the gradient's dtype (in one step's header, in fp32: :mod:`lgc.ddp.packed`; by default the
+   method's own threshold: none for DeMo and SparseLoCo, whose references compress every tensor).
 5. Every other parameter's gradient is compressed on its own, keyed by the parameter's name, so
    compressor state (residuals, momenta) is independent of DDP's bucketing and survives restarts.
 6. Payloads are combined as the compressor declares and decoded (:mod:`lgc.ddp.exchange`), with
@@ -27,8 +29,11 @@ This module (with the other modules of :mod:`lgc.ddp`) is the only place that ca
 
 Bytes are counted against what plain DDP would send: the bucket's own dtype (4 bytes per element
 for an fp32 model, 2 for fp16 or bf16). The state composes its parts, each a module of :mod:`lgc.ddp`:
-the step guard (``step_guard``), the overlap path (``overlap``), the bucket layouts (``layout``), the
-exchange (``exchange``) and the byte table (``layer_stats``).
+the step guard (``step_guard``), the one-message step (``packed``), the overlap path (``overlap``),
+the bucket layouts (``layout``), the exchange (``exchange``) and the byte table (``layer_stats``).
+
+Why one module: the state's knobs, its slots and the hook function DDP calls with it are one unit
+(every path of a step starts here and returns here); what a step does lives in the parts above.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
@@ -49,6 +54,7 @@ from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, encod
 from lgc.ddp.layer_stats import LayerLedger
 from lgc.ddp.layout import BucketLayouts, split_segments
 from lgc.ddp.overlap import EncodeAhead
+from lgc.ddp.packed import StepBuffers, packing, run_packed_step
 from lgc.ddp.protocol import OPTIMIZER_SOURCES, HookState
 from lgc.ddp.step_guard import PendingBucket, SkipCounter, agree_on_step, complete_dense, run_holding
 
@@ -70,18 +76,14 @@ class CompressionHookState(HookState):
             reference compresses from the first step; 1 otherwise, which lets DDP rebuild its
             buckets first, as PyTorch's PowerSGD hook does.
         process_group: the group to communicate in (default: the world).
-        overlap: encode every bucket as it arrives and start its collectives at once, so they
-            overlap the rest of the backward pass, instead of holding every bucket until the step's
-            last one (:class:`~lgc.ddp.overlap.EncodeAhead`). Results, state and the step guard's policy are bitwise
-            the same; what it costs is memory, a second fp32 residual per compressed parameter (DGC:
-            a second momentum and accumulator), and, for a parameter unused on every rank, its
-            payload sent for nothing. Needs a compressor that can hold a step back (``speculates``)
-            and whose payloads are gathered: error feedback over a compressor that keeps no state of
-            its own (top-k, SBC, EF-signSGD, chunked top-k, DeMo, their quantized values, ...),
-            DGC, QSGD and TernGrad (with or without error feedback: they hold back their counts of
-            draws), or error feedback over RedSync (its thresholds held back) or over random-block
-            with unshared offsets (its step held back). Stateless compressors (``none``, ``fp16``)
-            overlap anyway; the option changes nothing for them.
+        overlap: encode every bucket as it arrives and start its collectives at once, overlapping
+            the rest of the backward pass (:mod:`lgc.ddp.overlap`, which says what it costs):
+            bitwise the same results. Needs a compressor that can hold a step back
+            (:class:`~lgc.compressors.base.HoldsSteps`) and whose payloads are gathered; stateless
+            compressors (``none``, ``fp16``) overlap anyway.
+        pack: put each compressed step on the wire in two collectives (:mod:`lgc.ddp.packed`).
+            ``None`` (default): wherever the compressor allows it (every lgc compressor with state;
+            not with ``overlap``); ``True``: required; ``False``: bucket by bucket.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
     does): compressors then see unscaled gradients (see :meth:`unscale`).
@@ -115,7 +117,12 @@ class CompressionHookState(HookState):
         "codec_seconds",  # "encode" / "decode" -> wall seconds spent compressing / decoding; per process
         "buffer_sync",  # the module buffers kept in step (lgc.ddp.buffers.BufferSync), set by register(); per process
         "buffers",  # how: lgc.ddp.buffers.BUFFER_MODES
+        "packs",  # whether compressed steps go out as one message (lgc.ddp.packed)
+        "step_buffers",  # the module buffers handed over for the current step's header (packs), else None
     )
+    #: Whether this class's steps may go out as one message (:mod:`lgc.ddp.packed`); LGC's stages
+    #: run collectives of their own.
+    packs_steps: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -126,6 +133,7 @@ class CompressionHookState(HookState):
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = False,
         buffers: str = module_buffers.BROADCAST,
+        pack: bool | None = None,
     ) -> None:
         module_buffers.check_buffer_mode(buffers)
         if not isinstance(compressor, Compressor):
@@ -171,6 +179,8 @@ class CompressionHookState(HookState):
         self.codec_seconds = {"encode": 0.0, "decode": 0.0}
         self.buffer_sync: module_buffers.BufferSync | None = None
         self.buffers = buffers
+        self.packs = packing(type(self), compressor, overlap=overlap, pack=pack)
+        self.step_buffers: StepBuffers | None = None
 
     def attach(self, model: DistributedDataParallel) -> None:
         """Learn the parameter names of ``model`` (compressor state is keyed by them)."""
@@ -239,7 +249,7 @@ class CompressionHookState(HookState):
         state = {slot: getattr(self, slot) for slot in slots}
         state.update(process_group=None, layouts=BucketLayouts(), begun_step=-1, seed_shared=False, pending=[])
         state.update(ahead=None, loss_scale=None, step_scale=1.0, codec_seconds={"encode": 0.0, "decode": 0.0})
-        state.update(buffer_sync=None)
+        state.update(buffer_sync=None, step_buffers=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -267,6 +277,14 @@ class CompressionHookState(HookState):
 
         Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared.
         """
+        if self.packs:
+            buffers, self.step_buffers = self.step_buffers, None
+            skipped = run_packed_step(self, pending, buffers)
+            if not skipped:
+                self.iteration += 1
+            self.step_done(skipped=skipped)
+            self.scale_back(pending)
+            return
         verdict = agree_on_step(self.stats, self.process_group, pending)
         if verdict.skip:
             complete_dense(self.stats, self.process_group, pending, skipped=True)
@@ -276,6 +294,13 @@ class CompressionHookState(HookState):
             self.iteration = step + 1
         self.step_done(skipped=verdict.skip)
         self.scale_back(pending)
+
+    def take_buffers(self, buffers: list[Tensor], mode: str) -> bool:
+        """Carry the module buffers in this step's header (:mod:`lgc.ddp.packed`); False: synced apart."""
+        if not self.packs or self.iteration < self.start_iter:
+            return False
+        self.step_buffers = StepBuffers(buffers, mode)
+        return True
 
     def step_done(self, skipped: bool) -> None:
         """Called after every guarded step, here and at communication delay's exchanges (LGC books its bytes)."""

@@ -5,7 +5,9 @@ ranks agree on the step (the step guard, :mod:`lgc.ddp.step_guard`); its collect
 whole backward pass. With ``overlap=True`` (:class:`~lgc.ddp.CompressionHookState`) a compressor
 that can hold a step back (:class:`~lgc.compressors.base.HoldsSteps`) encodes each bucket into held
 state as DDP hands it over and its payloads' allgather starts while the backward pass goes on; the
-same agreement then commits the held step or drops it. Results, compressor state and the step
+same agreement then commits the held step or drops it. It costs memory, a second fp32 residual per
+compressed parameter (DGC: a second momentum and accumulator), and a payload sent for nothing for a
+parameter unused on every rank. Results, compressor state and the step
 guard's policy are bitwise those of the held path (``tests/ddp/test_overlap.py``).
 """
 

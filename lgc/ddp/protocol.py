@@ -169,6 +169,15 @@ class HookState(Protocol):
         """Whether every worker decodes every other worker's payload (an allgather), so decoding grows with them."""
         return False
 
+    def take_buffers(self, buffers: list[torch.Tensor], mode: str) -> bool:
+        """Whether the state carries this step's module buffers in its own collectives (a step that goes out
+        as one message, :mod:`lgc.ddp.packed`); False (default): :mod:`lgc.ddp.buffers` syncs them apart.
+
+        Called at every step's last bucket, before the hook's call for it, with the buffers kept in
+        step and the mode (``broadcast`` or ``average``).
+        """
+        return False
+
     def global_model(self) -> contextlib.AbstractContextManager[None]:
         """Entered around evaluation: the model every worker agrees on (under local steps, the synchronized one)."""
         return contextlib.nullcontext()

@@ -3,7 +3,8 @@
 A stateful compressor (residuals, momenta, random generators) runs once per *step*, at the
 step's last bucket: the earlier buckets are held (:class:`PendingBucket`, their futures completed
 when the step has run). Before any state moves the ranks agree, in one allreduce of a byte per
-parameter plus one (:func:`agree_flags`), on two facts:
+parameter plus one (:func:`agree_flags`; a step that goes out as one message carries the same
+flags in its header, :mod:`lgc.ddp.packed`), on two facts:
 
 * **non-finite gradients**: if any rank has an inf or NaN anywhere in the step, every rank
   allreduces its buckets dense and unchanged (:func:`allreduce_as_they_are`, what plain DDP does,

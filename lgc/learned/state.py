@@ -106,6 +106,8 @@ class LGCHookState(CompressionHookState):
 
     needs_total_steps = True
     codes_whole_parameters = True
+    # Its stages run collectives of their own (lgc.ddp.packed packs the plain compressors' steps).
+    packs_steps = False
 
     def __init__(
         self,

@@ -172,12 +172,12 @@ def _batches():
 
 def test_a_profile_holds_the_methods_steady_collectives_and_its_own_cost(group):
     topk = profiling.profile_method(_net(), "topk", _batches(), knobs={"density": 0.01}, steps=3)
-    # Guard flags, the tensors under min_numel=1024 dense (both biases and the 640-element second
-    # weight), then the allgather of the first weight's ceil(0.01 * 4096) (value, index) pairs.
-    assert [call.kind for call in topk.trace] == ["all_reduce", "all_reduce", "all_gather"]
-    assert topk.trace[0].nbytes == 1 + 4  # a flag per parameter and the non-finite flag
-    assert topk.trace[1].nbytes == 4 * (64 + 640 + 10)
-    assert topk.trace[2].nbytes == 8 * 41
+    # One message (lgc.ddp.packed): the header (fp32: the non-finite flag and one per parameter, then
+    # the tensors under min_numel=1024 dense: both biases and the 640-element second weight), then the
+    # allgather of the first weight's ceil(0.01 * 4096) (value, index) pairs.
+    assert [call.kind for call in topk.trace] == ["all_reduce", "all_gather"]
+    assert topk.trace[0].nbytes == 4 * (1 + 4) + 4 * (64 + 640 + 10)
+    assert topk.trace[1].nbytes == 8 * 41
     assert topk.decode_per_peer_s > 0 and topk.overhead_s >= 0 and not topk.overlaps_backward
     assert len(topk.compute_samples_s) == 3
     dense = profiling.profile_method(_net(), "none", _batches(), steps=3)

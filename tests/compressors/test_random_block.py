@@ -295,11 +295,12 @@ def test_two_workers_share_offsets_send_only_values_and_converge(two_workers):
         expected = torch.zeros(numel)
         expected[(offset + torch.arange(k)) % numel] = v0 + v1
         assert torch.equal(shared0["grads"][step], expected) and torch.equal(shared1["grads"][step], expected)
-    # Bytes: step 0 is a dense allreduce; rank 0 broadcasts its 8-byte seed once; then 4 k bytes per step.
+    # Bytes: step 0 is a dense allreduce; rank 0 broadcasts its 8-byte seed once; then per step the
+    # header (the non-finite flag and the parameter's, fp32) and 4 k bytes.
     for rank, run in enumerate((shared0, shared1)):
         stats = run["stats"]
         assert stats["payload_bytes"] == (steps - 1) * 4 * k
-        assert stats["bytes_sent"] == 4 * numel + (8 if rank == 0 else 0) + (steps - 1) * (4 * k + 2)
+        assert stats["bytes_sent"] == 4 * numel + (8 if rank == 0 else 0) + (steps - 1) * (4 * k + 8)
 
     # Unshared: each rank draws its own offsets and sends offset + values (8 + 4 k bytes).
     assert [o for o, _ in unshared0["sent"]] != [o for o, _ in unshared1["sent"]]
@@ -309,9 +310,9 @@ def test_two_workers_share_offsets_send_only_values_and_converge(two_workers):
         expected[(o1 + torch.arange(k)) % numel] += v1
         torch.testing.assert_close(unshared0["grads"][step], expected, rtol=0, atol=0)
     for rank, run in enumerate((unshared0, unshared1)):
-        # Rank 0 broadcasts the run's seed (8 bytes); every step also has its guard (2 bytes: one
-        # parameter plus the non-finite flag).
-        guard = 2
+        # Rank 0 broadcasts the run's seed (8 bytes); every step also has its header (the guard's
+        # flags as fp32: one parameter plus the non-finite flag, 8 bytes).
+        guard = 8
         assert run["stats"]["bytes_sent"] == 4 * numel + (8 if rank == 0 else 0) + (steps - 1) * (8 + 4 * k + guard)
 
     # Convergence (lr 0.1): dense reaches 1e-13 of the initial loss; both modes reach 1e-9 (measured

@@ -320,7 +320,7 @@ def _error_feedback(name: str) -> ErrorFeedback | DGCCompressor | QSGDCompressor
     return ErrorFeedback(COMPRESSORS[base](), float(decay or 1.0))
 
 
-def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
+def _train(rank: int, world: int, name: str, overlap: bool, pack: bool | None = None) -> dict:
     events: list[str] = []
     hook = hook_module.compression_hook
 
@@ -343,7 +343,7 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
     try:
         net = _Net()
         model = DDP(net, bucket_cap_mb=0.01, find_unused_parameters=True)
-        state = CompressionHookState(_error_feedback(name), min_numel=100, overlap=overlap)
+        state = CompressionHookState(_error_feedback(name), min_numel=100, overlap=overlap, pack=pack)
         state.register(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         grads, step_events, traces, epochs = [], [], [], []
@@ -352,7 +352,7 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
             x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
             use_aux = step not in UNUSED_STEPS and not (step == ONE_RANK_UNUSED_STEP and rank == 0)
             loss = model(x, use_aux).square().mean()
-            if step == NAN_LOSS_STEP and rank == 2:
+            if step == NAN_LOSS_STEP and rank == world - 1:
                 loss = loss * float("nan")
             poison = None
             if step == NAN_PARAM_STEP and rank == 1:
@@ -381,30 +381,32 @@ def _train(rank: int, world: int, name: str, overlap: bool) -> dict:
         "events": step_events,
         "epochs": epochs,
         "traces": traces,
+        "payload_bytes": state.stats.payload_bytes,
+        "buckets": len(state.layouts),
     }
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "name",
-    [
-        # One of each way to hold a step back: error feedback over a stateless compressor (fixed and
-        # variable-size payloads), DGC's momenta, QSGD's draws, RedSync's thresholds, random-block's
-        # step. The others of each kind run with -m slow.
-        "topk",
-        "sbc",
-        "dgc",
-        "qsgd_alone",
-        "redsync",
-        "random_block_unshared",
-        *[
-            pytest.param(name, marks=pytest.mark.slow)
-            for name in ("signsgd", "quantized_topk", "topk_fp16_values:decay=0.95", "dgc_nesterov", "terngrad")
-        ],
+#: One of each way to hold a step back: error feedback over a stateless compressor (fixed and
+#: variable-size payloads), DGC's momenta, QSGD's draws, RedSync's thresholds, random-block's step.
+#: The others of each kind run with -m slow.
+HELD_STEP_CASES = [
+    "topk",
+    "sbc",
+    "dgc",
+    "qsgd_alone",
+    "redsync",
+    "random_block_unshared",
+    *[
+        pytest.param(name, marks=pytest.mark.slow)
+        for name in ("signsgd", "quantized_topk", "topk_fp16_values:decay=0.95", "dgc_nesterov", "terngrad")
     ],
-)
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", HELD_STEP_CASES)
 def test_overlap_changes_when_collectives_start_and_nothing_else(name):
-    held = run_workers(_train, WORLD, name, False)
+    held = run_workers(_train, WORLD, name, False, False)  # bucket by bucket, as overlap sends
     ahead = run_workers(_train, WORLD, name, True)
     for rank in range(WORLD):
         a, b = held[rank], ahead[rank]

@@ -88,21 +88,23 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
     numels = [p.numel() for p in net.parameters()]
     dense = 4 * sum(numels)
     per_step = sum(8 * num_selected(n, density) if n >= min_numel else 4 * n for n in numels)
-    per_step += 1 + len(numels)  # the step guard: a byte per parameter and the non-finite flag
-    # Rank 0's BatchNorm statistics go to the other rank once per step (plain DDP sends them too);
-    # with 2 workers gloo's binomial tree has rank 0 send them once and rank 1 nothing.
-    buffers = steps * sum(b.numel() * b.element_size() for b in net.buffers())
+    per_step += 4 * (1 + len(numels))  # the step guard's flags: the non-finite one and one per parameter (fp32)
+    # Rank 0's BatchNorm statistics go to the other rank once per step (plain DDP sends them too):
+    # at the first step (a plain allreduce while DDP rebuilds its buckets) by gloo's binomial tree,
+    # rank 0 sending them once and rank 1 nothing; then in every compressed step's header (fp32, the
+    # int64 batch counters one byte per element), an allreduce of which each of 2 workers sends all.
+    native = sum(b.numel() * b.element_size() for b in net.buffers())
+    in_header = 4 * sum(b.numel() if b.is_floating_point() else b.numel() * b.element_size() for b in net.buffers())
     assert summary["buffer_sync"] == "broadcast" and summary["eval_model"] == "global"
-    assert summary["wire_buffer_bytes_sent"] == buffers
-    # The first step is a plain allreduce while DDP rebuilds its buckets.
+    assert summary["wire_buffer_bytes_sent"] == native + 2 * (steps - 1) * in_header
     for rank, (sent, dense_equivalent) in enumerate(
         zip(summary["bytes_sent_per_worker"], summary["dense_equivalent_bytes_per_worker"], strict=True)
     ):
-        own_buffers = buffers if rank == 0 else 0
-        assert dense_equivalent == steps * dense + own_buffers
-        assert sent == dense + (steps - 1) * per_step + own_buffers
+        own_first = native if rank == 0 else 0
+        assert dense_equivalent == steps * (dense + own_first)  # plain DDP broadcasts them every step
+        assert sent == dense + own_first + (steps - 1) * (per_step + in_header)
     assert summary["compression_ratio"] == pytest.approx(
-        (steps * dense + buffers / 2) / (dense + (steps - 1) * per_step + buffers / 2)
+        (steps * (2 * dense + native)) / (2 * dense + native + 2 * (steps - 1) * (per_step + in_header))
     )
     # With 2 workers a ring allreduce and a ring allgather of L bytes both send L per worker:
     # wire and logical bytes agree (tests/test_wire.py covers 3 and 4 workers).
