@@ -10,7 +10,7 @@ per step.
 import pytest
 import torch
 from distributed import run_workers
-from test_overlap import HELD_STEP_CASES, NAN_LOSS_STEP, NAN_PARAM_STEP, STEPS, _assert_same_state, _train
+from test_overlap import HELD_STEP_NAMES, NAN_LOSS_STEP, NAN_PARAM_STEP, STEPS, _assert_same_state, _train
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,6 +25,8 @@ from lgc.ddp.collectives import record_collectives
 from lgc.methods import METHODS
 
 SKIPPED = (NAN_PARAM_STEP, NAN_LOSS_STEP)
+
+
 #: The steps compressed and not skipped (step 0 is the plain allreduce of ``start_iter``).
 COMPRESSED = [step for step in range(1, STEPS) if step not in SKIPPED]
 
@@ -56,10 +58,16 @@ def _compare(a: dict, b: dict, name: str, exact: bool) -> None:
 
 
 @pytest.mark.multiprocess
-# Fixed-size payloads encoded after the header (top-k, QSGD's draws, random-block's sum), and payloads
-# encoded ahead of it into held state: variable sizes (SBC, RedSync) and DGC, whose momentum of the
-# dense tensors rides in the header too.
-@pytest.mark.parametrize("name", HELD_STEP_CASES)
+# Fixed-size payloads encoded after the header (top-k, random-block's sum), and payloads encoded ahead
+# of it into held state: variable sizes (SBC) and DGC, whose momentum of the dense tensors rides in the
+# header too. The other ways to hold a step back run with -m slow.
+@pytest.mark.parametrize(
+    "name",
+    [
+        name if name in ("topk", "sbc", "dgc", "random_block_unshared") else pytest.param(name, marks=pytest.mark.slow)
+        for name in HELD_STEP_NAMES
+    ],
+)
 def test_one_message_changes_the_collectives_and_nothing_else(name):
     """Two workers, unused parameters (on every rank, on one), a NaN in one layer, a NaN everywhere: bitwise."""
     bucketwise = run_workers(_train, 2, name, False, False)
@@ -78,7 +86,7 @@ def test_one_message_changes_the_collectives_and_nothing_else(name):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["sbc", "dgc"])
+@pytest.mark.parametrize("name", ["dgc", pytest.param("sbc", marks=pytest.mark.slow)])
 def test_one_message_with_three_workers_sums_the_dense_tensors_in_another_order(name):
     """Every rank's row of sizes lands where the others read it; the dense sums differ in rounding only."""
     bucketwise = run_workers(_train, 3, name, False, False)
@@ -121,7 +129,7 @@ def _train_bn(rank: int, world: int, pack: bool, buffers: str) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("buffers", [BROADCAST, AVERAGE])
+@pytest.mark.parametrize("buffers", [BROADCAST, pytest.param(AVERAGE, marks=pytest.mark.slow)])
 def test_the_header_carries_the_module_buffers_as_their_own_sync_would(buffers):
     bucketwise = run_workers(_train_bn, 2, False, buffers)
     packed = run_workers(_train_bn, 2, True, buffers)
