@@ -58,15 +58,12 @@ def _compare(a: dict, b: dict, name: str, exact: bool) -> None:
 
 
 @pytest.mark.multiprocess
-# Fixed-size payloads encoded after the header (top-k, random-block's sum), and payloads encoded ahead
-# of it into held state: variable sizes (SBC) and DGC, whose momentum of the dense tensors rides in the
-# header too. The other ways to hold a step back run with -m slow.
+# Fixed-size payloads encoded after the header (top-k), and payloads encoded ahead of it into held
+# state: variable sizes and DGC's momentum of the dense tensors, which rides in the header too. The
+# other ways (SBC, random-block's summed payload, ...) run with -m slow.
 @pytest.mark.parametrize(
     "name",
-    [
-        name if name in ("topk", "sbc", "dgc", "random_block_unshared") else pytest.param(name, marks=pytest.mark.slow)
-        for name in HELD_STEP_NAMES
-    ],
+    [name if name in ("topk", "dgc") else pytest.param(name, marks=pytest.mark.slow) for name in HELD_STEP_NAMES],
 )
 def test_one_message_changes_the_collectives_and_nothing_else(name):
     """Two workers, unused parameters (on every rank, on one), a NaN in one layer, a NaN everywhere: bitwise."""
