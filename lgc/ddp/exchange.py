@@ -40,6 +40,7 @@ __all__ = [
     "packed_payloads",
     "prepare_compressor",
     "sum_gathered",
+    "wire_sizes",
 ]
 
 
@@ -231,7 +232,7 @@ class PayloadExchange:
         if self.own:
             parts = [p.wire_parts() for p in self.own]
             # Known on the host: a fixed-size payload's sizes cost no copy from the device.
-            local_sizes = torch.tensor([sum(piece.numel() for piece in pieces) for pieces in parts], dtype=torch.int64)
+            local_sizes = wire_sizes(parts)
             if state.compressor.variable_size:
                 size_lists, work = counted.all_gather(state.stats, local_sizes.to(buffer.device), state.process_group)
                 # Blocking on purpose: the payload allgather below needs the sizes.
@@ -285,6 +286,11 @@ class PayloadExchange:
                 self.state, list(zip(self.sparse, targets, strict=True)), self.own, self.gathered, self.sizes, used
             )
         return buffer
+
+
+def wire_sizes(parts: list[list[Tensor]]) -> Tensor:
+    """Each payload's wire elements (``[p.wire_parts() for p in payloads]``), as int64 on the host."""
+    return torch.tensor([sum(piece.numel() for piece in pieces) for pieces in parts], dtype=torch.int64)
 
 
 def packed_payloads(parts: list[list[Tensor]], sizes: Tensor) -> Tensor:

@@ -280,19 +280,16 @@ class CompressionHookState(HookState):
         if self.packs:
             buffers, self.step_buffers = self.step_buffers, None
             skipped = run_packed_step(self, pending, buffers)
-            if not skipped:
-                self.iteration += 1
-            self.step_done(skipped=skipped)
-            self.scale_back(pending)
-            return
-        verdict = agree_on_step(self.stats, self.process_group, pending)
-        if verdict.skip:
-            complete_dense(self.stats, self.process_group, pending, skipped=True)
         else:
-            step = self.iteration
-            self.compress_step(pending, verdict.used, step)
-            self.iteration = step + 1
-        self.step_done(skipped=verdict.skip)
+            verdict = agree_on_step(self.stats, self.process_group, pending)
+            skipped = verdict.skip
+            if skipped:
+                complete_dense(self.stats, self.process_group, pending, skipped=True)
+            else:
+                self.compress_step(pending, verdict.used, self.iteration)
+        if not skipped:
+            self.iteration += 1
+        self.step_done(skipped=skipped)
         self.scale_back(pending)
 
     def take_buffers(self, buffers: list[Tensor], mode: str) -> bool:

@@ -54,13 +54,13 @@ from torch import Tensor
 from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload, holds_steps
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
-from lgc.ddp.exchange import Segment, packed_payloads, prepare_compressor, sum_gathered
+from lgc.ddp.exchange import Segment, packed_payloads, prepare_compressor, sum_gathered, wire_sizes
 from lgc.ddp.step_guard import PendingBucket, bucket_maxima, complete_dense
 
 if TYPE_CHECKING:
     from lgc.ddp.hook import CompressionHookState
 
-__all__ = ["StepBuffers", "encodes_ahead", "packing", "packs_steps", "run_packed_step"]
+__all__ = ["StepBuffers", "can_pack", "encodes_ahead", "packing", "run_packed_step"]
 
 #: A payload's size in wire elements travels as two digits of this many bits (exact in fp32).
 _DIGIT_BITS = 20
@@ -81,7 +81,7 @@ def encodes_ahead(compressor: Compressor) -> bool:
     return compressor.variable_size or compressor.transforms_dense
 
 
-def packs_steps(compressor: Compressor) -> bool:
+def can_pack(compressor: Compressor) -> bool:
     """Whether a guarded step of ``compressor`` can go out as one message: fixed-size payloads and dense
     tensors sent as they are, or a compressor that holds a step back until the ranks agree."""
     if compressor.stateless or compressor.combine is CombineMode.SERVER:
@@ -94,7 +94,7 @@ def packing(state_class: type, compressor: Compressor, *, overlap: bool, pack: b
     where a step cannot go out as one message, saying why."""
     if pack not in (None, True, False):
         raise TypeError(f"pack must be None, True or False, got {pack!r}")
-    packable = state_class.packs_steps and not overlap and packs_steps(compressor)
+    packable = state_class.packs_steps and not overlap and can_pack(compressor)
     if pack is True and not packable:
         why = (
             "overlap=True sends each bucket as it arrives"
@@ -175,7 +175,8 @@ def run_packed_step(state: CompressionHookState, pending: list[PendingBucket], b
         state.codec_seconds["encode"] += time.perf_counter() - started
 
     try:
-        header, layout = _header(state, maxima, dense_sent, kept, buffers, own_ahead, world, rank)
+        sizes = wire_sizes([p.wire_parts() for p in own_ahead]) if compressor.variable_size else None
+        header, layout = _header(finite, maxima, dense_sent, kept, buffers, sizes, world, rank)
         before = state.stats.wire_bytes_sent
         counted.all_reduce(state.stats, header, group).wait()
         if kept:
@@ -215,8 +216,8 @@ def run_packed_step(state: CompressionHookState, pending: list[PendingBucket], b
         state.stats.payload_bytes += sum(p.nbytes for p in own)
         state.stats.payload_dense_equivalent_bytes += sum(s.numel * view.element_size() for _, view, s in chosen)
         if own:
-            sizes = _sizes(control, layout, [i for i, _, _ in chosen], len(compressed), own, world) if ahead else None
-            _exchange_payloads(state, [(s, view) for _, view, s in chosen], own, sizes, world)
+            every = None if sizes is None else _sizes(control, layout, [i for i, _, _ in chosen], world)
+            _exchange_payloads(state, [(s, view) for _, view, s in chosen], own, every, world)
         for view, s in dense:
             if s.name in used:
                 compressor.finish_aggregate(view, s.name)
@@ -238,31 +239,31 @@ def _drop(state: CompressionHookState, holder: HoldsSteps) -> None:
 
 
 def _header(
-    state: CompressionHookState,
+    finite: bool,
     maxima: Tensor,
     dense: list[Tensor],
     kept: list[Tensor],
     buffers: StepBuffers | None,
-    own: list[Payload],
+    local: Tensor | None,
     world: int,
     rank: int,
 ) -> tuple[Tensor, _Layout]:
-    """This rank's header (see the module docstring) and its layout."""
+    """This rank's header (see the module docstring) and its layout; ``local``: this rank's payload sizes
+    (:func:`~lgc.ddp.exchange.wire_sizes`) where they differ between ranks, else None."""
     dtype = _header_dtype(dense, kept)
     device = maxima.device
     flags = 1 + maxima.numel()
-    sizes = world * len(own) * 2 if state.compressor.variable_size else 0
+    sizes = world * local.numel() * 2 if local is not None else 0
     dense_numel = sum(t.numel() for t in dense)
     buffer_numel = sum(_buffer_numel(b) for b in kept)
     layout = _Layout(flags, flags + sizes, flags + sizes + dense_numel, flags + sizes + dense_numel + buffer_numel)
     header = torch.zeros(layout.total, dtype=dtype, device=device)
-    header[0] = float(not bool(torch.isfinite(maxima).all()))
+    header[0] = float(not finite)
     # NaN != 0 is True, so a NaN parameter also counts as used (the step is skipped anyway).
     header[1:flags] = (maxima != 0).to(dtype)
-    if sizes:
-        local = torch.tensor([sum(piece.numel() for piece in p.wire_parts()) for p in own], dtype=torch.int64)
+    if local is not None:
         row = torch.stack([local // _DIGIT, local % _DIGIT], dim=1).reshape(-1)
-        start = layout.sizes + rank * len(own) * 2
+        start = layout.sizes + rank * row.numel()
         header[start : start + row.numel()] = row.to(dtype)
     if dense:
         torch.cat([t.reshape(-1).to(dtype) for t in dense], out=header[layout.dense : layout.buffers])
@@ -298,13 +299,9 @@ def _adopt_buffers(section: Tensor, kept: list[Tensor], buffers: StepBuffers | N
             buffer.copy_(_buffer_from_header(piece, buffer))
 
 
-def _sizes(control: Tensor, layout: _Layout, chosen: list[int], n: int, own: list[Payload], world: int) -> Tensor:
-    """Every rank's wire elements per chosen payload (``world x len(chosen)``), from the header (on the host) or
-    known locally."""
-    if layout.dense == layout.sizes:  # fixed-size payloads: the same everywhere
-        local = torch.tensor([sum(piece.numel() for piece in p.wire_parts()) for p in own], dtype=torch.int64)
-        return local.expand(world, -1)
-    digits = control[layout.sizes : layout.dense].to(torch.int64).reshape(world, n, 2)
+def _sizes(control: Tensor, layout: _Layout, chosen: list[int], world: int) -> Tensor:
+    """Every rank's wire elements per chosen payload (``world x len(chosen)``), from the header's rows (on the host)."""
+    digits = control[layout.sizes : layout.dense].to(torch.int64).reshape(world, -1, 2)
     return (digits[..., 0] * _DIGIT + digits[..., 1])[:, chosen]
 
 
@@ -334,9 +331,8 @@ def _exchange_payloads(
         state.codec_seconds["decode"] += time.perf_counter() - started
         return
     parts = [p.wire_parts() for p in own]
-    if sizes is None:
-        local = torch.tensor([sum(piece.numel() for piece in pieces) for pieces in parts], dtype=torch.int64)
-        sizes = local.expand(world, -1)
+    if sizes is None:  # fixed-size payloads: the same everywhere
+        sizes = wire_sizes(parts).expand(world, -1)
     gathered, work = counted.all_gather(state.stats, packed_payloads(parts, sizes), state.process_group)
     work.wait()
     started = time.perf_counter()

@@ -22,6 +22,7 @@ from lgc.ddp import CompressionHookState
 from lgc.ddp import packed as packed_module
 from lgc.ddp.buffers import AVERAGE, BROADCAST
 from lgc.ddp.collectives import record_collectives
+from lgc.ddp.exchange import wire_sizes
 from lgc.methods import METHODS
 
 SKIPPED = (NAN_PARAM_STEP, NAN_LOSS_STEP)
@@ -161,14 +162,12 @@ def test_sizes_travel_as_two_exact_digits():
         def nbytes(self) -> int:
             return self.n
 
-    class State:
-        compressor = SBCCompressor(0.1)
-
     own = [Wire(3), Wire(2**20 + 7), Wire(2**25 + 2**21 + 1)]
+    local = wire_sizes([p.wire_parts() for p in own])
     maxima = torch.tensor([1.0, 0.0, 2.0])
-    header, layout = packed_module._header(State(), maxima, [torch.ones(4)], [], None, own, world=3, rank=1)
+    header, layout = packed_module._header(True, maxima, [torch.ones(4)], [], None, local, world=3, rank=1)
     assert header.dtype == torch.float32 and header[0] == 0 and header[1:4].tolist() == [1.0, 0.0, 1.0]
-    sizes = packed_module._sizes(header, layout, [0, 2], len(own), own, world=3)
+    sizes = packed_module._sizes(header, layout, [0, 2], world=3)
     assert sizes[1].tolist() == [3, 2**25 + 2**21 + 1] and sizes[0].tolist() == sizes[2].tolist() == [0, 0]
     assert header[layout.dense : layout.buffers].tolist() == [1.0] * 4
 
