@@ -49,6 +49,8 @@ def compress(
     outer_momentum: float | None = None,
     fragments: int | None = None,
     fragment_split: str | None = None,
+    overlap_steps: int | None = None,
+    mixing: float | None = None,
     min_numel: int | None = None,
     start_iter: int | None = None,
     overlap: bool | None = None,
@@ -97,6 +99,12 @@ def compress(
             staggered steps (default 1: all at once).
         fragment_split: with ``fragments``, how they are balanced: ``"strided"`` (default,
             the paper's) or ``"contiguous"`` (:func:`lgc.ddp.fragments.split_into_fragments`).
+        overlap_steps: with ``delay``, Streaming DiLoCo's overlap ``tau``: each exchange starts
+            ``tau`` local steps before its turn and runs while they compute (default 0: it blocks);
+            below ``delay / fragments`` (:mod:`lgc.ddp.streaming`). Call ``state.flush()`` after the
+            last step to apply an exchange still in flight.
+        mixing: with ``delay``, the local weights' share ``alpha`` when an exchange is applied:
+            ``lerp(synchronized, local, alpha)`` (default 0, torchft's: the synchronized weights).
         min_numel: parameters with fewer elements go dense. ``None`` (default): the method's own,
             part of its definition (:attr:`~lgc.compressors.Compressor.default_min_numel`): 1 (every
             parameter) for the methods whose reference sends every tensor, 1,024 for the others
@@ -167,6 +175,8 @@ def compress(
         outer_momentum=outer_momentum,
         fragments=fragments,
         fragment_split=fragment_split,
+        overlap_steps=overlap_steps,
+        mixing=mixing,
     )
     if isinstance(method, HookState):
         # Only error_feedback=False may come with a ready state: it says a bare sparsifier inside is meant.

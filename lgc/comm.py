@@ -59,6 +59,9 @@ class Comm:
     #: With ``delay``: Streaming DiLoCo's fragments and how the parameters are dealt into them.
     fragments: int | None = 1
     fragment_split: str | None = FRAGMENT_SPLITS[0]
+    #: With ``delay``: Streaming DiLoCo's overlap ``tau`` and the local weights' share ``alpha`` when applied.
+    overlap_steps: int | None = 0
+    mixing: float | None = 0.0
     #: How messages name a field: ``comm.`` for a config node, empty for keyword arguments.
     prefix: str = "comm."
 
@@ -188,9 +191,23 @@ class StreamingDiLoCo(DiLoCo):
     #: ``strided`` (the paper's: tensors dealt out largest first to the emptiest fragment, so equal
     #: layers go round-robin) or ``contiguous`` (consecutive ranges).
     fragment_split: str = FRAGMENT_SPLITS[0]
+    #: The paper's overlap ``tau`` (torchft's ``fragment_sync_delay``): a fragment's exchange starts this
+    #: many local steps before its turn and runs while they compute; below ``delay / fragments``. 0: it
+    #: blocks at its turn.
+    overlap_steps: int = 0
+    #: The local weights' share ``alpha`` when a fragment's exchange is applied (torchft's
+    #: ``fragment_update_alpha``): ``lerp(synchronized, local, alpha)``; 0 (torchft's default) takes the
+    #: synchronized weights.
+    mixing: float = 0.0
 
     def to_comm(self) -> Comm:
-        return dataclasses.replace(super().to_comm(), fragments=self.fragments, fragment_split=self.fragment_split)
+        return dataclasses.replace(
+            super().to_comm(),
+            fragments=self.fragments,
+            fragment_split=self.fragment_split,
+            overlap_steps=self.overlap_steps,
+            mixing=self.mixing,
+        )
 
 
 #: The ``comm`` config group's options by name.

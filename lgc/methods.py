@@ -222,7 +222,7 @@ class _Registry(Mapping[str, Method]):
 METHODS: Mapping[str, Method] = _Registry()
 
 
-_LOCAL_STEP_FIELDS = ("outer", "outer_lr", "outer_momentum", "fragments", "fragment_split")
+_LOCAL_STEP_FIELDS = ("outer", "outer_lr", "outer_momentum", "fragments", "fragment_split", "overlap_steps", "mixing")
 
 
 def instantiate(node: Mapping[str, Any], where: str = "") -> Any:
@@ -279,6 +279,8 @@ def _delayed(
         outer_momentum=comm.outer_momentum,
         fragments=comm.fragments,
         fragment_split=comm.fragment_split,
+        overlap_steps=comm.overlap_steps,
+        mixing=comm.mixing,
     )
 
 

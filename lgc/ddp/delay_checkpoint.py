@@ -4,9 +4,11 @@ Between exchanges every rank of :class:`~lgc.ddp.local_sgd.CommunicationDelaySta
 and buffers of its own, so every rank's state goes into the checkpoint (the model checkpoint holds
 rank 0's): the synchronized weights of every fragment piece and the buffers' last average (the
 same on every rank), this rank's local weights and buffers, the exchange's compressor state (its
-residuals), the outer optimizer's momentum and the local-step count. A checkpoint whose fragments
-are cut otherwise, whose outer step is of the other kind, or whose residuals hold the other sign
-(``compressed``) is refused by name: resuming it would change the run.
+residuals), the outer optimizer's momentum, the local-step count and an exchange in flight (Streaming
+DiLoCo's overlap: waited for, its averaged pseudo-gradient kept until its turn). A checkpoint whose
+fragments are cut otherwise, whose outer step is of the other kind, whose residuals hold the other
+sign (``compressed``) or that was written with another overlap is refused by name: resuming it
+would change the run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from lgc.ddp.streaming import InFlight
 
 if TYPE_CHECKING:
     from lgc.ddp.local_sgd import CommunicationDelayState
@@ -50,6 +54,9 @@ def save(delayed: CommunicationDelayState) -> dict[str, Any]:
         "local_weights": {name: t.detach().cpu().clone() for name, t in weights.items()},
         "local_buffers": {name: t.detach().cpu().clone() for name, t in buffers.items()},
         "outer_optimizer": delayed.outer_step.state_dict(),
+        "overlap_steps": delayed.overlap_steps,
+        # Waited for here, so the compressor state above already holds its step.
+        "in_flight": None if delayed.in_flight is None else delayed.in_flight.state_dict(),
     }
 
 
@@ -80,6 +87,12 @@ def load(delayed: CommunicationDelayState, state: dict[str, Any]) -> None:
         raise ValueError(
             f"the checkpoint was written with {recorded}, this run has fragment_split={delayed.fragment_split!r}: "
             "its synchronized weights, outer momentum and residuals belong to other fragments"
+        )
+    saved_overlap = int(state.get("overlap_steps", 0))
+    if saved_overlap != delayed.overlap_steps:
+        raise ValueError(
+            f"the checkpoint was written with overlap_steps={saved_overlap}, this run has "
+            f"overlap_steps={delayed.overlap_steps}: its exchanges would start and be applied on other steps"
         )
     delayed.local_steps = int(state["local_steps"])
     if delayed.module is None:
@@ -121,3 +134,10 @@ def restore(delayed: CommunicationDelayState, state: dict[str, Any]) -> None:
     delayed.buffers.synced = {name: source[name].to(b.device).clone() for name, b in buffers.items()}
     delayed.outer_step.build(list(delayed.synced.values()))
     delayed.outer_step.load_state_dict(state["outer_optimizer"])
+    flight = state.get("in_flight")
+    delayed.in_flight = None
+    if flight is not None:
+        pieces = [s for s in delayed.slices if s.fragment == int(flight["fragment"])]
+        segments = delayed.exchange_state.segments([(s.key, s.numel) for s in pieces])
+        device = next(iter(params.values())).device
+        delayed.in_flight = InFlight.from_state(flight, segments, device)

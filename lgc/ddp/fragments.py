@@ -29,10 +29,15 @@ each piece as a matrix (whole parameters keep their names). Where this departs f
 torchft: they assign whole transformer blocks (torchft: the modules the user passes), which are of
 equal size; a CNN's layers are not (ResNet-8's two largest convolutions hold 73 % of its weights),
 so balanced fragments may cut inside tensors, and they are balanced by size rather than spread over
-the depth. The exchange is blocking: Streaming DiLoCo's overlap of an exchange with the next local
-steps (``tau > 0``) and its mixing of local and synchronized weights (``alpha``) are not
-implemented, on gloo or NCCL. The paper's 4-bit outer gradients are a compressor
-(:class:`lgc.compressors.FP4Compressor`, ``experiment=streaming_diloco``).
+the depth.
+
+``overlap_steps = tau`` (the paper's overlap, torchft's ``fragment_sync_delay``) starts a fragment's
+exchange ``tau`` local steps before its turn (:meth:`FragmentSchedule.starting`) and applies it at
+its turn (:meth:`FragmentSchedule.due`), so the exchange runs while those ``tau`` steps compute
+(:mod:`lgc.ddp.streaming`). As torchft, ``tau`` is below the gap between two fragments' turns
+(``delay / F`` when ``F`` divides ``delay``), so one exchange at most is in flight. The paper's
+4-bit outer gradients are a compressor (:class:`lgc.compressors.FP4Compressor`,
+``experiment=streaming_diloco``).
 """
 
 from __future__ import annotations
@@ -291,11 +296,13 @@ class FragmentSchedule:
         fragments: how many (1: every parameter at once, every ``delay`` steps); at most ``delay``,
             each fragment its own step.
         split: ``"strided"`` or ``"contiguous"`` (the module docstring).
+        overlap_steps: local steps between the start of a fragment's exchange and its turn, below
+            the shortest gap between two turns (:attr:`shortest_gap`; 0: the exchange blocks at its turn).
     """
 
-    __slots__ = ("delay", "fragments", "split")
+    __slots__ = ("delay", "fragments", "overlap_steps", "split")
 
-    def __init__(self, delay: int, fragments: int = 1, split: str = FRAGMENT_SPLITS[0]) -> None:
+    def __init__(self, delay: int, fragments: int = 1, split: str = FRAGMENT_SPLITS[0], overlap_steps: int = 0) -> None:
         if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= delay:
             raise ValueError(
                 f"fragments must be an integer from 1 to delay={delay} (each fragment is exchanged on a step of its "
@@ -304,6 +311,20 @@ class FragmentSchedule:
         if split not in FRAGMENT_SPLITS:
             raise ValueError(f"fragment_split must be one of {FRAGMENT_SPLITS}, got {split!r}")
         self.delay, self.fragments, self.split = delay, fragments, split
+        gap = self.shortest_gap
+        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or not 0 <= overlap_steps < gap:
+            raise ValueError(
+                f"overlap_steps must be an integer from 0 to {gap - 1}, below the {gap} local steps between two "
+                f"fragments' exchanges (delay={delay}, fragments={fragments}): a fragment's exchange must be applied "
+                f"before the next one starts; got {overlap_steps!r}"
+            )
+        self.overlap_steps = overlap_steps
+
+    @property
+    def shortest_gap(self) -> int:
+        """The fewest local steps between two consecutive exchanges (``delay // fragments``)."""
+        turns = sorted(self.step_of(f) or self.delay for f in range(self.fragments))
+        return min(b - a for a, b in zip([turns[-1] - self.delay, *turns], turns, strict=False))
 
     def step_of(self, fragment: int) -> int:
         """The step within every ``delay`` local steps (``0`` for the last) at which ``fragment`` is exchanged."""
@@ -312,6 +333,10 @@ class FragmentSchedule:
     def due(self, local_step: int) -> list[int]:
         """The fragments exchanged after local step ``local_step`` (counted from 1), in schedule order."""
         return [f for f in range(self.fragments) if local_step % self.delay == self.step_of(f)]
+
+    def starting(self, local_step: int) -> list[int]:
+        """The fragments whose exchange starts after local step ``local_step``: :meth:`due` ``overlap_steps`` later."""
+        return self.due(local_step + self.overlap_steps)
 
     def exchanges_through(self, step: int) -> int:
         """Exchanges (of a fragment, or of everything) due on local steps ``1..step``, skipped ones included."""

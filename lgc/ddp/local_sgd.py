@@ -25,7 +25,8 @@ DiLoCo's outer Nesterov SGD: :mod:`lgc.ddp.outer_step`), Streaming DiLoCo's frag
 schedule (:mod:`lgc.ddp.fragments`), the module buffers averaged at exchanges
 (:class:`lgc.ddp.buffers.ExchangedBuffers`), the global-model view evaluation sees
 (:mod:`lgc.ddp.global_view`), the DDP hook that leaves gradients local
-(:mod:`lgc.ddp.local_step_hook`) and the checkpoint (:mod:`lgc.ddp.delay_checkpoint`). DDP's
+(:mod:`lgc.ddp.local_step_hook`), the checkpoint (:mod:`lgc.ddp.delay_checkpoint`) and the thread
+Streaming DiLoCo's overlapped exchanges run on (:mod:`lgc.ddp.streaming`). DDP's
 broadcast of rank 0's buffers is turned off: each worker's statistics follow its own weights, and
 the floating-point buffers are averaged with the exchange of the last fragment, counted. The inner
 optimizer and its state stay per worker.
@@ -37,13 +38,20 @@ Steps:
    steps; on every ``delay``-th (a fragment's turn) it averages the pseudo-gradients through the
    gradient hook's step guard and exchange (:func:`lgc.ddp.step_guard.agree_on_step` and
    ``compress_step``: the same collectives and byte accounting), applies the outer step and moves
-   every worker to the new synchronized weights.
+   every worker to the new synchronized weights. With ``overlap_steps`` the exchange starts that
+   many steps before the turn and runs beside them; at the turn it is applied, the local weights
+   mixed in at ``mixing``.
 
 Non-finite values: a local step whose gradient overflows is the optimizer's (or GradScaler's)
 to skip, as without lgc. If a rank's weight update is nevertheless inf/NaN at an exchange, every
 rank skips that exchange (counted in ``stats.skipped_steps``), returns to the last synchronized
 weights (and, with the last fragment, buffers) and keeps its residuals as they were. Parameters
 whose update is zero on every rank are not sent.
+
+Why one module: :class:`CommunicationDelayState` is one object that every part above acts through:
+its exchange's start and application share the fragments' synchronized weights, the outer step,
+the buffers and the exchange state, and the rest is the interface lgc's strategy, callbacks and
+``lgc.compress`` read of every hook state, forwarded to the exchange state.
 """
 
 from __future__ import annotations
@@ -76,7 +84,8 @@ from lgc.ddp.local_step_hook import (
 from lgc.ddp.outer_step import OUTER_OPTIMIZERS, OuterStep
 from lgc.ddp.protocol import OPTIMIZER_SOURCES, HookState, RunTooShort
 from lgc.ddp.step_guard import PendingBucket, agree_on_step
-from lgc.validation import Momentum, PositiveFloat, PositiveInt, check
+from lgc.ddp.streaming import ExchangeRunner, InFlight, finished
+from lgc.validation import Fraction, Momentum, PositiveFloat, PositiveInt, check
 
 __all__ = ["OUTER_OPTIMIZERS", "CommunicationDelayState", "local_step_hook", "register_communication_delay"]
 
@@ -110,6 +119,14 @@ class CommunicationDelayState(HookState):
             :class:`~lgc.ddp.fragments.FragmentSchedule`).
         fragment_split: how the parameters are cut into fragments of about equal size: ``"strided"``
             (default, the paper's) or ``"contiguous"`` (:mod:`lgc.ddp.fragments`).
+        overlap_steps: Streaming DiLoCo's overlap ``tau`` (torchft's ``fragment_sync_delay``): a
+            fragment's exchange starts ``tau`` local steps before its turn and runs while they
+            compute; at its turn it is applied (:mod:`lgc.ddp.streaming`). 0 (default): the
+            exchange blocks at its turn. Below ``delay / fragments`` (one exchange in flight at a time).
+        mixing: the weight ``alpha`` of the local weights when a fragment's exchange is applied
+            (torchft's ``fragment_update_alpha``): its weights become ``lerp(W_sync, W_local, alpha)``.
+            0 (default, torchft's): the synchronized weights, the overlapped steps' progress
+            discarded; 1: the local weights kept, only the synchronized copy moved.
 
     Call :meth:`after_optimizer_step` after every ``optimizer.step()`` (the Lightning callback
     does). Checkpoints must hold every rank's :meth:`state_dict`: between exchanges the workers'
@@ -132,6 +149,9 @@ class CommunicationDelayState(HookState):
         # that the garbage collector cannot see, so a strong reference would keep every model alive.
         "module_ref",
         "pending",  # a loaded state waiting for register()
+        "mixing",  # alpha: the local weights' share when an exchange is applied
+        "in_flight",  # the exchange started and not yet applied (lgc.ddp.streaming.InFlight), or None
+        "runner",  # the thread and process group overlapped exchanges run on (lgc.ddp.streaming.ExchangeRunner)
     )
 
     def __init__(
@@ -144,9 +164,15 @@ class CommunicationDelayState(HookState):
         outer_momentum: Momentum | None = None,
         fragments: PositiveInt = 1,
         fragment_split: str = FRAGMENT_SPLITS[0],
+        overlap_steps: int = 0,
+        mixing: Fraction = 0.0,
     ) -> None:
         check("delay", delay, PositiveInt)
-        self.schedule = FragmentSchedule(delay, fragments, fragment_split)
+        check("mixing", mixing, Fraction)
+        self.schedule = FragmentSchedule(delay, fragments, fragment_split, overlap_steps)
+        self.mixing = float(mixing)
+        self.in_flight: InFlight | None = None
+        self.runner = ExchangeRunner()
         self.outer_step = OuterStep(outer, outer_lr, outer_momentum)
         self.exchange_state = checked_exchange(exchange_state, delay, fragments)
         self.local_steps = 0
@@ -161,6 +187,7 @@ class CommunicationDelayState(HookState):
     delay = property(lambda self: self.schedule.delay)
     fragments = property(lambda self: self.schedule.fragments)
     fragment_split = property(lambda self: self.schedule.split)
+    overlap_steps = property(lambda self: self.schedule.overlap_steps)
     outer = property(lambda self: self.outer_step.kind)
     outer_lr = property(lambda self: self.outer_step.lr)
     outer_momentum = property(lambda self: self.outer_step.momentum)
@@ -220,6 +247,10 @@ class CommunicationDelayState(HookState):
         text = f"{self.exchange_state.describe()} every {self.delay} local step(s)"
         if self.fragments > 1:
             text += f" in {self.fragments} staggered {self.fragment_split} fragments"
+        if self.overlap_steps:
+            text += f", each exchange overlapping {self.overlap_steps} local step(s)"
+        if self.mixing:
+            text += f", local weights mixed in at {self.mixing:g}"
         return text + self.outer_step.describe()
 
     def set_epoch(self, epoch: int) -> None:
@@ -273,6 +304,9 @@ class CommunicationDelayState(HookState):
         the weights are used.
         """
         self.module_ref = weakref.ref(model.module)
+        if self.overlap_steps:
+            # The exchanges run on a thread of their own, over a process group of their own (lgc.ddp.streaming).
+            self.process_group = self.runner.side_group(self.process_group)
         self.exchange_state.set_world_size(dist.get_world_size(self.process_group))
         # The compressor learns the parameters' names and shapes (DeMo and chunked top-k tile by shape).
         self.exchange_state.attach(model)
@@ -300,51 +334,99 @@ class CommunicationDelayState(HookState):
 
     @torch.no_grad()
     def after_optimizer_step(self) -> bool:
-        """Count a local step; exchange the fragments due at it (all: every ``delay``-th). Returns whether it did."""
+        """Count a local step; start the exchange of the fragment whose turn is ``overlap_steps`` away and
+        apply the one whose turn it is (with no overlap: both, the fragment due now). Returns whether one was applied.
+        """
         self.view.refuse_inside("after_optimizer_step()")
         self.local_steps += 1
-        due = self.schedule.due(self.local_steps)
-        # Exchanges are numbered in schedule order (the compressor's step counter).
-        first = self.schedule.exchanges_through(self.local_steps - 1)
-        for number, fragment in enumerate(due, start=first):
-            # The buffers go with the fragment exchanged at the end of every delay steps (the last one).
-            with_buffers = self.schedule.step_of(fragment) == 0
-            self._exchange([s for s in self.slices if s.fragment == fragment], number, with_buffers)
-        return bool(due)
+        for fragment in self.schedule.starting(self.local_steps):
+            self._begin(fragment)
+        applied = False
+        for fragment in self.schedule.due(self.local_steps):
+            # Absent only where flush() applied it already.
+            if self.in_flight is not None and self.in_flight.fragment == fragment:
+                self._finish()
+                applied = True
+        return applied
 
-    def _exchange(self, pieces: list[FragmentSlice], exchange: int, with_buffers: bool) -> None:
-        """Average the pseudo-gradients of ``pieces`` (a fragment, or every parameter) and apply the outer step."""
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Apply an exchange still in flight now, before its turn; whether there was one.
+
+        With ``overlap_steps`` an exchange started in a run's last ``overlap_steps`` steps never
+        reaches the weights otherwise (torchft leaves it so, and so does lgc-train: the last
+        validation sees the synchronized weights without it). Call it after the last step to apply
+        it; its fragment's next exchange starts on schedule. A run that flushed and was resumed
+        differs from one that was not stopped.
+        """
+        if self.in_flight is None:
+            return False
+        self._finish()
+        return True
+
+    def settle(self) -> None:
+        """Wait for an exchange still in flight (its collectives done, its bytes counted), applying nothing."""
+        if self.in_flight is not None:
+            self.in_flight.skipped()
+
+    def _begin(self, fragment: int) -> None:
+        """Take the fragment's pseudo-gradients and start their exchange (on the runner's thread with an overlap)."""
         assert self.module is not None
-        world_size = dist.get_world_size(self.process_group)
+        assert self.in_flight is None, "an exchange is already in flight"  # the schedule's shortest gap
+        turn = self.local_steps + self.overlap_steps
+        # Exchanges are numbered in schedule order (the compressor's step counter).
+        number = self.schedule.exchanges_through(turn - 1)
+        pieces = [s for s in self.slices if s.fragment == fragment]
         params = dict(self._named_parameters())
         # The pseudo-gradient W_sync - W_local goes through the compressor (see the module docstring).
         update = torch.cat([(self.synced[s.key] - read_piece(params[s.name], s)).reshape(-1) for s in pieces])
-        update.div_(world_size)
+        update.div_(dist.get_world_size(self.process_group))
         segments = self.exchange_state.segments([(s.key, s.numel) for s in pieces])
-        # The hook's step guard, applied to the weight update: every rank agrees whether some
-        # rank's weights went non-finite (a local step without a GradScaler to skip it) and which
-        # parameters did not move anywhere.
         pending = [PendingBucket(update, segments, torch.futures.Future())]
-        verdict = agree_on_step(self.stats, self.process_group, pending)
-        if verdict.skip:
+
+        def exchange() -> bool:
+            # The hook's step guard, applied to the weight update: every rank agrees whether some
+            # rank's weights went non-finite (a local step without a GradScaler to skip it) and
+            # which parameters did not move anywhere.
+            verdict = agree_on_step(self.stats, self.process_group, pending)
+            if not verdict.skip:
+                self.exchange_state.compress_step(pending, verdict.used, number)
+            return verdict.skip
+
+        # The buffers go with the fragment exchanged at the end of every delay steps (the last one).
+        with_buffers = self.schedule.step_of(fragment) == 0
+        outcome = self.runner.submit(exchange, update.device) if self.overlap_steps else finished(exchange())
+        self.in_flight = InFlight(fragment, number, with_buffers, update, segments, outcome)
+
+    def _finish(self) -> None:
+        """Wait for the exchange in flight, apply the outer step and mix the local weights in (``mixing``)."""
+        assert self.module is not None
+        flight, self.in_flight = self.in_flight, None
+        assert flight is not None
+        params = dict(self._named_parameters())
+        pieces = [s for s in self.slices if s.fragment == flight.fragment]
+        if flight.skipped():
             # A rank's update is inf/NaN: no average can use it. Every rank returns to the last
             # synchronized weights (and buffers), and the residuals stay as they were.
             for s in pieces:
                 write_piece(params[s.name], s, self.synced[s.key])
-            if with_buffers:
+            if flight.with_buffers:
                 self.buffers.restore(self.module)
             self.stats.skipped_steps += 1
             self.exchange_state.step_done(skipped=True)
             return
-        self.exchange_state.compress_step(pending, verdict.used, exchange)
         moves = []
-        for s, segment in zip(pieces, segments, strict=True):
+        for s, segment in zip(pieces, flight.segments, strict=True):
             synced = self.synced[s.key]
-            moves.append((synced, update[segment.offset : segment.offset + segment.numel].view_as(synced)))
+            moves.append((synced, flight.update[segment.offset : segment.offset + segment.numel].view_as(synced)))
         self.outer_step.apply(moves)
         for s in pieces:
-            write_piece(params[s.name], s, self.synced[s.key])
-        if with_buffers:
+            synced = self.synced[s.key]
+            if self.mixing:
+                synced = torch.lerp(synced, read_piece(params[s.name], s), self.mixing)
+            write_piece(params[s.name], s, synced)
+        if flight.with_buffers:
+            world_size = dist.get_world_size(self.process_group)
             self.buffers.average(self.module, self.stats, world_size, self.process_group)
         self.exchange_state.step_done(skipped=False)  # after the buffers: their bytes belong to this exchange
 
@@ -389,6 +471,9 @@ class CommunicationDelayState(HookState):
             "view": GlobalModelView(),
             "module_ref": None,
             "pending": self.pending,
+            "mixing": self.mixing,
+            "in_flight": None,
+            "runner": ExchangeRunner(),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -105,6 +105,12 @@ class HookState(Protocol):
         """Called after every optimizer step; whether the workers exchanged (communication delay)."""
         return False
 
+    def settle(self) -> None:
+        """Wait for communication still in flight, applying nothing (its bytes then counted; training is over).
+
+        Streaming DiLoCo's overlapped exchange (:meth:`~lgc.ddp.local_sgd.CommunicationDelayState.settle`) only.
+        """
+
     def residual_norm(self) -> float | None:
         """Norm of the error-feedback residuals, or None without residuals."""
         return None

@@ -333,7 +333,9 @@ class RunSummary(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step_cpu_ms = 1000 * self._step_cpu_s / self._timed_steps if self._timed_steps else None
-        workers = gather_worker_stats(_hook_state(trainer), step_cpu_time_ms=step_cpu_ms)
+        state = _hook_state(trainer)
+        state.settle()  # an exchange still in flight (Streaming DiLoCo's overlap) has its bytes counted
+        workers = gather_worker_stats(state, step_cpu_time_ms=step_cpu_ms)
         if trainer.global_rank != 0:
             return
         # One per-layer table (rank 0's; every worker sends the same layers) rather than one per worker.

@@ -238,6 +238,11 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
         ["comm=local_sgd"],
         pytest.param(["comm=diloco"], marks=pytest.mark.slow),
         pytest.param(["comm=streaming_diloco", "comm.fragments=2"], marks=pytest.mark.slow),
+        # An exchange in flight at the checkpoint (started at step 7, applied at 8), local weights mixed in.
+        pytest.param(
+            ["comm=streaming_diloco", "comm.fragments=1", "comm.overlap_steps=1", "comm.mixing=0.5"],
+            marks=pytest.mark.slow,
+        ),
         # The LGC family: its dense warm-up exchange before the checkpoint, compressed ones after.
         ["comm=local_sgd", "compressor=shared_topk_int8"],
         # LGC-RAR's linear codec: warm-up, codec fitting and a compressed exchange before the checkpoint.
@@ -248,7 +253,7 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
             "compressor.stages.ae_steps=1",
         ],
     ],
-    ids=["average", "diloco", "streaming", "shared_index", "lgc_rar"],
+    ids=["average", "diloco", "streaming", "streaming_overlap", "shared_index", "lgc_rar"],
 )
 def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
     # 7 steps per epoch and an exchange every 2: the checkpoint after epoch 1 falls between exchanges,
@@ -264,6 +269,7 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
 
     first = _load(stopped)["callbacks"]["CompressionCallback"]["per_rank"]
     assert first[0]["local_steps"] == 7
+    assert (first[0]["in_flight"] is not None) == ("comm.overlap_steps=1" in outer)
     # Between exchanges the ranks' weights and BatchNorm statistics differ: both are checkpointed per rank.
     for key in ("local_weights", "local_buffers"):
         local = [first[rank][key] for rank in range(2)]
@@ -533,10 +539,10 @@ def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
             assert torch.equal(a[step][mask], b[step][mask]) == (step in due), (step, fragment)
 
 
-def _streaming_trace(rank: int, world: int, delay: int, fragments: int, split: str, steps: int) -> dict:
-    """Per local step: the weights before the exchange, after it, and those of :meth:`global_model`."""
+def traced_local_steps(rank: int, state: CommunicationDelayState, steps: int) -> list[tuple[torch.Tensor, ...]]:
+    """Train ``steps`` local steps under ``state``; per step the weights before the exchange, after it, and
+    those of :meth:`global_model`."""
     model = DDP(_net())
-    state = _delayed(NoneCompressor(), delay=delay, min_numel=0, outer="sgd", fragments=fragments, fragment_split=split)
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -554,7 +560,12 @@ def _streaming_trace(rank: int, world: int, delay: int, fragments: int, split: s
         with state.global_model() as module:
             synced = flat(module)
         trace.append((before, flat(model.module), synced))
-    return {"trace": trace}
+    return trace
+
+
+def _streaming_trace(rank: int, world: int, delay: int, fragments: int, split: str, steps: int) -> dict:
+    state = _delayed(NoneCompressor(), delay=delay, min_numel=0, outer="sgd", fragments=fragments, fragment_split=split)
+    return {"trace": traced_local_steps(rank, state, steps)}
 
 
 @pytest.mark.parametrize("split", ["strided", pytest.param("contiguous", marks=pytest.mark.slow)])
