@@ -78,7 +78,7 @@ class Method(NamedTuple):
     exact: float | None = None
     #: Communication delay: weights are exchanged every this many steps, gradients stay local.
     delay: int | None = None
-    #: Error feedback over top-k encoding a step as one flat (ErrorFeedback.bucketed), as on a GPU.
+    #: Error feedback over top-k or the scaled sign encoding a step as one flat (ErrorFeedback.bucketed), as on a GPU.
     bucketed: bool | None = None
 
     @property
@@ -99,6 +99,7 @@ METHODS = (
     # A GPU's default path (a step's parameters as one flat), forced on the CPU.
     Method("topk_bucketed", "topk", bucketed=True),
     Method("topk_fp16_values_bucketed", "topk", ("compressor.value_dtype=float16",), bucketed=True),
+    Method("signsgd_bucketed", "signsgd", bucketed=True),
     # The matrix is a plain training loop (no set_epoch): DGC's warm-up follows its steps.
     Method("dgc", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2")),
     Method("sbc", "sbc", ("compressor.density=0.05",)),

@@ -7,9 +7,10 @@ the requested density) compresses and decompresses a gradient with ResNet-50's p
 gradient, with the parameters' shapes attached as the hook attaches them (DeMo and chunked top-k
 tile by shape; ``--numel`` sizes are vectors), encoded by ``compress_many`` and decoded into the
 slices of one flat by ``aggregate_many``. DGC is timed past its warm-up epochs, at the requested
-density. Error feedback over top-k runs twice more, tensor by tensor (``topk_per_tensor``) and as
-one flat (``topk_bucketed``, :meth:`~lgc.compressors.ErrorFeedback.compress_many`), whichever the
-device's default (the ``topk`` row) is.
+density. Error feedback over top-k and over EF-signSGD's scaled sign runs twice more each, tensor
+by tensor (``topk_per_tensor``, ``signsgd_per_tensor``) and as one flat (``topk_bucketed``,
+``signsgd_bucketed``, :meth:`~lgc.compressors.ErrorFeedback.compress_many`), whichever the device's
+default (the ``topk`` and ``signsgd`` rows) is.
 
 The reference every time is divided by ("x fp16") is the cheapest honest thing a DDP fp16 hook
 does: for every tensor, ``half.copy_(g)`` then ``out.copy_(half)`` into buffers allocated once
@@ -283,13 +284,14 @@ def benchmark_compressors(
         for name, compressor in configured.items()
         if not only or name in only
     ]
-    if "topk" in configured and (not only or "topk" in only):
-        # Both encodings of error feedback over top-k, whichever the device's default is.
-        for bucketed in (False, True):
-            variant = copy.deepcopy(configured["topk"])
-            variant.bucketed = bucketed  # type: ignore[attr-defined]
-            label = "topk_bucketed" if bucketed else "topk_per_tensor"
-            candidates.append(_compressor_candidate(label, variant, grads, weights))
+    for name in ("topk", "signsgd"):
+        if name in configured and (not only or name in only):
+            # Both encodings of error feedback over a bucket-level codec, whichever the device's default is.
+            for bucketed in (False, True):
+                variant = copy.deepcopy(configured[name])
+                variant.bucketed = bucketed  # type: ignore[attr-defined]
+                label = f"{name}_bucketed" if bucketed else f"{name}_per_tensor"
+                candidates.append(_compressor_candidate(label, variant, grads, weights))
     schedule = interleaved_schedule([candidate.name for candidate in candidates], repeats)  # names unique
     by_name = {candidate.name: candidate for candidate in candidates}
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload
 from lgc.compressors.segment_topk import segment_topk
+from lgc.compressors.signsgd import SignSGDCompressor
 from lgc.compressors.topk import SparsePayload, TopKCompressor, segment_starts
 from lgc.validation import PositiveFraction, check
 
@@ -38,6 +39,12 @@ class _FlatResiduals(NamedTuple):
     numels: tuple[int, ...]
 
 
+def _has_bucket_path(compressor: Compressor) -> bool:
+    """Whether error feedback can encode a bucket of ``compressor``'s tensors as one flat: top-k's exact selection
+    per segment, or a compressor that encodes segments itself (``compress_segments``: the scaled sign)."""
+    return type(compressor) is TopKCompressor or isinstance(compressor, SignSGDCompressor)
+
+
 class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
     """Wraps ``compressor`` and feeds back what it did not send.
 
@@ -51,8 +58,9 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         decay: the factor ``beta`` in ``v = beta * r + g``, in (0, 1]. 1 (default) is plain error
             feedback: nothing is lost. Below 1 the unsent part fades geometrically and the residual
             is a momentum of the inputs: SparseLoCo's 0.95, DeMo's 0.999.
-        bucketed: how :meth:`compress_many` encodes a bucket's tensors over top-k: as one flat, in
-            a fixed number of passes (``True``), or tensor by tensor (``False``). ``None``
+        bucketed: how :meth:`compress_many` encodes a bucket's tensors over top-k or EF-signSGD's
+            scaled sign: as one flat, in a fixed number of passes (``True``), or tensor by tensor
+            (``False``). ``None``
             (default): flat on a GPU, where a few kernels per tensor cost more than the arithmetic,
             and tensor by tensor on the CPU, where the per-tensor selection is the faster one
             (``lgc-bench compressors`` measures both). The payloads and residuals are the same,
@@ -83,9 +91,10 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         check("decay", decay, PositiveFraction)
         if bucketed is not None and not isinstance(bucketed, bool):
             raise ValueError(f"bucketed must be None, True or False, got {bucketed!r}")
-        if bucketed is True and type(compressor) is not TopKCompressor:
+        if bucketed is True and not _has_bucket_path(compressor):
             raise ValueError(
-                f"bucketed=True needs a TopKCompressor (the one with a bucket-level path), got {compressor!r}"
+                f"bucketed=True needs a compressor with a bucket-level path (TopKCompressor, SignSGDCompressor), "
+                f"got {compressor!r}"
             )
         self.compressor = compressor
         self.decay = float(decay)
@@ -108,7 +117,8 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         return payload
 
     def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
-        """One bucket's tensors at once; over top-k (``bucketed``), as one flat in a fixed number of passes.
+        """One bucket's tensors at once; over top-k or the scaled sign (``bucketed``), as one flat in a fixed
+        number of passes.
 
         The residuals of the bucket's tensors become slices of one flat fp32 tensor (built when the
         bucket is first seen, or when its residuals were replaced since: a checkpoint loaded, a held
@@ -124,6 +134,10 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         3. the values gathered and subtracted from the flat at once (one ``index_add_``), and every
            tensor's payload a slice of the gathered values and of the indices made local.
 
+        Over the scaled sign, steps 2 and 3 are :meth:`~lgc.compressors.SignSGDCompressor.compress_segments`
+        (every scale in one multi-tensor norm, the signs packed at once) and one subtraction of what
+        the payloads decode to: the same payloads and residuals, bit for bit.
+
         The arithmetic per entry is :meth:`compress`'s, so residuals are bitwise equal and every
         payload holds the same (value, index) pairs, in another order: each tensor's largest
         magnitude first, where ``torch.topk`` leaves its order unspecified. Only a tie at a tensor's
@@ -132,8 +146,12 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         if not self._flat_path(tensors, keys):
             return super().compress_many(tensors, keys)
         inner = self.compressor
-        assert isinstance(inner, TopKCompressor)
         flat, views, numels = self._flat_residuals(tensors, keys)
+        if not isinstance(inner, TopKCompressor):
+            # A dense payload per segment (EF-signSGD): subtract what the payloads decode to, all at once.
+            payloads, sent = inner.compress_segments(flat, numels)  # type: ignore[attr-defined]
+            flat.sub_(sent)
+            return payloads
         ks = [inner.selected_count(numel) for numel in numels]
         positions = segment_topk(flat, numels, ks)
         values = flat[positions].to(inner.value_dtype)
@@ -145,8 +163,8 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         ]
 
     def batches_on(self, device: torch.device) -> bool:
-        """Whether :meth:`compress_many` encodes as one flat on ``device`` (over top-k; see ``bucketed``)."""
-        if type(self.compressor) is not TopKCompressor or self.bucketed is False:
+        """Whether :meth:`compress_many` encodes as one flat on ``device`` (top-k, scaled sign; see ``bucketed``)."""
+        if not _has_bucket_path(self.compressor) or self.bucketed is False:
             return False
         return self.bucketed is True or device.type != "cpu"
 

@@ -35,6 +35,7 @@ distributed EF-signSGD variants; no randomness, so nothing to seed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,62 @@ from torch import Tensor
 from lgc.coding.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lgc.compressors.base import CombineMode, Compressor, DecodesInto, Payload, view_bytes_as
 
-__all__ = ["SignPayload", "SignSGDCompressor"]
+__all__ = ["SignPayload", "SignSGDCompressor", "decode_signs_many", "l1_means"]
+
+
+def l1_means(flats: Sequence[Tensor]) -> Tensor:
+    """Every flat fp32 tensor's mean magnitude ``||v||_1 / d`` (0 for an empty one), stacked.
+
+    One multi-tensor kernel on a GPU (``torch._foreach_norm``, each tensor reduced on its own, so a
+    tensor's mean is the same bits alone or in a bucket); tensor by tensor on the CPU. The per-tensor
+    and the bucket paths both take their scales from here.
+    """
+    norms = torch.stack(torch._foreach_norm(list(flats), 1)).float()
+    numels = torch.tensor([max(1, f.numel()) for f in flats], dtype=torch.float32).to(norms.device)
+    return norms / numels
+
+
+def _padded_bits(bits: Tensor, numels: Sequence[int]) -> Tensor:
+    """``bits`` (segments of ``numels`` end to end) with each segment zero-padded to whole bytes, in one ``cat``."""
+    pieces: list[Tensor] = []
+    for piece, numel in zip(bits.split(list(numels)), numels, strict=True):
+        pieces.append(piece)
+        if numel % 8:
+            pieces.append(bits.new_zeros(8 - numel % 8))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def decode_signs_many(payloads: Sequence[Sequence[SignPayload]], outs: Sequence[Tensor]) -> None:
+    """The workers' decoded sum of every tensor of a bucket at once: ``payloads[i]`` (every rank's) into ``outs[i]``.
+
+    Per rank, every tensor's sign bytes are unpacked together (one table lookup) and their padding
+    dropped (one ``cat``); each entry becomes ``+-scale`` exactly, as the per-tensor decoding's table
+    gives it, and the ranks are added in order in one fp32 flat, whose slices are copied into
+    ``outs`` (one multi-tensor copy). The same fp32 operations, in the same order, as
+    :meth:`SignSGDCompressor.aggregate_into` tensor by tensor: the same bits.
+    """
+    if not outs:
+        return
+    numels = [out.numel() for out in outs]
+    device = outs[0].device
+    table = _negative_bits(device)
+    total: Tensor | None = None
+    for rank in range(len(payloads[0])):
+        mine = [received[rank] for received in payloads]
+        negative = table[torch.cat([p.signs for p in mine]).long()].reshape(-1)
+        negative = torch.cat(
+            [
+                piece[:numel]
+                for piece, numel in zip(negative.split([8 * packed_nbytes(n) for n in numels]), numels, strict=True)
+            ]
+        )
+        scales = torch.cat([p.scale.float().reshape(1) for p in mine]).repeat_interleave(
+            torch.tensor(numels, device=device), output_size=sum(numels)
+        )
+        decoded = torch.where(negative, -scales, scales)
+        total = decoded if total is None else total.add_(decoded)
+    assert total is not None
+    torch._foreach_copy_(list(outs), [piece.view_as(out) for piece, out in zip(total.split(numels), outs, strict=True)])
 
 
 @functools.cache
@@ -91,12 +147,37 @@ class SignSGDCompressor(DecodesInto, Compressor):
 
     def compress(self, tensor: Tensor, key: str) -> SignPayload:
         flat = tensor.reshape(-1).float()
-        numel = flat.numel()
-        if numel:
-            scale = (torch.linalg.vector_norm(flat, ord=1) / numel).reshape(1)
-        else:
-            scale = flat.new_zeros(1)
-        return SignPayload(numel=numel, scale=scale, signs=pack_bits(flat < 0))
+        return SignPayload(numel=flat.numel(), scale=l1_means([flat]), signs=pack_bits(flat < 0))
+
+    def compress_segments(self, flat: Tensor, numels: Sequence[int]) -> tuple[list[SignPayload], Tensor]:
+        """Every segment of ``flat`` (fp32, segments of ``numels`` end to end) at once, and what they decode to.
+
+        A fixed number of passes whatever the number of segments: the scales in one multi-tensor
+        norm (:func:`l1_means`), the signs of the whole flat packed once with every segment padded
+        to whole bytes (one ``cat``), and the decoded flat (``+-scale`` per entry) for error feedback
+        to subtract. Each payload is :meth:`compress`'s of its segment, bit for bit.
+        """
+        segments = flat.split(list(numels))
+        scales = l1_means(segments)
+        negative = flat < 0
+        signs = pack_bits(_padded_bits(negative, numels)).split([packed_nbytes(n) for n in numels])
+        payloads = [
+            SignPayload(numel=n, scale=scale.reshape(1), signs=bytes_)
+            for n, scale, bytes_ in zip(numels, scales, signs, strict=True)
+        ]
+        spread = scales.repeat_interleave(torch.tensor(list(numels), device=flat.device), output_size=flat.numel())
+        return payloads, torch.where(negative, -spread, spread)
+
+    def batches_on(self, device: torch.device) -> bool:
+        """On a GPU, where a few kernels per tensor cost more than the arithmetic (the CPU's loop is cheaper)."""
+        return device.type != "cpu"
+
+    def aggregate_many(self, payloads: Sequence[list[Payload]], outs: Sequence[Tensor]) -> None:
+        """A bucket at once on a GPU (:func:`decode_signs_many`); tensor by tensor on the CPU."""
+        if len(outs) < 2 or outs[0].device.type == "cpu":
+            super().aggregate_many(payloads, outs)
+            return
+        decode_signs_many(payloads, outs)  # type: ignore[arg-type]
 
     @staticmethod
     def _decode(payload: SignPayload, out: Tensor) -> Tensor:

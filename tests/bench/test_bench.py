@@ -22,12 +22,15 @@ def test_compressor_benchmark_reports_every_configured_compressor(tmp_path, caps
     main(["compressors", "--numel", "5000", "70000", "--repeats", "1", "--density", "0.01", "--json", str(out)])
     result = json.loads(out.read_text())
     rows = {row["compressor"]: row for row in result["rows"]}
-    variants = {"topk_per_tensor", "topk_bucketed"}  # error feedback over top-k both ways it encodes
+    # Error feedback over top-k and over the scaled sign, both ways each encodes.
+    variants = {f"{name}_{way}" for name in ("topk", "signsgd") for way in ("per_tensor", "bucketed")}
     assert set(rows) == set(_configured_compressors(0.01)) | variants
     assert set(rows) >= {"none", "fp16", "topk", "dgc"}
-    assert "bucketed=True" in rows["topk_bucketed"]["description"]
-    assert "bucketed=False" in rows["topk_per_tensor"]["description"]
-    assert all(rows[v]["bits_per_element"] == rows["topk"]["bits_per_element"] for v in variants)
+    for name in ("topk", "signsgd"):
+        assert "bucketed=True" in rows[f"{name}_bucketed"]["description"]
+        assert "bucketed=False" in rows[f"{name}_per_tensor"]["description"]
+        for way in ("per_tensor", "bucketed"):
+            assert rows[f"{name}_{way}"]["bits_per_element"] == rows[name]["bits_per_element"]
     assert result["numel"] == 75_000
     assert rows["none"]["bits_per_element"] == 32
     assert rows["fp16"]["bits_per_element"] == 16

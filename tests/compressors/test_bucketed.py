@@ -5,7 +5,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lgc.compressors import ErrorFeedback, SignSGDCompressor, TopKCompressor
+from lgc.compressors import ErrorFeedback, QSGDCompressor, SignSGDCompressor, TopKCompressor
 from lgc.compressors.topk import SparsePayload, num_selected, scatter_add_sparse_into, scatter_add_sparse_many
 
 
@@ -216,14 +216,15 @@ def test_the_default_batches_on_a_gpu_only():
     assert not ef._flat_path(grads, ["a", "b"]), "the CPU's per-tensor selection is the faster one"
     assert not ef.batches_on(torch.device("cpu")) and ef.batches_on(torch.device("cuda"))
     assert not ErrorFeedback(TopKCompressor(0.01), bucketed=False).batches_on(torch.device("cuda"))
-    assert not ErrorFeedback(SignSGDCompressor()).batches_on(torch.device("cuda")), "top-k only"
+    assert ErrorFeedback(SignSGDCompressor()).batches_on(torch.device("cuda")), "the scaled sign has a bucket path"
+    assert not ErrorFeedback(SignSGDCompressor()).batches_on(torch.device("cpu"))
     assert ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads, ["a", "b"])
     assert not ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads[:1], ["a"]), "nothing to batch"
     assert not ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads, ["a", "a"]), "a key twice"
     with pytest.raises(ValueError, match="bucketed must be None, True or False, got 'yes'"):
         ErrorFeedback(TopKCompressor(0.01), bucketed="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"bucketed=True needs a TopKCompressor .*got SignSGD"):
-        ErrorFeedback(SignSGDCompressor(), bucketed=True)
+    with pytest.raises(ValueError, match=r"bucketed=True needs a compressor with a bucket-level path .*got QSGD"):
+        ErrorFeedback(QSGDCompressor(), bucketed=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
