@@ -41,6 +41,7 @@ skips such an exchange before it reaches the compressor).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,30 @@ def e3m0_values() -> Tensor:
     exponent = torch.arange(8)
     magnitude = torch.where(exponent > 0, torch.exp2((exponent - E3M0_EXPONENT_BIAS).float()), 0.0)
     return torch.cat([magnitude, -magnitude])
+
+
+def _e3m0_codes(ratio: Tensor, flat: Tensor) -> Tensor:
+    """The 4-bit codes (uint8) of ``|flat| / scale`` (``ratio``, fp32, overwritten) and of ``flat``'s signs."""
+    # 0/0 in an all-zero bucket, and anything in a bucket with an inf or NaN (its scale carries it).
+    ratio.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    # The nearer power of two, from the float's bits: a ratio 1.f * 2**p (ratio >= 0, so the bits
+    # are its exponent and fraction) is nearer 2**(p + 1) from 1.f = 1.5 on (ties away from
+    # zero), i.e. where the fraction's top bit is set; adding that bit carries into the exponent.
+    bits = ratio.view(torch.int32)
+    field = bits.add(_HALF_FRACTION).bitwise_right_shift_(_FRACTION_BITS).sub_(_FLOAT_BIAS - E3M0_EXPONENT_BIAS)
+    field.clamp_(1, E3M0_EXPONENT_BIAS).masked_fill_(bits < _BELOW_SMALLEST, 0)  # below half of 2**-6: zero
+    return field.add_(flat < 0, alpha=8).to(torch.uint8)  # the sign bit
+
+
+def _padded(pieces: Sequence[Tensor], numels: Sequence[int], size: int, lengths: Sequence[int] | None = None) -> Tensor:
+    """``pieces`` end to end, each zero-padded to ``lengths`` (default: a multiple of ``size``), in one ``cat``."""
+    parts: list[Tensor] = []
+    for i, (piece, n) in enumerate(zip(pieces, numels, strict=True)):
+        parts.append(piece)
+        length = -(-n // size) * size if lengths is None else lengths[i]
+        if length > n:
+            parts.append(piece.new_zeros(length - n))
+    return torch.cat(parts)
 
 
 @dataclass
@@ -121,16 +146,81 @@ class FP4Compressor(Compressor):
         ratio = torch.empty_like(flat)
         for out, values, scale in zip(buckets.views(ratio), buckets.views(flat), buckets.columns(scales), strict=True):
             torch.div(values.abs(), scale, out=out)
-        # 0/0 in an all-zero bucket, and anything in a bucket with an inf or NaN (its scale carries it).
-        ratio.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        # The nearer power of two, from the float's bits: a ratio 1.f * 2**p (ratio >= 0, so the bits
-        # are its exponent and fraction) is nearer 2**(p + 1) from 1.f = 1.5 on (ties away from
-        # zero), i.e. where the fraction's top bit is set; adding that bit carries into the exponent.
-        bits = ratio.view(torch.int32)
-        field = bits.add(_HALF_FRACTION).bitwise_right_shift_(_FRACTION_BITS).sub_(_FLOAT_BIAS - E3M0_EXPONENT_BIAS)
-        field.clamp_(1, E3M0_EXPONENT_BIAS).masked_fill_(bits < _BELOW_SMALLEST, 0)  # below half of 2**-6: zero
-        codes = field.add_(flat < 0, alpha=8).to(torch.uint8)  # the sign bit
+        codes = _e3m0_codes(ratio, flat)
         return FP4Payload(numel=numel, scales=scales.float(), codes=pack_uint(codes, _CODE_BITS))
+
+    def batches_on(self, device: torch.device) -> bool:
+        """Whether :meth:`compress_many` and :meth:`aggregate_many` take a bucket at once: on a GPU, with buckets
+        of an even size (a tensor's codes then end on a byte, padded to whole buckets); the CPU's loop is cheaper."""
+        return self.bucket_size is not None and self.bucket_size % 2 == 0 and device.type != "cpu"
+
+    def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
+        if len(tensors) < 2 or not self.batches_on(tensors[0].device):
+            return super().compress_many(tensors, keys)
+        return list(self.compress_segments(tensors))
+
+    def compress_segments(self, tensors: Sequence[Tensor]) -> list[FP4Payload]:
+        """Every tensor of a bucket at once, in a fixed number of passes: :meth:`compress`'s payloads, bit for bit.
+
+        The tensors are laid end to end, each zero-padded to whole buckets (one ``cat``), so every
+        bucket is a row of one matrix: one ``amax`` gives every scale (zeros change no maximum), one
+        division and the code arithmetic every code (a padded entry codes 0, as the zero nibble that
+        ends an odd-length tensor's last byte), one packing every byte; each tensor's payload is its
+        rows' scales and the first ``ceil(numel / 2)`` bytes of its section. Needs an even
+        ``bucket_size`` (a section ends on a byte).
+        """
+        size = self.bucket_size
+        if size is None or size % 2:
+            raise ValueError(f"compress_segments needs an even bucket_size, got {size!r}")
+        numels = [t.numel() for t in tensors]
+        rows = [-(-n // size) for n in numels]
+        flat = _padded([t.reshape(-1) for t in tensors], numels, size).float()
+        matrix = flat.view(-1, size)
+        scales = matrix.abs().amax(dim=1) if matrix.numel() else flat.new_zeros(0)
+        ratio = torch.div(matrix.abs(), scales[:, None]).reshape(-1)
+        packed = pack_uint(_e3m0_codes(ratio, flat), _CODE_BITS)
+        sections = packed.split([r * size // 2 for r in rows])
+        return [
+            FP4Payload(numel=n, scales=scale, codes=section[: packed_nbytes(n * _CODE_BITS)])
+            for n, scale, section in zip(numels, scales.split(rows), sections, strict=True)
+        ]
+
+    def aggregate_many(self, payloads: Sequence[list[Payload]], outs: Sequence[Tensor]) -> None:
+        """A bucket's sums at once on a GPU (:meth:`decode_segments`); tensor by tensor on the CPU."""
+        if len(outs) < 2 or not self.batches_on(outs[0].device):
+            super().aggregate_many(payloads, outs)
+            return
+        self.decode_segments(payloads, outs)  # type: ignore[arg-type]
+
+    def decode_segments(self, payloads: Sequence[Sequence[FP4Payload]], outs: Sequence[Tensor]) -> None:
+        """Every rank's payloads of every tensor of a bucket (``payloads[i]``: tensor ``i``'s) summed into ``outs``.
+
+        Per rank, its codes of every tensor padded to whole buckets (one ``cat``), looked up a byte at
+        a time, multiplied by their rows' scales as one matrix and the padding dropped (one ``cat``);
+        the ranks added in order in fp32, the slices copied into ``outs`` at once. The same fp32
+        products and sums, in the same order, as :meth:`aggregate` tensor by tensor: the same bits.
+        """
+        size = self.bucket_size
+        if size is None or size % 2 or not outs:
+            raise ValueError(f"decode_segments needs an even bucket_size and tensors, got {size!r}")
+        numels = [out.numel() for out in outs]
+        rows = [-(-n // size) for n in numels]
+        table = self._byte_table(outs[0].device)
+        total: Tensor | None = None
+        for rank in range(len(payloads[0])):
+            mine = [received[rank] for received in payloads]
+            codes = _padded(
+                [p.codes for p in mine], [p.codes.numel() for p in mine], size // 2, [r * size // 2 for r in rows]
+            )
+            values = table[codes.long()].view(-1, size) * torch.cat([p.scales.float() for p in mine])[:, None]
+            decoded = torch.cat(
+                [piece[:n] for piece, n in zip(values.reshape(-1).split([r * size for r in rows]), numels, strict=True)]
+            )
+            total = decoded if total is None else total.add_(decoded)
+        assert total is not None
+        torch._foreach_copy_(
+            list(outs), [piece.view_as(out) for piece, out in zip(total.split(numels), outs, strict=True)]
+        )
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, FP4Payload)

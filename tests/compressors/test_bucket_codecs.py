@@ -1,12 +1,12 @@
 """Codecs over whole buckets: a bucket's tensors encoded and decoded in a fixed number of passes, bit for bit the
-per-tensor path's payloads, state and sums (EF-signSGD's scaled sign)."""
+per-tensor path's payloads, state and sums (EF-signSGD's scaled sign, Streaming DiLoCo's fp4)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lgc.compressors import ErrorFeedback, SignSGDCompressor
+from lgc.compressors import ErrorFeedback, FP4Compressor, SignSGDCompressor
 from lgc.compressors.signsgd import SignPayload, decode_signs_many
 
 
@@ -89,3 +89,75 @@ def test_on_a_gpu_the_scaled_signs_bucket_is_the_per_tensor_loop():
             sign.aggregate_into(payloads, want)
             assert torch.equal(out, want)
     assert tuple(keys) in batched._flats
+
+
+def _fp4_tensors(numels: list[int], seed: int, device: str = "cpu") -> list[torch.Tensor]:
+    """Heavy-tailed values, a zero bucket, an inf and a NaN where the sizes allow."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = [torch.randn(n, device=device, generator=gen) ** 3 for n in numels]
+    if numels[0] >= 300:
+        tensors[0][:256] = 0.0  # an all-zero bucket: 0/0 codes zero
+    if len(numels) > 2 and numels[2] >= 2:
+        tensors[2][1] = float("inf")  # its bucket's scale is inf, every code there zero
+    if len(numels) > 3 and numels[3] >= 1:
+        tensors[3][-1] = float("nan")
+    return tensors
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 1100), min_size=2, max_size=6),
+    bucket_size=st.sampled_from([256, 32, 2, 1024]),
+    seed=st.integers(0, 2**16),
+)
+def test_fp4_over_a_bucket_is_the_per_tensor_loop(numels, bucket_size, seed):
+    """Every tensor's payload (scales and codes, byte for byte) and every rank's sum, fp32 and fp16 buckets."""
+    fp4 = FP4Compressor(bucket_size=bucket_size)
+    ranks = [_fp4_tensors(numels, seed + rank) for rank in range(3)]
+    sent = [fp4.compress_segments(tensors) for tensors in ranks]
+    for tensors, payloads in zip(ranks, sent, strict=True):
+        for tensor, payload in zip(tensors, payloads, strict=True):
+            want = fp4.compress(tensor, "w")
+            assert payload.numel == want.numel and torch.equal(payload.to_wire(), want.to_wire())
+    received = [[payloads[i] for payloads in sent] for i in range(len(numels))]
+    for dtype in (torch.float32, torch.float16):
+        loop = [torch.empty(n, dtype=dtype) for n in numels]
+        for payloads, out in zip(received, loop, strict=True):
+            fp4.aggregate_into(payloads, out)
+        outs = list(torch.empty(sum(numels), dtype=dtype).split(numels))
+        fp4.decode_segments(received, outs)
+        for want, have in zip(loop, outs, strict=True):
+            assert (
+                torch.equal(have, want)
+                or torch.equal(have.isnan(), want.isnan())
+                and torch.equal(have.nan_to_num(), want.nan_to_num())
+            )
+
+
+def test_fp4_batches_only_with_an_even_bucket_size_and_on_a_gpu():
+    assert FP4Compressor(256).batches_on(torch.device("cuda")) and not FP4Compressor(256).batches_on(
+        torch.device("cpu")
+    )
+    assert not FP4Compressor(255).batches_on(torch.device("cuda")) and not FP4Compressor(None).batches_on(
+        torch.device("cuda")
+    )
+    with pytest.raises(ValueError, match="needs an even bucket_size, got 255"):
+        FP4Compressor(255).compress_segments([torch.ones(3), torch.ones(4)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_fp4_over_a_bucket_is_the_per_tensor_loop():
+    numels = [64 * 64 * 9, 17, 256 * 128, 5001, 3]
+    fp4 = FP4Compressor()
+    ranks = [_fp4_tensors(numels, rank, "cuda") for rank in range(2)]
+    sent = [fp4.compress_many(tensors, [f"p{i}" for i in range(len(numels))]) for tensors in ranks]
+    for tensors, payloads in zip(ranks, sent, strict=True):
+        for tensor, payload in zip(tensors, payloads, strict=True):
+            assert torch.equal(payload.to_wire(), fp4.compress(tensor, "w").to_wire())
+    received = [[payloads[i] for payloads in sent] for i in range(len(numels))]
+    outs = [torch.empty(n, device="cuda") for n in numels]
+    fp4.aggregate_many(received, outs)
+    for payloads, out in zip(received, outs, strict=True):
+        want = torch.empty_like(out)
+        fp4.aggregate_into(payloads, want)
+        assert torch.equal(out.nan_to_num(), want.nan_to_num()) and torch.equal(out.isnan(), want.isnan())
