@@ -172,6 +172,13 @@ class SignSGDCompressor(DecodesInto, Compressor):
         """On a GPU, where a few kernels per tensor cost more than the arithmetic (the CPU's loop is cheaper)."""
         return device.type != "cpu"
 
+    def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
+        """A bucket at once on a GPU (:meth:`compress_segments` of the tensors laid end to end); else the loop."""
+        if len(tensors) < 2 or not self.batches_on(tensors[0].device):
+            return super().compress_many(tensors, keys)
+        flat = torch.cat([t.reshape(-1) for t in tensors]).float()
+        return list(self.compress_segments(flat, [t.numel() for t in tensors])[0])
+
     def aggregate_many(self, payloads: Sequence[list[Payload]], outs: Sequence[Tensor]) -> None:
         """A bucket at once on a GPU (:func:`decode_signs_many`); tensor by tensor on the CPU."""
         if len(outs) < 2 or outs[0].device.type == "cpu":

@@ -49,6 +49,15 @@ def test_the_scaled_signs_segments_are_its_payloads_and_their_decoding():
     assert torch.equal(sent, torch.cat([sign.decompress(p) for p in payloads]))
 
 
+def test_the_plain_scaled_sign_encodes_a_bucket_at_once_where_it_batches(monkeypatch):
+    """Without error feedback (a GPU's path, forced here): compress_many's payloads are compress's."""
+    sign = SignSGDCompressor()
+    monkeypatch.setattr(sign, "batches_on", lambda device: True)
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (5, 17, 64, 1)]
+    for have, tensor in zip(sign.compress_many(grads, ["a", "b", "c", "d"]), grads, strict=True):
+        _same_sign_payload(have, sign.compress(tensor, "w"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_buckets_sign_payloads_sum_as_tensor_by_tensor(dtype):
     """Three ranks' payloads of five tensors decoded at once into (fp32 or fp16) bucket slices: the loop's bits."""
@@ -81,6 +90,8 @@ def test_on_a_gpu_the_scaled_signs_bucket_is_the_per_tensor_loop():
         for key, want, have in zip(keys, expected, got, strict=True):
             _same_sign_payload(have, want)
             assert torch.equal(batched.residuals[key], loop.residuals[key])
+        for want, have in zip(sign.compress_many(grads, keys), [sign.compress(g, "w") for g in grads], strict=True):
+            _same_sign_payload(have, want)  # the plain scaled sign batches on a GPU too
         received = [[p, p] for p in got]
         outs = [torch.empty(n, device="cuda") for n in numels]
         sign.aggregate_many(received, outs)
