@@ -230,7 +230,9 @@ def _through_compress(rank: int, world: int, method: str, steps: int) -> dict:
     return {"synced": synced, "started": started, "sent": state.stats.wire_bytes_sent, "describe": state.describe()}
 
 
-@pytest.mark.parametrize("method", ["fp4", pytest.param("shared_topk_int8", marks=pytest.mark.slow)])
+# With -m slow: the default suite's transcription, gate and resume tests cover the overlap itself.
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp4", "shared_topk_int8"])
 def test_lgc_compress_overlaps_the_exchanges_of_a_compressor_and_of_the_lgc_family(method):
     """Streaming DiLoCo's compressor (fp4, two fragments) and an LGC-family state (whole parameters) exchange
     in flight: every rank ends on the same global model, away from the initial one, bytes counted."""
