@@ -89,8 +89,19 @@ class Comm:
         return f"{self.prefix}{name}={getattr(self, name)!r}"
 
 
+class _Option:
+    """What every ``comm`` option shares: its fields are :class:`Comm`'s, by the same names."""
+
+    def to_comm(self) -> Comm:
+        """The general record: every field of the option, and its fixed ``outer`` (local-step options)."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}  # type: ignore[arg-type]
+        if (outer := getattr(self, "outer", None)) is not None:
+            fields["outer"] = outer
+        return Comm(**fields)
+
+
 @dataclasses.dataclass
-class EveryStep:
+class EveryStep(_Option):
     """``comm=every_step``: every step's gradients compressed and summed by the DDP hook (the default)."""
 
     #: Parameters with fewer elements are allreduced dense. None: the method's own (a compressor's
@@ -121,18 +132,9 @@ class EveryStep:
     #: Counted either way (:mod:`lgc.ddp.buffers`).
     buffers: str = "broadcast"
 
-    def to_comm(self) -> Comm:
-        return Comm(
-            min_numel=self.min_numel,
-            start_iter=self.start_iter,
-            overlap=self.overlap,
-            pack=self.pack,
-            buffers=self.buffers,
-        )
-
 
 @dataclasses.dataclass
-class LocalSGD:
+class LocalSGD(_Option):
     """``comm=local_sgd``: ``delay`` local optimizer steps, then the weight update, compressed, averaged and added.
 
     SBC's communication delay (Sattler et al. 2019) and SparseLoCo's outer step (lr 1, no momentum).
@@ -146,12 +148,9 @@ class LocalSGD:
     #: How the averaged update moves the synchronized weights.
     outer: ClassVar[str] = "average"
 
-    def to_comm(self) -> Comm:
-        return Comm(min_numel=self.min_numel, delay=self.delay, outer=self.outer)
-
 
 @dataclasses.dataclass
-class DiLoCo:
+class DiLoCo(_Option):
     """``comm=diloco``: ``delay`` local steps, then an outer SGD step with Nesterov momentum (Douillard et al. 2023).
 
     The outer gradient is the pseudo-gradient ``mean(W_sync - W_local)`` over the workers, each
@@ -167,15 +166,6 @@ class DiLoCo:
     outer_momentum: float | None = None
 
     outer: ClassVar[str] = "sgd"
-
-    def to_comm(self) -> Comm:
-        return Comm(
-            min_numel=self.min_numel,
-            delay=self.delay,
-            outer=self.outer,
-            outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum,
-        )
 
 
 @dataclasses.dataclass
@@ -199,15 +189,6 @@ class StreamingDiLoCo(DiLoCo):
     #: ``fragment_update_alpha``): ``lerp(synchronized, local, alpha)``; 0 (torchft's default) takes the
     #: synchronized weights.
     mixing: float = 0.0
-
-    def to_comm(self) -> Comm:
-        return dataclasses.replace(
-            super().to_comm(),
-            fragments=self.fragments,
-            fragment_split=self.fragment_split,
-            overlap_steps=self.overlap_steps,
-            mixing=self.mixing,
-        )
 
 
 #: The ``comm`` config group's options by name.
