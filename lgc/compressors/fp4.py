@@ -50,6 +50,7 @@ from torch import Tensor
 from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.qsgd import Buckets
+from lgc.compressors.segments import copy_segments_into, pad_segments, unpad_segments
 from lgc.validation import PositiveInt, check
 
 __all__ = ["E3M0_EXPONENT_BIAS", "FP4Compressor", "FP4Payload", "e3m0_values"]
@@ -82,17 +83,6 @@ def _e3m0_codes(ratio: Tensor, flat: Tensor) -> Tensor:
     field = bits.add(_HALF_FRACTION).bitwise_right_shift_(_FRACTION_BITS).sub_(_FLOAT_BIAS - E3M0_EXPONENT_BIAS)
     field.clamp_(1, E3M0_EXPONENT_BIAS).masked_fill_(bits < _BELOW_SMALLEST, 0)  # below half of 2**-6: zero
     return field.add_(flat < 0, alpha=8).to(torch.uint8)  # the sign bit
-
-
-def _padded(pieces: Sequence[Tensor], numels: Sequence[int], size: int, lengths: Sequence[int] | None = None) -> Tensor:
-    """``pieces`` end to end, each zero-padded to ``lengths`` (default: a multiple of ``size``), in one ``cat``."""
-    parts: list[Tensor] = []
-    for i, (piece, n) in enumerate(zip(pieces, numels, strict=True)):
-        parts.append(piece)
-        length = -(-n // size) * size if lengths is None else lengths[i]
-        if length > n:
-            parts.append(piece.new_zeros(length - n))
-    return torch.cat(parts)
 
 
 @dataclass
@@ -174,7 +164,7 @@ class FP4Compressor(Compressor):
             raise ValueError(f"compress_segments needs an even bucket_size, got {size!r}")
         numels = [t.numel() for t in tensors]
         rows = [-(-n // size) for n in numels]
-        flat = _padded([t.reshape(-1) for t in tensors], numels, size).float()
+        flat = pad_segments([t.reshape(-1) for t in tensors], [r * size for r in rows]).float()
         matrix = flat.view(-1, size)
         scales = matrix.abs().amax(dim=1) if matrix.numel() else flat.new_zeros(0)
         ratio = torch.div(matrix.abs(), scales[:, None]).reshape(-1)
@@ -209,18 +199,12 @@ class FP4Compressor(Compressor):
         total: Tensor | None = None
         for rank in range(len(payloads[0])):
             mine = [received[rank] for received in payloads]
-            codes = _padded(
-                [p.codes for p in mine], [p.codes.numel() for p in mine], size // 2, [r * size // 2 for r in rows]
-            )
+            codes = pad_segments([p.codes for p in mine], [r * size // 2 for r in rows])
             values = table[codes.long()].view(-1, size) * torch.cat([p.scales.float() for p in mine])[:, None]
-            decoded = torch.cat(
-                [piece[:n] for piece, n in zip(values.reshape(-1).split([r * size for r in rows]), numels, strict=True)]
-            )
+            decoded = unpad_segments(values.reshape(-1), [r * size for r in rows], numels)
             total = decoded if total is None else total.add_(decoded)
         assert total is not None
-        torch._foreach_copy_(
-            list(outs), [piece.view_as(out) for piece, out in zip(total.split(numels), outs, strict=True)]
-        )
+        copy_segments_into(total, outs)
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, FP4Payload)

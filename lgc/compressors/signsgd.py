@@ -43,6 +43,7 @@ from torch import Tensor
 
 from lgc.coding.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lgc.compressors.base import CombineMode, Compressor, DecodesInto, Payload, view_bytes_as
+from lgc.compressors.segments import copy_segments_into, pad_segments, unpad_segments
 
 __all__ = ["SignPayload", "SignSGDCompressor", "decode_signs_many", "l1_means"]
 
@@ -59,16 +60,6 @@ def l1_means(flats: Sequence[Tensor]) -> Tensor:
     return norms / numels
 
 
-def _padded_bits(bits: Tensor, numels: Sequence[int]) -> Tensor:
-    """``bits`` (segments of ``numels`` end to end) with each segment zero-padded to whole bytes, in one ``cat``."""
-    pieces: list[Tensor] = []
-    for piece, numel in zip(bits.split(list(numels)), numels, strict=True):
-        pieces.append(piece)
-        if numel % 8:
-            pieces.append(bits.new_zeros(8 - numel % 8))
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-
-
 def decode_signs_many(payloads: Sequence[Sequence[SignPayload]], outs: Sequence[Tensor]) -> None:
     """The workers' decoded sum of every tensor of a bucket at once: ``payloads[i]`` (every rank's) into ``outs[i]``.
 
@@ -83,23 +74,18 @@ def decode_signs_many(payloads: Sequence[Sequence[SignPayload]], outs: Sequence[
     numels = [out.numel() for out in outs]
     device = outs[0].device
     table = _negative_bits(device)
+    padded = [8 * packed_nbytes(n) for n in numels]
     total: Tensor | None = None
     for rank in range(len(payloads[0])):
         mine = [received[rank] for received in payloads]
-        negative = table[torch.cat([p.signs for p in mine]).long()].reshape(-1)
-        negative = torch.cat(
-            [
-                piece[:numel]
-                for piece, numel in zip(negative.split([8 * packed_nbytes(n) for n in numels]), numels, strict=True)
-            ]
-        )
+        negative = unpad_segments(table[torch.cat([p.signs for p in mine]).long()].reshape(-1), padded, numels)
         scales = torch.cat([p.scale.float().reshape(1) for p in mine]).repeat_interleave(
             torch.tensor(numels, device=device), output_size=sum(numels)
         )
         decoded = torch.where(negative, -scales, scales)
         total = decoded if total is None else total.add_(decoded)
     assert total is not None
-    torch._foreach_copy_(list(outs), [piece.view_as(out) for piece, out in zip(total.split(numels), outs, strict=True)])
+    copy_segments_into(total, outs)
 
 
 @functools.cache
@@ -160,7 +146,8 @@ class SignSGDCompressor(DecodesInto, Compressor):
         segments = flat.split(list(numels))
         scales = l1_means(segments)
         negative = flat < 0
-        signs = pack_bits(_padded_bits(negative, numels)).split([packed_nbytes(n) for n in numels])
+        bits = pad_segments(negative.split(list(numels)), [8 * packed_nbytes(n) for n in numels])
+        signs = pack_bits(bits).split([packed_nbytes(n) for n in numels])
         payloads = [
             SignPayload(numel=n, scale=scale.reshape(1), signs=bytes_)
             for n, scale, bytes_ in zip(numels, scales, signs, strict=True)
@@ -181,7 +168,7 @@ class SignSGDCompressor(DecodesInto, Compressor):
 
     def aggregate_many(self, payloads: Sequence[list[Payload]], outs: Sequence[Tensor]) -> None:
         """A bucket at once on a GPU (:func:`decode_signs_many`); tensor by tensor on the CPU."""
-        if len(outs) < 2 or outs[0].device.type == "cpu":
+        if len(outs) < 2 or not self.batches_on(outs[0].device):
             super().aggregate_many(payloads, outs)
             return
         decode_signs_many(payloads, outs)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.segments import copy_segments_into
 from lgc.compressors.selection import topk_indices
 from lgc.validation import Density, check
 
@@ -157,7 +158,7 @@ def scatter_add_sparse_many(payloads: Sequence[list[SparsePayload]], outs: Seque
         indices = torch.cat([p.indices for p in mine]).long()
         indices += segment_starts(numels, [p.values.numel() for p in mine], first.device)
         flat.index_add_(0, indices, torch.cat([p.values for p in mine]).float())
-    torch._foreach_copy_(list(outs), [piece.view_as(out) for piece, out in zip(flat.split(numels), outs, strict=True)])
+    copy_segments_into(flat, outs)
 
 
 class ScatterAddAggregation:
