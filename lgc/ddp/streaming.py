@@ -90,15 +90,13 @@ class InFlight:
     @classmethod
     def from_state(cls, state: dict[str, Any], segments: tuple[Segment, ...], device: torch.device) -> InFlight:
         """A finished exchange from :meth:`state_dict`'s result."""
-        outcome: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        outcome.set_result(bool(state["skipped"]))
         return cls(
             int(state["fragment"]),
             int(state["number"]),
             bool(state["with_buffers"]),
             state["update"].to(device),
             segments,
-            outcome,
+            finished(bool(state["skipped"])),
         )
 
 
