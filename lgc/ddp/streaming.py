@@ -139,12 +139,6 @@ class ExchangeRunner:
 
         return self.executor.submit(run)
 
-    def close(self) -> None:
-        """Let the thread go (after the exchange in flight, if any)."""
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
-            self.executor = None
-
 
 @contextlib.contextmanager
 def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
