@@ -5,7 +5,8 @@
 # after, before, after, ...), so load changes hit both alike; then a table of each method's median
 # CPU step over the no-communication step of the same run (`cpu_x`, which both trees report), before
 # and after, with the load average of every run. The methods are the per-step ones both trees take
-# (the older tree has no DDP row and no delay knobs). Needs a quiet machine (timings), about 25 min.
+# (the older tree has no delay knobs); DDP's own step (`ddp`, no hook) is the goals' reference.
+# Needs a quiet machine (timings), about 40 min.
 #   experiments/step_before_after.sh BEFORE [OUT]      (OUT default: experiments/results/step_before_after)
 #   ROUNDS=1 DENSITIES=0.01 experiments/step_before_after.sh bcf3643
 set -euo pipefail
@@ -13,7 +14,7 @@ before=${1:?usage: experiments/step_before_after.sh BEFORE_COMMIT [OUT]}
 out=$(realpath -m "${2:-experiments/results/step_before_after}")
 rounds=${ROUNDS:-2}
 densities=${DENSITIES:-0.001 0.01}
-methods=${METHODS:-none,torch_fp16,powersgd,topk,dgc,sbc,redsync,shared_topk_int8,lgc_rar,demo}
+methods=${METHODS:-ddp,none,torch_fp16,powersgd,topk,dgc,sbc,redsync,random_block,qsgd,terngrad,signsgd,fp4,chunked_topk,shared_topk_int8,lgc_rar,demo}
 root=$(git rev-parse --show-toplevel)
 tree=$(mktemp -d)
 trap 'git -C "$root" worktree remove --force "$tree" > /dev/null 2>&1 || rm -rf "$tree"' EXIT
@@ -42,18 +43,27 @@ print(f"# The DDP step before ({before}) and after ({after}), side by side\n")
 first = runs("after", densities[0])[0]
 print(f"`lgc-bench step --steps 10 --rounds 2`: {first['model']}, {first['workers']} gloo workers, one thread each, "
       f"{rounds} alternating runs of each tree per density (before, after, ...). x no-comm: a method's median CPU step "
-      "(all workers) over the no-communication step (`no_sync`) of the same run; the median over the runs is shown.\n")
+      "(all workers) over the no-communication step (`no_sync`) of the same run; x ddp: the same over DDP's own "
+      "fp32 allreduce step (`ddp`, no hook) of the same run; the median over the runs is shown.\n")
 for density in densities:
     old, new = runs("before", density), runs("after", density)
     print(f"## density {density}\n")
-    print("| method | before x no-comm | after x no-comm | after / before |")
-    print("|---|---|---|---|")
+    ddp = "ddp" in new[0]["rows"]
+    print("| method | before x no-comm | after x no-comm | after / before |" + (" before x ddp | after x ddp |" if ddp else ""))
+    print("|---|---|---|---|" + ("---|---|" if ddp else ""))
     names = [n for n in new[0]["rows"] if n != "no_sync"]
     for name in names:
         a = statistics.median(r["rows"][name]["cpu_x"] for r in old) if name in old[0]["rows"] else None
         b = statistics.median(r["rows"][name]["cpu_x"] for r in new)
         change = f"{b / a:.2f}" if a else "-"
-        print(f"| {name} | {'-' if a is None else f'{a:.2f}'} | {b:.2f} | {change} |")
+        row = f"| {name} | {'-' if a is None else f'{a:.2f}'} | {b:.2f} | {change} |"
+        if ddp:
+            def over_ddp(group: list[dict]) -> str:
+                if name not in group[0]["rows"] or "ddp" not in group[0]["rows"]:
+                    return "-"
+                return f"{statistics.median(r['rows'][name]['cpu_x'] / r['rows']['ddp']['cpu_x'] for r in group):.2f}"
+            row += f" {over_ddp(old)} | {over_ddp(new)} |"
+        print(row)
     print("\nLoad average (1 / 5 / 15 min) at the start of each run:\n")
     for side, group in (("before", old), ("after", new)):
         for r, run in enumerate(group, 1):
