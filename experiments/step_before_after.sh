@@ -6,7 +6,8 @@
 # CPU step over the no-communication step of the same run (`cpu_x`, which both trees report), before
 # and after, with the load average of every run. The methods are the per-step ones both trees take
 # (the older tree has no delay knobs); DDP's own step (`ddp`, no hook) is the goals' reference.
-# Needs a quiet machine (timings), about 40 min.
+# Needs a quiet machine (timings), about 10 min per run with every method. Resumable: runs whose
+# record is there are skipped.
 #   experiments/step_before_after.sh BEFORE [OUT]      (OUT default: experiments/results/step_before_after)
 #   ROUNDS=1 DENSITIES=0.01 experiments/step_before_after.sh bcf3643
 set -euo pipefail
@@ -22,10 +23,13 @@ git -C "$root" worktree add --detach --force "$tree" "$before" > /dev/null
 mkdir -p "$out"
 for density in $densities; do
   for round in $(seq 1 "$rounds"); do
-    (cd "$tree" && PYTHONPATH="$tree" python -m lgc.bench.cli step --density "$density" --steps 10 --rounds 2 \
-      --methods "$methods" --json "$out/before_${density}_$round.json" > "$out/before_${density}_$round.md" 2>&1)
-    (cd "$root" && PYTHONPATH="$root" python -m lgc.bench.cli step --density "$density" --steps 10 --rounds 2 \
-      --methods "$methods" --json "$out/after_${density}_$round.json" > "$out/after_${density}_$round.md" 2>&1)
+    # A run whose record exists is kept (a stopped comparison resumes where it was).
+    [ -s "$out/before_${density}_$round.json" ] ||
+      (cd "$tree" && PYTHONPATH="$tree" python -m lgc.bench.cli step --density "$density" --steps 10 --rounds 2 \
+        --methods "$methods" --json "$out/before_${density}_$round.json" > "$out/before_${density}_$round.md" 2>&1)
+    [ -s "$out/after_${density}_$round.json" ] ||
+      (cd "$root" && PYTHONPATH="$root" python -m lgc.bench.cli step --density "$density" --steps 10 --rounds 2 \
+        --methods "$methods" --json "$out/after_${density}_$round.json" > "$out/after_${density}_$round.md" 2>&1)
   done
 done
 python - "$out" "$before" "$(git -C "$root" rev-parse --short HEAD)" "$rounds" "$densities" <<'PY' | tee "$out/README.md"

@@ -145,6 +145,11 @@ class MethodProfile:
     #: How many of the trace's collectives are issued at the step's last bucket (module buffers, the
     #: last bucket's payloads, a step guard's agreement): an overlapping hook cannot hide them.
     trailing: int = 1
+    #: How many steps ``trace`` and ``overhead_s`` cover: 1 for a per-step method; a local-step
+    #: method's communication delay H (every fragment's exchange once in H steps), so a step costs
+    #: compute + (the period's collectives) / H, its exchanges at their share. Streaming DiLoCo's
+    #: overlap (``comm.overlap_steps``) is not modelled: its exchanges count as blocking.
+    period: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "trace": [list(call) for call in self.trace]}
@@ -183,6 +188,10 @@ def predict_step(
     else:
         compute = profile.compute_s
     overhead = profile.overhead_s + (world - 1) * profile.decode_per_peer_s if codec else 0.0
+    if profile.period < 1:
+        raise ValueError(f"a profile's period must be >= 1, got {profile.period!r}")
+    if profile.period > 1:
+        return compute + comm_seconds(profile.trace, world, link, allreduce) / profile.period + overhead
     if profile.overlaps_backward and profile.trace:
         trailing = min(max(profile.trailing, 1), len(profile.trace))
         before_last = comm_seconds(profile.trace[:-trailing], world, link, allreduce)

@@ -310,9 +310,10 @@ def validate(
             trace=slowest.trace,
             compute_samples_s=[t for p in profiles for t in p.compute_samples_s],
             trailing=slowest.trailing,
+            period=slowest.period,
         )
         row["predicted_step_s"] = predict_step(typical, workers, link)
-        row["predicted_comm_s"] = comm_seconds(typical.trace, workers, link)
+        row["predicted_comm_s"] = comm_seconds(typical.trace, workers, link) / typical.period
         row["profile_compute_s"] = typical.compute_s
         row["profile_overhead_s"] = typical.overhead_s
 

@@ -27,6 +27,7 @@ def profile_method(
     knobs: dict[str, Any] | None = None,
     steps: int = 8,
     group: Any = None,
+    loss: Callable[[Any, Any], Any] | None = None,
 ) -> MethodProfile:
     """Measure ``method``'s overhead, decode cost and collectives on ``module`` in a group of one worker.
 
@@ -38,6 +39,13 @@ def profile_method(
     group: ``compute_s`` is the plain step's median (forward, backward, DDP's bucket copies and the
     optimizer: everything a step costs on an infinitely fast network), ``overhead_s`` the median of
     the paired differences. The collectives of the last step are recorded.
+
+    A local-step method (communication delay H) is measured over a whole number of its periods
+    (``steps`` rounded up to a multiple of H): ``overhead_s`` is then the mean of the differences,
+    its exchanges at their share, and the collectives of the last H steps are recorded (every
+    fragment's exchange once), with ``period`` H.
+
+    ``loss(output, target)``: the training loss (cross-entropy over the output by default).
     """
     import torch
     import torch.distributed as dist
@@ -51,7 +59,7 @@ def profile_method(
     knobs = dict(knobs or {})
     model = DistributedDataParallel(copy.deepcopy(module), process_group=group)
     optimizer = sgd_for(method, model, lr=1e-3)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    loss_fn = loss if loss is not None else torch.nn.CrossEntropyLoss()
 
     # Plain DDP on the same group: forward, backward, DDP's bucket copies and the optimizer.
     plain = DistributedDataParallel(copy.deepcopy(module), process_group=group)
@@ -67,23 +75,28 @@ def profile_method(
 
     state = lgc.compress(model, method, optimizer=optimizer, process_group=group, **knobs)
     state.set_epoch(1000)
+    period = int(getattr(state, "delay", 1)) if state.takes_local_steps else 1
+    steps = -(-steps // period) * period
     for _ in range(state.steady_from() + 2):
         step(model, optimizer)
     for _ in range(2):
         step(plain, plain_optimizer)
     codec = state.codec_times()
     decode_before = dict(codec) if codec is not None else None
-    # Pairs of a plain step and the method's step, alternating, so a change of load hits both.
+    # Pairs of a plain step and the method's step, alternating, so a change of load hits both; the
+    # method's collectives recorded over the last period (one step for a per-step method).
     compute, extra = [], []
-    for index in range(steps):
+
+    def pair() -> None:
         plain_s = step(plain, plain_optimizer)
-        if index == steps - 1:
-            with record_collectives() as trace:
-                method_s = step(model, optimizer)
-        else:
-            method_s = step(model, optimizer)
         compute.append(plain_s)
-        extra.append(method_s - plain_s)
+        extra.append(step(model, optimizer) - plain_s)
+
+    for _ in range(steps - period):
+        pair()
+    with record_collectives() as trace:
+        for _ in range(period):
+            pair()
     gathers = state.gathers_payloads()
     decode_per_peer = 0.0
     if gathers and codec is not None and decode_before is not None:
@@ -91,10 +104,11 @@ def profile_method(
     return MethodProfile(
         method=method,
         compute_s=statistics.median(compute),
-        overhead_s=max(0.0, statistics.median(extra)),
+        overhead_s=max(0.0, statistics.median(extra) if period == 1 else statistics.fmean(extra)),
         decode_per_peer_s=decode_per_peer,
         overlaps_backward=state.overlaps_backward,
         trace=list(trace),
         compute_samples_s=compute,
         trailing=len(trace) - trace.last_bucket_from if trace.last_bucket_from is not None else 1,
+        period=period,
     )

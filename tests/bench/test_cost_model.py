@@ -96,6 +96,17 @@ def test_a_guarded_step_adds_compute_overhead_decoding_per_peer_and_communicatio
     assert predict_step(profile, 4, link, compute_s=0.1, codec=False) == pytest.approx(0.1 + comm)
 
 
+def test_a_local_step_method_pays_its_periods_collectives_at_their_share():
+    exchange = CollectiveCall("all_reduce", 10**6, 2)  # 1 s on a 1 MB/s link with 2 workers
+    link = Link(0.0, 1e6)
+    every_fourth = _profile([exchange], period=4)
+    assert predict_step(every_fourth, 2, link) == pytest.approx(0.3 + 0.05 + 1.0 / 4)
+    # A period's collectives are blocking: nothing hides under the backward pass.
+    assert predict_step(_profile([exchange], overlaps=True, period=4), 2, link) == pytest.approx(0.3 + 0.05 + 0.25)
+    with pytest.raises(ValueError, match="period must be >= 1, got 0"):
+        predict_step(_profile([exchange], period=0), 2, link)
+
+
 def test_per_bucket_hooks_hide_all_but_the_last_buckets_communication_under_the_backward_pass():
     bucket = CollectiveCall("all_reduce", 10**6, 2)  # 1 s each on a 1 MB/s link with 2 workers
     link = Link(0.0, 1e6)
@@ -194,6 +205,24 @@ def test_a_profile_holds_the_methods_steady_collectives_and_its_own_cost(group):
     assert sum(call.nbytes for call in powersgd.trace) < 4 * 4810 / 4
 
 
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_local_step_profile_covers_a_whole_period_and_its_exchanges(group, fragments):
+    """DiLoCo-style delay 4: the last 4 steps' collectives are every fragment's exchange once."""
+    delayed = profiling.profile_method(
+        _net(), "none", _batches(), knobs={"delay": 4, "outer": "sgd", "fragments": fragments}, steps=3
+    )
+    assert delayed.period == 4 and len(delayed.compute_samples_s) == 4  # 3 steps rounded up to a period
+    # Each exchange averages its fragment's pseudo-gradient (fp32) and agrees on finiteness first.
+    payload = [call for call in delayed.trace if call.nbytes >= 4 * 64 * 10]
+    assert sum(call.nbytes for call in payload) >= 4 * 4810
+    assert {call.kind for call in delayed.trace} <= {"all_reduce", "all_gather", "broadcast"}
+    # The same exchanges every step would cost 4x: the model divides the period's communication by 4.
+    link = Link(1e-3, 1e6)
+    per_step = MethodProfile(**{**delayed.__dict__, "period": 1, "overlaps_backward": False})
+    comm = predict_step(per_step, 4, link, codec=False, compute_s=0.0)
+    assert predict_step(delayed, 4, link, codec=False, compute_s=0.0) == pytest.approx(comm / 4)
+
+
 def test_steady_from_counts_each_methods_own_stages(group):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -248,7 +277,8 @@ def test_steady_from_under_communication_delay_counts_the_stages_in_exchanges(gr
         (["--workers", "0"], r"--workers must be positive integers, got '0'"),
         (["--bandwidth", "fast"], "fast"),
         (["--latency", "3"], "3"),
-        (["--methods", "none,nosuch"], r"unknown method\(s\) \['nosuch'\]"),
+        (["--methods", "none,nosuch"], r"unknown method 'nosuch'"),
+        (["--methods", "none,topk:density"], r"a knob must read key=value, got 'density'"),
         (["--compute-ms", "-1"], r"--compute-ms must be > 0, got -1"),
     ],
 )
@@ -295,6 +325,28 @@ def test_the_model_command_reads_cached_profiles_and_prints_steps_and_crossovers
     printed = capsys.readouterr().out
     assert "| topk |" in printed and "beats fp16 at (8)" in printed
     assert (tmp_path / "out" / "model.png").stat().st_size > 0
+
+
+def test_the_model_command_measures_the_comparisons_models_compute_and_tables_every_crossing(tmp_path, capsys):
+    """ResNet-8 on Fashion-MNIST's shapes: compute measured here, a local-step method beside per-step ones."""
+    cache = tmp_path / "profiles.json"
+    main(
+        [
+            "model", "--model", "resnet8", "--methods", "none,torch_fp16,topk,none:delay=4;outer=sgd",
+            "--workers", "4", "--bandwidth", "100mbit,1gbit", "--latency", "1ms", "--profiles", str(cache),
+            "--out", str(tmp_path / "out"),
+        ]
+    )  # fmt: skip
+    profiles = json.loads(cache.read_text())["resnet8"]
+    assert set(profiles) == {"none", "torch_fp16", "topk", "none:delay=4;outer=sgd"}
+    # ResNet-8 on 1 channel, 10 classes: 75,002 parameters allreduced in fp32 (and rank 0's buffers sent).
+    assert sum(call[1] for call in profiles["none"]["trace"] if call[0] == "all_reduce") == 4 * 75_002
+    assert profiles["none:delay=4;outer=sgd"]["period"] == 4 and profiles["topk"]["period"] == 1
+    saved = json.loads((tmp_path / "out" / "model.json").read_text())["results"]["resnet8"]
+    assert saved["compute_s"] > 0  # measured: no compute knob for the comparison's models
+    printed = capsys.readouterr().out
+    assert "## Where each method's step beats the fp16 hook's" in printed
+    assert "| none:delay=4;outer=sgd |" in printed and "resnet8, 4 workers" in printed
 
 
 @pytest.mark.slow

@@ -1,0 +1,204 @@
+"""Tables of the step's speed from committed benchmark records (run by the scripts that name it).
+
+    python experiments/one_message_tables.py time BEFORE.json.gz AFTER.json.gz --setting "4 workers, 100mbit"
+    python experiments/one_message_tables.py latency NETWORK.json.gz --setting "4 workers, 100mbit"
+    python experiments/one_message_tables.py check MODEL.json NETWORK.json.gz
+
+``time``: each method's time to the target as a multiple of the no-communication bound (95 %
+intervals over seeds) and its median step, in two ``lgc-bench network`` records of the same
+setting (experiments/one_message_network.sh). ``latency``: the per-message latency a record fitted
+on plain collectives, in tc syntax (experiments/crossover.sh hands it to ``lgc-bench model``).
+``check``: the crossover table of an ``lgc-bench model`` record (the bandwidth below which each
+method's step beats the fp16 hook's) and, for its ``resnet8`` rows at 4 workers, whether the
+measured steps of a shaped-network record (Fashion-MNIST's ResNet-8, 4 workers) agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+from lgc.bench.model import crossover_table
+
+
+def _network(path: Path) -> dict[str, Any]:
+    return json.loads(gzip.decompress(path.read_bytes()))
+
+
+def _interval(value: dict[str, Any] | None, fmt: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    half = value.get("half_width")
+    return format(value["mean"], fmt) + ("" if half is None else f" ± {half:{fmt}}")
+
+
+def _rows(record: dict[str, Any], setting: str) -> dict[str, dict[str, Any]]:
+    return {row["method"]: row for row in record["results"][setting]}
+
+
+def time_table(before: Path, after: Path, setting: str, commit: str) -> str:
+    old, new = _network(before), _network(after)
+    old_seeds = {m["method"]: m for m in old["over_seeds"][setting]["methods"]}
+    new_over = new["over_seeds"][setting]
+    old_rows, new_rows = _rows(old, setting), _rows(new, setting)
+    target = new_over["target"]
+    lines = [
+        f"# Time to {target} at {setting.split(', ')[1]}, before and after (after: {commit})\n",
+        f"`lgc-bench network --task fashion_mnist`, {setting}: ResNet-8 on Fashion-MNIST, seeds "
+        f"{', '.join(str(s) for s in new_over['methods'][0]['seeds'])}, the before record "
+        f"`{before.parent.name}` and the after record `{after.parent.name}` in the same setting. x bound: "
+        "time to the target over the no-communication bound (dense's steps to the target at its "
+        "compute-only step, seed by seed), mean ± 95 % interval over the seeds that reached it; "
+        "step: the median step over the seeds' medians (ms).\n",
+        "| method | before: reached | before: x bound | before: step | after: reached | after: x bound | after: step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method in new_over["methods"]:
+        label = method["method"]
+        was = old_seeds.get(label)
+        cells = [
+            f"{was['reached']}/{len(was['seeds'])}" if was else "-",
+            _interval(was["x_bound"]) if was else "-",
+            f"{1000 * old_rows[label]['step_s']:.1f}" if label in old_rows else "-",
+            f"{method['reached']}/{len(method['seeds'])}",
+            _interval(method["x_bound"]),
+            f"{1000 * new_rows[label]['step_s']:.1f}",
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append(
+        f"\nNo-communication bound: before {_interval(old['over_seeds'][setting]['bound_s'], '.1f')} s, "
+        f"after {_interval(new_over['bound_s'], '.1f')} s. Rows are not ranked: overlapping intervals do not differ."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def latency(record: Path, setting: str) -> str:
+    return f"{1e6 * _network(record)['calibrations'][setting]['latency_s']:.0f}us"
+
+
+def _beats(crossing: list[Any] | None, bytes_per_s: float) -> bool | None:
+    """Whether a crossing ``[side, bandwidth]`` says the method wins at ``bytes_per_s``."""
+    if crossing is None:
+        return None
+    side, at = crossing
+    if side in ("always", "never"):
+        return side == "always"
+    return bytes_per_s < at if side == "below" else bytes_per_s > at
+
+
+def check_table(model_path: Path, network_path: Path, commit: str) -> str:
+    model = json.loads(model_path.read_text())
+    network = _network(network_path)
+    results = model["results"]
+    arguments = model["arguments"]
+    workers = [int(w) for w in arguments["workers"].split(",")]
+    methods = list(next(iter(results.values()))["methods"])
+    lines = [
+        f"# Where each method's step beats PyTorch's fp16 hook's ({commit})\n",
+        f"`lgc-bench model --latency {arguments['latency']}` (the per-message latency fitted on the shaped "
+        "network below), from each method's codec time and collectives measured on this machine "
+        "(`profiles.json`) and the alpha-beta cost model (`lgc.bench.cost_model`): the link bandwidth per "
+        "direction below which (`<`) or above which (`>`) the method's predicted step is shorter than "
+        "the fp16 hook's; `always`, `never`. ResNet-50: ImageNet shapes with a GPU's 100 ms of compute "
+        "per step; resnet8, resnet20, pspnet_small: the comparison's models on their data, compute "
+        "measured here. Local-step methods pay their exchanges at their share of the H steps; "
+        "Streaming DiLoCo's overlap is not modelled (its exchange counts as blocking). The model's "
+        "steps are in `model.md`, the curves in `model.png`.\n",
+        crossover_table(list(results), workers, methods, results),
+    ]
+    if "resnet8" in results and 4 in workers:
+        lines += _check_lines(results["resnet8"]["methods"], methods, network)
+    return "\n".join(lines) + "\n"
+
+
+#: Knobs the shaped network's runs add for training (DGC's warm-up epochs, DeMo's learning rate),
+#: which do not change a step's cost: its label without them is the model's.
+TRAINING_ONLY_KNOBS = ("steps_per_epoch", "lr")
+
+
+def _model_label(label: str) -> str:
+    name, _, knobs = label.partition(":")
+    kept = [k for k in knobs.split(";") if k and k.split("=")[0] not in TRAINING_ONLY_KNOBS]
+    return name + (":" + ";".join(kept) if kept else "")
+
+
+def _check_lines(predicted: dict[str, Any], methods: list[str], network: dict[str, Any]) -> list[str]:
+    settings = [s for s in network["results"] if s.startswith("4 workers, ")]
+    # The bandwidth each link delivered (fitted on plain collectives), not the shaper's nominal rate.
+    rates = {s: network["calibrations"][s]["bytes_per_s"] for s in settings}
+    lines = [
+        "\n## The check: measured over a shaped network\n",
+        "Fashion-MNIST's ResNet-8 on 4 workers, each in its own network namespace behind a link shaped "
+        "by tc (`network/network.md`): each method's median step over the fp16 hook's in the same run "
+        "(`x fp16`), and whether the model's crossing for resnet8 at 4 workers (above) says it beats "
+        "fp16 at the bandwidth the link delivered (fitted on plain collectives, below: a veth shaped to "
+        "1 Gbit/s carries less on this machine). The model's compute is measured with one worker alone; on the network "
+        "4 workers share this machine's 2 cores, so steps there are longer. Agree: the measured and the "
+        "predicted side are the same.\n",
+        "| method | " + " | ".join(f"{s.split(', ')[1]}: x fp16 | model: beats | agree" for s in settings) + " |",
+        "|---|" + "---|---|---|" * len(settings),
+    ]
+    agreed = total = 0
+    for setting in settings:
+        if "torch_fp16" not in _rows(network, setting):
+            raise ValueError(f"{setting}: the network record has no torch_fp16 row")
+    labels = list(_rows(network, settings[0]))
+    for label in labels:
+        name = _model_label(label)
+        if label == "torch_fp16" or name not in predicted:
+            continue
+        cells = []
+        for setting in settings:
+            rows = _rows(network, setting)
+            ratio = rows[label]["step_s"] / rows["torch_fp16"]["step_s"]
+            says = _beats(predicted[name]["crossover_bytes_per_s"].get("torch_fp16@4"), rates[setting])
+            agree = None if says is None else (ratio < 1) == says
+            agreed += bool(agree)
+            total += agree is not None
+            cells.append(
+                f"{ratio:.2f} | {'-' if says is None else 'yes' if says else 'no'} | "
+                f"{'-' if agree is None else 'yes' if agree else 'no'}"
+            )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append(f"\nThe model's side agrees with the measured one in {agreed} of {total} cases.")
+    calibration = network["calibrations"]
+    lines.append(
+        "Links fitted on plain collectives: "
+        + "; ".join(
+            f"{s}: alpha {1e6 * c['latency_s']:.0f} us, {8 * c['bytes_per_s'] / 1e6:.1f} Mbit/s"
+            for s, c in calibration.items()
+        )
+        + "."
+    )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    time_parser = sub.add_parser("time")
+    time_parser.add_argument("before", type=Path)
+    time_parser.add_argument("after", type=Path)
+    time_parser.add_argument("--setting", required=True)
+    time_parser.add_argument("--commit", default="-")
+    latency_parser = sub.add_parser("latency")
+    latency_parser.add_argument("record", type=Path)
+    latency_parser.add_argument("--setting", required=True)
+    check_parser = sub.add_parser("check")
+    check_parser.add_argument("model", type=Path)
+    check_parser.add_argument("network", type=Path)
+    check_parser.add_argument("--commit", default="-")
+    args = parser.parse_args()
+    if args.command == "time":
+        print(time_table(args.before, args.after, args.setting, args.commit), end="")
+    elif args.command == "latency":
+        print(latency(args.record, args.setting))
+    else:
+        print(check_table(args.model, args.network, args.commit), end="")
+
+
+if __name__ == "__main__":
+    main()
