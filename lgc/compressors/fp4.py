@@ -50,7 +50,7 @@ from torch import Tensor
 from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
 from lgc.compressors.qsgd import Buckets
-from lgc.compressors.segments import copy_segments_into, pad_segments, unpad_segments
+from lgc.compressors.segments import DecodesSegments, copy_segments_into, pad_segments, unpad_segments
 from lgc.validation import PositiveInt, check
 
 __all__ = ["E3M0_EXPONENT_BIAS", "FP4Compressor", "FP4Payload", "e3m0_values"]
@@ -95,7 +95,7 @@ class FP4Payload(Payload):
     codes: Tensor
 
 
-class FP4Compressor(Compressor):
+class FP4Compressor(DecodesSegments, Compressor):
     """4-bit E3M0 floats with an fp32 scale per bucket, decoded and summed in fp32 (see the module docstring).
 
     Args:
@@ -174,13 +174,6 @@ class FP4Compressor(Compressor):
             FP4Payload(numel=n, scales=scale, codes=section[: packed_nbytes(n * _CODE_BITS)])
             for n, scale, section in zip(numels, scales.split(rows), sections, strict=True)
         ]
-
-    def aggregate_many(self, payloads: Sequence[list[Payload]], outs: Sequence[Tensor]) -> None:
-        """A bucket's sums at once on a GPU (:meth:`decode_segments`); tensor by tensor on the CPU."""
-        if len(outs) < 2 or not self.batches_on(outs[0].device):
-            super().aggregate_many(payloads, outs)
-            return
-        self.decode_segments(payloads, outs)  # type: ignore[arg-type]
 
     def decode_segments(self, payloads: Sequence[Sequence[FP4Payload]], outs: Sequence[Tensor]) -> None:
         """Every rank's payloads of every tensor of a bucket (``payloads[i]``: tensor ``i``'s) summed into ``outs``.

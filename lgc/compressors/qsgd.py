@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -67,6 +67,7 @@ from torch import Tensor
 
 from lgc.coding.bitpack import byte_table, decode_bytes, pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import CombineMode, Compressor, DecodesInto, HoldsSteps, Payload, keyed_seed, view_bytes_as
+from lgc.compressors.segments import DecodesSegments, copy_segments_into, pad_segments, unpad_segments
 from lgc.validation import PositiveInt, Seed, check
 
 __all__ = ["MAX_LEVELS", "Buckets", "Levels", "QSGDCompressor", "QuantizedPayload", "StochasticQuantizer", "code_bits"]
@@ -143,13 +144,17 @@ class Buckets:
             view.mul_(factor)
         return flat
 
+    def lengths(self) -> list[int]:
+        """Every bucket's number of entries, in order."""
+        return [self.size] * self.full + ([self.tail] if self.tail else [])
+
     def reduce(self, flat: Tensor, row_fn: Callable[[Tensor], Tensor]) -> Tensor:
         """``row_fn`` (a reduction over ``dim=1``) applied to every bucket: one value per bucket."""
         parts = [row_fn(view) for view in self.views(flat)]
         return torch.cat(parts) if parts else flat.new_zeros(0)
 
 
-class StochasticQuantizer(HoldsSteps, DecodesInto, Compressor):
+class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
     """Unbiased stochastic rounding of ``s * v / scale`` to the integers ``-s .. s``, per bucket.
 
     The shared machinery of :class:`QSGDCompressor` (``scale = ||v||_2``) and
@@ -248,20 +253,111 @@ class StochasticQuantizer(HoldsSteps, DecodesInto, Compressor):
             buckets.views(work), buckets.views(flat), buckets.columns(multiplier), strict=True
         ):
             out.addcmul_(values, factor)
-        if not bool(torch.isfinite(scales).all()):
+        codes = self._codes(work, finite=bool(torch.isfinite(scales).all()))
+        return QuantizedPayload(numel=numel, scales=scales, codes=pack_uint(codes, self.code_bits))
+
+    def _codes(self, work: Tensor, finite: bool) -> Tensor:
+        """The unsigned codes of ``work`` (``s + y + u`` per entry, in place): one per entry, unpacked."""
+        s = self.levels
+        if not finite:
             work.nan_to_num_(nan=s, posinf=s, neginf=s)  # inf * 0 above; the scale carries the NaN
         if not self.scale_covers_input:
             work.clamp_(0.0, 2 * s)  # entries beyond +-scale (clipped ones) go to the extreme levels
         # The code is floor(s + y + u): y rounded up with probability frac(y), i.e. unbiased. The
         # values are >= 0 up to a rounding error (> -1), so the conversion's truncation is the floor;
         # the clamp only catches fp32 rounding at the top edge. int8 converts fastest.
+        numel = work.numel()
         if 2 * s + 1 <= 127:
-            codes = self._scratch(numel, torch.int8, flat.device).copy_(work).clamp_max_(2 * s).view(torch.uint8)
-        elif s <= 127:
-            codes = self._scratch(numel, torch.uint8, flat.device).copy_(work).clamp_max_(2 * s)
-        else:
-            codes = self._scratch(numel, torch.int32, flat.device).copy_(work).clamp_(0, 2 * s)
-        return QuantizedPayload(numel=numel, scales=scales, codes=pack_uint(codes, self.code_bits))
+            return self._scratch(numel, torch.int8, work.device).copy_(work).clamp_max_(2 * s).view(torch.uint8)
+        if s <= 127:
+            return self._scratch(numel, torch.uint8, work.device).copy_(work).clamp_max_(2 * s)
+        return self._scratch(numel, torch.int32, work.device).copy_(work).clamp_(0, 2 * s)
+
+    # -- a bucket at once (a GPU's default) -----------------------------------------------------
+
+    def batches_on(self, device: torch.device) -> bool:
+        """Whether :meth:`compress_many` and :meth:`aggregate_many` take a bucket at once: on a GPU, where a few
+        kernels per tensor cost more than the arithmetic, with codes of 1, 2, 4 or 8 bits (whole codes per
+        byte; ``s`` = 1 and 4 to 127); tensor by tensor on the CPU, whose loop is the faster one."""
+        return device.type != "cpu" and 8 % self.code_bits == 0
+
+    def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
+        if len(tensors) < 2 or not self.batches_on(tensors[0].device) or len(set(keys)) != len(keys):
+            return super().compress_many(tensors, keys)
+        counts = [self.draws.get(key, 0) for key in keys]
+        payloads = self.compress_segments(tensors, keys, counts)
+        for key, count in zip(keys, counts, strict=True):
+            self.draws[key] = count + 1
+        return list(payloads)
+
+    def compress_segments(
+        self, tensors: Sequence[Tensor], keys: Sequence[str], counts: Sequence[int]
+    ) -> list[QuantizedPayload]:
+        """Every tensor's payload (``keys[i]``'s ``counts[i]``-th draws), :meth:`compress`'s bit for bit.
+
+        The scales are each tensor's own reduction (:meth:`bucket_scales`, so they round as the
+        per-tensor path's) and the uniforms each tensor's own draws from its keyed generator (a
+        tensor's numbers never depend on the others'): one reduction and one draw per tensor.
+        Everything else runs once over the bucket laid end to end: the scaling (each bucket's
+        multiplier repeated over its entries), the rounding to codes and the packing, every tensor
+        padded to whole bytes of codes. Needs ``8 % code_bits == 0``.
+        """
+        if 8 % self.code_bits:
+            raise ValueError(f"compress_segments needs codes of 1, 2, 4 or 8 bits, got {self.code_bits}")
+        s, device = self.levels, tensors[0].device
+        flats = [t.reshape(-1).contiguous().float() for t in tensors]
+        numels = [flat.numel() for flat in flats]
+        layouts = [Buckets(n, self.bucket_size) for n in numels]
+        scales = [self.bucket_scales(flat, b).float() for flat, b in zip(flats, layouts, strict=True)]
+        every_scale = torch.cat(scales)
+        multiplier = s / every_scale
+        multiplier = torch.where(torch.isfinite(multiplier), multiplier, 0.0)
+        lengths = torch.tensor([n for b in layouts for n in b.lengths()], device=device)
+        total = sum(numels)
+        work = self._scratch(total, torch.float32, device)
+        for piece, key, count in zip(work.split(numels), keys, counts, strict=True):
+            piece.uniform_(s, s + 1.0, generator=self._generator(device, key, count))
+        work.addcmul_(torch.cat(flats), multiplier.repeat_interleave(lengths, output_size=total))
+        codes = self._codes(work, finite=bool(torch.isfinite(every_scale).all()))
+        per_byte = 8 // self.code_bits
+        padded = [-(-n // per_byte) * per_byte for n in numels]
+        packed = pack_uint(pad_segments(codes.split(numels), padded), self.code_bits)
+        return [
+            QuantizedPayload(numel=n, scales=scale, codes=piece)
+            for n, scale, piece in zip(numels, scales, packed.split([p // per_byte for p in padded]), strict=True)
+        ]
+
+    def decode_segments(self, payloads: Sequence[Sequence[QuantizedPayload]], outs: Sequence[Tensor]) -> None:
+        """Every rank's payloads of a bucket's tensors (``payloads[i]``: tensor ``i``'s, in rank order) summed
+        into ``outs``, bit for bit as :meth:`aggregate_into` tensor by tensor.
+
+        Per rank, every tensor's codes are looked up at once (one table lookup over the bucket's
+        bytes, each tensor padded to whole bytes) and scaled at once (each bucket's ``scale / s``
+        repeated over its entries); the ranks' decodes are summed in fp32 in rank order, then cast
+        into the tensors' slices of the bucket with one multi-tensor copy.
+        """
+        if 8 % self.code_bits:
+            raise ValueError(f"decode_segments needs codes of 1, 2, 4 or 8 bits, got {self.code_bits}")
+        device, s = outs[0].device, self.levels
+        numels = [out.numel() for out in outs]
+        per_byte = 8 // self.code_bits
+        padded = [-(-n // per_byte) * per_byte for n in numels]
+        lengths = torch.tensor(
+            [length for n in numels for length in Buckets(n, self.bucket_size).lengths()], device=device
+        )
+        total = sum(numels)
+        table = self._level_table(device)
+        scratch = torch.empty(sum(padded), dtype=torch.float32, device=device)
+        result: Tensor | None = None
+        for rank in range(len(payloads[0])):
+            received = [payloads[i][rank] for i in range(len(outs))]
+            codes = torch.cat([p.codes.contiguous() for p in received])
+            levels = unpad_segments(decode_bytes(codes, table, sum(padded), scratch), padded, numels)
+            factors = torch.cat([p.scales.float() for p in received]) / s
+            levels.mul_(factors.repeat_interleave(lengths, output_size=total))
+            result = levels if result is None else result.add_(levels)
+        assert result is not None
+        copy_segments_into(result, outs)
 
     def _decode(self, payload: QuantizedPayload, out: Tensor) -> Tensor:
         """Decode into ``out`` (fp32, ``numel`` entries): ``(code - s) * scale / s`` per bucket."""

@@ -10,11 +10,28 @@ once (:func:`copy_segments_into`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["copy_segments_into", "pad_segments", "unpad_segments"]
+__all__ = ["DecodesSegments", "copy_segments_into", "pad_segments", "unpad_segments"]
+
+
+class DecodesSegments:
+    """Mixin for a compressor that sums a bucket's gathered payloads at once (``decode_segments``) where its
+    ``batches_on`` says so, and tensor by tensor (the base's ``aggregate_many``) elsewhere. fp4, QSGD and
+    TernGrad put it before :class:`~lgc.compressors.base.Compressor` in their bases."""
+
+    def decode_segments(self, payloads: Sequence[Sequence[Any]], outs: Sequence[Tensor]) -> None:
+        """Every rank's payloads of a bucket's tensors (``payloads[i]``: tensor ``i``'s) summed into ``outs``."""
+        raise NotImplementedError
+
+    def aggregate_many(self, payloads: Sequence[list[Any]], outs: Sequence[Tensor]) -> None:
+        if len(outs) < 2 or not self.batches_on(outs[0].device):  # type: ignore[attr-defined]
+            super().aggregate_many(payloads, outs)  # type: ignore[misc]
+            return
+        self.decode_segments(payloads, outs)
 
 
 def pad_segments(pieces: Sequence[Tensor], lengths: Sequence[int]) -> Tensor:

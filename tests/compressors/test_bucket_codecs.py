@@ -1,12 +1,12 @@
 """Codecs over whole buckets: a bucket's tensors encoded and decoded in a fixed number of passes, bit for bit the
-per-tensor path's payloads, state and sums (EF-signSGD's scaled sign, Streaming DiLoCo's fp4)."""
+per-tensor path's payloads, state and sums (EF-signSGD's scaled sign, Streaming DiLoCo's fp4, QSGD and TernGrad)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lgc.compressors import ErrorFeedback, FP4Compressor, SignSGDCompressor
+from lgc.compressors import ErrorFeedback, FP4Compressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor
 from lgc.compressors.signsgd import SignPayload, decode_signs_many
 
 
@@ -130,19 +130,23 @@ def test_fp4_over_a_bucket_is_the_per_tensor_loop(numels, bucket_size, seed):
         for tensor, payload in zip(tensors, payloads, strict=True):
             want = fp4.compress(tensor, "w")
             assert payload.numel == want.numel and torch.equal(payload.to_wire(), want.to_wire())
-    received = [[payloads[i] for payloads in sent] for i in range(len(numels))]
+    _assert_bucket_sums_are_the_loops(fp4, fp4, [[payloads[i] for payloads in sent] for i in range(len(numels))])
+
+
+def _assert_bucket_sums_are_the_loops(loop, batched, received, device: str = "cpu") -> None:
+    """``batched`` writes every rank's sum into a bucket's fp32 and fp16 slices as ``loop.aggregate_into``
+    does tensor by tensor, NaN where it has NaN: through ``decode_segments`` on the CPU, through the
+    hook's ``aggregate_many`` (which takes that path there by default) on a GPU."""
+    numels = [payloads[0].numel for payloads in received]
+    decode = batched.decode_segments if device == "cpu" else batched.aggregate_many
     for dtype in (torch.float32, torch.float16):
-        loop = [torch.empty(n, dtype=dtype) for n in numels]
-        for payloads, out in zip(received, loop, strict=True):
-            fp4.aggregate_into(payloads, out)
-        outs = list(torch.empty(sum(numels), dtype=dtype).split(numels))
-        fp4.decode_segments(received, outs)
-        for want, have in zip(loop, outs, strict=True):
-            assert (
-                torch.equal(have, want)
-                or torch.equal(have.isnan(), want.isnan())
-                and torch.equal(have.nan_to_num(), want.nan_to_num())
-            )
+        want_sums = [torch.empty(n, dtype=dtype, device=device) for n in numels]
+        for payloads, out in zip(received, want_sums, strict=True):
+            loop.aggregate_into(payloads, out)
+        outs = list(torch.empty(sum(numels), dtype=dtype, device=device).split(numels))
+        decode(received, outs)
+        for want, have in zip(want_sums, outs, strict=True):
+            assert torch.equal(have.isnan(), want.isnan()) and torch.equal(have.nan_to_num(), want.nan_to_num())
 
 
 def test_fp4_batches_only_with_an_even_bucket_size_and_on_a_gpu():
@@ -165,10 +169,79 @@ def test_on_a_gpu_fp4_over_a_bucket_is_the_per_tensor_loop():
     for tensors, payloads in zip(ranks, sent, strict=True):
         for tensor, payload in zip(tensors, payloads, strict=True):
             assert torch.equal(payload.to_wire(), fp4.compress(tensor, "w").to_wire())
-    received = [[payloads[i] for payloads in sent] for i in range(len(numels))]
-    outs = [torch.empty(n, device="cuda") for n in numels]
-    fp4.aggregate_many(received, outs)
-    for payloads, out in zip(received, outs, strict=True):
-        want = torch.empty_like(out)
-        fp4.aggregate_into(payloads, want)
-        assert torch.equal(out.nan_to_num(), want.nan_to_num()) and torch.equal(out.isnan(), want.isnan())
+    _assert_bucket_sums_are_the_loops(fp4, fp4, [[p[i] for p in sent] for i in range(len(numels))], "cuda")
+
+
+# -- QSGD and TernGrad ----------------------------------------------------------------------------
+def _quantizers() -> list:
+    return [
+        QSGDCompressor(levels=4, bucket_size=512, seed=3),
+        QSGDCompressor(levels=1, bucket_size=32, seed=4),
+        QSGDCompressor(levels=127, bucket_size=None, seed=5),
+        TernGradCompressor(seed=6),
+        TernGradCompressor(bucket_size=64, clip_sigma=None, seed=7),
+    ]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    numels=st.lists(st.integers(1, 1300), min_size=2, max_size=6),
+    which=st.integers(0, 4),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_the_stochastic_quantizers_over_a_bucket_are_the_per_tensor_loop(numels, which, steps, seed):
+    """QSGD and TernGrad: every payload byte for byte over several steps (each key's draws advance as the
+    loop's do), and every rank's sum into fp32 and fp16 slices, with zero, inf and NaN entries."""
+    loop, batched = _quantizers()[which], _quantizers()[which]
+    keys = [f"p{i}" for i in range(len(numels))]
+    for step in range(steps):
+        ranks = [_fp4_tensors(numels, seed + 10 * step + rank) for rank in range(3)]
+        sent = []
+        for tensors in ranks:  # one compressor for the 3 ranks: each call advances every key's draws
+            counts = [loop.draws.get(key, 0) for key in keys]
+            payloads = batched.compress_segments(tensors, keys, counts)
+            want = [loop.compress(tensor, key) for tensor, key in zip(tensors, keys, strict=True)]
+            for have, expected in zip(payloads, want, strict=True):
+                assert have.numel == expected.numel and torch.equal(have.to_wire(), expected.to_wire())
+            sent.append(payloads)
+        _assert_bucket_sums_are_the_loops(
+            loop, batched, [[payloads[i] for payloads in sent] for i in range(len(numels))]
+        )
+
+
+def test_a_quantizers_compress_many_advances_every_keys_draws_as_the_loop(monkeypatch):
+    loop, batched = QSGDCompressor(seed=1), QSGDCompressor(seed=1)
+    monkeypatch.setattr(QSGDCompressor, "batches_on", lambda self, device: True)
+    keys = ["a", "b", "c"]
+    for step in range(3):
+        tensors = _fp4_tensors([700, 5, 1200], step)
+        have = batched.compress_many(tensors, keys)
+        want = [loop.compress(t, k) for t, k in zip(tensors, keys, strict=True)]
+        assert all(torch.equal(h.to_wire(), w.to_wire()) for h, w in zip(have, want, strict=True))
+        assert batched.draws == loop.draws == dict.fromkeys(keys, step + 1)
+
+
+def test_the_stochastic_quantizers_batch_on_a_gpu_with_whole_codes_per_byte():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert QSGDCompressor(levels=4).batches_on(cuda) and TernGradCompressor().batches_on(cuda)
+    assert not QSGDCompressor(levels=4).batches_on(cpu)
+    assert not QSGDCompressor(levels=3).batches_on(cuda)  # 3-bit codes straddle bytes: tensor by tensor
+    with pytest.raises(ValueError, match="codes of 1, 2, 4 or 8 bits, got 3"):
+        QSGDCompressor(levels=3).compress_segments([torch.ones(3), torch.ones(4)], ["a", "b"], [0, 0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_the_stochastic_quantizers_over_a_bucket_are_the_per_tensor_loop():
+    numels = [64 * 64 * 9, 17, 256 * 128, 5001, 3]
+    keys = [f"p{i}" for i in range(len(numels))]
+    for loop, batched in zip(_quantizers(), _quantizers(), strict=True):
+        ranks = [_fp4_tensors(numels, rank, "cuda") for rank in range(2)]
+        sent = []
+        for rank, tensors in enumerate(ranks):
+            batched.draws = dict(loop.draws)
+            payloads = batched.compress_many(tensors, keys)
+            for tensor, key, payload in zip(tensors, keys, payloads, strict=True):
+                assert torch.equal(payload.to_wire(), loop.compress(tensor, key).to_wire()), (loop, rank, key)
+            sent.append(payloads)
+        _assert_bucket_sums_are_the_loops(loop, batched, [[p[i] for p in sent] for i in range(len(numels))], "cuda")
