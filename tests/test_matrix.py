@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc.compressors import ErrorFeedback
+from lgc.compressors.segments import DecodesSegments
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,7 +79,8 @@ class Method(NamedTuple):
     exact: float | None = None
     #: Communication delay: weights are exchanged every this many steps, gradients stay local.
     delay: int | None = None
-    #: Error feedback over top-k or the scaled sign encoding a step as one flat (ErrorFeedback.bucketed), as on a GPU.
+    #: A bucket coded at once, as on a GPU: error feedback over top-k or the scaled sign as one flat
+    #: (ErrorFeedback.bucketed), the quantizers' bucket paths (DecodesSegments.bucketed).
     bucketed: bool | None = None
 
     @property
@@ -100,6 +102,9 @@ METHODS = (
     Method("topk_bucketed", "topk", bucketed=True),
     Method("topk_fp16_values_bucketed", "topk", ("compressor.value_dtype=float16",), bucketed=True),
     Method("signsgd_bucketed", "signsgd", bucketed=True),
+    Method("qsgd_bucketed", "qsgd", bucketed=True),
+    Method("terngrad_bucketed", "terngrad", bucketed=True),
+    Method("fp4_bucketed", "fp4", bucketed=True),
     # The matrix is a plain training loop (no set_epoch): DGC's warm-up follows its steps.
     Method("dgc", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2")),
     Method("sbc", "sbc", ("compressor.density=0.05",)),
@@ -171,8 +176,8 @@ METHODS = (
     Method("lgc_rar_pca", "lgc_rar_pca", (*_LGC, "compressor.training.pca_hidden=4"), inject_step=5),
 )
 
-#: Methods without state between steps (no step guard: an inf/NaN passes through their sum).
-_STATELESS = {"none", "fp16", "fp16_bf16", "fp4", "torch_fp16", "torch_bf16"}
+#: Configs without state between steps (no step guard: an inf/NaN passes through their sum).
+_STATELESS = {"none", "fp16", "fp4", "torch_fp16", "torch_bf16"}
 
 #: Configs that are variants of another one (``defaults:``), covered through it.
 _VARIANTS = {"lgc_rar_paper", "lgc_ps_paper"}
@@ -341,7 +346,7 @@ def _train(case: Case, node: dict, comm: dict, rank: int, *, reference: bool, om
     plain = _ddp(case) if reference else None
     state = _hook_state(node, comm, net)
     if method.bucketed is not None:
-        assert isinstance(state.compressor, ErrorFeedback)
+        assert isinstance(state.compressor, ErrorFeedback | DecodesSegments)
         state.compressor.bucketed = method.bucketed
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -447,7 +452,7 @@ def _check(case: Case, per_rank: list[dict]) -> None:
             step = method.guard_step
             before, after = run["states"][f"before{step}"], run["states"][f"after{step}"]
             changed = [k for k in before if not _same(before[k], after.get(k))]
-            if method.name in _STATELESS:
+            if method.config in _STATELESS:
                 # Stateless methods run bucket by bucket without a guard; their step counter only
                 # drives the dense start (start_iter) and counts the step.
                 changed = [k for k in changed if k != "/iteration"]

@@ -7,10 +7,10 @@ the requested density) compresses and decompresses a gradient with ResNet-50's p
 gradient, with the parameters' shapes attached as the hook attaches them (DeMo and chunked top-k
 tile by shape; ``--numel`` sizes are vectors), encoded by ``compress_many`` and decoded into the
 slices of one flat by ``aggregate_many``. DGC is timed past its warm-up epochs, at the requested
-density. Error feedback over top-k and over EF-signSGD's scaled sign runs twice more each, tensor
-by tensor (``topk_per_tensor``, ``signsgd_per_tensor``) and as one flat (``topk_bucketed``,
-``signsgd_bucketed``, :meth:`~lgc.compressors.ErrorFeedback.compress_many`), whichever the device's
-default (the ``topk`` and ``signsgd`` rows) is.
+density. Every codec with a bucket-level path (:data:`BUCKET_CODECS`: error feedback over top-k
+and over EF-signSGD's scaled sign, QSGD, TernGrad, fp4) runs twice more, tensor by tensor
+(``qsgd_per_tensor``) and a bucket at once (``qsgd_bucketed``; ``bucketed`` set on the compressor or
+its error feedback), whichever the device's default (the ``qsgd`` row) is.
 
 The reference every time is divided by ("x fp16") is the cheapest honest thing a DDP fp16 hook
 does: for every tensor, ``half.copy_(g)`` then ``out.copy_(half)`` into buffers allocated once
@@ -70,11 +70,22 @@ from lgc.compressors import Compressor
 from lgc.compressors.segment_topk import segment_topk
 from lgc.compressors.topk import num_selected
 
-__all__ = ["benchmark_compressors", "golomb_bits", "interleaved_schedule", "resnet50_numels", "resnet50_shapes"]
+__all__ = [
+    "BUCKET_CODECS",
+    "benchmark_compressors",
+    "golomb_bits",
+    "interleaved_schedule",
+    "resnet50_numels",
+    "resnet50_shapes",
+]
 
 
 #: The reference every "x fp16" ratio divides by.
 REFERENCE = "fp16_per_layer"
+
+
+#: The configs whose codec has a bucket-level path, timed both ways (``bucketed`` False and True).
+BUCKET_CODECS = ("topk", "signsgd", "qsgd", "terngrad", "fp4")
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:
@@ -284,9 +295,9 @@ def benchmark_compressors(
         for name, compressor in configured.items()
         if not only or name in only
     ]
-    for name in ("topk", "signsgd"):
+    for name in BUCKET_CODECS:
         if name in configured and (not only or name in only):
-            # Both encodings of error feedback over a bucket-level codec, whichever the device's default is.
+            # Both encodings of a codec with a bucket-level path, whichever the device's default is.
             for bucketed in (False, True):
                 variant = copy.deepcopy(configured[name])
                 variant.bucketed = bucketed  # type: ignore[attr-defined]

@@ -139,10 +139,9 @@ class FP4Compressor(DecodesSegments, Compressor):
         codes = _e3m0_codes(ratio, flat)
         return FP4Payload(numel=numel, scales=scales.float(), codes=pack_uint(codes, _CODE_BITS))
 
-    def batches_on(self, device: torch.device) -> bool:
-        """Whether :meth:`compress_many` and :meth:`aggregate_many` take a bucket at once: on a GPU, with buckets
-        of an even size (a tensor's codes then end on a byte, padded to whole buckets); the CPU's loop is cheaper."""
-        return self.bucket_size is not None and self.bucket_size % 2 == 0 and device.type != "cpu"
+    def segments_supported(self) -> bool:
+        """Buckets of an even size: a tensor's codes, padded to whole buckets, then end on a byte."""
+        return self.bucket_size is not None and self.bucket_size % 2 == 0
 
     def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
         if len(tensors) < 2 or not self.batches_on(tensors[0].device):

@@ -275,11 +275,9 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
 
     # -- a bucket at once (a GPU's default) -----------------------------------------------------
 
-    def batches_on(self, device: torch.device) -> bool:
-        """Whether :meth:`compress_many` and :meth:`aggregate_many` take a bucket at once: on a GPU, where a few
-        kernels per tensor cost more than the arithmetic, with codes of 1, 2, 4 or 8 bits (whole codes per
-        byte; ``s`` = 1 and 4 to 127); tensor by tensor on the CPU, whose loop is the faster one."""
-        return device.type != "cpu" and 8 % self.code_bits == 0
+    def segments_supported(self) -> bool:
+        """Codes of 1, 2, 4 or 8 bits (``s`` = 1 and 4 to 127): whole codes per byte."""
+        return 8 % self.code_bits == 0
 
     def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
         if len(tensors) < 2 or not self.batches_on(tensors[0].device) or len(set(keys)) != len(keys):

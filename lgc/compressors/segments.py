@@ -19,9 +19,29 @@ __all__ = ["DecodesSegments", "copy_segments_into", "pad_segments", "unpad_segme
 
 
 class DecodesSegments:
-    """Mixin for a compressor that sums a bucket's gathered payloads at once (``decode_segments``) where its
-    ``batches_on`` says so, and tensor by tensor (the base's ``aggregate_many``) elsewhere. fp4, QSGD and
-    TernGrad put it before :class:`~lgc.compressors.base.Compressor` in their bases."""
+    """Mixin for a compressor with a bucket-level path: ``compress_many`` encodes a bucket at once and
+    ``aggregate_many`` sums its gathered payloads at once (``decode_segments``) where :meth:`batches_on`
+    says so, tensor by tensor (the base's loops) elsewhere. fp4, QSGD and TernGrad put it before
+    :class:`~lgc.compressors.base.Compressor` in their bases.
+
+    ``bucketed`` chooses where: None (default) on a GPU, where a few kernels per tensor cost more
+    than the arithmetic, and tensor by tensor on the CPU, whose loop is the faster one
+    (``lgc-bench compressors`` measures both); True everywhere (the test matrix runs it on the CPU
+    through the hook), False nowhere. Both paths give the same payloads and sums, bit for bit.
+    """
+
+    #: Where a bucket is coded at once: None (a GPU), True (everywhere) or False (nowhere).
+    bucketed: bool | None = None
+
+    def segments_supported(self) -> bool:
+        """Whether this configuration has a bucket-level path at all (every one, unless a compressor says)."""
+        return True
+
+    def batches_on(self, device: Any) -> bool:
+        """Whether :meth:`compress_many` and :meth:`aggregate_many` take a bucket at once on ``device``."""
+        if not self.segments_supported():
+            return False
+        return self.bucketed if self.bucketed is not None else device.type != "cpu"
 
     def decode_segments(self, payloads: Sequence[Sequence[Any]], outs: Sequence[Tensor]) -> None:
         """Every rank's payloads of a bucket's tensors (``payloads[i]``: tensor ``i``'s) summed into ``outs``."""

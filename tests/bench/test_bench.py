@@ -16,19 +16,21 @@ def test_resnet50_has_the_documented_number_of_elements():
 
 
 def test_compressor_benchmark_reports_every_configured_compressor(tmp_path, capsys):
-    from lgc.bench.compressors import _configured_compressors
+    from lgc.bench.compressors import BUCKET_CODECS, _configured_compressors
 
     out = tmp_path / "bench.json"
     main(["compressors", "--numel", "5000", "70000", "--repeats", "1", "--density", "0.01", "--json", str(out)])
     result = json.loads(out.read_text())
     rows = {row["compressor"]: row for row in result["rows"]}
-    # Error feedback over top-k and over the scaled sign, both ways each encodes.
-    variants = {f"{name}_{way}" for name in ("topk", "signsgd") for way in ("per_tensor", "bucketed")}
+    # Every codec with a bucket-level path, both ways it encodes (error feedback's says which in its repr).
+    variants = {f"{name}_{way}" for name in BUCKET_CODECS for way in ("per_tensor", "bucketed")}
+    assert set(BUCKET_CODECS) == {"topk", "signsgd", "qsgd", "terngrad", "fp4"}
     assert set(rows) == set(_configured_compressors(0.01)) | variants
     assert set(rows) >= {"none", "fp16", "topk", "dgc"}
     for name in ("topk", "signsgd"):
         assert "bucketed=True" in rows[f"{name}_bucketed"]["description"]
         assert "bucketed=False" in rows[f"{name}_per_tensor"]["description"]
+    for name in BUCKET_CODECS:
         for way in ("per_tensor", "bucketed"):
             assert rows[f"{name}_{way}"]["bits_per_element"] == rows[name]["bits_per_element"]
     assert result["numel"] == 75_000

@@ -210,9 +210,9 @@ def test_the_stochastic_quantizers_over_a_bucket_are_the_per_tensor_loop(numels,
         )
 
 
-def test_a_quantizers_compress_many_advances_every_keys_draws_as_the_loop(monkeypatch):
+def test_a_quantizers_compress_many_advances_every_keys_draws_as_the_loop():
     loop, batched = QSGDCompressor(seed=1), QSGDCompressor(seed=1)
-    monkeypatch.setattr(QSGDCompressor, "batches_on", lambda self, device: True)
+    batched.bucketed = True  # as on a GPU
     keys = ["a", "b", "c"]
     for step in range(3):
         tensors = _fp4_tensors([700, 5, 1200], step)
@@ -227,6 +227,9 @@ def test_the_stochastic_quantizers_batch_on_a_gpu_with_whole_codes_per_byte():
     assert QSGDCompressor(levels=4).batches_on(cuda) and TernGradCompressor().batches_on(cuda)
     assert not QSGDCompressor(levels=4).batches_on(cpu)
     assert not QSGDCompressor(levels=3).batches_on(cuda)  # 3-bit codes straddle bytes: tensor by tensor
+    everywhere, nowhere = QSGDCompressor(), TernGradCompressor()
+    everywhere.bucketed, nowhere.bucketed = True, False
+    assert everywhere.batches_on(cpu) and not nowhere.batches_on(cuda)
     with pytest.raises(ValueError, match="codes of 1, 2, 4 or 8 bits, got 3"):
         QSGDCompressor(levels=3).compress_segments([torch.ones(3), torch.ones(4)], ["a", "b"], [0, 0])
 
