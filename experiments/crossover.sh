@@ -9,7 +9,8 @@
 # 1 Gbit/s, whether its measured step beats fp16's where the model says it does (15 of the methods).
 #   1. lgc-bench network (needs root and iproute2): the measured steps and the fitted link.
 #   2. lgc-bench model with the fitted latency: the tables (model.md), the plot (model.png).
-#   3. experiments/one_message_tables.py check: crossover.md, the crossover table with the check.
+#   3. experiments/one_message_tables.py check --write: crossover.md, the crossover table with the check
+#      (and, for the committed records, the evidence page's block).
 # Resumable: the network run skips what OUT/network/network.json.gz holds, the model reuses
 # OUT/profiles.json. Needs a quiet machine (timings), about 70 min.
 #   sudo experiments/crossover.sh [OUT]
@@ -29,5 +30,4 @@ latency=$(python experiments/one_message_tables.py latency "$out/network/network
 lgc-bench model --model resnet50,resnet8,resnet20,pspnet_small --workers 4,8,64 --bandwidth 100mbit,1gbit,10gbit \
   --latency "$latency" --methods "$methods" --profiles "$out/profiles.json" --out "$out"
 python experiments/one_message_tables.py check "$out/model.json" "$out/network/network.json.gz" \
-  --commit "$(git rev-parse --short HEAD)" > "$out/crossover.md"
-cat "$out/crossover.md"
+  --commit "$(git rev-parse --short HEAD)" --write

@@ -2,7 +2,7 @@
 
     python experiments/one_message_tables.py time BEFORE.json.gz AFTER.json.gz --setting "4 workers, 100mbit"
     python experiments/one_message_tables.py latency NETWORK.json.gz --setting "4 workers, 100mbit"
-    python experiments/one_message_tables.py check MODEL.json NETWORK.json.gz
+    python experiments/one_message_tables.py check MODEL.json NETWORK.json.gz [--write]
 
 ``time``: each method's time to the target as a multiple of the no-communication bound (95 %
 intervals over seeds) and its median step, in two ``lgc-bench network`` records of the same
@@ -10,7 +10,9 @@ setting (experiments/one_message_network.sh). ``latency``: the per-message laten
 on plain collectives, in tc syntax (experiments/crossover.sh hands it to ``lgc-bench model``).
 ``check``: the crossover table of an ``lgc-bench model`` record (the bandwidth below which each
 method's step beats the fp16 hook's) and, for its ``resnet8`` rows at 4 workers, whether the
-measured steps of a shaped-network record (Fashion-MNIST's ResNet-8, 4 workers) agree.
+measured steps of a shaped-network record (Fashion-MNIST's ResNet-8, 4 workers) agree; with
+``--write``, saved as ``crossover.md`` beside the model record, and the evidence page's block (the
+table at the comparison's scale and ResNet-50's, with the check's count) regenerated.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from lgc.bench.model import crossover_table
+
+HERE = Path(__file__).resolve().parent
+EVIDENCE = HERE.parent / "docs" / "evidence.md"
+BEGIN, END = "<!-- crossover:begin -->", "<!-- crossover:end -->"
+#: The committed records the evidence page's block is generated from.
+RECORDS = HERE / "results" / "crossover"
 
 
 def _network(path: Path) -> dict[str, Any]:
@@ -110,7 +118,7 @@ def check_table(model_path: Path, network_path: Path, commit: str) -> str:
         crossover_table(list(results), workers, methods, results),
     ]
     if "resnet8" in results and 4 in workers:
-        lines += _check_lines(results["resnet8"]["methods"], methods, network)
+        lines += _check_lines(results["resnet8"]["methods"], network)[0]
     return "\n".join(lines) + "\n"
 
 
@@ -125,7 +133,8 @@ def _model_label(label: str) -> str:
     return name + (":" + ";".join(kept) if kept else "")
 
 
-def _check_lines(predicted: dict[str, Any], methods: list[str], network: dict[str, Any]) -> list[str]:
+def _check_lines(predicted: dict[str, Any], network: dict[str, Any]) -> tuple[list[str], int, int]:
+    """The check's table and text, with how many of the measured sides the model's crossing agrees with."""
     settings = [s for s in network["results"] if s.startswith("4 workers, ")]
     # The bandwidth each link delivered (fitted on plain collectives), not the shaper's nominal rate.
     rates = {s: network["calibrations"][s]["bytes_per_s"] for s in settings}
@@ -173,7 +182,41 @@ def _check_lines(predicted: dict[str, Any], methods: list[str], network: dict[st
         )
         + "."
     )
-    return lines
+    return lines, agreed, total
+
+
+def evidence_block(model_path: Path, network_path: Path) -> str:
+    """The evidence page's crossover block: ResNet-50's columns and the comparison's models at 4 workers."""
+    model = json.loads(model_path.read_text())
+    results, arguments = model["results"], model["arguments"]
+    methods = list(next(iter(results.values()))["methods"])
+    workers = [int(w) for w in arguments["workers"].split(",")]
+    _, agreed, total = _check_lines(results["resnet8"]["methods"], _network(network_path))
+    resnet50 = crossover_table(["resnet50"], workers, methods, {"resnet50": results["resnet50"]})
+    comparison = [name for name in results if name != "resnet50"]
+    small = crossover_table(comparison, [4], methods, results)
+    return "\n".join(
+        [
+            f"At a per-message latency of {arguments['latency']} (fitted on the shaped network), from each "
+            "method's codec time and collectives measured on this 2-core machine and the alpha-beta cost model: "
+            "the link bandwidth per direction below which (`<`) or above which (`>`) a method's step is shorter "
+            "than PyTorch's fp16 hook's. ResNet-50 with a GPU's 100 ms of compute per step:\n",
+            resnet50 + "\n",
+            "The comparison's models on their data, 4 workers, compute measured here:\n",
+            small + "\n",
+            f"Over a shaped network (ResNet-8 on Fashion-MNIST, 4 workers, 100 Mbit/s and 1 Gbit/s), the "
+            f"model's side (faster or slower than fp16) agrees with the measured one in {agreed} of {total} "
+            "cases (`experiments/results/crossover/crossover.md`).",
+        ]
+    )
+
+
+def replace_in(page: str, text: str) -> str:
+    """``page`` with the text between :data:`BEGIN` and :data:`END` replaced by ``text``."""
+    start, end = page.find(BEGIN), page.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{EVIDENCE.name} has no {BEGIN} ... {END} block")
+    return page[: start + len(BEGIN)] + "\n" + text + "\n" + page[end:]
 
 
 def main() -> None:
@@ -191,13 +234,19 @@ def main() -> None:
     check_parser.add_argument("model", type=Path)
     check_parser.add_argument("network", type=Path)
     check_parser.add_argument("--commit", default="-")
+    check_parser.add_argument("--write", action="store_true", help="save crossover.md and the evidence block")
     args = parser.parse_args()
     if args.command == "time":
         print(time_table(args.before, args.after, args.setting, args.commit), end="")
     elif args.command == "latency":
         print(latency(args.record, args.setting))
     else:
-        print(check_table(args.model, args.network, args.commit), end="")
+        text = check_table(args.model, args.network, args.commit)
+        print(text, end="")
+        if args.write:
+            (args.model.parent / "crossover.md").write_text(text)
+            if args.model.resolve().parent == RECORDS:  # the committed records: the evidence page follows them
+                EVIDENCE.write_text(replace_in(EVIDENCE.read_text(), evidence_block(args.model, args.network)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""The step-speed tables (``experiments/one_message_tables.py``) on hand-made records: the crossover
+table, its check against a shaped network's measured steps, and the before/after time to accuracy."""
+
+import gzip
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lgc.bench.cli import main
+from lgc.bench.cost_model import CollectiveCall, MethodProfile
+
+EXPERIMENTS = Path(__file__).parents[2] / "experiments"
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("one_message_tables", None)
+    return importlib.import_module("one_message_tables")
+
+
+def _profile(method: str, overhead: float, trace: list[tuple[str, int, int]], overlaps: bool) -> dict:
+    return MethodProfile(method, 0.05, overhead, 0.0, overlaps, [CollectiveCall(*c) for c in trace]).to_json()
+
+
+def _model(tmp_path: Path) -> Path:
+    """lgc-bench model over cached ResNet-8 and ResNet-50 profiles: dense, fp16, a cheap sparse codec, a costly one."""
+    profiles = {
+        "none": _profile("none", 0.0, [("all_reduce", 300_000, 1)], True),
+        "torch_fp16": _profile("torch_fp16", 0.001, [("all_reduce", 150_000, 1)], True),
+        "dgc": _profile("dgc", 0.005, [("all_reduce", 24, 1), ("all_gather", 3_000, 1)], False),
+        "demo": _profile("demo", 0.5, [("all_gather", 20_000, 1)], False),
+    }
+    cache = tmp_path / "profiles.json"
+    cache.write_text(json.dumps({"resnet8": profiles, "resnet50": profiles}))
+    main(
+        [
+            "model", "--model", "resnet50,resnet8", "--workers", "4,8", "--bandwidth", "100mbit",
+            "--latency", "1ms", "--methods", "none,torch_fp16,dgc,demo", "--profiles", str(cache),
+            "--out", str(tmp_path / "model"),
+        ]
+    )  # fmt: skip
+    return tmp_path / "model" / "model.json"
+
+
+def _network(tmp_path: Path, steps_ms: dict[str, tuple[float, float]]) -> Path:
+    """A shaped-network record at 100 Mbit/s and 1 Gbit/s with these measured steps (ms)."""
+    settings = {"4 workers, 100mbit": (0, 11.5e6), "4 workers, 1gbit": (1, 22e6)}
+    record = {
+        "results": {
+            setting: [{"method": m, "step_s": steps[index] / 1000} for m, steps in steps_ms.items()]
+            for setting, (index, _) in settings.items()
+        },
+        "calibrations": {s: {"latency_s": 0.001, "bytes_per_s": rate} for s, (_, rate) in settings.items()},
+    }
+    path = tmp_path / "network.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(record).encode()))
+    return path
+
+
+def test_the_check_reads_each_methods_side_against_the_models_crossing(tables, tmp_path):
+    model = _model(tmp_path)
+    crossings = json.loads(model.read_text())["results"]["resnet8"]["methods"]
+    # DGC's few bytes beat fp16's 150 KB ring below some bandwidth; DeMo's 0.5 s codec only on a slow link.
+    assert crossings["dgc"]["crossover_bytes_per_s"]["torch_fp16@4"][0] == "below"
+    side, demo_at = crossings["demo"]["crossover_bytes_per_s"]["torch_fp16@4"]
+    assert side == "below" and demo_at < 11.5e6
+    dgc_at = crossings["dgc"]["crossover_bytes_per_s"]["torch_fp16@4"][1]
+    # Measured: DGC beats fp16 on both links, DeMo on neither; the training-only knobs map to the model's rows.
+    network = _network(
+        tmp_path, {"torch_fp16": (100, 60), "dgc:steps_per_epoch=6": (80, 50), "demo:lr=0.003": (150, 120)}
+    )
+    lines, agreed, total = tables._check_lines(crossings, json.loads(gzip.decompress(network.read_bytes())))
+    # DGC agrees wherever the delivered bandwidth lies below its crossing; DeMo everywhere.
+    expected = 2 + sum(rate < dgc_at for rate in (11.5e6, 22e6))
+    assert (agreed, total) == (expected, 4)
+    assert any(line.startswith("| dgc:steps_per_epoch=6 | 0.80 |") for line in lines)
+    text = tables.check_table(model, network, "abc1234")
+    assert "(abc1234)" in text and "| method | resnet50, 4 workers | resnet50, 8 workers | resnet8, 4 workers |" in text
+    block = tables.evidence_block(model, network)
+    assert f"agrees with the measured one in {expected} of 4 cases" in block
+    assert "| method | resnet8, 4 workers |" in block and "| demo | < " in block
+
+
+def test_the_model_label_drops_only_the_knobs_that_do_not_change_a_steps_cost(tables):
+    assert tables._model_label("dgc:steps_per_epoch=6") == "dgc"
+    assert tables._model_label("demo:lr=0.003") == "demo"
+    assert tables._model_label("none:delay=10;outer=sgd") == "none:delay=10;outer=sgd"
+    assert tables._model_label("sparseloco:delay=10;lr=0.1") == "sparseloco:delay=10"
+
+
+def test_the_evidence_block_is_replaced_between_its_markers_only(tables):
+    page = f"before\n{tables.BEGIN}\nold\n{tables.END}\nafter\n"
+    assert tables.replace_in(page, "new") == f"before\n{tables.BEGIN}\nnew\n{tables.END}\nafter\n"
+    with pytest.raises(SystemExit, match="no <!-- crossover:begin -->"):
+        tables.replace_in("nothing here", "new")
