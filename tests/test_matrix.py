@@ -79,8 +79,8 @@ class Method(NamedTuple):
     exact: float | None = None
     #: Communication delay: weights are exchanged every this many steps, gradients stay local.
     delay: int | None = None
-    #: A bucket coded at once, as on a GPU: error feedback over top-k or the scaled sign as one flat
-    #: (ErrorFeedback.bucketed), the quantizers' bucket paths (DecodesSegments.bucketed).
+    #: A bucket coded at once, as on a GPU: error feedback over top-k, the scaled sign or chunked top-k as
+    #: one flat (ErrorFeedback.bucketed), the quantizers' bucket paths (DecodesSegments.bucketed).
     bucketed: bool | None = None
 
     @property
@@ -155,6 +155,7 @@ METHODS = (
     Method("shared_topk_int4", "shared_topk", (*_SHARED, "compressor.values=int4", _GOLOMB)),
     Method("leader_scaled", "leader_scaled", _SHARED, inject_step=4),
     Method("chunked_topk", "chunked_topk", ("compressor.chunk=64", "compressor.k=4")),
+    Method("chunked_topk_bucketed", "chunked_topk", ("compressor.chunk=8", "compressor.k=4"), bucketed=True),
     Method("sparseloco", "sparseloco", _SPARSELOCO),
     Method(
         "sparseloco_topk",

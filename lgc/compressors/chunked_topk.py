@@ -59,6 +59,7 @@ Departures from the reference:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -66,7 +67,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload
-from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, tile_layout
+from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, rows_topk, tile_layout
 from lgc.compressors.topk import SparseMeanAggregation, SparsePayload, check_aggregation, wire_float_dtype
 from lgc.validation import PositiveInt
 
@@ -160,6 +161,54 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
             indices=indices,
             positions=layout.pack(local),
         )
+
+    def feed_back_segments(
+        self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]
+    ) -> list[ChunkedSparsePayload]:
+        """Every segment's payload (``keys[i]``'s tiles) at once, what they send subtracted from ``flat``
+        (:class:`~lgc.compressors.segments.FeedsBackSegments`; error feedback's bucket path).
+
+        The tiles of every tensor that share a size and a count to keep are selected by one top-k
+        (:func:`~lgc.compressors.tiles.rows_topk` over all their rows: a 64 x 64 tile is one row of
+        4,096 whatever tensor it comes from), so a bucket takes one selection per distinct tile
+        shape, not one per tensor; a tile's selection depends on its row alone. The values are
+        gathered from the flat and subtracted from it at once (one ``index_add_``). The positions are
+        each tensor's, packed at its own width.
+        """
+        layouts = [self.layout(key, n) for key, n in zip(keys, numels, strict=True)]
+        ordered = [layout.order(segment) for layout, segment in zip(layouts, flat.split(list(numels)), strict=True)]
+        # Every tile group of every tensor, grouped by (entries per tile, entries kept).
+        groups: dict[tuple[int, int], list[tuple[int, int, Tensor]]] = {}
+        for index, (layout, tiles) in enumerate(zip(layouts, ordered, strict=True)):
+            start = 0
+            for number, group in enumerate(layout.groups):
+                rows = tiles[start : start + group.tiles * group.size].view(group.tiles, group.size)
+                groups.setdefault((group.size, group.keep), []).append((index, number, rows))
+                start += group.tiles * group.size
+        selected: dict[tuple[int, int], Tensor] = {}
+        for (size, keep), members in groups.items():
+            if keep == size:
+                chosen = [torch.arange(size, device=flat.device).repeat(rows.shape[0]) for _, _, rows in members]
+            else:
+                rows = torch.cat([rows for _, _, rows in members]) if len(members) > 1 else members[0][2]
+                found = rows_topk(rows, keep)
+                chosen = [part.reshape(-1) for part in found.split([r.shape[0] for _, _, r in members])]
+            selected.update({(index, number): c for (index, number, _), c in zip(members, chosen, strict=True)})
+        offsets = [0, *itertools.accumulate(numels)]
+        kept: list[tuple[Tensor, Tensor]] = []  # every tensor's indices and packed positions
+        for index, layout in enumerate(layouts):
+            parts = [selected[(index, number)] for number in range(len(layout.groups))]
+            local = torch.cat(parts) if len(parts) > 1 else parts[0]
+            kept.append((layout.to_flat(layout.starts(flat.device).add_(local)), layout.pack(local)))
+        everywhere = torch.cat([indices + offset for (indices, _), offset in zip(kept, offsets, strict=False)])
+        values = flat[everywhere].to(self.value_dtype)
+        flat.index_add_(0, everywhere, values.to(flat.dtype), alpha=-1)
+        return [
+            ChunkedSparsePayload(numel=numel, values=part, indices=indices, positions=packed)
+            for numel, (indices, packed), part in zip(
+                numels, kept, values.split([indices.numel() for indices, _ in kept]), strict=True
+            )
+        ]
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, SparsePayload)

@@ -20,9 +20,8 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload
-from lgc.compressors.segment_topk import segment_topk
-from lgc.compressors.signsgd import SignSGDCompressor
-from lgc.compressors.topk import SparsePayload, TopKCompressor, segment_starts
+from lgc.compressors.segments import FeedsBackSegments
+from lgc.compressors.topk import SparsePayload
 from lgc.validation import PositiveFraction, check
 
 __all__ = ["ErrorFeedback"]
@@ -39,12 +38,6 @@ class _FlatResiduals(NamedTuple):
     numels: tuple[int, ...]
 
 
-def _has_bucket_path(compressor: Compressor) -> bool:
-    """Whether error feedback can encode a bucket of ``compressor``'s tensors as one flat: top-k's exact selection
-    per segment, or a compressor that encodes segments itself (``compress_segments``: the scaled sign)."""
-    return type(compressor) is TopKCompressor or isinstance(compressor, SignSGDCompressor)
-
-
 class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
     """Wraps ``compressor`` and feeds back what it did not send.
 
@@ -58,9 +51,9 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         decay: the factor ``beta`` in ``v = beta * r + g``, in (0, 1]. 1 (default) is plain error
             feedback: nothing is lost. Below 1 the unsent part fades geometrically and the residual
             is a momentum of the inputs: SparseLoCo's 0.95, DeMo's 0.999.
-        bucketed: how :meth:`compress_many` encodes a bucket's tensors over top-k or EF-signSGD's
-            scaled sign: as one flat, in a fixed number of passes (``True``), or tensor by tensor
-            (``False``). ``None``
+        bucketed: how :meth:`compress_many` encodes a bucket's tensors over a compressor with a
+            bucket-level path (top-k, EF-signSGD's scaled sign, chunked top-k): as one flat
+            (``True``), or tensor by tensor (``False``). ``None``
             (default): flat on a GPU, where a few kernels per tensor cost more than the arithmetic,
             and tensor by tensor on the CPU, where the per-tensor selection is the faster one
             (``lgc-bench compressors`` measures both). The payloads and residuals are the same,
@@ -91,10 +84,10 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         check("decay", decay, PositiveFraction)
         if bucketed is not None and not isinstance(bucketed, bool):
             raise ValueError(f"bucketed must be None, True or False, got {bucketed!r}")
-        if bucketed is True and not _has_bucket_path(compressor):
+        if bucketed is True and not isinstance(compressor, FeedsBackSegments):
             raise ValueError(
-                f"bucketed=True needs a compressor with a bucket-level path (TopKCompressor, SignSGDCompressor), "
-                f"got {compressor!r}"
+                "bucketed=True needs a compressor with a bucket-level path (feed_back_segments: TopKCompressor, "
+                f"SignSGDCompressor, ChunkedTopKCompressor), got {compressor!r}"
             )
         self.compressor = compressor
         self.decay = float(decay)
@@ -117,8 +110,8 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         return payload
 
     def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
-        """One bucket's tensors at once; over top-k or the scaled sign (``bucketed``), as one flat in a fixed
-        number of passes.
+        """One bucket's tensors at once (``bucketed``), as one flat, over a compressor with a bucket-level path
+        (:class:`~lgc.compressors.segments.FeedsBackSegments`: top-k, the scaled sign, chunked top-k).
 
         The residuals of the bucket's tensors become slices of one flat fp32 tensor (built when the
         bucket is first seen, or when its residuals were replaced since: a checkpoint loaded, a held
@@ -129,14 +122,14 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         1. ``r = beta * r + g`` as two multi-tensor operations (``torch._foreach_mul_``,
            ``torch._foreach_add_``: one kernel for many tensors on a GPU); a tensor without a
            residual yet takes its gradient, as :meth:`compress` does;
-        2. every tensor's exact top-k of the flat (:func:`~lgc.compressors.segment_topk.segment_topk`,
-           ``k = ceil(density * numel)`` each, as :class:`~lgc.compressors.TopKCompressor` keeps);
-        3. the values gathered and subtracted from the flat at once (one ``index_add_``), and every
-           tensor's payload a slice of the gathered values and of the indices made local.
-
-        Over the scaled sign, steps 2 and 3 are :meth:`~lgc.compressors.SignSGDCompressor.compress_segments`
-        (every scale in one multi-tensor norm, the signs packed at once) and one subtraction of what
-        the payloads decode to: the same payloads and residuals, bit for bit.
+        2. the compressor's ``feed_back_segments`` encodes every segment and subtracts what it sends
+           from the flat. Top-k: every tensor's exact top-k of the flat
+           (:func:`~lgc.compressors.segment_topk.segment_topk`, ``k = ceil(density * numel)`` each),
+           the values gathered and subtracted at once (one ``index_add_``), each payload a slice of
+           them with its indices made local. The scaled sign: every scale in one multi-tensor norm,
+           the signs packed at once, one subtraction of what the payloads decode to. Chunked top-k:
+           one top-k over the tiles of every tensor of a size
+           (:meth:`~lgc.compressors.ChunkedTopKCompressor.feed_back_segments`).
 
         The arithmetic per entry is :meth:`compress`'s, so residuals are bitwise equal and every
         payload holds the same (value, index) pairs, in another order: each tensor's largest
@@ -145,26 +138,13 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         """
         if not self._flat_path(tensors, keys):
             return super().compress_many(tensors, keys)
-        inner = self.compressor
-        flat, views, numels = self._flat_residuals(tensors, keys)
-        if not isinstance(inner, TopKCompressor):
-            # A dense payload per segment (EF-signSGD): subtract what the payloads decode to, all at once.
-            payloads, sent = inner.compress_segments(flat, numels)  # type: ignore[attr-defined]
-            flat.sub_(sent)
-            return payloads
-        ks = [inner.selected_count(numel) for numel in numels]
-        positions = segment_topk(flat, numels, ks)
-        values = flat[positions].to(inner.value_dtype)
-        flat.index_add_(0, positions, values.to(flat.dtype), alpha=-1)
-        local = (positions - segment_starts(numels, ks, flat.device)).to(torch.int32)
-        return [
-            SparsePayload(numel=numel, values=v, indices=i)
-            for numel, v, i in zip(numels, values.split(ks), local.split(ks), strict=True)
-        ]
+        flat, _, numels = self._flat_residuals(tensors, keys)
+        assert isinstance(self.compressor, FeedsBackSegments)
+        return list(self.compressor.feed_back_segments(flat, numels, keys))
 
     def batches_on(self, device: torch.device) -> bool:
-        """Whether :meth:`compress_many` encodes as one flat on ``device`` (top-k, scaled sign; see ``bucketed``)."""
-        if not _has_bucket_path(self.compressor) or self.bucketed is False:
+        """Whether :meth:`compress_many` encodes as one flat on ``device`` (see ``bucketed``)."""
+        if not isinstance(self.compressor, FeedsBackSegments) or self.bucketed is False:
             return False
         return self.bucketed is True or device.type != "cpu"
 

@@ -10,12 +10,29 @@ once (:func:`copy_segments_into`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-__all__ = ["DecodesSegments", "copy_segments_into", "pad_segments", "unpad_segments"]
+__all__ = ["DecodesSegments", "FeedsBackSegments", "copy_segments_into", "pad_segments", "unpad_segments"]
+
+
+@runtime_checkable
+class FeedsBackSegments(Protocol):
+    """A compressor whose error feedback can encode a whole bucket at once
+    (:meth:`~lgc.compressors.ErrorFeedback.compress_many` with ``bucketed``): top-k, EF-signSGD's scaled
+    sign, chunked top-k."""
+
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[Any]:
+        """Every segment's payload (``numels[i]`` entries of ``flat`` for ``keys[i]``), and what they send
+        subtracted from ``flat`` in place, which is left holding the new residuals.
+
+        ``flat`` is fp32, the segments end to end. Each payload and residual is :meth:`compress`'s of
+        its segment followed by error feedback's subtraction, bit for bit (a sparse payload's pairs
+        may come in another order; entries tied at a top-k's cut may be chosen differently).
+        """
+        ...
 
 
 class DecodesSegments:

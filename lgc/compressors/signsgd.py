@@ -155,6 +155,13 @@ class SignSGDCompressor(DecodesInto, Compressor):
         spread = scales.repeat_interleave(torch.tensor(list(numels), device=flat.device), output_size=flat.numel())
         return payloads, torch.where(negative, -spread, spread)
 
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[SignPayload]:
+        """:meth:`compress_segments` and what the payloads decode to subtracted from ``flat`` at once
+        (:class:`~lgc.compressors.segments.FeedsBackSegments`)."""
+        payloads, sent = self.compress_segments(flat, numels)
+        flat.sub_(sent)
+        return payloads
+
     def batches_on(self, device: torch.device) -> bool:
         """On a GPU, where a few kernels per tensor cost more than the arithmetic (the CPU's loop is cheaper)."""
         return device.type != "cpu"

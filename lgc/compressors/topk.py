@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.segment_topk import segment_topk
 from lgc.compressors.segments import copy_segments_into
 from lgc.compressors.selection import topk_indices
 from lgc.validation import Density, check
@@ -306,6 +307,20 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
 
     def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SparsePayload:
         return SparsePayload.from_wire(wire, numel, self.value_dtype)
+
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[Payload]:
+        """Every segment's exact top-k at once (:func:`~lgc.compressors.segment_topk.segment_topk`), the
+        values gathered and subtracted from ``flat`` in one ``index_add_``, each payload a slice of them
+        with its indices made local (:class:`~lgc.compressors.segments.FeedsBackSegments`)."""
+        ks = [self.selected_count(numel) for numel in numels]
+        positions = segment_topk(flat, numels, ks)
+        values = flat[positions].to(self.value_dtype)
+        flat.index_add_(0, positions, values.to(flat.dtype), alpha=-1)
+        local = (positions - segment_starts(numels, ks, flat.device)).to(torch.int32)
+        return [
+            SparsePayload(numel=numel, values=v, indices=i)
+            for numel, v, i in zip(numels, values.split(ks), local.split(ks), strict=True)
+        ]
 
     def __repr__(self) -> str:
         dtype = (
