@@ -17,5 +17,4 @@ lgc-bench network --task fashion_mnist --workers 4 --bandwidth 100mbit --seeds "
   --eval-every 50 --target 0.86 --methods "none,torch_fp16,dgc:steps_per_epoch=6,shared_topk_int8,lgc_rar" \
   --out "$out"
 python experiments/one_message_tables.py time "$before/network.json.gz" "$out/network.json.gz" \
-  --setting "4 workers, 100mbit" --commit "$(git rev-parse --short HEAD)" > "$out/README.md"
-cat "$out/README.md"
+  --setting "4 workers, 100mbit" --commit "$(git rev-parse --short HEAD)" --write

@@ -28,8 +28,10 @@ from lgc.bench.model import crossover_table
 HERE = Path(__file__).resolve().parent
 EVIDENCE = HERE.parent / "docs" / "evidence.md"
 BEGIN, END = "<!-- crossover:begin -->", "<!-- crossover:end -->"
-#: The committed records the evidence page's block is generated from.
+TIME_BEGIN, TIME_END = "<!-- one-message-time:begin -->", "<!-- one-message-time:end -->"
+#: The committed records the evidence page's blocks are generated from.
 RECORDS = HERE / "results" / "crossover"
+TIME_RECORDS = HERE / "results" / "one_message_network"
 
 
 def _network(path: Path) -> dict[str, Any]:
@@ -211,12 +213,12 @@ def evidence_block(model_path: Path, network_path: Path) -> str:
     )
 
 
-def replace_in(page: str, text: str) -> str:
-    """``page`` with the text between :data:`BEGIN` and :data:`END` replaced by ``text``."""
-    start, end = page.find(BEGIN), page.find(END)
-    if start < 0 or end < start:
-        raise SystemExit(f"{EVIDENCE.name} has no {BEGIN} ... {END} block")
-    return page[: start + len(BEGIN)] + "\n" + text + "\n" + page[end:]
+def replace_in(page: str, text: str, begin: str = BEGIN, end: str = END) -> str:
+    """``page`` with the text between ``begin`` and ``end`` (the crossover block's markers) replaced by ``text``."""
+    start, stop = page.find(begin), page.find(end)
+    if start < 0 or stop < start:
+        raise SystemExit(f"{EVIDENCE.name} has no {begin} ... {end} block")
+    return page[: start + len(begin)] + "\n" + text + "\n" + page[stop:]
 
 
 def main() -> None:
@@ -227,6 +229,7 @@ def main() -> None:
     time_parser.add_argument("after", type=Path)
     time_parser.add_argument("--setting", required=True)
     time_parser.add_argument("--commit", default="-")
+    time_parser.add_argument("--write", action="store_true", help="save README.md beside AFTER and the evidence block")
     latency_parser = sub.add_parser("latency")
     latency_parser.add_argument("record", type=Path)
     latency_parser.add_argument("--setting", required=True)
@@ -237,7 +240,13 @@ def main() -> None:
     check_parser.add_argument("--write", action="store_true", help="save crossover.md and the evidence block")
     args = parser.parse_args()
     if args.command == "time":
-        print(time_table(args.before, args.after, args.setting, args.commit), end="")
+        text = time_table(args.before, args.after, args.setting, args.commit)
+        print(text, end="")
+        if args.write:
+            (args.after.parent / "README.md").write_text(text)
+            if args.after.resolve().parent == TIME_RECORDS:  # the committed records: the evidence page follows
+                block = text.split("\n", 2)[2].strip()  # the table and its notes, without the title
+                EVIDENCE.write_text(replace_in(EVIDENCE.read_text(), block, TIME_BEGIN, TIME_END))
     elif args.command == "latency":
         print(latency(args.record, args.setting))
     else:

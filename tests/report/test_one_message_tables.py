@@ -97,3 +97,27 @@ def test_the_evidence_block_is_replaced_between_its_markers_only(tables):
     assert tables.replace_in(page, "new") == f"before\n{tables.BEGIN}\nnew\n{tables.END}\nafter\n"
     with pytest.raises(SystemExit, match="no <!-- crossover:begin -->"):
         tables.replace_in("nothing here", "new")
+
+
+def test_the_time_table_sets_before_beside_after_for_every_method_of_the_after_record(tables, tmp_path):
+    def record(name: str, steps: dict[str, float], x_bound: dict[str, float]) -> Path:
+        setting = "4 workers, 100mbit"
+        methods = [
+            {"method": m, "seeds": [0, 1, 2], "reached": 3, "x_bound": {"mean": x, "half_width": 0.1}}
+            for m, x in x_bound.items()
+        ]
+        data = {
+            "results": {setting: [{"method": m, "step_s": ms / 1000} for m, ms in steps.items()]},
+            "over_seeds": {setting: {"target": 0.86, "bound_s": {"mean": 40.0, "half_width": 5.0}, "methods": methods}},
+        }
+        path = tmp_path / name / "network.json.gz"
+        path.parent.mkdir()
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+        return path
+
+    before = record("before", {"none": 127.4, "dgc": 108.9, "demo": 147.5}, {"none": 1.61, "dgc": 1.79, "demo": 1.97})
+    after = record("after", {"none": 120.0, "dgc": 90.0}, {"none": 1.6, "dgc": 1.4})
+    text = tables.time_table(before, after, "4 workers, 100mbit", "abc1234")
+    assert text.startswith("# Time to 0.86 at 100mbit, before and after (after: abc1234)")
+    assert "| dgc | 3/3 | 1.79 ± 0.10 | 108.9 | 3/3 | 1.40 ± 0.10 | 90.0 |" in text
+    assert "| demo |" not in text  # only the after record's methods
