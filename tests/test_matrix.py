@@ -157,6 +157,7 @@ METHODS = (
     Method("chunked_topk", "chunked_topk", ("compressor.chunk=64", "compressor.k=4")),
     Method("chunked_topk_bucketed", "chunked_topk", ("compressor.chunk=8", "compressor.k=4"), bucketed=True),
     Method("sparseloco", "sparseloco", _SPARSELOCO),
+    Method("sparseloco_bucketed", "sparseloco", _SPARSELOCO, bucketed=True),
     Method(
         "sparseloco_topk",
         "sparseloco",

@@ -8,7 +8,8 @@ gradient, with the parameters' shapes attached as the hook attaches them (DeMo a
 tile by shape; ``--numel`` sizes are vectors), encoded by ``compress_many`` and decoded into the
 slices of one flat by ``aggregate_many``. DGC is timed past its warm-up epochs, at the requested
 density. Every codec with a bucket-level path (:data:`BUCKET_CODECS`: error feedback over top-k,
-EF-signSGD's scaled sign and chunked top-k, QSGD, TernGrad, fp4) runs twice more, tensor by tensor
+EF-signSGD's scaled sign, chunked top-k and SparseLoCo's quantized chunked top-k, QSGD, TernGrad,
+fp4) runs twice more, tensor by tensor
 (``qsgd_per_tensor``) and a bucket at once (``qsgd_bucketed``; ``bucketed`` set on the compressor or
 its error feedback), whichever the device's default (the ``qsgd`` row) is.
 
@@ -85,7 +86,7 @@ REFERENCE = "fp16_per_layer"
 
 
 #: The configs whose codec has a bucket-level path, timed both ways (``bucketed`` False and True).
-BUCKET_CODECS = ("topk", "signsgd", "chunked_topk", "qsgd", "terngrad", "fp4")
+BUCKET_CODECS = ("topk", "signsgd", "chunked_topk", "sparseloco", "qsgd", "terngrad", "fp4")
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:

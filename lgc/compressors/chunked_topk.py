@@ -68,7 +68,13 @@ from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, Payload
 from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, rows_topk, tile_layout
-from lgc.compressors.topk import SparseMeanAggregation, SparsePayload, check_aggregation, wire_float_dtype
+from lgc.compressors.topk import (
+    SparseMeanAggregation,
+    SparsePayload,
+    check_aggregation,
+    subtract_sent,
+    wire_float_dtype,
+)
 from lgc.validation import PositiveInt
 
 __all__ = ["ChunkedSparsePayload", "ChunkedTopKCompressor", "chunked_topk_count", "chunked_topk_nbytes"]
@@ -133,6 +139,9 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
     stateless = True
     # The reference sends every parameter through SparseLoCo.
     default_min_numel = 1
+    #: :meth:`select_segments` lists every tile's positions as :meth:`compress` does (its rows' own
+    #: top-k), so what is computed over a payload's values (SparseLoCo's table) has the same bits.
+    selects_in_compress_order = True
 
     def __init__(
         self,
@@ -162,18 +171,17 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
             positions=layout.pack(local),
         )
 
-    def feed_back_segments(
+    def select_segments(
         self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]
-    ) -> list[ChunkedSparsePayload]:
-        """Every segment's payload (``keys[i]``'s tiles) at once, what they send subtracted from ``flat``
-        (:class:`~lgc.compressors.segments.FeedsBackSegments`; error feedback's bucket path).
+    ) -> tuple[list[ChunkedSparsePayload], Tensor]:
+        """Every segment's payload (``keys[i]``'s tiles; :meth:`compress`'s, ``flat`` untouched) at once, and
+        the sent positions in ``flat`` (error feedback's bucket path: :meth:`feed_back_segments`).
 
         The tiles of every tensor that share a size and a count to keep are selected by one top-k
         (:func:`~lgc.compressors.tiles.rows_topk` over all their rows: a 64 x 64 tile is one row of
         4,096 whatever tensor it comes from), so a bucket takes one selection per distinct tile
         shape, not one per tensor; a tile's selection depends on its row alone. The values are
-        gathered from the flat and subtracted from it at once (one ``index_add_``). The positions are
-        each tensor's, packed at its own width.
+        gathered from the flat at once. The positions are each tensor's, packed at its own width.
         """
         layouts = [self.layout(key, n) for key, n in zip(keys, numels, strict=True)]
         ordered = [layout.order(segment) for layout, segment in zip(layouts, flat.split(list(numels)), strict=True)]
@@ -202,13 +210,21 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
             kept.append((layout.to_flat(layout.starts(flat.device).add_(local)), layout.pack(local)))
         everywhere = torch.cat([indices + offset for (indices, _), offset in zip(kept, offsets, strict=False)])
         values = flat[everywhere].to(self.value_dtype)
-        flat.index_add_(0, everywhere, values.to(flat.dtype), alpha=-1)
-        return [
+        payloads = [
             ChunkedSparsePayload(numel=numel, values=part, indices=indices, positions=packed)
             for numel, (indices, packed), part in zip(
                 numels, kept, values.split([indices.numel() for indices, _ in kept]), strict=True
             )
         ]
+        return payloads, everywhere
+
+    def feed_back_segments(
+        self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]
+    ) -> list[ChunkedSparsePayload]:
+        """:meth:`select_segments`, what it sends subtracted from ``flat`` in one ``index_add_``
+        (:class:`~lgc.compressors.segments.FeedsBackSegments`)."""
+        payloads, positions = self.select_segments(flat, numels, keys)
+        return list(subtract_sent(flat, payloads, positions))
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, SparsePayload)

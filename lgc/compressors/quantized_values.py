@@ -44,7 +44,7 @@ from torch import Tensor
 from lgc.coding.bitpack import pack_uint, packed_nbytes, unpack_uint
 from lgc.compressors.base import CombineMode, Compressor, ForwardsHookCalls, Payload, view_bytes_as
 from lgc.compressors.tiles import tile_layout
-from lgc.compressors.topk import SparsePayload
+from lgc.compressors.topk import SparsePayload, subtract_sent
 from lgc.validation import PositiveFloat, check
 
 __all__ = ["FixedCountSparsifier", "QuantizedPayload", "QuantizedValues", "quantize_values", "quantized_values_nbytes"]
@@ -190,6 +190,10 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
     def compress(self, tensor: Tensor, key: str) -> QuantizedPayload:
         inner = self.sparsifier.compress(tensor, key)
         assert isinstance(inner, SparsePayload), f"{self.sparsifier!r} did not return a sparse payload"
+        return self._quantized(inner)
+
+    def _quantized(self, inner: SparsePayload) -> QuantizedPayload:
+        """``inner`` with its values replaced by codes and a table (the decoded values kept in ``inner``)."""
         codes, table = quantize_values(inner.values, self.bits, self.range_sigmas)
         return QuantizedPayload(
             numel=inner.numel,
@@ -197,6 +201,26 @@ class QuantizedValues(ForwardsHookCalls, Compressor):
             table=table,
             inner=dataclasses.replace(inner, values=table[codes]),
         )
+
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[QuantizedPayload]:
+        """A bucket at once under error feedback (:class:`~lgc.compressors.segments.FeedsBackSegments`), where the
+        sparsifier selects a bucket at once in :meth:`compress`'s order (``select_segments`` with
+        ``selects_in_compress_order``: chunked top-k): its selection over the bucket, every tensor's
+        values quantized (a table per tensor, as :meth:`compress`), and what the codes stand for
+        subtracted from ``flat`` in one ``index_add_``. Each payload and residual is the per-tensor
+        path's, bit for bit. Otherwise (top-k, whose pairs come in another order there, so a table's
+        sums could round differently; a sparsifier of one's own) error feedback's loop, tensor by tensor."""
+        select = getattr(self.sparsifier, "select_segments", None)
+        if select is None or not getattr(self.sparsifier, "selects_in_compress_order", False):
+            payloads = []
+            for segment, key in zip(flat.split(list(numels)), keys, strict=True):
+                payloads.append(self.compress(segment, key))
+                payloads[-1].inner.subtract_from(segment)
+            return payloads
+        inners, positions = select(flat, numels, keys)
+        payloads = [self._quantized(inner) for inner in inners]
+        subtract_sent(flat, [payload.inner for payload in payloads], positions)
+        return payloads
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, QuantizedPayload)

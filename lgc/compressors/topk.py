@@ -35,6 +35,7 @@ __all__ = [
     "scatter_add_sparse_many",
     "segment_starts",
     "sparse_mean",
+    "subtract_sent",
     "wire_float_dtype",
 ]
 
@@ -125,6 +126,14 @@ def scatter_add_sparse_into(payloads: list[SparsePayload], out: Tensor) -> None:
     out.zero_()
     for payload in payloads:  # each adds itself (positions, or a block's slices): no concatenated copy
         payload.add_to(out)
+
+
+def subtract_sent(flat: Tensor, payloads: Sequence[SparsePayload], positions: Tensor) -> Sequence[SparsePayload]:
+    """``flat -= decode(payloads)`` at ``positions`` (theirs in ``flat``, in payload order), one ``index_add_``;
+    returns ``payloads``. Error feedback's subtraction for a bucket of sparse payloads."""
+    values = torch.cat([payload.values for payload in payloads]) if len(payloads) > 1 else payloads[0].values
+    flat.index_add_(0, positions, values.to(flat.dtype), alpha=-1)
+    return payloads
 
 
 def segment_starts(numels: Sequence[int], counts: Sequence[int], device: torch.device) -> Tensor:
@@ -308,19 +317,29 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
     def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SparsePayload:
         return SparsePayload.from_wire(wire, numel, self.value_dtype)
 
-    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[Payload]:
-        """Every segment's exact top-k at once (:func:`~lgc.compressors.segment_topk.segment_topk`), the
-        values gathered and subtracted from ``flat`` in one ``index_add_``, each payload a slice of them
-        with its indices made local (:class:`~lgc.compressors.segments.FeedsBackSegments`)."""
+    def select_segments(
+        self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]
+    ) -> tuple[list[SparsePayload], Tensor]:
+        """Every segment's payload (:meth:`compress`'s, ``flat`` untouched) and the sent positions in ``flat``.
+
+        Every segment's exact top-k at once (:func:`~lgc.compressors.segment_topk.segment_topk`), the
+        values gathered in one pass, each payload a slice of them with its indices made local.
+        """
         ks = [self.selected_count(numel) for numel in numels]
         positions = segment_topk(flat, numels, ks)
         values = flat[positions].to(self.value_dtype)
-        flat.index_add_(0, positions, values.to(flat.dtype), alpha=-1)
         local = (positions - segment_starts(numels, ks, flat.device)).to(torch.int32)
-        return [
+        payloads = [
             SparsePayload(numel=numel, values=v, indices=i)
             for numel, v, i in zip(numels, values.split(ks), local.split(ks), strict=True)
         ]
+        return payloads, positions
+
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[Payload]:
+        """:meth:`select_segments`, what it sends subtracted from ``flat`` in one ``index_add_``
+        (:class:`~lgc.compressors.segments.FeedsBackSegments`)."""
+        payloads, positions = self.select_segments(flat, numels, keys)
+        return list(subtract_sent(flat, payloads, positions))
 
     def __repr__(self) -> str:
         dtype = (

@@ -24,7 +24,7 @@ def test_compressor_benchmark_reports_every_configured_compressor(tmp_path, caps
     rows = {row["compressor"]: row for row in result["rows"]}
     # Every codec with a bucket-level path, both ways it encodes (error feedback's says which in its repr).
     variants = {f"{name}_{way}" for name in BUCKET_CODECS for way in ("per_tensor", "bucketed")}
-    assert set(BUCKET_CODECS) == {"topk", "signsgd", "chunked_topk", "qsgd", "terngrad", "fp4"}
+    assert set(BUCKET_CODECS) == {"topk", "signsgd", "chunked_topk", "sparseloco", "qsgd", "terngrad", "fp4"}
     assert set(rows) == set(_configured_compressors(0.01)) | variants
     assert set(rows) >= {"none", "fp16", "topk", "dgc"}
     for name in ("topk", "signsgd"):
