@@ -5,8 +5,9 @@
 #          lgc's collectives and point-to-point messages over gloo with CUDA tensors (two workers
 #          sharing one GPU, tests/ddp/test_gloo_devices.py), the reference comparisons on CUDA, the
 #          GPU benchmark test;
-#   lgc-bench compressors --device cuda: encode + decode of ResNet-50's gradients, with the
-#          bucket-level selection (segment_topk_flat) beside the per-tensor compressors;
+#   lgc-bench compressors --device cuda: encode + decode of ResNet-50's gradients, every codec with a
+#          bucket-level path both ways (a bucket at once and tensor by tensor: top-k, EF-signSGD,
+#          chunked top-k, SparseLoCo, QSGD, TernGrad, fp4), the bucket-level selection beside;
 #   lgc-bench step --device cuda: ResNet-50's DDP step over NCCL, one worker, batch 32 of 224x224,
 #          at densities 0.1 % and 1 %, DDP's own allreduce (ddp) and the no-communication step beside;
 #   experiments/gpu_pass_probe.py, gpu_topk_profile.py, gpu_hook_profile.py: where the top-k pass,
@@ -24,10 +25,10 @@ python -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ddp/test_devices.p
   tests/bench/test_bench.py -k "cuda or gpu" > "$out/pytest.log" 2>&1
 tail -1 "$out/pytest.log"
 lgc-bench compressors --device cuda --json "$out/compressors.json" > "$out/compressors.md" 2>&1
-grep "^|" "$out/compressors.md" | head -24
+grep "^|" "$out/compressors.md" | head -48
 for density in 0.001 0.01; do
   lgc-bench step --device cuda --workers 1 --batch-size 32 --image-size 224 --density "$density" --steps 3 --rounds 3 \
-    --methods ddp,none,torch_fp16,powersgd,topk,dgc,sbc,random_block,qsgd,shared_topk_int8,sparseloco,demo \
+    --methods ddp,none,torch_fp16,powersgd,topk,dgc,sbc,redsync,random_block,qsgd,terngrad,signsgd,fp4,chunked_topk,shared_topk_int8,sparseloco,demo \
     --json "$out/step_$density.json" > "$out/step_$density.md" 2>&1
   grep "^|" "$out/step_$density.md"
 done
