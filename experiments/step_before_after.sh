@@ -21,12 +21,24 @@ tree=$(mktemp -d)
 trap 'git -C "$root" worktree remove --force "$tree" > /dev/null 2>&1 || rm -rf "$tree"' EXIT
 git -C "$root" worktree add --detach --force "$tree" "$before" > /dev/null
 mkdir -p "$out"
+# The before run takes the methods its tree knows (an older tree may lack DDP's own row or a method).
+before_methods=$(cd "$tree" && PYTHONPATH="$tree" python - "$methods" <<'PY'
+import sys
+from pathlib import Path
+
+from lgc.api import METHODS
+
+ddp = '"ddp"' in Path("lgc/bench/step.py").read_text()
+names = [m for m in sys.argv[1].split(",") if m.split(":")[0] in METHODS or (m == "ddp" and ddp)]
+print(",".join(names))
+PY
+)
 for density in $densities; do
   for round in $(seq 1 "$rounds"); do
     # A run whose record exists is kept (a stopped comparison resumes where it was).
     [ -s "$out/before_${density}_$round.json" ] ||
       (cd "$tree" && PYTHONPATH="$tree" python -m lgc.bench.cli step --density "$density" --steps 10 --rounds 2 \
-        --methods "$methods" --json "$out/before_${density}_$round.json" > "$out/before_${density}_$round.md" 2>&1)
+        --methods "$before_methods" --json "$out/before_${density}_$round.json" > "$out/before_${density}_$round.md" 2>&1)
     [ -s "$out/after_${density}_$round.json" ] ||
       (cd "$root" && PYTHONPATH="$root" python -m lgc.bench.cli step --density "$density" --steps 10 --rounds 2 \
         --methods "$methods" --json "$out/after_${density}_$round.json" > "$out/after_${density}_$round.md" 2>&1)

@@ -350,6 +350,7 @@ def _train(case: Case, node: dict, comm: dict, rank: int, *, reference: bool, om
     if method.bucketed is not None:
         assert isinstance(state.compressor, ErrorFeedback | DecodesSegments)
         state.compressor.bucketed = method.bucketed
+        assert state.compressor.batches_on(torch.device("cpu")) == method.bucketed, f"{method.name}: no bucket path"
     state.register(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     grads, plain_grads, states, nonfinite = [], [], {}, []

@@ -138,7 +138,7 @@ class MethodProfile:
     decode_per_peer_s: float
     #: Whether the hook communicates bucket by bucket during the backward pass.
     overlaps_backward: bool
-    #: One steady step's collectives, as this worker issued them.
+    #: One steady step's collectives, as this worker issued them (``period`` steps' for a local-step method).
     trace: list[CollectiveCall] = field(default_factory=list)
     #: The compute steps measured (for the straggler term); empty when compute is a knob.
     compute_samples_s: list[float] = field(default_factory=list)

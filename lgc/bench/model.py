@@ -13,22 +13,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lgc.bench import profile as profiling
-from lgc.bench.cost_model import Link, MethodProfile, crossover_bandwidth, predict_step
-from lgc.bench.methods import DEFAULT_METHODS, MethodSpec, method_color, parse_list, parse_methods, profile_knobs
+from lgc.bench.cost_model import Link, MethodProfile, crossover_bandwidth, expected_maximum, predict_step
+from lgc.bench.methods import (
+    DEFAULT_METHODS,
+    OPTIMIZER_KNOBS,
+    MethodSpec,
+    method_color,
+    parse_list,
+    parse_methods,
+    profile_knobs,
+)
 from lgc.bench.netns import parse_delay, parse_rate
 from lgc.methods import merge_knobs
 
-__all__ = ["DEFAULT_COMPUTE_MS", "MODELS", "ModelShapes", "add_arguments", "crossover_table", "format_crossing", "run"]
+__all__ = [
+    "DEFAULT_COMPUTE_MS",
+    "MODELS",
+    "ModelShapes",
+    "add_arguments",
+    "crossover_table",
+    "format_crossing",
+    "run",
+    "straggler_compute",
+]
 
 
 #: Compute per step assumed for the ImageNet ResNets when ``--compute-ms`` is not given: 100 ms
@@ -165,8 +183,8 @@ def _profiles(models: list[str], methods: list[MethodSpec], cache: Path | None) 
     missing = [(m, spec) for m in models for spec in methods if spec.label not in profiles[m]]
     if missing:
         started_group = not dist.is_initialized()
-        scratch = tempfile.TemporaryDirectory(prefix="lgc-bench-model-")
-        if started_group:
+        scratch = tempfile.TemporaryDirectory(prefix="lgc-bench-model-") if started_group else None
+        if scratch is not None:
             store = f"file://{os.path.join(scratch.name, 'store')}"
             dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
         try:
@@ -190,9 +208,9 @@ def _profiles(models: list[str], methods: list[MethodSpec], cache: Path | None) 
                     merged = {m: {k: p.to_json() for k, p in per.items()} for m, per in profiles.items()}
                     cache.write_text(json.dumps({**stored, **merged}))
         finally:
-            if started_group:
+            if scratch is not None:
                 dist.destroy_process_group()
-            scratch.cleanup()
+                scratch.cleanup()
     return profiles
 
 
@@ -219,6 +237,32 @@ def _compute_s(name: str, args: argparse.Namespace) -> float | None:
     return None if default is None else default / 1000
 
 
+def _pooled_compute(profiles: Iterable[MethodProfile]) -> list[float]:
+    """The plain DDP steps of every profile of one model (each profile's median where it kept none)."""
+    profiles = list(profiles)
+    return [t for p in profiles for t in p.compute_samples_s] or [p.compute_s for p in profiles]
+
+
+def straggler_compute(samples: list[float], world: int, period: int = 1, draws: int = 4000) -> float:
+    """Compute per step of ``world`` workers that wait for each other once every ``period`` steps.
+
+    Per step (``period`` 1): the expected maximum of ``world`` draws from ``samples``
+    (:func:`~lgc.bench.cost_model.expected_maximum`). A local-step method's workers wait only at
+    its exchanges, so the slowest worker's sum of ``period`` steps sets the pace: the expected
+    maximum of ``world`` such sums (``draws`` of them resampled from ``samples`` with a fixed
+    seed), divided by ``period``.
+    """
+    if not samples:
+        raise ValueError("straggler_compute needs measured compute samples")
+    if period == 1:
+        return expected_maximum(samples, world)
+    import random
+
+    rng = random.Random(0)
+    sums = [sum(rng.choices(samples, k=period)) for _ in range(draws)]
+    return expected_maximum(sums, world) / period
+
+
 def run(args: argparse.Namespace) -> None:
     try:
         models = parse_list(args.model, "model")
@@ -230,6 +274,12 @@ def run(args: argparse.Namespace) -> None:
         rates = [(text, parse_rate(text) / 8) for text in parse_list(args.bandwidth, "bandwidth")]
         latency = parse_delay(args.latency) / 1e6
         specs = parse_methods(args.methods)
+        for spec in specs:
+            if taken := [key for key in OPTIMIZER_KNOBS if key in spec.knobs]:
+                raise ValueError(
+                    f"{spec.label}: {', '.join(taken)} set(s) the optimizer, which the model does not time; "
+                    "drop it (a step's cost does not depend on it)"
+                )
         if args.compute_ms is not None and not args.compute_ms > 0:
             raise ValueError(f"--compute-ms must be > 0, got {args.compute_ms!r}")
     except ValueError as error:
@@ -244,7 +294,10 @@ def run(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {}
     for name in models:
         compute = _compute_s(name, args)
-        per_method = profiles[name]
+        per_method = {method: profiles[name][method] for method in methods}
+        # Measured compute: every method's plain DDP steps are steps of the same model, so they are
+        # pooled (one distribution per model, not each method's few samples).
+        pooled = _pooled_compute(per_method.values())
 
         def predict(
             method: str,
@@ -252,12 +305,14 @@ def run(args: argparse.Namespace) -> None:
             bytes_per_s: float,
             compute: float | None = compute,
             per_method: dict[str, MethodProfile] = per_method,
+            pooled: list[float] = pooled,
         ) -> float:
+            profile = per_method[method]
             return predict_step(
-                per_method[method],
+                profile,
                 world,
                 Link(latency, bytes_per_s),
-                compute_s=compute,
+                compute_s=compute if compute is not None else straggler_compute(pooled, world, profile.period),
                 codec=codec,
                 allreduce=args.allreduce,
             )
@@ -266,11 +321,11 @@ def run(args: argparse.Namespace) -> None:
         header = "| method | " + " | ".join(f"{w} x {label}" for w, label, _ in columns)
         header += " | " + " | ".join(f"beats fp16 at ({w})" for w in workers)
         header += " | " + " | ".join(f"beats dense at ({w})" for w in workers) + " |"
-        measured = statistics.median(p.compute_s for p in per_method.values())
+        measured = statistics.median(pooled) if pooled else math.nan
         compute_text = (
             f"compute {1000 * compute:.0f} ms per step"
             if compute is not None
-            else f"compute measured: median plain step {1000 * measured:.0f} ms, the slowest worker's expected"
+            else f"compute measured: median plain step {1000 * measured:.0f} ms, the slowest of the workers expected"
         )
         lines = [
             f"## {name}: {MODELS[name]().title} ({compute_text})\n",
@@ -356,17 +411,15 @@ def _plot(
     grid = [1e7 / 8 * (1e5 ** (i / 119)) for i in range(120)]  # 10 Mbit/s .. 1 Tbit/s
     for row, name in enumerate(models):
         compute = _compute_s(name, args)
+        pooled = _pooled_compute(profiles[name][method] for method in methods)
         for column, world in enumerate(workers):
             axis = axes[row][column]
             for index, method in enumerate(methods):
+                profile = profiles[name][method]
+                per_step = compute if compute is not None else straggler_compute(pooled, world, profile.period)
                 times = [
                     predict_step(
-                        profiles[name][method],
-                        world,
-                        Link(latency, b),
-                        compute_s=compute,
-                        codec=codec,
-                        allreduce=args.allreduce,
+                        profile, world, Link(latency, b), compute_s=per_step, codec=codec, allreduce=args.allreduce
                     )
                     for b in grid
                 ]

@@ -54,6 +54,8 @@ def profile_method(
     import lgc
     from lgc.ddp.collectives import record_collectives
 
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if dist.get_world_size(group) != 1:
         raise ValueError(f"profile_method needs a group of one worker, got {dist.get_world_size(group)}")
     knobs = dict(knobs or {})
@@ -109,6 +111,7 @@ def profile_method(
         overlaps_backward=state.overlaps_backward,
         trace=list(trace),
         compute_samples_s=compute,
-        trailing=len(trace) - trace.last_bucket_from if trace.last_bucket_from is not None else 1,
+        # Only a per-step method's last bucket can trail a backward pass (a period's trace is blocking).
+        trailing=len(trace) - trace.last_bucket_from if trace.last_bucket_from is not None and period == 1 else 1,
         period=period,
     )

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload
-from lgc.compressors.segments import FeedsBackSegments
+from lgc.compressors.segments import FeedsBackSegments, feeds_back_segments
 from lgc.compressors.topk import SparsePayload
 from lgc.validation import PositiveFraction, check
 
@@ -84,10 +84,10 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         check("decay", decay, PositiveFraction)
         if bucketed is not None and not isinstance(bucketed, bool):
             raise ValueError(f"bucketed must be None, True or False, got {bucketed!r}")
-        if bucketed is True and not isinstance(compressor, FeedsBackSegments):
+        if bucketed is True and not feeds_back_segments(compressor):
             raise ValueError(
                 "bucketed=True needs a compressor with a bucket-level path (feed_back_segments: TopKCompressor, "
-                f"SignSGDCompressor, ChunkedTopKCompressor), got {compressor!r}"
+                f"SignSGDCompressor, ChunkedTopKCompressor, QuantizedValues), got {compressor!r}"
             )
         self.compressor = compressor
         self.decay = float(decay)
@@ -144,7 +144,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
 
     def batches_on(self, device: torch.device) -> bool:
         """Whether :meth:`compress_many` encodes as one flat on ``device`` (see ``bucketed``)."""
-        if not isinstance(self.compressor, FeedsBackSegments) or self.bucketed is False:
+        if not feeds_back_segments(self.compressor) or self.bucketed is False:
             return False
         return self.bucketed is True or device.type != "cpu"
 

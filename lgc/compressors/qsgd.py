@@ -310,7 +310,7 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
         every_scale = torch.cat(scales)
         multiplier = s / every_scale
         multiplier = torch.where(torch.isfinite(multiplier), multiplier, 0.0)
-        lengths = torch.tensor([n for b in layouts for n in b.lengths()], device=device)
+        lengths = torch.tensor([n for b in layouts for n in b.lengths()], dtype=torch.int64, device=device)
         total = sum(numels)
         work = self._scratch(total, torch.float32, device)
         for piece, key, count in zip(work.split(numels), keys, counts, strict=True):
@@ -341,7 +341,9 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
         per_byte = 8 // self.code_bits
         padded = [-(-n // per_byte) * per_byte for n in numels]
         lengths = torch.tensor(
-            [length for n in numels for length in Buckets(n, self.bucket_size).lengths()], device=device
+            [length for n in numels for length in Buckets(n, self.bucket_size).lengths()],
+            dtype=torch.int64,
+            device=device,
         )
         total = sum(numels)
         table = self._level_table(device)

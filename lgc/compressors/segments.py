@@ -15,14 +15,21 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["DecodesSegments", "FeedsBackSegments", "copy_segments_into", "pad_segments", "unpad_segments"]
+__all__ = [
+    "DecodesSegments",
+    "FeedsBackSegments",
+    "copy_segments_into",
+    "feeds_back_segments",
+    "pad_segments",
+    "unpad_segments",
+]
 
 
 @runtime_checkable
 class FeedsBackSegments(Protocol):
     """A compressor whose error feedback can encode a whole bucket at once
     (:meth:`~lgc.compressors.ErrorFeedback.compress_many` with ``bucketed``): top-k, EF-signSGD's scaled
-    sign, chunked top-k."""
+    sign, chunked top-k, SparseLoCo's quantized values (:func:`feeds_back_segments` asks)."""
 
     def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[Any]:
         """Every segment's payload (``numels[i]`` entries of ``flat`` for ``keys[i]``), and what they send
@@ -33,6 +40,20 @@ class FeedsBackSegments(Protocol):
         may come in another order; entries tied at a top-k's cut may be chosen differently).
         """
         ...
+
+
+def feeds_back_segments(compressor: object) -> bool:
+    """Whether ``compressor``'s bucket path (:class:`FeedsBackSegments`) encodes what its ``compress`` does.
+
+    A subclass that overrides ``compress`` but inherits ``feed_back_segments`` would encode a bucket
+    by its parent's rule: it is taken tensor by tensor. The method must come from the class that
+    defines ``compress`` or from a subclass of it.
+    """
+    if not isinstance(compressor, FeedsBackSegments):
+        return False
+    mro = type(compressor).__mro__
+    owner_of = {name: next(k for k in mro if name in vars(k)) for name in ("compress", "feed_back_segments")}
+    return issubclass(owner_of["feed_back_segments"], owner_of["compress"])
 
 
 class DecodesSegments:

@@ -107,6 +107,20 @@ def test_a_local_step_method_pays_its_periods_collectives_at_their_share():
         predict_step(_profile([exchange], period=0), 2, link)
 
 
+def test_workers_that_meet_once_per_period_wait_for_the_slowest_sum_not_the_slowest_step():
+    from lgc.bench.model import straggler_compute
+
+    samples = [0.1] * 9 + [0.2]  # one step in ten is slow
+    assert straggler_compute(samples, 1) == pytest.approx(0.11)
+    per_step = straggler_compute(samples, 8)  # at 8 workers someone is usually slow every step
+    assert per_step == pytest.approx(0.1 + 0.1 * (1 - 0.9**8))
+    # Meeting every 10 steps, the slowest worker's 10-step sum is about 1 to 3 slow steps over 1 s.
+    every_tenth = straggler_compute(samples, 8, period=10)
+    assert 0.11 < every_tenth < per_step
+    with pytest.raises(ValueError, match="needs measured compute samples"):
+        straggler_compute([], 4)
+
+
 def test_per_bucket_hooks_hide_all_but_the_last_buckets_communication_under_the_backward_pass():
     bucket = CollectiveCall("all_reduce", 10**6, 2)  # 1 s each on a 1 MB/s link with 2 workers
     link = Link(0.0, 1e6)
@@ -279,6 +293,7 @@ def test_steady_from_under_communication_delay_counts_the_stages_in_exchanges(gr
         (["--latency", "3"], "3"),
         (["--methods", "none,nosuch"], r"unknown method 'nosuch'"),
         (["--methods", "none,topk:density"], r"a knob must read key=value, got 'density'"),
+        (["--methods", "none,demo:lr=0.003"], r"demo:lr=0.003: lr set\(s\) the optimizer"),
         (["--compute-ms", "-1"], r"--compute-ms must be > 0, got -1"),
     ],
 )

@@ -146,7 +146,8 @@ def _assert_bucket_sums_are_the_loops(loop, batched, received, device: str = "cp
         outs = list(torch.empty(sum(numels), dtype=dtype, device=device).split(numels))
         decode(received, outs)
         for want, have in zip(want_sums, outs, strict=True):
-            assert torch.equal(have.isnan(), want.isnan()) and torch.equal(have.nan_to_num(), want.nan_to_num())
+            assert torch.equal(have.isnan(), want.isnan()) and torch.equal(have.isinf(), want.isinf())
+            assert torch.equal(have.nan_to_num(), want.nan_to_num())
 
 
 def test_fp4_batches_only_with_an_even_bucket_size_and_on_a_gpu():
@@ -315,3 +316,23 @@ def test_quantized_values_over_top_k_and_over_a_sparsifier_of_ones_own_feed_back
             for key, h, w in zip(keys, have, want, strict=True):
                 assert torch.equal(h.to_wire(), w.to_wire()), (sparsifier, key)
                 assert torch.equal(batched.residuals[key], loop.residuals[key]), (sparsifier, key)
+
+
+def test_a_subclass_that_overrides_compress_alone_is_encoded_tensor_by_tensor():
+    """Its parent's bucket path would encode by the parent's rule: error feedback does not take it."""
+    from lgc.compressors import TopKCompressor
+    from lgc.compressors.segments import feeds_back_segments
+
+    class Shifted(TopKCompressor):
+        def compress(self, tensor, key):
+            return super().compress(tensor + 1, key)
+
+    class ShiftedEverywhere(Shifted):
+        def feed_back_segments(self, flat, numels, keys):
+            return super().feed_back_segments(flat.add_(1), numels, keys)
+
+    assert feeds_back_segments(TopKCompressor(0.1)) and feeds_back_segments(SignSGDCompressor())
+    assert not feeds_back_segments(Shifted(0.1)) and feeds_back_segments(ShiftedEverywhere(0.1))
+    assert not ErrorFeedback(Shifted(0.1)).batches_on(torch.device("cuda"))
+    with pytest.raises(ValueError, match="bucketed=True needs a compressor with a bucket-level path"):
+        ErrorFeedback(Shifted(0.1), bucketed=True)
