@@ -104,6 +104,7 @@ METHODS = (
     Method("signsgd_bucketed", "signsgd", bucketed=True),
     Method("qsgd_bucketed", "qsgd", bucketed=True),
     Method("terngrad_bucketed", "terngrad", bucketed=True),
+    Method("terngrad_ef_bucketed", "terngrad", ("compressor.error_feedback=true",), bucketed=True),
     Method("fp4_bucketed", "fp4", bucketed=True),
     # The matrix is a plain training loop (no set_epoch): DGC's warm-up follows its steps.
     Method("dgc", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2")),

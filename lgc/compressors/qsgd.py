@@ -288,6 +288,27 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
             self.draws[key] = count + 1
         return list(payloads)
 
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[QuantizedPayload]:
+        """A bucket at once under error feedback (:class:`~lgc.compressors.segments.FeedsBackSegments`): the
+        payloads of :meth:`compress_many`'s bucket path, every key's draws advanced, and what they decode
+        to (:meth:`decode_segments` of this worker's payloads alone) subtracted from ``flat``. Bit for
+        bit error feedback's loop over :meth:`compress`, whose subtraction is of :meth:`decompress`; that
+        loop itself where the codes straddle bytes (:meth:`segments_supported`)."""
+        segments = list(flat.split(list(numels)))
+        if not self.segments_supported():
+            payloads = [self.compress(segment, key) for segment, key in zip(segments, keys, strict=True)]
+            for segment, payload in zip(segments, payloads, strict=True):
+                segment.sub_(self.decompress(payload))
+            return payloads
+        counts = [self.draws.get(key, 0) for key in keys]
+        payloads = self.compress_segments(segments, keys, counts)
+        for key, count in zip(keys, counts, strict=True):
+            self.draws[key] = count + 1
+        sent = torch.empty_like(flat)
+        self.decode_segments([[payload] for payload in payloads], list(sent.split(list(numels))))
+        flat.sub_(sent)
+        return payloads
+
     def compress_segments(
         self, tensors: Sequence[Tensor], keys: Sequence[str], counts: Sequence[int]
     ) -> list[QuantizedPayload]:

@@ -336,3 +336,24 @@ def test_a_subclass_that_overrides_compress_alone_is_encoded_tensor_by_tensor():
     assert not ErrorFeedback(Shifted(0.1)).batches_on(torch.device("cuda"))
     with pytest.raises(ValueError, match="bucketed=True needs a compressor with a bucket-level path"):
         ErrorFeedback(Shifted(0.1), bucketed=True)
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_error_feedback_over_a_stochastic_quantizer_feeds_a_bucket_back_as_the_loop(which):
+    """TernGrad with error feedback (its overlap config) and QSGD under it: payloads, residuals and draws
+    as the per-tensor loop's over 3 steps; 3-bit codes (QSGD's levels=3) take the loop inside."""
+
+    def quantizer():
+        return [*_quantizers(), QSGDCompressor(levels=3, bucket_size=64, seed=8)][which]
+
+    loop, batched = ErrorFeedback(quantizer(), bucketed=False), ErrorFeedback(quantizer(), bucketed=True)
+    keys = ["a", "b", "c", "d"]
+    for step in range(3):
+        tensors = _fp4_tensors([700, 5, 1200, 64], 100 + step)
+        tensors = [t.nan_to_num(0.0, 0.0, 0.0) for t in tensors]  # error feedback sees finite steps (the guard)
+        have = batched.compress_many([t.clone() for t in tensors], keys)
+        want = loop.compress_many([t.clone() for t in tensors], keys)
+        for key, h, w in zip(keys, have, want, strict=True):
+            assert torch.equal(h.to_wire(), w.to_wire()), key
+            assert torch.equal(batched.residuals[key], loop.residuals[key]), key
+        assert batched.compressor.draws == loop.compressor.draws
