@@ -12,6 +12,7 @@ whose compute is measured on this machine at the comparison's batch.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -298,6 +299,8 @@ def run(args: argparse.Namespace) -> None:
         # Measured compute: every method's plain DDP steps are steps of the same model, so they are
         # pooled (one distribution per model, not each method's few samples).
         pooled = _pooled_compute(per_method.values())
+        # Once per (workers, period): the crossings evaluate hundreds of bandwidths per method.
+        measured_compute = functools.cache(functools.partial(straggler_compute, pooled))
 
         def predict(
             method: str,
@@ -305,14 +308,14 @@ def run(args: argparse.Namespace) -> None:
             bytes_per_s: float,
             compute: float | None = compute,
             per_method: dict[str, MethodProfile] = per_method,
-            pooled: list[float] = pooled,
+            measured_compute: Callable[[int, int], float] = measured_compute,
         ) -> float:
             profile = per_method[method]
             return predict_step(
                 profile,
                 world,
                 Link(latency, bytes_per_s),
-                compute_s=compute if compute is not None else straggler_compute(pooled, world, profile.period),
+                compute_s=compute if compute is not None else measured_compute(world, profile.period),
                 codec=codec,
                 allreduce=args.allreduce,
             )
