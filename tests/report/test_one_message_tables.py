@@ -121,3 +121,18 @@ def test_the_time_table_sets_before_beside_after_for_every_method_of_the_after_r
     assert text.startswith("# Time to 0.86 at 100mbit, before and after (after: abc1234)")
     assert "| dgc | 3/3 | 1.79 ± 0.10 | 108.9 | 3/3 | 1.40 ± 0.10 | 90.0 |" in text
     assert "| demo |" not in text  # only the after record's methods
+
+
+def test_the_evidence_page_holds_the_tables_the_committed_records_give(tables):
+    """docs/evidence.md's crossover and time-to-accuracy blocks are generated from the committed records."""
+    page = tables.EVIDENCE.read_text()
+
+    def block(begin: str, end: str) -> str:
+        return page[page.index(begin) + len(begin) : page.index(end)].strip()
+
+    crossover = tables.evidence_block(tables.RECORDS / "model.json", tables.RECORDS / "network" / "network.json.gz")
+    assert block(tables.BEGIN, tables.END) == crossover, "one_message_tables.py check --write"
+    before = tables.HERE / "results" / "fashion_mnist_network" / "network.json.gz"
+    text = tables.time_table(before, tables.TIME_RECORDS / "network.json.gz", "4 workers, 100mbit", "-")
+    expected = text.split("\n", 2)[2].strip()
+    assert block(tables.TIME_BEGIN, tables.TIME_END) == expected, "one_message_tables.py time --write"
