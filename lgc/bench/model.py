@@ -7,6 +7,9 @@ which a method beats the fp16 hook and dense fp32 (``< X``: below X; ``> X``: ab
 never). The models (:data:`MODELS`): torchvision's ImageNet ResNets, whose compute per step is a
 knob (a GPU's, by FLOPs), and the models of lgc's comparison on the data they train on there,
 whose compute is measured on this machine at the comparison's batch.
+
+Why one module: the ``lgc-bench model`` command: its models, the profiles it measures or reads, the
+compute it charges them, and its tables and plot of the same predictions.
 """
 
 from __future__ import annotations

@@ -51,6 +51,9 @@ matters.
 
 Payloads carry bit-packed codes, which cannot be summed by an allreduce: they are allgathered
 (:attr:`CombineMode.GATHER`) and :meth:`~StochasticQuantizer.aggregate` decodes and sums them.
+
+Why one module: QSGD and the quantizer TernGrad shares with it (one wire format, one rounding, one
+randomness), tensor by tensor and over whole buckets, which must give the same bits.
 """
 
 from __future__ import annotations
