@@ -342,6 +342,7 @@ def test_the_model_command_reads_cached_profiles_and_prints_steps_and_crossovers
     assert (tmp_path / "out" / "model.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_the_model_command_measures_the_comparisons_models_compute_and_tables_every_crossing(tmp_path, capsys):
     """ResNet-8 on Fashion-MNIST's shapes: compute measured here, a local-step method beside per-step ones."""
     cache = tmp_path / "profiles.json"
