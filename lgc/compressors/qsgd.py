@@ -285,11 +285,25 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
     def compress_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
         if len(tensors) < 2 or not self.batches_on(tensors[0].device) or len(set(keys)) != len(keys):
             return super().compress_many(tensors, keys)
+        return self._compress_bucket(tensors, keys)
+
+    def _compress_bucket(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[QuantizedPayload]:
+        """:meth:`compress_segments` with every key's next draws, the keys' counts advanced as :meth:`compress`'s."""
         counts = [self.draws.get(key, 0) for key in keys]
         payloads = self.compress_segments(tensors, keys, counts)
         for key, count in zip(keys, counts, strict=True):
             self.draws[key] = count + 1
-        return list(payloads)
+        return payloads
+
+    def _padded_codes(self, numels: Sequence[int]) -> list[int]:
+        """Every tensor's count of codes padded to whole bytes (the bucket path's layout of the packed codes)."""
+        per_byte = 8 // self.code_bits
+        return [-(-n // per_byte) * per_byte for n in numels]
+
+    def _bucket_lengths(self, numels: Sequence[int], device: torch.device) -> Tensor:
+        """Every scaling bucket's number of entries, tensor after tensor (int64, on ``device``)."""
+        lengths = [length for n in numels for length in Buckets(n, self.bucket_size).lengths()]
+        return torch.tensor(lengths, dtype=torch.int64, device=device)
 
     def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[QuantizedPayload]:
         """A bucket at once under error feedback (:class:`~lgc.compressors.segments.FeedsBackSegments`): the
@@ -303,10 +317,7 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
             for segment, payload in zip(segments, payloads, strict=True):
                 segment.sub_(self.decompress(payload))
             return payloads
-        counts = [self.draws.get(key, 0) for key in keys]
-        payloads = self.compress_segments(segments, keys, counts)
-        for key, count in zip(keys, counts, strict=True):
-            self.draws[key] = count + 1
+        payloads = self._compress_bucket(segments, keys)
         sent = torch.empty_like(flat)
         self.decode_segments([[payload] for payload in payloads], list(sent.split(list(numels))))
         flat.sub_(sent)
@@ -334,15 +345,14 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
         every_scale = torch.cat(scales)
         multiplier = s / every_scale
         multiplier = torch.where(torch.isfinite(multiplier), multiplier, 0.0)
-        lengths = torch.tensor([n for b in layouts for n in b.lengths()], dtype=torch.int64, device=device)
+        lengths = self._bucket_lengths(numels, device)
         total = sum(numels)
         work = self._scratch(total, torch.float32, device)
         for piece, key, count in zip(work.split(numels), keys, counts, strict=True):
             piece.uniform_(s, s + 1.0, generator=self._generator(device, key, count))
         work.addcmul_(torch.cat(flats), multiplier.repeat_interleave(lengths, output_size=total))
         codes = self._codes(work, finite=bool(torch.isfinite(every_scale).all()))
-        per_byte = 8 // self.code_bits
-        padded = [-(-n // per_byte) * per_byte for n in numels]
+        per_byte, padded = 8 // self.code_bits, self._padded_codes(numels)
         packed = pack_uint(pad_segments(codes.split(numels), padded), self.code_bits)
         return [
             QuantizedPayload(numel=n, scales=scale, codes=piece)
@@ -362,13 +372,7 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
             raise ValueError(f"decode_segments needs codes of 1, 2, 4 or 8 bits, got {self.code_bits}")
         device, s = outs[0].device, self.levels
         numels = [out.numel() for out in outs]
-        per_byte = 8 // self.code_bits
-        padded = [-(-n // per_byte) * per_byte for n in numels]
-        lengths = torch.tensor(
-            [length for n in numels for length in Buckets(n, self.bucket_size).lengths()],
-            dtype=torch.int64,
-            device=device,
-        )
+        padded, lengths = self._padded_codes(numels), self._bucket_lengths(numels, device)
         total = sum(numels)
         table = self._level_table(device)
         scratch = torch.empty(sum(padded), dtype=torch.float32, device=device)
