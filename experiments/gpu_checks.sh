@@ -6,8 +6,8 @@
 #          sharing one GPU, tests/ddp/test_gloo_devices.py), the reference comparisons on CUDA, the
 #          GPU benchmark test;
 #   lgc-bench compressors --device cuda: encode + decode of ResNet-50's gradients, every codec with a
-#          bucket-level path both ways (a bucket at once and tensor by tensor: top-k, EF-signSGD,
-#          chunked top-k, SparseLoCo, QSGD, TernGrad, fp4), the bucket-level selection beside;
+#          bucket-level path both ways (a bucket at once and tensor by tensor: top-k, DGC, SBC,
+#          EF-signSGD, chunked top-k, SparseLoCo, QSGD, TernGrad, fp4), the bucket-level selection beside;
 #   lgc-bench step --device cuda: ResNet-50's DDP step over NCCL, one worker, batch 32 of 224x224,
 #          at densities 0.1 % and 1 %, DDP's own allreduce (ddp) and the no-communication step beside;
 #   experiments/gpu_pass_probe.py, gpu_topk_profile.py, gpu_hook_profile.py: where the top-k pass,

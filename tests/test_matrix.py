@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc.compressors import ErrorFeedback
-from lgc.compressors.segments import DecodesSegments
+from lgc.compressors.segments import CodesBuckets
 
 pytestmark = pytest.mark.multiprocess
 
@@ -79,8 +79,9 @@ class Method(NamedTuple):
     exact: float | None = None
     #: Communication delay: weights are exchanged every this many steps, gradients stay local.
     delay: int | None = None
-    #: A bucket coded at once, as on a GPU: error feedback over top-k, the scaled sign or chunked top-k as
-    #: one flat (ErrorFeedback.bucketed), the quantizers' bucket paths (DecodesSegments.bucketed).
+    #: A bucket coded at once, as on a GPU: error feedback over top-k, SBC, RedSync, the scaled sign or
+    #: chunked top-k as one flat (ErrorFeedback.bucketed), DGC's and the quantizers' bucket paths
+    #: (CodesBuckets.bucketed).
     bucketed: bool | None = None
 
     @property
@@ -108,7 +109,9 @@ METHODS = (
     Method("fp4_bucketed", "fp4", bucketed=True),
     # The matrix is a plain training loop (no set_epoch): DGC's warm-up follows its steps.
     Method("dgc", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2")),
+    Method("dgc_bucketed", "dgc", ("compressor.density=0.05", "compressor.steps_per_epoch=2"), bucketed=True),
     Method("sbc", "sbc", ("compressor.density=0.05",)),
+    Method("sbc_bucketed", "sbc", ("compressor.density=0.05",), bucketed=True),
     # Every bucket encoded and sent as it arrives, the step committed after the agreement.
     Method("topk_overlap", "topk", ("comm.overlap=true",)),
     Method("sbc_overlap", "sbc", ("compressor.density=0.05", "comm.overlap=true")),
@@ -127,6 +130,7 @@ METHODS = (
         ("compressor.density=0.05", "compressor.reuse_threshold=true", "comm.overlap=true"),
     ),
     Method("redsync", "redsync", ("compressor.density=0.05",)),
+    Method("redsync_bucketed", "redsync", ("compressor.density=0.05",), bucketed=True),
     Method("redsync_search", "redsync", ("compressor.density=0.05", "compressor.method=threshold_binary_search")),
     Method("random_block", "random_block", ("compressor.density=0.1",)),
     Method("random_block_exact", "random_block", ("compressor.density=1.0",), exact=0.0),
@@ -349,7 +353,7 @@ def _train(case: Case, node: dict, comm: dict, rank: int, *, reference: bool, om
     plain = _ddp(case) if reference else None
     state = _hook_state(node, comm, net)
     if method.bucketed is not None:
-        assert isinstance(state.compressor, ErrorFeedback | DecodesSegments)
+        assert isinstance(state.compressor, ErrorFeedback | CodesBuckets)
         state.compressor.bucketed = method.bucketed
         assert state.compressor.batches_on(torch.device("cpu")) == method.bucketed, f"{method.name}: no bucket path"
     state.register(model)

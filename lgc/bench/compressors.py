@@ -86,7 +86,18 @@ REFERENCE = "fp16_per_layer"
 
 
 #: The configs whose codec has a bucket-level path, timed both ways (``bucketed`` False and True).
-BUCKET_CODECS = ("topk", "signsgd", "chunked_topk", "sparseloco", "qsgd", "terngrad", "fp4")
+BUCKET_CODECS = (
+    "topk",
+    "dgc",
+    "sbc",
+    "redsync",
+    "signsgd",
+    "chunked_topk",
+    "sparseloco",
+    "qsgd",
+    "terngrad",
+    "fp4",
+)
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:

@@ -10,6 +10,7 @@ from lgc.coding.golomb import (
     golomb_encode,
     optimal_golomb_parameter,
 )
+from lgc.coding.golomb_segments import golomb_decode_segments, golomb_encode_segments
 
 __all__ = [
     "HEADER_BYTES",
@@ -17,7 +18,9 @@ __all__ = [
     "binary_entropy_bits_per_position",
     "expected_bits_per_position",
     "golomb_decode",
+    "golomb_decode_segments",
     "golomb_encode",
+    "golomb_encode_segments",
     "optimal_golomb_parameter",
     "pack_bits",
     "pack_uint",

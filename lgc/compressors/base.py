@@ -169,8 +169,9 @@ class Compressor(abc.ABC):
     stateless: bool = False
     #: Whether :meth:`compress` is a function of its input alone (and of configuration, the shared
     #: seed, the rank and the world size) although the method needs error feedback: top-k, SBC,
-    #: EF-signSGD's scaled sign. Error feedback over such a compressor (or a stateless one) can
-    #: then encode a step before the ranks agree on it and commit it after (the hook's ``overlap``).
+    #: EF-signSGD's scaled sign, RedSync without a reused threshold. Error feedback over such a
+    #: compressor (or a stateless one) can then encode a step before the ranks agree on it and commit
+    #: it after (the hook's ``overlap``).
     pure_encoding: bool = False
     #: Whether payload sizes can differ between workers for the same tensor (sizes are then
     #: exchanged before the payloads).
@@ -254,6 +255,15 @@ class Compressor(abc.ABC):
         compressors whose payload layout follows the parameter's shape (chunked top-k, DeMo) read
         it from there; the others ignore it.
         """
+
+    def payloads_from_wire_many(
+        self, wires: Sequence[Tensor], numels: Sequence[int], keys: Sequence[str]
+    ) -> list[Payload]:
+        """One rank's payloads of a bucket's tensors rebuilt at once: ``[payload_from_wire(w, n, key=k) for ...]``
+        unless a compressor parses them in a fixed number of passes (SBC's Golomb-coded positions)."""
+        return [
+            self.payload_from_wire(wire, numel, key=key) for wire, numel, key in zip(wires, numels, keys, strict=True)
+        ]
 
     def payload_from_sum(self, summed: Tensor, own: Payload) -> Payload:
         """Rebuild a payload from the allreduced sum of every worker's wire tensor (:attr:`CombineMode.SUM`).
@@ -442,6 +452,11 @@ class HoldsSteps:
     def compress_pending(self, tensor: Tensor, key: str) -> Payload:
         """:meth:`~Compressor.compress`'s payload, the state the step moves held aside until :meth:`commit`."""
         raise NotImplementedError
+
+    def compress_pending_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
+        """:meth:`compress_pending` of every tensor of a step: ``[compress_pending(t, key) for ...]`` unless a
+        compressor encodes them in a fixed number of passes (DGC's bucket path), with the same payloads."""
+        return [self.compress_pending(tensor, key) for tensor, key in zip(tensors, keys, strict=True)]
 
     def commit(self, keys: frozenset[str] | set[str]) -> None:
         """Adopt the held step for ``keys``; for the others, the state stays as before the step."""

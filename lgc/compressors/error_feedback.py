@@ -9,6 +9,10 @@ With ``decay = beta < 1`` the residual fades: ``v = beta * r + g``. That is the 
 SparseLoCo (Sarfi et al. 2025, ``beta = 0.95`` on the pseudo-gradient, standing in for DiLoCo's
 outer momentum) and DeMo's momentum (Peng et al. 2024, ``m = beta * m + g``, then the sent part
 is subtracted, ``beta = 0.999``): both are error feedback whose memory decays.
+
+Why one module: the residual is one state in three forms (a tensor per key, a step held until the
+ranks agree, a bucket's tensors as slices of one flat), which hand it to each other at every
+commit, checkpoint and rebuilt bucket, and are tested against each other bit for bit.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             feedback: nothing is lost. Below 1 the unsent part fades geometrically and the residual
             is a momentum of the inputs: SparseLoCo's 0.95, DeMo's 0.999.
         bucketed: how :meth:`compress_many` encodes a bucket's tensors over a compressor with a
-            bucket-level path (top-k, EF-signSGD's scaled sign, chunked top-k): as one flat
+            bucket-level path (top-k, SBC, EF-signSGD's scaled sign, chunked top-k): as one flat
             (``True``), or tensor by tensor (``False``). ``None``
             (default): flat on a GPU, where a few kernels per tensor cost more than the arithmetic,
             and tensor by tensor on the CPU, where the per-tensor selection is the faster one
@@ -87,7 +91,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         if bucketed is True and not feeds_back_segments(compressor):
             raise ValueError(
                 "bucketed=True needs a compressor with a bucket-level path (feed_back_segments: TopKCompressor, "
-                f"SignSGDCompressor, ChunkedTopKCompressor, QuantizedValues), got {compressor!r}"
+                f"SBCCompressor, SignSGDCompressor, ChunkedTopKCompressor, QuantizedValues), got {compressor!r}"
             )
         self.compressor = compressor
         self.decay = float(decay)
@@ -103,6 +107,11 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         self._spares: dict[str, Tensor] = {}
         #: Bucket (its keys in order) -> its residuals as one flat (:meth:`compress_many`; never saved).
         self._flats: dict[tuple[str, ...], _FlatResiduals] = {}
+        #: Bucket -> the second flat its held steps write into (:meth:`compress_pending_many`; never saved).
+        self._flat_spares: dict[tuple[str, ...], _FlatResiduals] = {}
+        #: The held step's buckets: keys -> (the flat it wrote, the bucket's residual flat), until :meth:`commit`
+        #: (the hook's overlap holds one per DDP bucket, the one-message step one for all).
+        self._held_flats: dict[tuple[str, ...], tuple[_FlatResiduals, _FlatResiduals]] = {}
 
     def compress(self, tensor: Tensor, key: str) -> Payload:
         # In place: the residual buffer becomes g + beta * r, then what is not sent stays in it.
@@ -157,6 +166,25 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
 
     def _flat_residuals(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> _FlatResiduals:
         """``beta * r + g`` of every tensor, in place in the bucket's flat residual (built when needed)."""
+        group, fresh = self._flat_group(tensors, keys, held=False)
+        carried = [i for i in range(len(keys)) if i not in fresh] if fresh else range(len(keys))
+        old = [group.views[i] for i in carried]
+        if old:
+            if self.decay != 1.0:
+                torch._foreach_mul_(old, self.decay)
+            torch._foreach_add_(old, [tensors[i] for i in carried])
+        for i in fresh:
+            group.views[i].copy_(tensors[i])
+        return group
+
+    def _flat_group(
+        self, tensors: Sequence[Tensor], keys: Sequence[str], *, held: bool
+    ) -> tuple[_FlatResiduals, list[int]]:
+        """The bucket's flat residual (built when needed) and the tensors that have no residual yet.
+
+        ``held``: those tensors' zeros are not stored as residuals (a held step stores nothing until
+        it commits), so the flat is not the bucket's residual until they commit.
+        """
         signature = tuple(keys)
         numels = tuple(t.numel() for t in tensors)
         group = self._flats.get(signature)
@@ -170,6 +198,8 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             # Built anew: a bucket that shares a key with this one is stale now (DDP rebuilt its
             # buckets, or the step used other parameters). Its keys outside this bucket get residuals
             # of their own, so the old flat is freed rather than held by their views.
+            for other in [o for o in self._flat_spares if o != signature and not set(o).isdisjoint(signature)]:
+                del self._flat_spares[other]  # another bucketing's second flat: never used again
             for other in [other for other in self._flats if not set(other).isdisjoint(signature)]:
                 for key, view in zip(other, self._flats.pop(other).views, strict=True):
                     if key not in signature and self.residuals.get(key) is view:
@@ -180,6 +210,8 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
                 residual = self.residuals.get(key)
                 if residual is None:
                     fresh.append(i)
+                    if held:
+                        continue
                 elif residual.numel() != view.numel():
                     raise ValueError(
                         f"the residual of {key!r} has {residual.numel()} entries, its tensor {view.numel()}"
@@ -188,15 +220,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
                     view.copy_(residual.reshape(-1))
                 self.residuals[key] = view
             group = self._flats[signature] = _FlatResiduals(flat, views, numels)
-        carried = [i for i in range(len(keys)) if i not in fresh] if fresh else range(len(keys))
-        old = [group.views[i] for i in carried]
-        if old:
-            if self.decay != 1.0:
-                torch._foreach_mul_(old, self.decay)
-            torch._foreach_add_(old, [tensors[i] for i in carried])
-        for i in fresh:
-            group.views[i].copy_(tensors[i])
-        return group
+        return group, fresh
 
     def _corrected(self, tensor: Tensor, key: str, into: Tensor | None) -> Tensor:
         """``g + beta * r`` in fp32, written into ``into`` (``None``: into the residual itself)."""
@@ -264,11 +288,51 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         payload, self._pending[key] = self._encode(self._corrected(tensor, key, into=spare), key, held=True)
         return payload
 
+    def compress_pending_many(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> list[Payload]:
+        """:meth:`compress_pending` of a bucket's tensors at once where :meth:`compress_many` takes them as one
+        flat (``bucketed``; a compressor that keeps no state of its own, or encodes purely: top-k,
+        SBC, the scaled sign), with the same payloads and held residuals.
+
+        ``g + beta * r`` is written into a second flat (kept from the bucket's last held step), the
+        compressor's ``feed_back_segments`` encodes it and subtracts what it sends, and
+        :meth:`commit` adopts it as the bucket's residual flat when every tensor of the bucket was
+        used; otherwise each used key takes its slice and the next bucket step builds the flat anew.
+        A tensor without a residual yet takes its gradient, as :meth:`compress_pending` does.
+        """
+        if self._holder is not None or not self.speculates or not self._flat_path(tensors, keys):
+            return super().compress_pending_many(tensors, keys)
+        state, fresh = self._flat_group(tensors, keys, held=True)
+        signature = tuple(keys)
+        out = self._flat_spares.pop(signature, None)
+        if out is None or out.numels != state.numels or out.flat.device != state.flat.device:
+            flat = torch.empty_like(state.flat)
+            out = _FlatResiduals(flat, tuple(flat.split(state.numels)), state.numels)
+        grads = torch.cat([t.reshape(-1) for t in tensors])
+        if self.decay != 1.0:
+            torch.mul(state.flat, self.decay, out=out.flat).add_(grads)
+        else:
+            torch.add(state.flat, grads, out=out.flat)
+        for i in fresh:
+            out.views[i].copy_(tensors[i])
+        assert isinstance(self.compressor, FeedsBackSegments)
+        payloads = list(self.compressor.feed_back_segments(out.flat, state.numels, keys))
+        for key, view in zip(keys, out.views, strict=True):
+            self._pending[key] = view
+        self._held_flats[signature] = (out, state)
+        return payloads
+
     def commit(self, keys: frozenset[str] | set[str]) -> None:
         """Adopt the held residuals of ``keys``; drop the others (their residuals stay as before the step).
 
         ``commit(frozenset())`` drops the whole step (the ranks agreed to skip it).
         """
+        held_flats, self._held_flats = self._held_flats, {}
+        for signature, (written, before) in held_flats.items():
+            # A bucket held at once: its written flat is the bucket's residual when every key of it
+            # was used, and the flat it replaces serves its next held step; else the next step rebuilds.
+            if set(signature) <= set(keys):
+                self._flats[signature] = written
+                self._flat_spares[signature] = before
         if (holder := self._holder) is not None:
             holder.commit(keys)
         for key, held in self._pending.items():
@@ -281,6 +345,9 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             if spare is not None and spare is not self.residuals.get(key):
                 self._spares[key] = spare
         self._pending = {}
+        for signature in held_flats:
+            for key in signature:  # slices of the flats, which serve held bucket steps only
+                self._spares.pop(key, None)
 
     def drop(self) -> None:
         """Drop the held step (the ranks agreed to skip it): its residuals, and the wrapped compressor's held step."""
@@ -306,6 +373,11 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
     def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> Payload:
         return self.compressor.payload_from_wire(wire, numel, key=key)
 
+    def payloads_from_wire_many(
+        self, wires: Sequence[Tensor], numels: Sequence[int], keys: Sequence[str]
+    ) -> list[Payload]:
+        return self.compressor.payloads_from_wire_many(wires, numels, keys)
+
     @property
     def shared_seed(self) -> int:  # type: ignore[override]
         return self.compressor.shared_seed
@@ -326,10 +398,11 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
 
     def __getstate__(self) -> dict[str, Any]:
         # Second buffers are scratch and a held step belongs to this process: neither travels.
-        return {**self.__dict__, "_pending": {}, "_spares": {}, "_flats": {}}
+        return {**self.__dict__, "_pending": {}, "_spares": {}, "_flats": {}, "_flat_spares": {}, "_held_flats": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"_pending": {}, "_spares": {}, "_flats": {}, "bucketed": None, **state})
+        scratch = {"_pending": {}, "_spares": {}, "_flats": {}, "_flat_spares": {}, "_held_flats": {}}
+        self.__dict__.update({**scratch, "bucketed": None, **state})
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -339,7 +412,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {key: r.clone() for key, r in state["residuals"].items()}
-        self._pending, self._spares, self._flats = {}, {}, {}
+        self._pending, self._spares, self._flats, self._flat_spares, self._held_flats = {}, {}, {}, {}, {}
         self.compressor.load_state_dict(state["compressor"])
 
     def __repr__(self) -> str:

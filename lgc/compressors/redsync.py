@@ -56,12 +56,18 @@ What our references do not pin down is marked [?] in ``algorithms.md``; the choi
   SBC itself sends only the side with the larger mean; our reference says "one float per sign
   side", so both sides are sent here, which keeps every selected position.
 
+Over a whole bucket (:meth:`RedSyncCompressor.feed_back_segments`, a GPU's default under error
+feedback): trimmed top-k's result is every tensor's exact top-k, so one
+:func:`~lgc.compressors.segment_topk.segment_topk` of the bucket selects it; binary search, a reused
+threshold and the sign means go tensor by tensor.
+
 Why one module: the two selection methods and the two value codings above, each with its
 reference's rule, share one payload.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -69,11 +75,14 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload, view_bytes_as
+from lgc.compressors.segment_topk import segment_topk
 from lgc.compressors.topk import (
     ScatterAddAggregation,
     SparsePayload,
     index_dtype_for,
     num_selected,
+    segment_starts,
+    subtract_sent,
 )
 from lgc.validation import Density, OpenFraction, check
 
@@ -211,6 +220,12 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         # Reused scratch buffers (|v| and a comparison mask) per (device, dtype): allocating and
         # page-faulting a fresh 100 MB buffer per call costs more than the passes themselves.
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    @property
+    def pure_encoding(self) -> bool:  # type: ignore[override]
+        """Without ``reuse_threshold`` a step moves no state (the counters are diagnostics): error feedback
+        around it can hold a step itself, and encode a bucket at once (:meth:`feed_back_segments`)."""
+        return not self.reuse_threshold
 
     # ----------------------------------------------------------------------------------------
     # selection
@@ -433,6 +448,35 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
             means=means,
             num_positive=torch.tensor([num_positive], dtype=index_dtype, device=tensor.device),
         )
+
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[SparsePayload]:
+        """A bucket at once under error feedback (:class:`~lgc.compressors.segments.FeedsBackSegments`).
+
+        Trimmed top-k sends every tensor's exact top-k (its trimming only saves work), so without
+        ``reuse_threshold`` and ``quantize`` every tensor's ``k`` entries come from one
+        :func:`~lgc.compressors.segment_topk.segment_topk` of the bucket, their values gathered and
+        subtracted from ``flat`` at once: :meth:`compress`'s payloads and residuals, bit for bit but
+        for the order of a payload's pairs (largest first here) and which of several entries tied at
+        a tensor's ``k``-th magnitude is sent. Otherwise (binary search, whose count depends on its
+        search path; a reused threshold; the sign means) tensor by tensor, as error feedback's loop.
+        The bucket's selection runs no threshold counting: ``counting_passes`` and
+        ``counted_elements`` count the per-tensor selections only.
+        """
+        if self.method != "trimmed_topk" or self.reuse_threshold or self.quantize:
+            payloads = []
+            for segment, key in zip(flat.split(list(numels)), keys, strict=True):
+                payloads.append(self.compress(segment, key))
+                payloads[-1].subtract_from(segment)
+            return payloads
+        ks = [num_selected(numel, self.density) for numel in numels]
+        positions = segment_topk(flat, numels, ks)
+        local = positions - segment_starts(numels, ks, flat.device)
+        values = flat.index_select(0, positions).float()
+        payloads = [
+            SparsePayload(numel=numel, values=value, indices=index.to(index_dtype_for(numel)))
+            for numel, value, index in zip(numels, values.split(ks), local.split(ks), strict=True)
+        ]
+        return list(subtract_sent(flat, payloads, positions))
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, SparsePayload)

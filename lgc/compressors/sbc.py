@@ -50,6 +50,7 @@ Deviations from the paper, all at the edges:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, NamedTuple
 
@@ -59,12 +60,28 @@ from pydantic import Field
 from torch import Tensor
 
 from lgc.coding.golomb import MAX_GOLOMB_PARAMETER, GolombCode, golomb_decode, golomb_encode
+from lgc.coding.golomb_segments import golomb_decode_segments, golomb_encode_segments
 from lgc.compressors.base import CombineMode, Compressor, Payload, view_bytes_as
+from lgc.compressors.segment_topk import segment_topk
 from lgc.compressors.selection import extreme_sides
-from lgc.compressors.topk import SparsePayload, num_selected, scatter_add_sparse_into
+from lgc.compressors.topk import (
+    ScatterAddAggregation,
+    SparsePayload,
+    num_selected,
+    scatter_add_sparse_into,
+    segment_starts,
+)
 from lgc.validation import Density, check
 
-__all__ = ["MEAN_BYTES", "GolombParameter", "SBCCompressor", "SBCPayload", "SBCSelection", "sbc_select"]
+__all__ = [
+    "MEAN_BYTES",
+    "GolombParameter",
+    "SBCCompressor",
+    "SBCPayload",
+    "SBCSelection",
+    "sbc_select",
+    "sbc_select_segments",
+]
 
 #: Bytes of the one value sent per tensor (fp32).
 MEAN_BYTES = 4
@@ -161,6 +178,50 @@ def sbc_select(tensor: Tensor, k: int) -> SBCSelection:
     return SBCSelection(sent.positions(), mean, mean_positive, mean_negative)
 
 
+def sbc_select_segments(flat: Tensor, numels: Sequence[int], ks: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """:func:`sbc_select` of every segment of ``flat`` at once (a DDP bucket's tensors laid end to end).
+
+    Both sides of every segment from two signed :func:`~lgc.compressors.segment_topk.segment_topk`
+    calls (the ``k`` largest of ``flat`` and of ``-flat``), their sums in float64 with one
+    ``index_add_`` each, the side of larger mean magnitude kept per segment (a tie keeps the
+    positive one). The positions and means are :func:`sbc_select`'s where its sides are unique
+    (entries tied at a side's ``k``-th value may be chosen differently, as between any two exact
+    top-k); the sides' float64 sums are formed in another order than :func:`sbc_select`'s, which
+    reaches the fp32 mean, or the choice of side, only where the exact sum lies within a float64
+    rounding of a boundary. ``flat`` holding an inf or a NaN takes :func:`sbc_select` segment by
+    segment.
+
+    Args:
+        flat: the segments end to end (any floating dtype).
+        numels: each segment's length; they sum to ``flat.numel()``.
+        ks: entries per side of each segment, ``1 <= k <= numel``.
+
+    Returns:
+        int64 positions in ``flat``, ascending (so segment by segment, ``ks[i]`` each), and every
+        segment's signed mean (fp32, one per segment).
+    """
+    values = flat.detach().reshape(-1)
+    bad = [(i, k, n) for i, (k, n) in enumerate(zip(ks, numels, strict=True)) if not 1 <= k <= n]
+    if bad or sum(numels) != values.numel():
+        raise ValueError(f"every k must lie in [1, numel] and the numels sum to {values.numel()}: {bad[:1]}")
+    if not bool(torch.isfinite(values).all()):
+        selections = [sbc_select(piece, k) for piece, k in zip(values.split(list(numels)), ks, strict=True)]
+        starts = segment_starts(numels, ks, values.device)
+        return torch.cat([s.positions for s in selections]) + starts, torch.cat([s.mean for s in selections])
+    device = values.device
+    high = segment_topk(values, numels, ks, signed=True)
+    low = segment_topk(values.neg(), numels, ks, signed=True)
+    k = torch.tensor(list(ks), dtype=torch.float64, device=device)
+    owner = torch.repeat_interleave(torch.arange(len(ks), device=device), k.long(), output_size=sum(ks))
+    totals = torch.zeros(2, len(ks), dtype=torch.float64, device=device)
+    totals[0].index_add_(0, owner, values[high].double())
+    totals[1].index_add_(0, owner, values[low].double())
+    positive = totals[0] / k >= -totals[1] / k
+    chosen = torch.where(positive[owner], high, low)
+    means = (torch.where(positive, totals[0], totals[1]) / k).float()
+    return chosen.sort().values, means
+
+
 def _check_payloads(payloads: list[Payload]) -> None:
     for payload in payloads:
         if not isinstance(payload, SBCPayload):
@@ -180,7 +241,7 @@ def _zeros(numel: int, device: torch.device) -> Tensor:
     return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
-class SBCCompressor(Compressor):
+class SBCCompressor(ScatterAddAggregation, Compressor):
     """Sparse Binary Compression (Sattler et al. 2019): the stronger sign side as one mean + Golomb-coded positions.
 
     Wire cost per tensor: ``4 + 5 + ceil(bits / 8)`` bytes, ``bits ~= k * (b* + 1 / (1 - (1 - p)^(2^b*)))``
@@ -239,6 +300,22 @@ class SBCCompressor(Compressor):
             code=code.to_wire(),
         )
 
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[SBCPayload]:
+        """Every segment's payload (:func:`sbc_select_segments`: the selection at once), and each segment's
+        mean subtracted at its positions in one ``index_add_``, as error feedback subtracts a payload
+        (:class:`~lgc.compressors.segments.FeedsBackSegments`). Every segment's positions are Golomb
+        coded at once (:func:`~lgc.coding.golomb_segments.golomb_encode_segments`)."""
+        ks = [num_selected(numel, self.density) for numel in numels]
+        positions, means = sbc_select_segments(flat, numels, ks)
+        local = positions - segment_starts(numels, ks, positions.device)
+        codes = golomb_encode_segments(local, numels, ks, b=self.golomb_parameter)
+        payloads = []
+        for numel, k, index, mean, code in zip(numels, ks, local.split(ks), means.split(1), codes, strict=True):
+            payloads.append(SBCPayload(numel=numel, values=mean.expand(k), indices=index, mean=mean, code=code))
+        repeats = torch.tensor(ks, device=means.device)
+        flat.index_add_(0, positions, means.repeat_interleave(repeats, output_size=sum(ks)).to(flat.dtype), alpha=-1)
+        return payloads
+
     def decompress(self, payload: Payload) -> Tensor:
         if not isinstance(payload, SBCPayload):
             raise TypeError(f"SBCCompressor decodes SBCPayload, got {type(payload).__name__}")
@@ -270,6 +347,31 @@ class SBCCompressor(Compressor):
 
     def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> SBCPayload:
         return SBCPayload.from_wire(wire, numel)
+
+    def payloads_from_wire_many(
+        self, wires: Sequence[Tensor], numels: Sequence[int], keys: Sequence[str]
+    ) -> list[Payload]:
+        """One rank's payloads of a bucket at once: the means read together and every tensor's positions
+        decoded in a fixed number of passes (:func:`~lgc.coding.golomb_segments.golomb_decode_segments`), with
+        :meth:`SBCPayload.from_wire`'s checks and payloads."""
+        if len(wires) < 2:
+            return super().payloads_from_wire_many(wires, numels, keys)
+        for wire in wires:
+            if wire.dtype != torch.uint8 or wire.dim() != 1 or wire.numel() < MEAN_BYTES:
+                raise ValueError(f"an SBC payload is a 1-D uint8 buffer of >= {MEAN_BYTES} bytes, got {wire.numel()}")
+        codes = [wire[MEAN_BYTES:] for wire in wires]
+        decoded = golomb_decode_segments(codes)
+        lasts = torch.stack([p[-1] if p.numel() else p.new_full((), -1) for p in decoded]).tolist()
+        for last, numel in zip(lasts, numels, strict=True):
+            if last >= numel:
+                raise ValueError(f"SBC payload has position {last} in a tensor of {numel} elements")
+        payloads: list[Payload] = []
+        for wire, numel, positions, code in zip(wires, numels, decoded, codes, strict=True):
+            mean = view_bytes_as(wire[:MEAN_BYTES], torch.float32)
+            payloads.append(
+                SBCPayload(numel=numel, values=mean.expand(positions.numel()), indices=positions, mean=mean, code=code)
+            )
+        return payloads
 
     def __repr__(self) -> str:
         return f"SBCCompressor(density={self.density}, golomb_parameter={self.golomb_parameter})"

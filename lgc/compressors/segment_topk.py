@@ -12,13 +12,13 @@ passes over the flat, however many segments there are:
    (one reduction over an ``(n / b, b)`` view). A block that lies inside one segment is *interior*
    to it; a block across a boundary, and the tail that fills no block, are searched entry by entry.
 2. **A threshold per segment.** ``t_i``, the ``k_i``-th largest maximum among segment ``i``'s
-   interior blocks (``torch.topk`` along the rows of ``(segments, blocks)`` matrices padded with -1,
-   on the CPU one per power of two of the segments' block counts, so padding never doubles the
-   blocks; on a GPU as few matrices as keep the padding bounded, built from geometry the host
-   knows, without the class loop's host synchronizations). Those
+   interior blocks (``torch.topk`` along the rows of ``(segments, blocks)`` matrices padded with -1
+   (-inf for signed values), on the CPU one per power of two of the segments' block counts, so
+   padding never doubles the blocks; on a GPU as few matrices as keep the padding bounded, built
+   from geometry the host knows, without the class loop's host synchronizations). Those
    ``k_i`` maxima are ``k_i`` distinct entries of the segment, so its ``k_i``-th largest magnitude
    is at least ``t_i``, and every entry it keeps is at least ``t_i``. A segment with fewer than
-   ``k_i`` interior blocks (a small one) gets ``t_i = -1``: all its entries are candidates.
+   ``k_i`` interior blocks (a small one) gets ``t_i = -1`` (``-inf`` signed): all its entries are candidates.
 3. **Candidates.** The entries of the interior blocks whose maximum reaches their segment's
    ``t_i``, and of the blocks across boundaries and the tail, that are at least ``t_i``: usually
    little over ``k_i`` per segment.
@@ -54,7 +54,9 @@ def segment_block_size(numel: int, k: int) -> int:
     return _topk_block_size(numel, k) if k > 0 else _TOPK_MAX_BLOCK
 
 
-def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block: int | None = None) -> Tensor:
+def segment_topk(
+    values: Tensor, numels: Sequence[int], ks: Sequence[int], block: int | None = None, *, signed: bool = False
+) -> Tensor:
     """Positions in ``values`` of every segment's ``k`` entries of largest magnitude, exactly.
 
     Args:
@@ -62,10 +64,12 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
         numels: each segment's length; they sum to ``values.numel()``.
         ks: how many entries to keep of each segment (``0 <= k <= numel``).
         block: the block length of step 1 (default :func:`segment_block_size` of the totals).
+        signed: the ``k`` largest entries instead of magnitudes (``-values`` for the smallest: SBC's
+            two sides): the same bound over the blocks' maxima, ties again by position.
 
     Returns:
         int64 positions, segment by segment in the order given, ``ks[i]`` of segment ``i``, each
-        segment's largest magnitude first.
+        segment's largest magnitude (value) first.
 
     Raises:
         ValueError: ``numels`` do not sum to ``values.numel()``, a ``k`` is outside ``[0, numel]``, or
@@ -91,9 +95,11 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
 
     # 1. Block maxima; the interior blocks of each segment and their place in its row.
     blocks = n // b
-    # max(amax, -amin) per row: no gradient-sized |x| is written (and NaN and inf show through).
+    # max(amax, -amin) per row (signed: amax): no gradient-sized |x| is written (NaN and inf show through).
     rows_view = values[: blocks * b].view(blocks, b)
-    maxima = group_maxima(rows_view, 1)
+    maxima = rows_view.amax(1) if signed else group_maxima(rows_view, 1)
+    # Below every entry: what a row is padded with, and the threshold of a segment that keeps all.
+    floor = float("-inf") if signed else -1.0
     first = torch.div(starts + b - 1, b, rounding_mode="floor")  # a segment's first interior block
     last = torch.div(ends, b, rounding_mode="floor")  # one past its last
     interior = (last - first).clamp(min=0)
@@ -107,13 +113,13 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
     if tail.numel():
         finite &= torch.isfinite(tail).all()
     if not bool(finite):
-        return _per_segment(values.abs(), numels, ks)
+        return _per_segment(values if signed else values.abs(), numels, ks)
 
     # 2. Per segment, the k-th largest of its interior maxima (-1 where it has fewer than k).
     if device.type != "cpu":
-        thresholds = _thresholds_padded(maxima, numels, ks, b)
+        thresholds = _thresholds_padded(maxima, numels, ks, b, floor)
     else:
-        thresholds = _thresholds_by_class(maxima, k, first, interior, owner, inside)
+        thresholds = _thresholds_by_class(maxima, k, first, interior, owner, inside, floor)
     thresholds = torch.where(k == 0, torch.full_like(thresholds, float("inf")), thresholds)
 
     # 3. Candidates: interior blocks reaching their threshold, every other block and the tail.
@@ -123,7 +129,7 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
     if tail.numel():
         positions = torch.cat([positions, torch.arange(blocks * b, n, device=device)])
     segment = torch.searchsorted(ends, positions, right=True)
-    candidate = values[positions].abs()
+    candidate = values[positions] if signed else values[positions].abs()
     hit = candidate >= thresholds[segment]
     positions, segment, candidate = positions[hit], segment[hit], candidate[hit]
 
@@ -136,14 +142,14 @@ def segment_topk(values: Tensor, numels: Sequence[int], ks: Sequence[int], block
 
 
 def _thresholds_by_class(
-    maxima: Tensor, k: Tensor, first: Tensor, interior: Tensor, owner: Tensor, inside: Tensor
+    maxima: Tensor, k: Tensor, first: Tensor, interior: Tensor, owner: Tensor, inside: Tensor, floor: float
 ) -> Tensor:
     """Step 2 in padded ``(segments, blocks)`` matrices, one per power of two of the segments' interior blocks.
 
     The padding stays under the blocks themselves; each matrix costs a few host synchronizations.
     """
     segments, device = k.numel(), maxima.device
-    thresholds = torch.full((segments,), -1.0, dtype=maxima.dtype, device=device)
+    thresholds = torch.full((segments,), floor, dtype=maxima.dtype, device=device)
     ranked = (interior >= k) & (k > 0)
     size_class = torch.where(ranked, torch.log2(interior.clamp(min=1).float()).ceil().long(), -1)
     ids = torch.nonzero(inside).squeeze(1)
@@ -153,7 +159,7 @@ def _thresholds_by_class(
         row_of = torch.full((segments,), -1, dtype=torch.int64, device=device)
         row_of[members] = torch.arange(members.numel(), device=device)
         width = int(interior[members].max())
-        rows = torch.full((members.numel(), width), -1.0, dtype=maxima.dtype, device=device)
+        rows = torch.full((members.numel(), width), floor, dtype=maxima.dtype, device=device)
         mine = ids[id_class == c]
         rows[row_of[owner[mine]], mine - first[owner[mine]]] = maxima[mine]
         top = torch.topk(rows, int(k[members].max()), dim=1).values
@@ -168,7 +174,7 @@ _MAX_PADDING = 2
 _PADDED_FREE_ENTRIES = 1 << 24
 
 
-def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int], b: int) -> Tensor:
+def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int], b: int, floor: float) -> Tensor:
     """Step 2 in padded ``(segments, blocks)`` matrices, without a host synchronization.
 
     Every segment's interior blocks follow from ``numels`` and ``b``, which the host knows, so a
@@ -180,7 +186,7 @@ def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int],
     the peak: gather positions, gathered maxima, mask, padded rows).
     """
     device = maxima.device
-    thresholds = torch.full((len(numels),), -1.0, dtype=maxima.dtype, device=device)
+    thresholds = torch.full((len(numels),), floor, dtype=maxima.dtype, device=device)
     start, ranked = 0, []
     for i, (numel, k) in enumerate(zip(numels, ks, strict=True)):
         first, last = -(-start // b), (start + numel) // b
@@ -207,7 +213,7 @@ def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int],
         )
         column = torch.arange(width, dtype=torch.int32, device=device)
         gather = (first_t.unsqueeze(1) + column).clamp_(max=last_block)
-        rows = torch.where(column < width_t.unsqueeze(1), maxima[gather], -1.0)
+        rows = torch.where(column < width_t.unsqueeze(1), maxima[gather], floor)
         top = torch.topk(rows, max(r[2] for r in group), dim=1).values
         thresholds[rows_t] = top.gather(1, (k_t - 1).unsqueeze(1)).squeeze(1)
     return thresholds

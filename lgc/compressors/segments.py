@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "CodesBuckets",
     "DecodesSegments",
     "FeedsBackSegments",
     "copy_segments_into",
@@ -28,7 +29,7 @@ __all__ = [
 @runtime_checkable
 class FeedsBackSegments(Protocol):
     """A compressor whose error feedback can encode a whole bucket at once
-    (:meth:`~lgc.compressors.ErrorFeedback.compress_many` with ``bucketed``): top-k, EF-signSGD's scaled
+    (:meth:`~lgc.compressors.ErrorFeedback.compress_many` with ``bucketed``): top-k, SBC, EF-signSGD's scaled
     sign, chunked top-k, SparseLoCo's quantized values (:func:`feeds_back_segments` asks)."""
 
     def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[Any]:
@@ -56,16 +57,15 @@ def feeds_back_segments(compressor: object) -> bool:
     return issubclass(owner_of["feed_back_segments"], owner_of["compress"])
 
 
-class DecodesSegments:
-    """Mixin for a compressor with a bucket-level path: ``compress_many`` encodes a bucket at once and
-    ``aggregate_many`` sums its gathered payloads at once (``decode_segments``) where :meth:`batches_on`
-    says so, tensor by tensor (the base's loops) elsewhere. fp4, QSGD and TernGrad put it before
-    :class:`~lgc.compressors.base.Compressor` in their bases.
+class CodesBuckets:
+    """Mixin for a compressor whose ``compress_many`` encodes a bucket at once where :meth:`batches_on` says
+    so, tensor by tensor (the base's loop) elsewhere: DGC, and through :class:`DecodesSegments` fp4,
+    QSGD and TernGrad.
 
     ``bucketed`` chooses where: None (default) on a GPU, where a few kernels per tensor cost more
     than the arithmetic, and tensor by tensor on the CPU, whose loop is the faster one
     (``lgc-bench compressors`` measures both); True everywhere (the test matrix runs it on the CPU
-    through the hook), False nowhere. Both paths give the same payloads and sums, bit for bit.
+    through the hook), False nowhere. Both paths give the same payloads and state, bit for bit.
     """
 
     #: Where a bucket is coded at once: None (a GPU), True (everywhere) or False (nowhere).
@@ -76,10 +76,18 @@ class DecodesSegments:
         return True
 
     def batches_on(self, device: Any) -> bool:
-        """Whether :meth:`compress_many` and :meth:`aggregate_many` take a bucket at once on ``device``."""
+        """Whether :meth:`compress_many` (and :meth:`aggregate_many`, where the codec decodes a bucket at once)
+        takes a bucket at once on ``device``."""
         if not self.segments_supported():
             return False
         return self.bucketed if self.bucketed is not None else device.type != "cpu"
+
+
+class DecodesSegments(CodesBuckets):
+    """:class:`CodesBuckets` for a codec that also sums a bucket's gathered payloads at once
+    (``decode_segments``, from :meth:`aggregate_many`) where :meth:`batches_on` says so. fp4, QSGD and
+    TernGrad put it before :class:`~lgc.compressors.base.Compressor` in their bases.
+    """
 
     def decode_segments(self, payloads: Sequence[Sequence[Any]], outs: Sequence[Tensor]) -> None:
         """Every rank's payloads of a bucket's tensors (``payloads[i]``: tensor ``i``'s) summed into ``outs``."""

@@ -174,7 +174,7 @@ def scatter_add_sparse_many(payloads: Sequence[list[SparsePayload]], outs: Seque
 class ScatterAddAggregation:
     """Mixin for compressors whose payloads are :class:`SparsePayload`: the workers' payloads sum by scatter-add.
 
-    Top-k, DGC and RedSync put it before :class:`~lgc.compressors.base.Compressor` in their bases.
+    Top-k, DGC, RedSync and SBC put it before :class:`~lgc.compressors.base.Compressor` in their bases.
     """
 
     def aggregate(self, payloads: list[Payload]) -> Tensor:

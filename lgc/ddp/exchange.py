@@ -186,7 +186,9 @@ class PayloadExchange:
             self.own = [encoded[s.name] for s in self.sparse]
         elif pending:
             assert isinstance(compressor, HoldsSteps), compressor
-            self.own = [compressor.compress_pending(buffer[s.offset : s.offset + s.numel], s.name) for s in self.sparse]
+            self.own = compressor.compress_pending_many(
+                [buffer[s.offset : s.offset + s.numel] for s in self.sparse], [s.name for s in self.sparse]
+            )
         else:
             pieces = [buffer[s.offset : s.offset + s.numel] for s in self.sparse]
             self.own = compressor.compress_many(pieces, [s.name for s in self.sparse])
@@ -328,10 +330,11 @@ def sum_gathered(
     rank = dist.get_rank(state.process_group)
     received: dict[str, list[Payload]] = {}
     decoded: list[tuple[Segment, Tensor]] = []
-    for (s, target), mine in zip(segments, own, strict=True):
-        payloads = [
-            compressor.payload_from_wire(next(wires_of_rank), s.numel, key=s.name) for wires_of_rank in per_rank
-        ]
+    numels, names = [s.numel for s, _ in segments], [s.name for s, _ in segments]
+    # Each rank's payloads parsed at once (a compressor may parse a bucket in a fixed number of passes).
+    by_rank = [compressor.payloads_from_wire_many([next(wires) for _ in segments], numels, names) for wires in per_rank]
+    for i, ((s, target), mine) in enumerate(zip(segments, own, strict=True)):
+        payloads = [parsed[i] for parsed in by_rank]
         _check_round_trip(compressor, mine, payloads[rank])
         if used is not None and s.name not in used:
             continue

@@ -166,7 +166,9 @@ def run_packed_step(state: CompressionHookState, pending: list[PendingBucket], b
         started = time.perf_counter()
         try:
             # A rank that sees an inf or NaN knows the step will be skipped: it encodes zeros (never decoded).
-            own_ahead = [holder.compress_pending(v if finite else torch.zeros_like(v), s.name) for v, s in compressed]
+            own_ahead = holder.compress_pending_many(
+                [v if finite else torch.zeros_like(v) for v, _ in compressed], [s.name for _, s in compressed]
+            )
             if compressor.transforms_dense:
                 dense_sent = [holder.transform_dense_pending(v, s.name) for v, s in dense]
         except BaseException:

@@ -1,12 +1,27 @@
 """Codecs over whole buckets: a bucket's tensors encoded and decoded in a fixed number of passes, bit for bit the
 per-tensor path's payloads, state and sums (EF-signSGD's scaled sign, Streaming DiLoCo's fp4, QSGD and TernGrad)."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lgc.compressors import ErrorFeedback, FP4Compressor, QSGDCompressor, SignSGDCompressor, TernGradCompressor
+from lgc.compressors import (
+    DGCCompressor,
+    ErrorFeedback,
+    FP4Compressor,
+    QSGDCompressor,
+    RedSyncCompressor,
+    SBCCompressor,
+    SignSGDCompressor,
+    TernGradCompressor,
+    TopKCompressor,
+)
+from lgc.compressors.sbc import sbc_select, sbc_select_segments
+from lgc.compressors.segment_sampled import sampled_topk_segments
+from lgc.compressors.selection import dgc_sample_layout, sampled_topk
 from lgc.compressors.signsgd import SignPayload, decode_signs_many
 
 
@@ -357,3 +372,360 @@ def test_error_feedback_over_a_stochastic_quantizer_feeds_a_bucket_back_as_the_l
             assert torch.equal(h.to_wire(), w.to_wire()), key
             assert torch.equal(batched.residuals[key], loop.residuals[key]), key
         assert batched.compressor.draws == loop.compressor.draws
+
+
+# -- DGC: the sampled threshold, momentum correction and masking over a whole bucket ----------------
+
+
+class _Start:
+    """A fixed draw for the sample's start (what DGC's per-key draw is to sampled_topk)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def randrange(self, stop: int) -> int:
+        return self.value % stop
+
+
+def _sorted_pairs(payload):
+    order = payload.indices.long().argsort()
+    return payload.indices[order], payload.values[order]
+
+
+def _same_sparse_payload(have, want) -> None:
+    assert have.numel == want.numel and have.nbytes == want.nbytes
+    assert have.indices.dtype == want.indices.dtype
+    for a, b in zip(_sorted_pairs(have), _sorted_pairs(want), strict=True):
+        assert torch.equal(a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    numels=st.lists(st.sampled_from([1, 3, 17, 250, 3000, 20_000, 70_000]), min_size=1, max_size=6),
+    density=st.sampled_from([0.001, 0.01, 0.05, 0.3, 1.0]),
+    zeros=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_dgcs_sampled_threshold_over_segments_is_the_per_tensor_rule(numels, density, zeros, seed):
+    """Every segment gets sampled_topk's entries (sample, threshold, rounds of x0.8, the cut at 1.3 k)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(numels), generator=gen) * torch.rand(sum(numels), generator=gen) ** 3
+    if zeros:
+        x[::3] = 0.0  # a mass of equal magnitudes: thresholds at zero, cuts among survivors
+    ks = [math.ceil(n * density) for n in numels]
+    starts = torch.randint(0, 2**31, (len(numels),), generator=gen).tolist()
+    positions, counts = sampled_topk_segments(x, numels, ks, density=density, rngs=[_Start(s) for s in starts])
+    offset = 0
+    for numel, k, start, got in zip(numels, ks, starts, positions.split(counts), strict=True):
+        want, info = sampled_topk(x[offset : offset + numel], k, density=density, rng=_Start(start))
+        if info.path == "threshold+topk":  # the same magnitudes (ties at the cut may pick other entries)
+            segment = x[offset : offset + numel].abs()
+            assert torch.equal(segment[got - offset].sort().values, segment[want].sort().values)
+        else:
+            assert torch.equal(got - offset, want), info
+        offset += numel
+
+
+def test_dgcs_segments_cover_every_path_of_the_rule():
+    """The rounds of x0.8, the cut at 1.3 k and the whole-sample (stride 1) case all occur, and agree."""
+    gen = torch.Generator().manual_seed(3)
+    numels = [100_000, 100_000, 1_500, 40]
+    x = torch.randn(sum(numels), generator=gen) * 0.01
+    # The sampled entries large, falling by 0.8 over every 100: the sample's threshold lets through a
+    # handful only, one round of x0.8 about 100 (rounds, no cut).
+    _, stride, _ = dgc_sample_layout(100_000, 0.001)
+    sampled = x[7 % stride : 100_000 : stride]
+    sampled.copy_(2.0 * 0.8 ** (torch.arange(sampled.numel()) / 100.0))
+    x[100_000:200_000:2] = 1.0  # half the entries tied: everything survives, cut to k
+    ks = [100, 100, 2, 1]
+    positions, counts = sampled_topk_segments(x, numels, ks, density=0.001, rngs=[_Start(7)] * 4)
+    paths, offset = [], 0
+    for numel, k, got in zip(numels, ks, positions.split(counts), strict=True):
+        want, info = sampled_topk(x[offset : offset + numel], k, density=0.001, rng=_Start(7))
+        paths.append((info.path, info.rounds > 0))
+        assert torch.equal(got.sort().values - offset, want.sort().values)
+        offset += numel
+    assert ("threshold", True) in paths and ("threshold+topk", False) in paths, paths
+
+
+def _dgc_pair(**knobs):
+    loop, batched = DGCCompressor(**knobs), DGCCompressor(**knobs)
+    loop.bucketed, batched.bucketed = False, True
+    return loop, batched
+
+
+def _same_dgc_state(have, want, keys) -> None:
+    for store in ("velocities", "momenta"):
+        for key in keys:
+            a, b = getattr(have, store).get(key), getattr(want, store).get(key)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (store, key)
+    assert have.draws == want.draws
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    numels=st.lists(st.sampled_from([2, 40, 900, 12_000, 60_000]), min_size=2, max_size=5),
+    knobs=st.sampled_from(
+        [
+            {},
+            {"nesterov": True},
+            {"momentum": 0.0},
+            {"momentum_masking": False},
+            {"density": 0.05},
+            {"warmup_densities": [0.25, 0.01], "steps_per_epoch": 2},
+        ]
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_dgc_over_a_bucket_is_the_per_tensor_loop(numels, knobs, seed):
+    """Several steps of DGC (warm-up, momentum correction, masking): the loop's payloads and state, bit for bit;
+    a checkpoint taken from the bucket path and loaded midway resumes both alike."""
+    knobs = {"density": 0.001, "warmup_densities": [], **knobs}
+    loop, batched = _dgc_pair(**knobs)
+    keys = [f"p{i}" for i in range(len(numels))]
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(5):
+        if step == 3:
+            state = batched.state_dict()
+            loop.load_state_dict(state)
+            batched.load_state_dict(state)
+        for dgc in (loop, batched):
+            dgc.begin_step(step)
+        bucket = torch.randn(sum(numels), generator=gen) * torch.rand(sum(numels), generator=gen) ** 2
+        grads = list(bucket.split(numels))
+        expected, got = loop.compress_many(grads, keys), batched.compress_many(grads, keys)
+        for want, have in zip(expected, got, strict=True):
+            _same_sparse_payload(have, want)
+        _same_dgc_state(batched, loop, keys)
+    assert tuple(keys) in batched._flats and not loop._flats, "the bucket went as one flat"
+
+
+def _run_held_schedule(loop, batched, numels: list[int], seed: int, check) -> None:
+    """Steps held until the ranks agree, committed whole, in part (keys "a" and "b") or dropped, between plain
+    bucket steps and another bucketing of two keys (DDP rebuilt its buckets): ``loop`` tensor by tensor,
+    ``batched`` a bucket at once; ``check(step, expected, payloads)`` after each. The last key first
+    appears in a held step that leaves it unused."""
+    keys = ["a", "b", "c", "d"][: len(numels)]
+    modes = ["held", "held", "held_some", "bucket", "dropped", "held", "other", "held", "bucket", "held"]
+    gen = torch.Generator().manual_seed(seed)
+    for step, mode in enumerate(modes):
+        grads = list(torch.randn(sum(numels), generator=gen).split(numels))
+        step_keys = keys if step else keys[:-1]
+        grads = grads[: len(step_keys)]
+        for compressor in (loop, batched):
+            compressor.begin_step(step)
+            if mode == "bucket":
+                payloads = compressor.compress_many(grads, step_keys)
+            elif mode == "other":
+                payloads = compressor.compress_many(grads[:2], step_keys[:2])
+            else:
+                if compressor is loop:
+                    payloads = [compressor.compress_pending(g, k) for g, k in zip(grads, step_keys, strict=True)]
+                else:
+                    payloads = compressor.compress_pending_many(grads, step_keys)
+                if mode == "dropped":
+                    compressor.drop()
+                else:
+                    compressor.commit({"a", "b"} if mode == "held_some" or step == 1 else set(step_keys))
+            if compressor is loop:
+                expected = payloads
+        for want, have in zip(expected, payloads, strict=True):
+            _same_sparse_payload(have, want)
+        check(step)
+    assert list(batched._flats) == [tuple(keys)], "the last held step's flats are the bucket's state"
+
+
+def _same_residuals(batched, loop):
+    """A check of :func:`_run_held_schedule`: the two error feedbacks' residuals, key for key, bit for bit."""
+
+    def check(step):
+        assert batched.residuals.keys() == loop.residuals.keys(), step
+        for key in loop.residuals:
+            assert torch.equal(batched.residuals[key], loop.residuals[key]), (step, key)
+
+    return check
+
+
+def test_dgcs_held_bucket_steps_are_the_per_tensor_held_steps():
+    """Steps held until the ranks agree (the hook's one message per step), committed whole, in part or dropped,
+    between plain bucket steps and another bucketing of the keys: compress_pending_many over a bucket leaves
+    what compress_pending tensor by tensor does, bit for bit; a key met first in a held step and left
+    unused stays without state."""
+    loop, batched = _dgc_pair(density=0.01, warmup_densities=[0.3], steps_per_epoch=3)
+
+    def check(step):
+        _same_dgc_state(batched, loop, ["a", "b", "c", "d"])
+        assert (batched.epoch, batched.current_density) == (loop.epoch, loop.current_density), step
+
+    _run_held_schedule(loop, batched, [500, 3000, 64, 2000], 11, check)
+
+
+def test_dgc_takes_a_bucket_at_once_on_a_gpu_by_default_and_refuses_where_it_has_no_bucket_rule():
+    assert DGCCompressor().batches_on(torch.device("cuda")) and not DGCCompressor().batches_on(torch.device("cpu"))
+    for knobs in ({"clip_norm": 1.0}, {"exact_below_numel": 100}):
+        dgc = DGCCompressor(**knobs)
+        dgc.bucketed = True
+        assert not dgc.batches_on(torch.device("cpu")), knobs  # the per-tensor loop: clipping, exact small tensors
+
+
+# -- SBC: both sides of every tensor, the kept side's mean and its residual over a whole bucket -------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    numels=st.lists(st.sampled_from([1, 7, 300, 5000, 40_000]), min_size=1, max_size=5),
+    density=st.sampled_from([0.001, 0.01, 0.1, 1.0]),
+    ties=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_sbcs_sides_over_segments_are_the_per_tensor_selection(numels, density, ties, seed):
+    """The kept side and its mean of every segment are sbc_select's; with ties at a side's k-th value the
+    kept entries may differ, their values not."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(sum(numels), generator=gen)
+    if ties:
+        flat = flat.round()  # a handful of distinct values, each many times
+    ks = [math.ceil(n * density) for n in numels]
+    positions, means = sbc_select_segments(flat, numels, ks)
+    offset = 0
+    for i, (numel, k, got) in enumerate(zip(numels, ks, positions.split(ks), strict=True)):
+        piece = flat[offset : offset + numel]
+        want = sbc_select(piece, k)
+        assert torch.equal(means[i : i + 1], want.mean)
+        if ties:
+            assert torch.equal(piece[got - offset].sort().values, piece[want.positions].sort().values)
+        else:
+            assert torch.equal(got - offset, want.positions)
+        offset += numel
+
+
+def _same_sparse_wire(have, want) -> None:
+    assert have.numel == want.numel and have.nbytes == want.nbytes
+    assert torch.equal(have.to_wire(), want.to_wire())
+
+
+def _ef_bucket_steps(make, numels, decay, steps, seed, same):
+    """``steps`` steps of error feedback over ``make()``, tensor by tensor and a bucket at once: each step's
+    payloads compared by ``same`` and the residuals bit for bit; returns both (the loop's first)."""
+    keys = [f"p{i}" for i in range(len(numels))]
+    loop = ErrorFeedback(make(), decay=decay, bucketed=False)
+    batched = ErrorFeedback(make(), decay=decay, bucketed=True)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        bucket = torch.randn(sum(numels), generator=gen) * torch.rand(sum(numels), generator=gen)
+        grads = list(bucket.split(numels))
+        for want, have in zip(loop.compress_many(grads, keys), batched.compress_many(grads, keys), strict=True):
+            same(have, want)
+        for key in keys:
+            assert torch.equal(batched.residuals[key], loop.residuals[key]), (step, key)
+    assert tuple(keys) in batched._flats, "the bucket went as one flat"
+    return loop, batched
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    numels=st.lists(st.sampled_from([1, 7, 300, 5000, 40_000]), min_size=2, max_size=5),
+    density=st.sampled_from([0.001, 0.01, 0.1]),
+    decay=st.sampled_from([1.0, 0.95]),
+    seed=st.integers(0, 2**16),
+)
+def test_sbc_with_error_feedback_over_a_bucket_is_the_per_tensor_loop(numels, density, decay, seed):
+    """Several steps: the same payload bytes (mean, Golomb-coded positions) and residuals, bit for bit."""
+    _ef_bucket_steps(lambda: SBCCompressor(density), numels, decay, 3, seed, _same_sparse_wire)
+
+
+@pytest.mark.parametrize("inner", ["sbc", "topk"])
+@pytest.mark.parametrize("decay", [1.0, 0.95])
+def test_error_feedbacks_held_bucket_steps_are_the_per_tensor_held_steps(inner, decay):
+    """Steps held until the ranks agree (SBC's one message per step: its sizes vary, so it encodes ahead),
+    committed whole, in part or dropped, between plain bucket steps and another bucketing: the same
+    payloads and residuals as compress_pending tensor by tensor; a key first met in a held step that
+    leaves it unused stays without a residual."""
+
+    def make():
+        return SBCCompressor(0.01) if inner == "sbc" else TopKCompressor(0.01)
+
+    loop = ErrorFeedback(make(), decay=decay, bucketed=False)
+    batched = ErrorFeedback(make(), decay=decay, bucketed=True)
+
+    check = _same_residuals(batched, loop)
+    _run_held_schedule(loop, batched, [300, 5000, 40_000, 64], 1, check)
+
+
+def test_sbcs_payloads_of_a_bucket_parse_at_once_as_one_by_one():
+    """payloads_from_wire_many: the means, positions and codes payload_from_wire gives each wire, and its checks."""
+    sbc = SBCCompressor(0.01)
+    numels = [5000, 40_000, 7, 300]
+    gen = torch.Generator().manual_seed(2)
+    wires = [sbc.compress(torch.randn(n, generator=gen), "w").to_wire() for n in numels]
+    for have, wire, numel in zip(sbc.payloads_from_wire_many(wires, numels, ["a"] * 4), wires, numels, strict=True):
+        want = sbc.payload_from_wire(wire, numel)
+        assert torch.equal(have.mean, want.mean) and torch.equal(have.indices, want.indices)
+        assert torch.equal(have.values, want.values) and torch.equal(have.to_wire(), wire)
+    with pytest.raises(ValueError, match="position .* in a tensor of 200 elements"):
+        sbc.payloads_from_wire_many(wires[:2], [5000, 200], ["a", "b"])
+
+
+# -- RedSync: trimmed top-k is every tensor's exact top-k, so a bucket's selection is segment_topk's -----
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"density": 0.01}, {"method": "threshold_binary_search"}, {"quantize": True}, {"reuse_threshold": True}],
+    ids=["trimmed", "trimmed_1pct", "binary_search_loop", "quantize_loop", "reuse_loop"],
+)
+def test_redsync_with_error_feedback_over_a_bucket_is_the_per_tensor_loop(knobs):
+    """Several steps: the same (value, index) pairs and residuals, bit for bit; the settings whose selection
+    depends on a search path, a reused threshold or the sign means go tensor by tensor inside."""
+    numels = [7, 300, 5000, 40_000, 70_000]
+    loop, batched = _ef_bucket_steps(lambda: RedSyncCompressor(**knobs), numels, 1.0, 4, 5, _same_sparse_payload)
+    assert batched.compressor.thresholds == loop.compressor.thresholds
+
+
+def test_redsyncs_held_bucket_steps_are_the_per_tensor_held_steps():
+    """RedSync sends variable sizes, so the hook encodes its steps ahead: without a reused threshold its
+    error feedback holds a bucket's step in a second flat, as for SBC."""
+    loop = ErrorFeedback(RedSyncCompressor(0.01), bucketed=False)
+    batched = ErrorFeedback(RedSyncCompressor(0.01), bucketed=True)
+    assert batched.speculates and batched._holder is None, "RedSync without reuse moves no state of its own"
+
+    check = _same_residuals(batched, loop)
+    _run_held_schedule(loop, batched, [300, 5000, 40_000, 64], 3, check)
+
+
+@pytest.mark.parametrize("which", ["dgc", "sbc"])
+def test_several_buckets_held_in_one_step_keep_their_flats_and_a_new_bucketing_frees_the_old(which):
+    """The hook's overlap holds one bucket at a time and commits the step once: every bucket's written flats
+    become its state and its old ones its next spare (the same storage every other step, nothing
+    rebuilt); a new bucketing of the keys frees the old bucketings' spares. Bit for bit the loop's."""
+
+    def make():
+        if which == "dgc":
+            return DGCCompressor(density=0.01, warmup_densities=[])
+        return ErrorFeedback(SBCCompressor(0.01))
+
+    loop, batched = make(), make()
+    loop.bucketed, batched.bucketed = False, True
+    same = (
+        (lambda _: _same_dgc_state(batched, loop, list("abcd"))) if which == "dgc" else _same_residuals(batched, loop)
+    )
+    gen = torch.Generator().manual_seed(4)
+    buckets = [(("a", "b"), [500, 3000]), (("c", "d"), [64, 2000])]
+    storage: list[dict] = []
+    for step in range(5):
+        if step == 4:
+            buckets = [(("a", "b", "c", "d"), [500, 3000, 64, 2000])]  # DDP rebuilt its buckets
+        for compressor in (loop, batched):
+            compressor.begin_step(step)
+        for keys, numels in buckets:
+            grads = list(torch.randn(sum(numels), generator=gen).split(numels))
+            want = [loop.compress_pending(g, k) for g, k in zip(grads, keys, strict=True)]
+            for have, expected in zip(batched.compress_pending_many(grads, list(keys)), want, strict=True):
+                _same_sparse_payload(have, expected)
+        loop.commit(set("abcd"))
+        batched.commit(set("abcd"))
+        same(step)
+        assert set(batched._flats) == {keys for keys, _ in buckets} == set(batched._flat_spares), step
+        flat_of = {keys: (g.v if which == "dgc" else g.flat).data_ptr() for keys, g in batched._flats.items()}
+        storage.append(flat_of)
+    assert storage[3] == storage[1] and storage[2] == storage[0], "each bucket's two flats alternate, none rebuilt"

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lgc.coding import (
     HEADER_BYTES,
@@ -15,7 +17,9 @@ from lgc.coding import (
     expected_bits_per_position,
     golomb,
     golomb_decode,
+    golomb_decode_segments,
     golomb_encode,
+    golomb_encode_segments,
     optimal_golomb_parameter,
     pack_bits,
     pack_uint,
@@ -286,3 +290,49 @@ def test_pack_uint_examples_and_bad_input():
         pack_uint(torch.tensor([1.0]), bits=4)
     with pytest.raises(ValueError, match="cannot hold"):
         unpack_uint(torch.zeros(2, dtype=torch.uint8), 9, 1, dtype=torch.uint8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sets=st.lists(st.tuples(st.sampled_from([1, 5, 64, 1000, 50_000]), st.floats(0.0, 1.0)), min_size=1, max_size=6),
+    b=st.sampled_from([None, None, 0, 3, 12]),
+    seed=st.integers(0, 2**16),
+)
+def test_golomb_codes_of_several_sets_at_once_are_each_sets_own(sets, b, seed):
+    """golomb_encode_segments: every set's wire buffer (header and stream) bit for bit golomb_encode's, empty
+    sets and a forced b included; each decodes back to its positions."""
+    gen = torch.Generator().manual_seed(seed)
+    numels = [numel for numel, _ in sets]
+    counts = [min(numel, round(fraction * min(numel, 600))) for numel, fraction in sets]
+    chosen = [torch.randperm(n, generator=gen)[:c].sort().values for n, c in zip(numels, counts, strict=True)]
+    wires = golomb_encode_segments(torch.cat(chosen), numels, counts, b=b)
+    for positions, numel, wire in zip(chosen, numels, wires, strict=True):
+        assert torch.equal(wire, golomb_encode(positions, numel, b=b).to_wire())
+        assert torch.equal(golomb_decode(GolombCode.from_wire(wire)), positions)
+    for positions, decoded in zip(chosen, golomb_decode_segments(wires), strict=True):
+        assert torch.equal(decoded, positions)
+
+
+def test_golomb_decoding_of_several_codes_at_once_checks_each_as_one_code_alone():
+    """A code with a byte too many, a byte too few, or a header that claims more positions: the error
+    golomb_decode gives that code alone, naming which of the codes it is."""
+    good = golomb_encode(torch.tensor([3, 9, 40]), 64).to_wire()
+    other = golomb_encode(torch.tensor([0, 1]), 8).to_wire()
+    assert [p.tolist() for p in golomb_decode_segments([good, other])] == [[3, 9, 40], [0, 1]]
+    longer = torch.cat([good, torch.zeros(1, dtype=torch.uint8)])
+    claims_more = good.clone()
+    claims_more[0] += 1
+    for corrupt in (longer, good[:-1], claims_more):
+        with pytest.raises(ValueError):
+            golomb_decode(GolombCode.from_wire(corrupt))
+        with pytest.raises(ValueError, match="corrupt Golomb (buffer|stream) 1"):
+            golomb_decode_segments([other, corrupt])
+    with pytest.raises(ValueError, match="not a 1-D uint8 tensor"):
+        golomb_decode_segments([good, good[:3]])
+
+
+def test_golomb_codes_of_several_sets_refuse_positions_out_of_order_or_range():
+    with pytest.raises(ValueError, match="ascending, distinct and within"):
+        golomb_encode_segments(torch.tensor([3, 2, 0]), [5, 4], [2, 1])
+    with pytest.raises(ValueError, match="ascending, distinct and within"):
+        golomb_encode_segments(torch.tensor([1, 4]), [5, 4], [1, 1])

@@ -7,7 +7,16 @@ from distributed import run_workers
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lgc import ErrorFeedback, FP16Compressor, NoneCompressor, TopKCompressor, register_compression_hook
+from lgc import (
+    DGCCompressor,
+    ErrorFeedback,
+    FP16Compressor,
+    NoneCompressor,
+    SBCCompressor,
+    TopKCompressor,
+    register_compression_hook,
+)
+from lgc.compressors.base import Compressor
 from lgc.compressors.topk import num_selected
 
 pytestmark = pytest.mark.multiprocess
@@ -243,11 +252,22 @@ def test_the_step_guard_look_sees_every_nan_and_inf_and_every_nonzero_parameter(
             assert bool(torch.isfinite(maxima[[i for i in range(len(numels)) if i != owner]]).all())
 
 
-def _train_bucketed(rank: int, world: int, bucketed: bool, steps: int) -> dict:
+def _bucketed_compressor(which: str, bucketed: bool) -> Compressor:
+    if which == "topk":
+        return ErrorFeedback(TopKCompressor(0.05), bucketed=bucketed)
+    if which == "sbc":  # sizes vary: each step encoded ahead and held until the ranks agree
+        return ErrorFeedback(SBCCompressor(0.05), bucketed=bucketed)
+    dgc = DGCCompressor(density=0.05, warmup_densities=[0.5], steps_per_epoch=2, weight_decay=1e-4)
+    dgc.bucketed = bucketed
+    return dgc
+
+
+def _train_bucketed(rank: int, world: int, which: str, bucketed: bool, steps: int) -> dict:
     torch.manual_seed(0)
     model = DDP(_net(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
-    state = register_compression_hook(model, ErrorFeedback(TopKCompressor(0.05), bucketed=bucketed), min_numel=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = register_compression_hook(model, _bucketed_compressor(which, bucketed), min_numel=0)
+    momentum = 0.0 if which == "dgc" else 0.9  # DGC applies its own
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     grads = []
     for step in range(steps):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
@@ -259,17 +279,20 @@ def _train_bucketed(rank: int, world: int, bucketed: bool, steps: int) -> dict:
             state.load_state_dict(state.state_dict())
     return {
         "grads": grads,
-        "residuals": {k: v.clone() for k, v in state.compressor.residuals.items()},
+        "residuals": {k: v.clone() for k, v in state.compressor.residual_store().items()},
         "flats": len(state.compressor._flats),
         "stats": state.stats.as_dict(),
     }
 
 
-def test_a_step_encoded_as_one_flat_trains_as_tensor_by_tensor():
-    """ErrorFeedback(TopK, bucketed=True) in DDP (the GPU's default path, forced on gloo): the same bits."""
+@pytest.mark.parametrize("which", ["topk", "dgc", "sbc"])
+def test_a_step_encoded_as_one_flat_trains_as_tensor_by_tensor(which):
+    """ErrorFeedback(TopK), ErrorFeedback(SBC) and DGC with bucketed=True in DDP (the GPU's default path, forced
+    on gloo; SBC and DGC encode each step ahead and hold it): the same bits (DGC: its warm-up, momentum
+    correction, masking and weight decay; pairs in another order where cut)."""
     steps = 7
-    loop = run_workers(_train_bucketed, 2, False, steps)
-    flat = run_workers(_train_bucketed, 2, True, steps)
+    loop = run_workers(_train_bucketed, 2, which, False, steps)
+    flat = run_workers(_train_bucketed, 2, which, True, steps)
     for by_loop, by_flat in zip(loop, flat, strict=True):
         assert by_flat["flats"] == 1 and by_loop["flats"] == 0, "one flat for the step's parameters"
         for step, (want, have) in enumerate(zip(by_loop["grads"], by_flat["grads"], strict=True)):
