@@ -37,8 +37,10 @@ of ``|v - mu|``, at sent ones; it is exact wherever ``mu / 2 <= v <= 2 mu`` (Ste
 
 Deviations from the paper, all at the edges:
 
-* **Ties** are cut to exactly ``k`` positions (the first ones in memory order); the paper's mask
-  ``A >= min(val+)`` would send every tied entry. A tie of ``mu+`` and ``mu-`` keeps the positive side.
+* **Ties** are cut to exactly ``k`` positions (in a tensor below 32,768 entries the first ones in
+  memory order; above, the block bound may keep later tied entries; a bucket at once, the first
+  ones); the paper's mask ``A >= min(val+)`` would send every tied entry. A tie of ``mu+`` and
+  ``mu-`` keeps the positive side.
 * **Fewer than k entries of one sign**: the paper's ``top_k(A)`` then includes zeros (or entries of
   the other sign) and so does this implementation. The kept side's signed mean never has the wrong
   sign (``mu+ >= mu-`` implies ``mu+ >= 0``), it only shrinks.

@@ -142,7 +142,13 @@ def segment_topk(
 
 
 def _thresholds_by_class(
-    maxima: Tensor, k: Tensor, first: Tensor, interior: Tensor, owner: Tensor, inside: Tensor, floor: float
+    maxima: Tensor,
+    k: Tensor,
+    first: Tensor,
+    interior: Tensor,
+    owner: Tensor,
+    inside: Tensor,
+    floor: float = -1.0,
 ) -> Tensor:
     """Step 2 in padded ``(segments, blocks)`` matrices, one per power of two of the segments' interior blocks.
 
@@ -174,7 +180,7 @@ _MAX_PADDING = 2
 _PADDED_FREE_ENTRIES = 1 << 24
 
 
-def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int], b: int, floor: float) -> Tensor:
+def _thresholds_padded(maxima: Tensor, numels: Sequence[int], ks: Sequence[int], b: int, floor: float = -1.0) -> Tensor:
     """Step 2 in padded ``(segments, blocks)`` matrices, without a host synchronization.
 
     Every segment's interior blocks follow from ``numels`` and ``b``, which the host knows, so a

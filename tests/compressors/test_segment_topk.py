@@ -32,14 +32,18 @@ def _check(values: torch.Tensor, numels: list[int], ks: list[int], positions: to
         start, offset = start + k, offset + numel
 
 
+#: Segments of a flat (some empty), the fraction of each kept, the block, the values' seed, ties or not.
+_SEGMENTS = {
+    "numels": st.lists(st.integers(0, 2500), min_size=1, max_size=7),
+    "fractions": st.lists(st.floats(0, 1), min_size=7, max_size=7),
+    "block": st.sampled_from([None, 4, 8, 128]),
+    "seed": st.integers(0, 2**16),
+    "ties": st.booleans(),
+}
+
+
 @settings(max_examples=120, deadline=None)
-@given(
-    numels=st.lists(st.integers(0, 2500), min_size=1, max_size=7),
-    fractions=st.lists(st.floats(0, 1), min_size=7, max_size=7),
-    block=st.sampled_from([None, 4, 8, 128]),
-    seed=st.integers(0, 2**16),
-    ties=st.booleans(),
-)
+@given(**_SEGMENTS)
 def test_every_segment_keeps_what_torch_topk_keeps(numels, fractions, block, seed, ties):
     g = torch.Generator().manual_seed(seed)
     values = torch.randn(sum(numels), generator=g)
@@ -141,3 +145,27 @@ def test_one_large_segment_among_many_small_ones_gets_a_matrix_of_its_own():
     starts = [0, *torch.tensor(numels).cumsum(0)[:-1].tolist()]
     expected = [int(values[s : s + n].abs().argmax()) + s for s, n in zip(starts, numels, strict=True)]
     assert segment_topk(values, numels, ks).tolist() == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(**_SEGMENTS)
+def test_signed_segments_keep_their_largest_values_and_the_first_of_tied_ones(numels, fractions, block, seed, ties):
+    """signed=True (SBC's two sides, of values and of their negation): every segment's k largest values,
+    largest first, an entry tied with the k-th kept before a later one (SBC's rule: the first in memory)."""
+    values = torch.randn(sum(numels), generator=torch.Generator().manual_seed(seed))
+    if ties:
+        values = values.round()  # few distinct values, each many times, negative ones included
+    ks = [round(f * n) for f, n in zip(fractions, numels, strict=False)]
+    for signed_values in (values, -values):
+        positions = segment_topk(signed_values, numels, ks, block=block, signed=True)
+        start, offset = 0, 0
+        for numel, k in zip(numels, ks, strict=True):
+            mine, piece = positions[start : start + k], signed_values[offset : offset + numel]
+            chosen = signed_values[mine]
+            assert torch.equal(chosen, torch.topk(piece, k).values), "the k largest values, largest first"
+            if k:
+                kth = chosen.min()
+                tied = torch.nonzero(piece == kth).squeeze(1) + offset
+                kept = mine[chosen == kth].sort().values
+                assert torch.equal(kept, tied[: kept.numel()]), "the first tied entries in memory order"
+            start, offset = start + k, offset + numel
