@@ -81,7 +81,7 @@ from lgc.compressors.base import (
     keyed_seed,
 )
 from lgc.compressors.segment_sampled import sampled_topk_segments
-from lgc.compressors.segments import CodesBuckets
+from lgc.compressors.segments import CodesBuckets, one_bucket
 from lgc.compressors.selection import ColumnScan, SelectionInfo, exact_topk, sampled_topk
 from lgc.compressors.topk import (
     ScatterAddAggregation,
@@ -591,10 +591,7 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
 
     def _bucket_path(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> bool:
         """Whether :meth:`compress_many` takes ``tensors`` at once (see ``bucketed``)."""
-        if len(tensors) < 2 or not self.batches_on(tensors[0].device) or len(set(keys)) != len(keys):
-            return False  # one tensor, another device's default, or a key twice (the loop applies both in turn)
-        device = tensors[0].device
-        return all(t.device == device and t.numel() > 0 for t in tensors)
+        return one_bucket(tensors, keys, self.batches_on)
 
     def _flat_state(self, tensors: Sequence[Tensor], keys: Sequence[str], *, held: bool = False) -> _FlatState:
         """The bucket's accumulators (and momenta) as flats whose slices are the per-key state (built when needed).

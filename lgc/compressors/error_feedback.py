@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload
-from lgc.compressors.segments import FeedsBackSegments, feeds_back_segments
+from lgc.compressors.segments import FeedsBackSegments, feeds_back_segments, one_bucket
 from lgc.compressors.topk import SparsePayload
 from lgc.validation import PositiveFraction, check
 
@@ -158,11 +158,10 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         return self.bucketed is True or device.type != "cpu"
 
     def _flat_path(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> bool:
-        """Whether :meth:`compress_many` encodes ``tensors`` as one flat (see ``bucketed``)."""
-        if len(tensors) < 2 or not self.batches_on(tensors[0].device) or len(set(keys)) != len(keys):
-            return False  # one tensor, another device's default, or a key twice (the loop applies both in turn)
-        device = tensors[0].device
-        return all(t.device == device and 0 < t.numel() <= _INT32_NUMEL and t.dim() == 1 for t in tensors)
+        """Whether :meth:`compress_many` encodes ``tensors`` as one flat (``bucketed``): 1-D, int32-indexable ones."""
+        return one_bucket(tensors, keys, self.batches_on) and all(
+            t.numel() <= _INT32_NUMEL and t.dim() == 1 for t in tensors
+        )
 
     def _flat_residuals(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> _FlatResiduals:
         """``beta * r + g`` of every tensor, in place in the bucket's flat residual (built when needed)."""

@@ -9,7 +9,7 @@ once (:func:`copy_segments_into`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -21,6 +21,7 @@ __all__ = [
     "FeedsBackSegments",
     "copy_segments_into",
     "feeds_back_segments",
+    "one_bucket",
     "pad_segments",
     "unpad_segments",
 ]
@@ -98,6 +99,15 @@ class DecodesSegments(CodesBuckets):
             super().aggregate_many(payloads, outs)  # type: ignore[misc]
             return
         self.decode_segments(payloads, outs)
+
+
+def one_bucket(tensors: Sequence[Tensor], keys: Sequence[str], batches_on: Callable[[Any], bool]) -> bool:
+    """Whether ``tensors`` (named ``keys``) go as one flat: two or more, none empty, all on one device on
+    which ``batches_on`` says so, and no key twice (the per-tensor loop applies a repeated key in turn)."""
+    if len(tensors) < 2 or len(set(keys)) != len(keys) or not batches_on(tensors[0].device):
+        return False
+    device = tensors[0].device
+    return all(t.device == device and t.numel() > 0 for t in tensors)
 
 
 def pad_segments(pieces: Sequence[Tensor], lengths: Sequence[int]) -> Tensor:
