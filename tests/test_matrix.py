@@ -79,9 +79,9 @@ class Method(NamedTuple):
     exact: float | None = None
     #: Communication delay: weights are exchanged every this many steps, gradients stay local.
     delay: int | None = None
-    #: A bucket coded at once, as on a GPU: error feedback over top-k, SBC, RedSync, the scaled sign or
-    #: chunked top-k as one flat (ErrorFeedback.bucketed), DGC's and the quantizers' bucket paths
-    #: (CodesBuckets.bucketed).
+    #: A bucket coded at once, as on a GPU: error feedback over top-k, SBC, RedSync, the scaled sign,
+    #: chunked top-k or DeMo as one flat (ErrorFeedback.bucketed, which DeMo's and the quantizers' decode
+    #: follow), DGC's and the quantizers' bucket paths (CodesBuckets.bucketed).
     bucketed: bool | None = None
 
     @property
@@ -177,6 +177,7 @@ METHODS = (
     ),
     Method("delay_sparseloco", "sparseloco", (*_SPARSELOCO, "comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
     Method("demo", "demo", ("compressor.chunk=4", "compressor.k=2")),
+    Method("demo_bucketed", "demo", ("compressor.chunk=4", "compressor.k=2"), bucketed=True),
     Method("delay_sbc", "sbc", ("compressor.density=0.05", "comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),
     Method("delay_none", "none", ("comm=local_sgd", "comm.delay=2"), inject_step=2, delay=2),
     Method("delay_fp4", "fp4", ("comm=local_sgd", "comm.delay=2"), inject_step=3, delay=2),

@@ -9,7 +9,7 @@ tile by shape; ``--numel`` sizes are vectors), encoded by ``compress_many`` and 
 slices of one flat by ``aggregate_many``. DGC is timed past its warm-up epochs, at the requested
 density. Every codec with a bucket-level path (:data:`BUCKET_CODECS`: error feedback over top-k,
 EF-signSGD's scaled sign, chunked top-k and SparseLoCo's quantized chunked top-k, QSGD, TernGrad,
-fp4) runs twice more, tensor by tensor
+fp4, DGC, SBC, RedSync, DeMo) runs twice more, tensor by tensor
 (``qsgd_per_tensor``) and a bucket at once (``qsgd_bucketed``; ``bucketed`` set on the compressor or
 its error feedback), whichever the device's default (the ``qsgd`` row) is.
 
@@ -97,6 +97,7 @@ BUCKET_CODECS = (
     "qsgd",
     "terngrad",
     "fp4",
+    "demo",
 )
 
 

@@ -52,6 +52,8 @@ formula; error feedback's invariant ``v == decompress(payload) + r`` holds; and,
 workers over several steps on a ``96 x 40`` matrix, a 64-vector and a ``10 x 64`` classifier,
 ``ErrorFeedback(DeMoCompressor(), 0.999)`` behind the hook's ``1 / P`` plus ``torch.optim.SGD``
 gives the same parameters, bit for bit, as a transcription of bloc97/DeMo's ``DeMo.step``.
+A bucket encoded and decoded at once gives the per-tensor path's payloads, momenta and aggregates
+bit for bit on one thread (``tests/compressors/test_bucket_codecs.py``, ``tests/ddp/test_hook.py``).
 
 Deviations from the reference, and what they mean for training:
 
@@ -103,48 +105,23 @@ Example::
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Payload
-from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, TileLayout
-from lgc.compressors.topk import SparseMeanAggregation, check_aggregation, wire_float_dtype
+from lgc.compressors.dct import TiledDCT
+from lgc.compressors.segments import DecodesSegments, copy_segments_into
+from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, TileLayout, rows_topk
+from lgc.compressors.topk import SparseMeanAggregation, SparsePayload, check_aggregation, wire_float_dtype
 from lgc.validation import PositiveInt
 
 __all__ = [
     "DCTPayload",
     "DeMoCompressor",
-    "dct_matrix",
-    "dct_tiles",
-    "idct_tiles",
 ]
-
-
-def dct_matrix(n: int, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> Tensor:
-    """The ``(n, n)`` orthonormal DCT-II matrix: ``D[k, i] = sqrt((1 if k == 0 else 2) / n) * cos(pi (2i + 1) k / 2n)``.
-
-    Built in float64 from the closed form, then cast. ``D @ x`` is ``scipy.fft.dct(x, norm="ortho")``
-    and ``D.T`` is its inverse.
-    """
-    k = torch.arange(n, dtype=torch.float64).unsqueeze(1)
-    i = torch.arange(n, dtype=torch.float64).unsqueeze(0)
-    basis = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
-    basis[0] /= math.sqrt(2.0)
-    return basis.to(dtype=dtype, device=device)
-
-
-def dct_tiles(tiles: Tensor, basis: Tensor) -> Tensor:
-    """Separable 2-D DCT-II ``D X D^T`` of every tile of ``tiles`` (shape ``(..., chunk, chunk)``)."""
-    return basis @ tiles @ basis.T
-
-
-def idct_tiles(coefficients: Tensor, basis: Tensor) -> Tensor:
-    """Inverse of :func:`dct_tiles` (the basis is orthonormal): ``D^T C D``."""
-    return basis.T @ coefficients @ basis
 
 
 @dataclass
@@ -169,7 +146,7 @@ class DCTPayload(Payload):
         return (self.values, self.positions)
 
 
-class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
+class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregation, Compressor):
     """DeMo: the ``k`` largest DCT coefficients of every tile, aggregated by sender mean and sign.
 
     Wrap it in :class:`~lgc.compressors.ErrorFeedback` with DeMo's ``decay=0.999`` (the residual is
@@ -225,8 +202,7 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
         self.sign = bool(sign)
         self.aggregation = check_aggregation(aggregate)
         self.value_dtype = wire_float_dtype(value_dtype, "value_dtype")
-        # DCT matrices by (size, device, dtype), built on first use (not state: pure functions of the size).
-        self._bases: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
+        self._dct = TiledDCT(chunk)
 
     def check_optimizer(
         self, momentum: float, weight_decay: float | None, *, sources: tuple[str, str] = OPTIMIZER_SOURCES
@@ -251,15 +227,6 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
                 "optimizer.momentum=0 (plain SGD, as the reference's torch.optim.SGD base)"
             )
 
-    def _basis(self, n: int, like: Tensor) -> Tensor:
-        """The ``(n, n)`` DCT matrix on ``like``'s device, in fp32 (float64 for float64 input)."""
-        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-        key = (n, like.device, dtype)
-        basis = self._bases.get(key)
-        if basis is None:
-            basis = self._bases[key] = dct_matrix(n, dtype, like.device)
-        return basis
-
     def transform(self, tensor: Tensor, layout: TileLayout | None = None) -> Tensor:
         """The tensor's DCT coefficients in tile order, as many as its entries (fp32; float64 stays float64).
 
@@ -269,59 +236,19 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
         flat = tensor.reshape(-1)
         if flat.dtype not in (torch.float32, torch.float64):
             flat = flat.float()
-        return self._apply(flat, layout or self.layout(None, flat.numel()), inverse=False)
+        return self._dct.apply(flat, layout or self.layout(None, flat.numel()), inverse=False)
 
     def inverse_transform(self, coefficients: Tensor, layout: TileLayout | None = None) -> Tensor:
         """Inverse of :meth:`transform` (the transform is orthonormal): the flat tensor."""
         flat = coefficients.reshape(-1)
-        return self._apply(flat, layout or self.layout(None, flat.numel()), inverse=True)
-
-    def _apply(self, flat: Tensor, layout: TileLayout, inverse: bool) -> Tensor:
-        if layout.tile_shape is None:
-            return self._apply_flat(flat, inverse)
-        if not layout.groups:
-            return flat.clone()
-        (h, w), tiles = layout.tile_shape, layout.groups[0].tiles
-        right = self._basis(w, flat)
-        if inverse:
-            blocks = flat.view(tiles, h, w) @ right
-            if h > 1:
-                blocks = self._basis(h, flat).T @ blocks
-            return layout.unorder(blocks.reshape(-1))
-        blocks = layout.order(flat).view(tiles, h, w) @ right.T
-        if h > 1:
-            blocks = self._basis(h, flat) @ blocks
-        return blocks.reshape(-1)
-
-    def _apply_flat(self, flat: Tensor, inverse: bool) -> Tensor:
-        """Flat tiles: each ``chunk**2`` run's 2-D DCT, then the partial tile's rows and tail (module docstring)."""
-        chunk = self.chunk
-        tile = chunk * chunk
-        full, rest = divmod(flat.numel(), tile)
-        rows, tail = divmod(rest, chunk)
-        two_d = idct_tiles if inverse else dct_tiles
-        out = torch.empty_like(flat)
-        if full:
-            tiles = flat[: full * tile].view(full, chunk, chunk)
-            out[: full * tile] = two_d(tiles, self._basis(chunk, flat)).reshape(-1)
-        start = full * tile
-        if rows:  # the partial tile's whole rows: (rows, chunk) with a (rows x rows) DCT down the columns
-            block = flat[start : start + rows * chunk].view(rows, chunk)
-            left, right = self._basis(rows, flat), self._basis(chunk, flat)
-            block = left.T @ block @ right if inverse else left @ block @ right.T
-            out[start : start + rows * chunk] = block.reshape(-1)
-        if tail:
-            basis = self._basis(tail, flat)
-            piece = flat[start + rows * chunk :]
-            out[start + rows * chunk :] = basis.T @ piece if inverse else basis @ piece
-        return out
+        return self._dct.apply(flat, layout or self.layout(None, flat.numel()), inverse=True)
 
     # ----------------------------------------------------------------------------------------
 
     def compress(self, tensor: Tensor, key: str) -> DCTPayload:
         layout = self.layout_of(tensor, key)
         flat = tensor.reshape(-1).float()  # the transform writes a new tensor: nothing aliases ``tensor``
-        coefficients = self._apply(flat, layout, inverse=False)
+        coefficients = self._dct.apply(flat, layout, inverse=False)
         local = layout.select(coefficients)
         indices = layout.starts(flat.device).add_(local)
         return DCTPayload(
@@ -336,14 +263,114 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
         assert isinstance(payload, DCTPayload)
         coefficients = torch.zeros(payload.numel, dtype=torch.float32, device=payload.values.device)
         coefficients[payload.indices] = payload.values.float()
-        return self._apply(coefficients, payload.layout, inverse=True)
+        return self._dct.apply(coefficients, payload.layout, inverse=True)
 
     def aggregate(self, payloads: list[Payload]) -> Tensor:
         """DeMo's aggregate: the coefficients' mean (:attr:`aggregation`), inverse DCT, then ``sign()``."""
         first = payloads[0]
         assert isinstance(first, DCTPayload)
-        decoded = self._apply(self.sparse_mean(payloads), first.layout, inverse=True)
+        decoded = self._dct.apply(self.sparse_mean(payloads), first.layout, inverse=True)
         return decoded.sign_() if self.sign else decoded
+
+    # -- a bucket at once ---------------------------------------------------------------------------
+
+    def segments_supported(self) -> bool:
+        """Shape tiles only: flat tiles' partial tiles differ tensor by tensor (:meth:`feed_back_segments`)."""
+        return self.tiling == "shape"
+
+    def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[DCTPayload]:
+        """Every segment's payload (``keys[i]``'s, :meth:`compress`'s) and what it decodes to subtracted from
+        ``flat`` in place: error feedback's bucket path (:class:`~lgc.compressors.segments.FeedsBackSegments`),
+        ``flat`` left holding DeMo's momentum ``delta`` of every tensor.
+
+        The tiles of every tensor that share a shape are transformed by one batched product each
+        way (:meth:`~lgc.compressors.dct.TiledDCT.tiles`) and selected by one top-k over their rows
+        (:func:`~lgc.compressors.tiles.rows_topk`: a tile's selection depends on its row alone), the
+        kept coefficients gathered, scattered back and decoded at once, and the decoded bucket
+        subtracted in one operation: a pass per distinct tile shape (five on ResNet-50), not per
+        tensor. On one thread each payload, and each residual, is bit for bit the per-tensor path's
+        (each tile is its own product either way, :meth:`~lgc.compressors.dct.TiledDCT.tiles`); on
+        several the transform's last bits may differ. Flat tiles (``tiling="flat"``) go tensor by tensor
+        inside: their partial tiles' rows and tails take a transform of their own size.
+        """
+        segments = flat.split(list(numels))
+        layouts = [self.layout(key, numel) for key, numel in zip(keys, numels, strict=True)]
+        if not self.segments_supported():
+            payloads = []
+            for segment, key in zip(segments, keys, strict=True):
+                payload = self.compress(segment, key)
+                segment.sub_(self.decompress(payload))
+                payloads.append(payload)
+            return payloads
+        payloads: list[DCTPayload | None] = [None] * len(layouts)
+        decoded: list[Tensor | None] = [None] * len(layouts)
+        for (h, w, keep), members in _by_tile_shape(layouts).items():
+            tiles = [layouts[i].groups[0].tiles for i in members]
+            blocks = [layouts[i].order(segments[i]).view(t, h, w) for i, t in zip(members, tiles, strict=True)]
+            coefficients = self._dct.tiles(torch.cat(blocks) if len(blocks) > 1 else blocks[0], inverse=False)
+            rows = coefficients.view(-1, h * w)
+            if keep == h * w:
+                local = torch.arange(keep, device=flat.device).expand(rows.shape[0], keep)
+            else:
+                local = rows_topk(rows, keep)
+            values = rows.gather(1, local).to(self.value_dtype)
+            sent = torch.zeros_like(rows).scatter_(1, local, values.float())
+            inverse = self._dct.tiles(sent.view(-1, h, w), inverse=True).view(-1)
+            for i, part, kept, back in zip(
+                members,
+                local.split(tiles),
+                values.split(tiles),
+                inverse.split([t * h * w for t in tiles]),
+                strict=True,
+            ):
+                layout, positions = layouts[i], part.reshape(-1)
+                payloads[i] = DCTPayload(
+                    numel=numels[i],
+                    values=kept.reshape(-1),
+                    positions=layout.pack(positions),
+                    indices=layout.starts(flat.device).add_(positions),
+                    layout=layout,
+                )
+                decoded[i] = layout.unorder(back)
+        flat.sub_(torch.cat(decoded))  # type: ignore[arg-type]
+        return payloads  # type: ignore[return-value]
+
+    def decode_segments(self, payloads: Sequence[Sequence[Payload]], outs: Sequence[Tensor]) -> None:
+        """Every rank's payloads of a bucket's tensors (``payloads[i]``: tensor ``i``'s) aggregated into ``outs``
+        as :meth:`aggregate_into` does tensor by tensor, bit for bit on one thread.
+
+        The coefficients' mean (:attr:`aggregation`) of the whole bucket at once, each rank's
+        payloads added in rank order as :func:`~lgc.compressors.topk.sparse_mean` adds them; then
+        one batched inverse transform per tile shape, the ``sign()`` and one copy into ``outs``.
+        """
+        firsts = [received[0] for received in payloads]
+        assert all(isinstance(p, DCTPayload) for p in firsts)
+        layouts = [p.layout for p in firsts]  # type: ignore[attr-defined]
+        numels = [out.numel() for out in outs]
+        starts = [0]
+        for numel in numels[:-1]:
+            starts.append(starts[-1] + numel)
+        shifted = [
+            SparsePayload(
+                numel=sum(numels),
+                values=torch.cat([received[rank].values for received in payloads]),  # type: ignore[attr-defined]
+                indices=torch.cat(
+                    [received[rank].indices + start for received, start in zip(payloads, starts, strict=True)]  # type: ignore[attr-defined]
+                ),
+            )
+            for rank in range(len(payloads[0]))
+        ]
+        mean = self.sparse_mean(shifted)  # type: ignore[arg-type]
+        segments = mean.split(numels)
+        decoded: list[Tensor | None] = [None] * len(layouts)
+        for (h, w, _), members in _by_tile_shape(layouts).items():
+            blocks = [segments[i].view(-1, h, w) for i in members]
+            inverse = self._dct.tiles(torch.cat(blocks) if len(blocks) > 1 else blocks[0], inverse=True)
+            if self.sign:
+                inverse.sign_()
+            for i, back in zip(members, inverse.view(-1).split([numels[i] for i in members]), strict=True):
+                decoded[i] = layouts[i].unorder(back)
+        copy_segments_into(torch.cat(decoded), outs)  # type: ignore[arg-type]
 
     def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> DCTPayload:
         layout = self.layout(key, numel)
@@ -359,11 +386,15 @@ class DeMoCompressor(TiledCompressorMixin, SparseMeanAggregation, Compressor):
 
     # ----------------------------------------------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:
-        # The cached matrices may live on this process's GPU: a spawned worker builds its own.
-        state = self.__dict__.copy()
-        state["_bases"] = {}
-        return state
-
     def __repr__(self) -> str:
         return f"DeMoCompressor(chunk={self.chunk}, k={self.k}, sign={self.sign}{self._knobs_repr()})"
+
+
+def _by_tile_shape(layouts: Sequence[TileLayout]) -> dict[tuple[int, int, int], list[int]]:
+    """The tensors (their places in ``layouts``) by tile shape and coefficients kept per tile, in order."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, layout in enumerate(layouts):
+        assert layout.tile_shape is not None and len(layout.groups) == 1, "shape tiles: one group of tiles"
+        (h, w), keep = layout.tile_shape, layout.groups[0].keep
+        groups.setdefault((h, w, keep), []).append(i)
+    return groups

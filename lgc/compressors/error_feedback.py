@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload
-from lgc.compressors.segments import FeedsBackSegments, feeds_back_segments, one_bucket
+from lgc.compressors.segments import CodesBuckets, FeedsBackSegments, feeds_back_segments, one_bucket
 from lgc.compressors.topk import SparsePayload
 from lgc.validation import PositiveFraction, check
 
@@ -56,8 +56,10 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             feedback: nothing is lost. Below 1 the unsent part fades geometrically and the residual
             is a momentum of the inputs: SparseLoCo's 0.95, DeMo's 0.999.
         bucketed: how :meth:`compress_many` encodes a bucket's tensors over a compressor with a
-            bucket-level path (top-k, SBC, EF-signSGD's scaled sign, chunked top-k): as one flat
-            (``True``), or tensor by tensor (``False``). ``None``
+            bucket-level path (top-k, SBC, RedSync, EF-signSGD's scaled sign, chunked top-k and
+            SparseLoCo's quantized values, DeMo, QSGD, TernGrad): as one flat (``True``), or tensor
+            by tensor (``False``); set, it is also the wrapped compressor's where that one decodes a
+            bucket at once (DeMo, QSGD, TernGrad: see the ``bucketed`` property). ``None``
             (default): flat on a GPU, where a few kernels per tensor cost more than the arithmetic,
             and tensor by tensor on the CPU, where the per-tensor selection is the faster one
             (``lgc-bench compressors`` measures both). The payloads and residuals are the same,
@@ -86,13 +88,6 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
                 "(lgc-train: compressor.error_feedback=false; lgc.compress: without error_feedback=True)"
             )
         check("decay", decay, PositiveFraction)
-        if bucketed is not None and not isinstance(bucketed, bool):
-            raise ValueError(f"bucketed must be None, True or False, got {bucketed!r}")
-        if bucketed is True and not feeds_back_segments(compressor):
-            raise ValueError(
-                "bucketed=True needs a compressor with a bucket-level path (feed_back_segments: TopKCompressor, "
-                f"SBCCompressor, SignSGDCompressor, ChunkedTopKCompressor, QuantizedValues), got {compressor!r}"
-            )
         self.compressor = compressor
         self.decay = float(decay)
         self.bucketed = bucketed
@@ -112,6 +107,30 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         #: The held step's buckets: keys -> (the flat it wrote, the bucket's residual flat), until :meth:`commit`
         #: (the hook's overlap holds one per DDP bucket, the one-message step one for all).
         self._held_flats: dict[tuple[str, ...], tuple[_FlatResiduals, _FlatResiduals]] = {}
+
+    @property
+    def bucketed(self) -> bool | None:
+        """Where a bucket is encoded as one flat: None (a GPU), True (everywhere) or False (nowhere).
+
+        Set to True or False, it is the wrapped compressor's too where that one decodes a bucket at
+        once (:class:`~lgc.compressors.segments.CodesBuckets`: DeMo, QSGD, TernGrad, fp4), so one
+        switch takes a bucket both ways; None leaves the compressor's own setting.
+        """
+        return self._bucketed
+
+    @bucketed.setter
+    def bucketed(self, bucketed: bool | None) -> None:
+        if bucketed is not None and not isinstance(bucketed, bool):
+            raise ValueError(f"bucketed must be None, True or False, got {bucketed!r}")
+        if bucketed is True and not feeds_back_segments(self.compressor):
+            raise ValueError(
+                "bucketed=True needs a compressor with a bucket-level path (feed_back_segments: TopKCompressor, "
+                "SBCCompressor, RedSyncCompressor, SignSGDCompressor, ChunkedTopKCompressor, DeMoCompressor, "
+                f"QuantizedValues, QSGDCompressor, TernGradCompressor), got {self.compressor!r}"
+            )
+        self._bucketed = bucketed
+        if bucketed is not None and isinstance(self.compressor, CodesBuckets):
+            self.compressor.bucketed = bucketed
 
     def compress(self, tensor: Tensor, key: str) -> Payload:
         # In place: the residual buffer becomes g + beta * r, then what is not sent stays in it.
@@ -401,7 +420,9 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         scratch = {"_pending": {}, "_spares": {}, "_flats": {}, "_flat_spares": {}, "_held_flats": {}}
-        self.__dict__.update({**scratch, "bucketed": None, **state})
+        state = dict(state)
+        state.setdefault("_bucketed", state.pop("bucketed", None))
+        self.__dict__.update({**scratch, **state})
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -1,6 +1,7 @@
 """Codecs over whole buckets: a bucket's tensors encoded and decoded in a fixed number of passes, bit for bit the
 per-tensor path's payloads, state and sums (EF-signSGD's scaled sign, Streaming DiLoCo's fp4, QSGD and TernGrad)."""
 
+import contextlib
 import math
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lgc.compressors import (
+    DeMoCompressor,
     DGCCompressor,
     ErrorFeedback,
     FP4Compressor,
@@ -729,3 +731,145 @@ def test_several_buckets_held_in_one_step_keep_their_flats_and_a_new_bucketing_f
         flat_of = {keys: (g.v if which == "dgc" else g.flat).data_ptr() for keys, g in batched._flats.items()}
         storage.append(flat_of)
     assert storage[3] == storage[1] and storage[2] == storage[0], "each bucket's two flats alternate, none rebuilt"
+
+
+# -- DeMo: a bucket's tiles of one shape transformed, selected and decoded together ----------------------
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread, as lgc's gloo workers run: the BLAS then rounds each tile's product alike whatever
+    is batched beside it (on several it may split a lone tile's product between threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+_DEMO_SHAPES = [(64,), (10,), (7,), (300,), (96, 40), (10, 64), (32, 3, 3, 3), (128, 64), (130, 70), (16, 16)]
+
+
+def _demo_pair(shapes, **knobs):
+    """Error feedback over DeMo tensor by tensor and a bucket at once, the shapes attached as the hook does."""
+    keys = [f"p{i}" for i in range(len(shapes))]
+    parameters = {key: torch.empty(shape) for key, shape in zip(keys, shapes, strict=True)}
+    pair = []
+    for bucketed in (False, True):
+        inner = DeMoCompressor(**knobs)
+        inner.attach_parameters(parameters)
+        pair.append(ErrorFeedback(inner, decay=0.999, bucketed=bucketed))
+    return keys, [math.prod(shape) for shape in shapes], *pair
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    shapes=st.lists(st.sampled_from(_DEMO_SHAPES), min_size=2, max_size=6, unique=True),
+    knobs=st.sampled_from(
+        [
+            {"chunk": 16, "k": 4},
+            {"chunk": 16, "k": 256},  # every coefficient of a full tile kept
+            {"chunk": 64, "k": 32},  # the reference's
+            {"chunk": 8, "k": 1, "value_dtype": "bfloat16"},
+            {"chunk": 16, "k": 4, "tiling": "flat"},  # tensor by tensor inside
+        ]
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_error_feedback_over_demo_encodes_a_bucket_as_the_per_tensor_loop(shapes, knobs, seed):
+    """Every payload's wire bytes and coefficient indices and every residual (DeMo's momentum), bit for bit,
+    over 3 steps; then every rank's aggregate (sign and no sign) decoded at once as tensor by tensor."""
+    keys, numels, loop, batched = _demo_pair(shapes, **knobs)
+    assert batched.compressor.bucketed is True, "error feedback's switch is its compressor's decode's too"
+    with _one_thread():
+        _demo_steps_and_sums(keys, numels, loop, batched, knobs, seed)
+
+
+def _demo_steps_and_sums(keys, numels, loop, batched, knobs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        received = [[] for _ in keys]
+        for _rank in range(3):
+            tensors = list((torch.randn(sum(numels), generator=gen) ** 3).split(numels))
+            have = batched.compress_many(tensors, keys)
+            want = loop.compress_many(tensors, keys)
+            for key, h, w, payloads in zip(keys, have, want, received, strict=True):
+                assert torch.equal(h.to_wire(), w.to_wire()) and torch.equal(h.indices, w.indices), key
+                assert torch.equal(batched.residuals[key], loop.residuals[key]), key
+                payloads.append(h)
+    for sign in (True, False):
+        loop.compressor.sign = batched.compressor.sign = sign
+        if knobs.get("tiling") == "flat":
+            assert not batched.compressor.batches_on(torch.device("cpu")), "flat tiles decode tensor by tensor"
+        else:
+            _assert_bucket_sums_are_the_loops(loop, batched.compressor, received)
+
+
+def test_demos_bucket_decode_goes_through_the_hooks_aggregate_many_where_it_batches(monkeypatch):
+    """aggregate_many takes decode_segments where batches_on says (error feedback's bucketed=True on the CPU)."""
+    keys, numels, loop, batched = _demo_pair([(96, 40), (64,)], chunk=16, k=4)
+    tensors = list(torch.randn(sum(numels)).split(numels))
+    received = [[p] for p in batched.compress_many(tensors, keys)]
+    calls = []
+    monkeypatch.setattr(type(batched.compressor), "decode_segments", lambda self, p, o: calls.append(len(o)))
+    batched.aggregate_many(received, list(torch.empty(sum(numels)).split(numels)))
+    loop.aggregate_many(received, list(torch.empty(sum(numels)).split(numels)))
+    assert calls == [2], "the bucketed side alone decodes at once"
+    assert DeMoCompressor().batches_on(torch.device("cuda")) and not DeMoCompressor().batches_on(torch.device("cpu"))
+    flat_tiles = DeMoCompressor(tiling="flat")
+    flat_tiles.bucketed = True
+    assert not flat_tiles.batches_on(torch.device("cpu")), "flat tiles have no bucket pass"
+
+
+def test_demos_tiles_transform_alike_whatever_tiles_are_batched_beside_them():
+    """On one thread a tile's coefficients (and its inverse) do not depend on the tiles batched beside it nor on
+    where in memory they lie: the one-row chunks of vectors too, where a folded matrix product rounds a
+    single row differently, and tiles whose rows the BLAS reads differently at another alignment."""
+    demo = DeMoCompressor()
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1, 64), (1, 10), (1, 7), (2, 64), (5, 64), (10, 64), (3, 5), (26, 35), (48, 40), (64, 64), (64, 27)]
+    with _one_thread():
+        for h, w in shapes:
+            memory = torch.randn(40 * h * w + 3, generator=gen)
+            for inverse in (False, True):
+                whole = demo._dct.tiles(memory[: 40 * h * w].view(40, h, w), inverse)
+                for start, count in [(0, 1), (3, 1), (5, 2), (9, 7), (20, 20)]:
+                    for shift in (0, 1, 3):  # the same tiles at another address, 4 or 12 bytes off alignment
+                        buffer = torch.zeros(count * h * w + shift)
+                        buffer[shift:] = memory[start * h * w : (start + count) * h * w]
+                        part = demo._dct.tiles(buffer[shift:].view(count, h, w), inverse)
+                        assert torch.equal(part, whole[start : start + count]), (h, w, inverse, start, count, shift)
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.999])
+def test_demos_held_bucket_steps_are_the_per_tensor_held_steps(decay):
+    """DeMo keeps no state of its own (the momentum is error feedback's residual): error feedback holds a
+    bucket's step in a second flat, committed whole, in part or dropped, as tensor by tensor."""
+    loop = ErrorFeedback(DeMoCompressor(chunk=16, k=4), decay=decay, bucketed=False)
+    batched = ErrorFeedback(DeMoCompressor(chunk=16, k=4), decay=decay, bucketed=True)
+    assert batched.speculates and batched._holder is None
+    with _one_thread():
+        _run_held_schedule(loop, batched, [300, 5000, 64, 250], 2, _same_residuals(batched, loop))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_demo_over_a_bucket_is_the_per_tensor_loop():
+    """The default on a GPU: a bucket's payloads, residuals and aggregates against bucketed=False's loop there."""
+    shapes = [(256, 64, 3, 3), (64,), (2048, 512), (1000, 2048), (10,)]
+    keys = [f"p{i}" for i in range(len(shapes))]
+    parameters = {key: torch.empty(shape) for key, shape in zip(keys, shapes, strict=True)}
+    loop, batched = DeMoCompressor(), DeMoCompressor()
+    for compressor in (loop, batched):
+        compressor.attach_parameters(parameters)
+    loop_ef, batched_ef = ErrorFeedback(loop, 0.999, bucketed=False), ErrorFeedback(batched, 0.999)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    numels = [math.prod(shape) for shape in shapes]
+    for _ in range(2):
+        tensors = list(torch.randn(sum(numels), device="cuda", generator=gen).split(numels))
+        have, want = batched_ef.compress_many(tensors, keys), loop_ef.compress_many(tensors, keys)
+        for key, h, w in zip(keys, have, want, strict=True):
+            assert torch.equal(h.to_wire(), w.to_wire()), key
+            assert torch.equal(batched_ef.residuals[key], loop_ef.residuals[key]), key
+    received = [[p] for p in batched_ef.compress_many(tensors, keys)]
+    _assert_bucket_sums_are_the_loops(loop, batched, received, "cuda")

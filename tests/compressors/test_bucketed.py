@@ -5,7 +5,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lgc.compressors import DeMoCompressor, ErrorFeedback, SignSGDCompressor, TopKCompressor
+from lgc.compressors import ErrorFeedback, FP4Compressor, SignSGDCompressor, TopKCompressor
 from lgc.compressors.topk import SparsePayload, num_selected, scatter_add_sparse_into, scatter_add_sparse_many
 
 
@@ -223,8 +223,8 @@ def test_the_default_batches_on_a_gpu_only():
     assert not ErrorFeedback(TopKCompressor(0.01), bucketed=True)._flat_path(grads, ["a", "a"]), "a key twice"
     with pytest.raises(ValueError, match="bucketed must be None, True or False, got 'yes'"):
         ErrorFeedback(TopKCompressor(0.01), bucketed="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"bucketed=True needs a compressor with a bucket-level path .*got DeMo"):
-        ErrorFeedback(DeMoCompressor(), bucketed=True)
+    with pytest.raises(ValueError, match=r"bucketed=True needs a compressor with a bucket-level path .*got FP4"):
+        ErrorFeedback(FP4Compressor(), bucketed=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lgc import (
+    DeMoCompressor,
     DGCCompressor,
     ErrorFeedback,
     FP16Compressor,
@@ -257,6 +258,8 @@ def _bucketed_compressor(which: str, bucketed: bool) -> Compressor:
         return ErrorFeedback(TopKCompressor(0.05), bucketed=bucketed)
     if which == "sbc":  # sizes vary: each step encoded ahead and held until the ranks agree
         return ErrorFeedback(SBCCompressor(0.05), bucketed=bucketed)
+    if which == "demo":  # encoded and decoded a bucket at once (the decode follows error feedback's switch)
+        return ErrorFeedback(DeMoCompressor(chunk=8, k=4), decay=0.999, bucketed=bucketed)
     dgc = DGCCompressor(density=0.05, warmup_densities=[0.5], steps_per_epoch=2, weight_decay=1e-4)
     dgc.bucketed = bucketed
     return dgc
@@ -266,7 +269,7 @@ def _train_bucketed(rank: int, world: int, which: str, bucketed: bool, steps: in
     torch.manual_seed(0)
     model = DDP(_net(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
     state = register_compression_hook(model, _bucketed_compressor(which, bucketed), min_numel=0)
-    momentum = 0.0 if which == "dgc" else 0.9  # DGC applies its own
+    momentum = 0.0 if which in ("dgc", "demo") else 0.9  # DGC applies its own, DeMo keeps it in the residual
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     grads = []
     for step in range(steps):
@@ -285,11 +288,11 @@ def _train_bucketed(rank: int, world: int, which: str, bucketed: bool, steps: in
     }
 
 
-@pytest.mark.parametrize("which", ["topk", "dgc", "sbc"])
+@pytest.mark.parametrize("which", ["topk", "dgc", "sbc", "demo"])
 def test_a_step_encoded_as_one_flat_trains_as_tensor_by_tensor(which):
-    """ErrorFeedback(TopK), ErrorFeedback(SBC) and DGC with bucketed=True in DDP (the GPU's default path, forced
-    on gloo; SBC and DGC encode each step ahead and hold it): the same bits (DGC: its warm-up, momentum
-    correction, masking and weight decay; pairs in another order where cut)."""
+    """ErrorFeedback(TopK), ErrorFeedback(SBC), ErrorFeedback(DeMo) and DGC with bucketed=True in DDP (the GPU's
+    default path, forced on gloo; SBC and DGC encode each step ahead and hold it): the same bits (DGC: its
+    warm-up, momentum correction, masking and weight decay; pairs in another order where cut)."""
     steps = 7
     loop = run_workers(_train_bucketed, 2, which, False, steps)
     flat = run_workers(_train_bucketed, 2, which, True, steps)
