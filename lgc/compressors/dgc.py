@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any
 
 import torch
 from pydantic import Field
@@ -81,7 +81,7 @@ from lgc.compressors.base import (
     keyed_seed,
 )
 from lgc.compressors.segment_sampled import sampled_topk_segments
-from lgc.compressors.segments import CodesBuckets, one_bucket
+from lgc.compressors.segments import BucketFlats, CodesBuckets, FlatGroup, one_bucket
 from lgc.compressors.selection import ColumnScan, SelectionInfo, exact_topk, sampled_topk
 from lgc.compressors.topk import (
     ScatterAddAggregation,
@@ -109,16 +109,6 @@ PAPER_WARMUP_DENSITIES: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
 StepsPerEpoch = Annotated[
     int, Field(ge=1, description="a positive integer (optimizer steps per epoch, e.g. len(train_loader))")
 ]
-
-
-class _FlatState(NamedTuple):
-    """One bucket's accumulators (and momenta) laid end to end: ``v_views[i]`` is ``velocities[keys[i]]``."""
-
-    v: Tensor
-    u: Tensor | None
-    v_views: tuple[Tensor, ...]
-    u_views: tuple[Tensor, ...] | None
-    numels: tuple[int, ...]
 
 
 class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor):
@@ -306,13 +296,9 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         self._dense_pending: dict[str, Tensor] = {}
         #: Second buffers the held steps are written into, per (key, "v" or "u") (never saved).
         self._spares: dict[tuple[str, str], Tensor] = {}
-        #: Bucket (its keys in order) -> its accumulators and momenta as flats (:meth:`compress_many`; never saved).
-        self._flats: dict[tuple[str, ...], _FlatState] = {}
-        #: Bucket -> the second pair of flats its held steps write into (:meth:`compress_pending_many`; never saved).
-        self._flat_spares: dict[tuple[str, ...], _FlatState] = {}
-        #: The held step's buckets: keys -> (the flats it wrote, the bucket's state flats), until :meth:`commit`
-        #: (the hook's overlap holds one per DDP bucket, the one-message step one for all).
-        self._held_groups: dict[tuple[str, ...], tuple[_FlatState, _FlatState]] = {}
+        #: Buckets' accumulators (and momenta) as flats (:meth:`compress_many`) and their held steps' second
+        #: flats (:meth:`compress_pending_many`); never saved.
+        self._buckets = BucketFlats()
         #: The schedule (epoch, density) before the last :meth:`begin_step`, until a held step commits.
         self._before_step: tuple[int, float] | None = None
         #: The model's parameters by name (:meth:`attach_parameters`), read by the weight decay.
@@ -381,14 +367,14 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         state["_parameters"] = None
         # Second buffers are scratch and a held step belongs to this process: neither travels.
         state["_pending"], state["_dense_pending"], state["_spares"], state["_before_step"] = {}, {}, {}, None
-        state["_flats"], state["_flat_spares"], state["_held_groups"] = {}, {}, {}
+        state["_buckets"] = BucketFlats()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(
             {"_pending": {}, "_dense_pending": {}, "_spares": {}, "draws": {}, "_before_step": None, **state}
         )
-        self._flats, self._flat_spares, self._held_groups = {}, {}, {}
+        self._buckets = BucketFlats()
 
     # -- schedule --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -543,28 +529,31 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
             return super().compress_pending_many(tensors, keys)
         payloads, held = self._encode_bucket(tensors, keys, held=True)
         assert held is not None
-        for key, v, u in zip(keys, held.v_views, held.u_views or [None] * len(keys), strict=True):
+        momenta = held.views[1] if len(held.views) > 1 else [None] * len(keys)
+        for key, v, u in zip(keys, held.views[0], momenta, strict=True):
             self._pending[key] = (v, u)
         return payloads
 
     def _encode_bucket(
         self, tensors: Sequence[Tensor], keys: Sequence[str], *, held: bool
-    ) -> tuple[list[Payload], _FlatState | None]:
-        """One step of DGC for a bucket: in its flats, or (``held``) into a second pair returned with the payloads."""
-        flats = self._flat_state(tensors, keys, held=held)
-        out = self._held_flats(flats, keys) if held else flats
+    ) -> tuple[list[Payload], FlatGroup | None]:
+        """One step of DGC for a bucket: in its flats, or (``held``) into second flats returned with the payloads."""
+        stores = [self.velocities] if self.momentum == 0.0 else [self.velocities, self.momenta]
+        state, _ = self._buckets.group(stores, tensors, keys, held=held)
+        out = self._buckets.spare(state, keys) if held else state
+        (v, u), (out_v, out_u) = _accumulator_and_momentum(state), _accumulator_and_momentum(out)
         grad = torch.cat([t.reshape(-1) for t in tensors]).float()
-        self._accumulate(flats.u, flats.v, grad, 1.0, out.u, out.v)
-        numels = flats.numels
+        self._accumulate(u, v, grad, 1.0, out_u, out_v)
+        numels = state.numels
         ks = [num_selected(numel, self.current_density) for numel in numels]
         rngs = [_SampleStart(self.seed, key, self.draws.get(key, 0)) for key in keys]
         positions, counts = sampled_topk_segments(
-            out.v, numels, ks, density=self.current_density, sample_fraction=self.sample_fraction, rngs=rngs
+            out_v, numels, ks, density=self.current_density, sample_fraction=self.sample_fraction, rngs=rngs
         )
-        values = out.v.index_select(0, positions)
-        out.v.index_fill_(0, positions, 0.0)
-        if out.u is not None and self.momentum_masking:
-            out.u.index_fill_(0, positions, 0.0)
+        values = out_v.index_select(0, positions)
+        out_v.index_fill_(0, positions, 0.0)
+        if out_u is not None and self.momentum_masking:
+            out_u.index_fill_(0, positions, 0.0)
         self.last_selection = None
         local = positions - segment_starts(numels, counts, positions.device)
         payloads: list[Payload] = []
@@ -572,77 +561,9 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
             payloads.append(SparsePayload(numel=numel, values=value, indices=index.to(index_dtype_for(numel))))
         return payloads, (out if held else None)
 
-    def _held_flats(self, flats: _FlatState, keys: Sequence[str]) -> _FlatState:
-        """The second pair of flats a held step of this bucket writes into (the last held step's, or new)."""
-        signature = tuple(keys)
-        spare = self._flat_spares.pop(signature, None)
-        if (
-            spare is None
-            or spare.numels != flats.numels
-            or spare.v.device != flats.v.device
-            or (spare.u is None) != (flats.u is None)
-        ):
-            v = torch.empty_like(flats.v)
-            u = None if flats.u is None else torch.empty_like(flats.u)
-            u_views = None if u is None else tuple(u.split(flats.numels))
-            spare = _FlatState(v, u, tuple(v.split(flats.numels)), u_views, flats.numels)
-        self._held_groups[signature] = (spare, flats)
-        return spare
-
     def _bucket_path(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> bool:
         """Whether :meth:`compress_many` takes ``tensors`` at once (see ``bucketed``)."""
         return one_bucket(tensors, keys, self.batches_on)
-
-    def _flat_state(self, tensors: Sequence[Tensor], keys: Sequence[str], *, held: bool = False) -> _FlatState:
-        """The bucket's accumulators (and momenta) as flats whose slices are the per-key state (built when needed).
-
-        ``held``: a key without state yet starts from zeros without being stored (a held step stores
-        nothing until it commits), so the flats are not the bucket's state until that key commits.
-        """
-        signature = tuple(keys)
-        numels = tuple(t.numel() for t in tensors)
-        stores = [self.velocities] if self.momentum == 0.0 else [self.velocities, self.momenta]
-        group = self._flats.get(signature)
-        if group is not None and group.numels == numels and group.v.device == tensors[0].device:
-            views = [group.v_views] if group.u_views is None else [group.v_views, group.u_views]
-            if len(views) == len(stores) and all(
-                store.get(key) is view
-                for store, store_views in zip(stores, views, strict=True)
-                for key, view in zip(keys, store_views, strict=True)
-            ):
-                return group
-        # Built anew: a bucket that shares a key with this one is stale now (DDP rebuilt its buckets,
-        # or the step used other parameters). Its keys outside this bucket get state of their own,
-        # so the old flat is freed rather than held by their views.
-        for other in [
-            other for other in self._flat_spares if other != signature and not set(other).isdisjoint(signature)
-        ]:
-            del self._flat_spares[other]  # another bucketing's second flats: never used again
-        for other in [other for other in self._flats if not set(other).isdisjoint(signature)]:
-            old = self._flats.pop(other)
-            for store, old_views in ((self.velocities, old.v_views), (self.momenta, old.u_views or ())):
-                for key, view in zip(other, old_views, strict=False):
-                    if key not in signature and store.get(key) is view:
-                        store[key] = view.clone()
-        flats: list[tuple[Tensor, tuple[Tensor, ...]]] = []
-        for store in stores:
-            flat = torch.zeros(sum(numels), dtype=torch.float32, device=tensors[0].device)
-            views = tuple(flat.split(numels))
-            for key, view in zip(keys, views, strict=True):
-                state = store.get(key)
-                if state is not None:
-                    if state.numel() != view.numel():
-                        raise ValueError(f"key {key!r} had {state.numel()} elements, now {view.numel()}")
-                    view.copy_(state.reshape(-1))
-                if state is not None or not held:
-                    store[key] = view
-            flats.append((flat, views))
-        (v, v_views), momentum = flats[0], (flats[1] if len(flats) > 1 else None)
-        group = _FlatState(v, None, v_views, None, numels)
-        if momentum is not None:
-            group = group._replace(u=momentum[0], u_views=momentum[1])
-        self._flats[signature] = group
-        return group
 
     # -- encoding ahead of the step's agreement (the hook's overlap: HoldsSteps) -------------------------
 
@@ -668,7 +589,6 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         # Taken first: a commit interrupted halfway leaves no held step for the hook's drop to reuse.
         pending, self._pending = self._pending, {}
         dense, self._dense_pending = self._dense_pending, {}
-        held_groups, self._held_groups = self._held_groups, {}
         self._before_step = None
         for key, u in dense.items():
             if key in keys:
@@ -683,15 +603,10 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
             for which, spare in (("v", v), ("u", u)):
                 if spare is not None and spare is not self.velocities.get(key) and spare is not self.momenta.get(key):
                     self._spares[(key, which)] = spare
-        for signature, (written, before) in held_groups.items():
-            # A bucket held at once: its written flats are the bucket's state when every key of it was
-            # used, and the flats they replace serve its next held step; else the next step rebuilds.
-            for key in signature:
+        for signature in self._buckets.commit(keys):
+            for key in signature:  # slices of the flats, which serve held bucket steps only
                 self._spares.pop((key, "v"), None)
                 self._spares.pop((key, "u"), None)
-            if set(signature) <= set(keys):
-                self._flats[signature] = written
-                self._flat_spares[signature] = before
 
     def drop(self) -> None:
         """Drop the held step (the ranks agreed to skip it, or it failed): its buffers and its schedule.
@@ -864,7 +779,7 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         # (A checkpoint written before the draws were counted per key starts their count at zero.)
         self.draws = {key: int(count) for key, count in state.get("draws", {}).items()}
         self._pending, self._dense_pending, self._spares, self._before_step = {}, {}, {}, None
-        self._flats, self._flat_spares, self._held_groups = {}, {}, {}
+        self._buckets = BucketFlats()
         # Restored, not told: a resumed program must still advance the schedule itself.
         self._schedule(state["epoch"])
 
@@ -897,3 +812,8 @@ class _SampleStart:
 
     def randrange(self, stop: int) -> int:
         return self.value % stop
+
+
+def _accumulator_and_momentum(group: FlatGroup) -> tuple[Tensor, Tensor | None]:
+    """A bucket's flat accumulator ``v`` and flat momentum ``u`` (None without momentum)."""
+    return group.flats[0], (group.flats[1] if len(group.flats) > 1 else None)

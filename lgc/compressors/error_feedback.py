@@ -18,13 +18,13 @@ commit, checkpoint and rebuilt bucket, and are tested against each other bit for
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lgc.compressors.base import Compressor, ForwardsHookCalls, HoldsSteps, Payload
-from lgc.compressors.segments import CodesBuckets, FeedsBackSegments, feeds_back_segments, one_bucket
+from lgc.compressors.segments import BucketFlats, CodesBuckets, FeedsBackSegments, feeds_back_segments, one_bucket
 from lgc.compressors.topk import SparsePayload
 from lgc.validation import PositiveFraction, check
 
@@ -32,14 +32,6 @@ __all__ = ["ErrorFeedback"]
 
 #: Largest tensor whose top-k indices are int32 (the batched path sends int32 indices only).
 _INT32_NUMEL = torch.iinfo(torch.int32).max
-
-
-class _FlatResiduals(NamedTuple):
-    """One bucket's residuals laid end to end: ``views[i]`` is ``residuals[keys[i]]``, a slice of ``flat``."""
-
-    flat: Tensor
-    views: tuple[Tensor, ...]
-    numels: tuple[int, ...]
 
 
 class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
@@ -100,13 +92,9 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         self._pending: dict[str, Tensor] = {}
         #: Per-key second buffers that :meth:`compress_pending` writes into (never saved).
         self._spares: dict[str, Tensor] = {}
-        #: Bucket (its keys in order) -> its residuals as one flat (:meth:`compress_many`; never saved).
-        self._flats: dict[tuple[str, ...], _FlatResiduals] = {}
-        #: Bucket -> the second flat its held steps write into (:meth:`compress_pending_many`; never saved).
-        self._flat_spares: dict[tuple[str, ...], _FlatResiduals] = {}
-        #: The held step's buckets: keys -> (the flat it wrote, the bucket's residual flat), until :meth:`commit`
-        #: (the hook's overlap holds one per DDP bucket, the one-message step one for all).
-        self._held_flats: dict[tuple[str, ...], tuple[_FlatResiduals, _FlatResiduals]] = {}
+        #: Buckets' residuals as flats (:meth:`compress_many`) and their held steps' second flats
+        #: (:meth:`compress_pending_many`); never saved.
+        self._buckets = BucketFlats()
 
     @property
     def bucketed(self) -> bool | None:
@@ -166,9 +154,9 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         """
         if not self._flat_path(tensors, keys):
             return super().compress_many(tensors, keys)
-        flat, _, numels = self._flat_residuals(tensors, keys)
+        flat = self._flat_residuals(tensors, keys)
         assert isinstance(self.compressor, FeedsBackSegments)
-        return list(self.compressor.feed_back_segments(flat, numels, keys))
+        return list(self.compressor.feed_back_segments(flat, [t.numel() for t in tensors], keys))
 
     def batches_on(self, device: torch.device) -> bool:
         """Whether :meth:`compress_many` encodes as one flat on ``device`` (see ``bucketed``)."""
@@ -182,63 +170,19 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             t.numel() <= _INT32_NUMEL and t.dim() == 1 for t in tensors
         )
 
-    def _flat_residuals(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> _FlatResiduals:
+    def _flat_residuals(self, tensors: Sequence[Tensor], keys: Sequence[str]) -> Tensor:
         """``beta * r + g`` of every tensor, in place in the bucket's flat residual (built when needed)."""
-        group, fresh = self._flat_group(tensors, keys, held=False)
+        group, fresh = self._buckets.group([self.residuals], tensors, keys, held=False)
+        views = group.views[0]
         carried = [i for i in range(len(keys)) if i not in fresh] if fresh else range(len(keys))
-        old = [group.views[i] for i in carried]
+        old = [views[i] for i in carried]
         if old:
             if self.decay != 1.0:
                 torch._foreach_mul_(old, self.decay)
             torch._foreach_add_(old, [tensors[i] for i in carried])
         for i in fresh:
-            group.views[i].copy_(tensors[i])
-        return group
-
-    def _flat_group(
-        self, tensors: Sequence[Tensor], keys: Sequence[str], *, held: bool
-    ) -> tuple[_FlatResiduals, list[int]]:
-        """The bucket's flat residual (built when needed) and the tensors that have no residual yet.
-
-        ``held``: those tensors' zeros are not stored as residuals (a held step stores nothing until
-        it commits), so the flat is not the bucket's residual until they commit.
-        """
-        signature = tuple(keys)
-        numels = tuple(t.numel() for t in tensors)
-        group = self._flats.get(signature)
-        fresh: list[int] = []
-        if (
-            group is None
-            or group.numels != numels
-            or group.flat.device != tensors[0].device
-            or any(self.residuals.get(key) is not view for key, view in zip(keys, group.views, strict=True))
-        ):
-            # Built anew: a bucket that shares a key with this one is stale now (DDP rebuilt its
-            # buckets, or the step used other parameters). Its keys outside this bucket get residuals
-            # of their own, so the old flat is freed rather than held by their views.
-            for other in [o for o in self._flat_spares if o != signature and not set(o).isdisjoint(signature)]:
-                del self._flat_spares[other]  # another bucketing's second flat: never used again
-            for other in [other for other in self._flats if not set(other).isdisjoint(signature)]:
-                for key, view in zip(other, self._flats.pop(other).views, strict=True):
-                    if key not in signature and self.residuals.get(key) is view:
-                        self.residuals[key] = view.clone()
-            flat = torch.zeros(sum(numels), dtype=torch.float32, device=tensors[0].device)
-            views = tuple(flat.split(numels))
-            for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-                residual = self.residuals.get(key)
-                if residual is None:
-                    fresh.append(i)
-                    if held:
-                        continue
-                elif residual.numel() != view.numel():
-                    raise ValueError(
-                        f"the residual of {key!r} has {residual.numel()} entries, its tensor {view.numel()}"
-                    )
-                else:
-                    view.copy_(residual.reshape(-1))
-                self.residuals[key] = view
-            group = self._flats[signature] = _FlatResiduals(flat, views, numels)
-        return group, fresh
+            views[i].copy_(tensors[i])
+        return group.flats[0]
 
     def _corrected(self, tensor: Tensor, key: str, into: Tensor | None) -> Tensor:
         """``g + beta * r`` in fp32, written into ``into`` (``None``: into the residual itself)."""
@@ -319,24 +263,20 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         """
         if self._holder is not None or not self.speculates or not self._flat_path(tensors, keys):
             return super().compress_pending_many(tensors, keys)
-        state, fresh = self._flat_group(tensors, keys, held=True)
-        signature = tuple(keys)
-        out = self._flat_spares.pop(signature, None)
-        if out is None or out.numels != state.numels or out.flat.device != state.flat.device:
-            flat = torch.empty_like(state.flat)
-            out = _FlatResiduals(flat, tuple(flat.split(state.numels)), state.numels)
+        state, fresh = self._buckets.group([self.residuals], tensors, keys, held=True)
+        out = self._buckets.spare(state, keys)
+        flat, views = out.flats[0], out.views[0]
         grads = torch.cat([t.reshape(-1) for t in tensors])
         if self.decay != 1.0:
-            torch.mul(state.flat, self.decay, out=out.flat).add_(grads)
+            torch.mul(state.flats[0], self.decay, out=flat).add_(grads)
         else:
-            torch.add(state.flat, grads, out=out.flat)
+            torch.add(state.flats[0], grads, out=flat)
         for i in fresh:
-            out.views[i].copy_(tensors[i])
+            views[i].copy_(tensors[i])
         assert isinstance(self.compressor, FeedsBackSegments)
-        payloads = list(self.compressor.feed_back_segments(out.flat, state.numels, keys))
-        for key, view in zip(keys, out.views, strict=True):
+        payloads = list(self.compressor.feed_back_segments(flat, state.numels, keys))
+        for key, view in zip(keys, views, strict=True):
             self._pending[key] = view
-        self._held_flats[signature] = (out, state)
         return payloads
 
     def commit(self, keys: frozenset[str] | set[str]) -> None:
@@ -344,13 +284,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
 
         ``commit(frozenset())`` drops the whole step (the ranks agreed to skip it).
         """
-        held_flats, self._held_flats = self._held_flats, {}
-        for signature, (written, before) in held_flats.items():
-            # A bucket held at once: its written flat is the bucket's residual when every key of it
-            # was used, and the flat it replaces serves its next held step; else the next step rebuilds.
-            if set(signature) <= set(keys):
-                self._flats[signature] = written
-                self._flat_spares[signature] = before
+        held_buckets = self._buckets.commit(keys)
         if (holder := self._holder) is not None:
             holder.commit(keys)
         for key, held in self._pending.items():
@@ -363,7 +297,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
             if spare is not None and spare is not self.residuals.get(key):
                 self._spares[key] = spare
         self._pending = {}
-        for signature in held_flats:
+        for signature in held_buckets:
             for key in signature:  # slices of the flats, which serve held bucket steps only
                 self._spares.pop(key, None)
 
@@ -416,10 +350,10 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
 
     def __getstate__(self) -> dict[str, Any]:
         # Second buffers are scratch and a held step belongs to this process: neither travels.
-        return {**self.__dict__, "_pending": {}, "_spares": {}, "_flats": {}, "_flat_spares": {}, "_held_flats": {}}
+        return {**self.__dict__, "_pending": {}, "_spares": {}, "_buckets": BucketFlats()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        scratch = {"_pending": {}, "_spares": {}, "_flats": {}, "_flat_spares": {}, "_held_flats": {}}
+        scratch = {"_pending": {}, "_spares": {}, "_buckets": BucketFlats()}
         state = dict(state)
         state.setdefault("_bucketed", state.pop("bucketed", None))
         self.__dict__.update({**scratch, **state})
@@ -432,7 +366,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {key: r.clone() for key, r in state["residuals"].items()}
-        self._pending, self._spares, self._flats, self._flat_spares, self._held_flats = {}, {}, {}, {}, {}
+        self._pending, self._spares, self._buckets = {}, {}, BucketFlats()
         self.compressor.load_state_dict(state["compressor"])
 
     def __repr__(self) -> str:

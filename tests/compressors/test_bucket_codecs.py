@@ -53,7 +53,7 @@ def test_ef_signsgd_over_a_bucket_is_the_per_tensor_loop(numels, decay, seed):
         for key, want, have in zip(keys, expected, got, strict=True):
             _same_sign_payload(have, want)
             assert torch.equal(batched.residuals[key], loop.residuals[key]), (step, key)
-    assert tuple(keys) in batched._flats, "the bucket went as one flat"
+    assert tuple(keys) in batched._buckets.flats, "the bucket went as one flat"
 
 
 def test_the_scaled_signs_segments_are_its_payloads_and_their_decoding():
@@ -116,7 +116,7 @@ def test_on_a_gpu_the_scaled_signs_bucket_is_the_per_tensor_loop():
             want = torch.empty_like(out)
             sign.aggregate_into(payloads, want)
             assert torch.equal(out, want)
-    assert tuple(keys) in batched._flats
+    assert tuple(keys) in batched._buckets.flats
 
 
 def _fp4_tensors(numels: list[int], seed: int, device: str = "cpu") -> list[torch.Tensor]:
@@ -499,7 +499,7 @@ def test_dgc_over_a_bucket_is_the_per_tensor_loop(numels, knobs, seed):
         for want, have in zip(expected, got, strict=True):
             _same_sparse_payload(have, want)
         _same_dgc_state(batched, loop, keys)
-    assert tuple(keys) in batched._flats and not loop._flats, "the bucket went as one flat"
+    assert tuple(keys) in batched._buckets.flats and not loop._buckets.flats, "the bucket went as one flat"
 
 
 def _run_held_schedule(loop, batched, numels: list[int], seed: int, check) -> None:
@@ -534,7 +534,7 @@ def _run_held_schedule(loop, batched, numels: list[int], seed: int, check) -> No
         for want, have in zip(expected, payloads, strict=True):
             _same_sparse_payload(have, want)
         check(step)
-    assert list(batched._flats) == [tuple(keys)], "the last held step's flats are the bucket's state"
+    assert list(batched._buckets.flats) == [tuple(keys)], "the last held step's flats are the bucket's state"
 
 
 def _same_residuals(batched, loop):
@@ -620,7 +620,7 @@ def _ef_bucket_steps(make, numels, decay, steps, seed, same):
             same(have, want)
         for key in keys:
             assert torch.equal(batched.residuals[key], loop.residuals[key]), (step, key)
-    assert tuple(keys) in batched._flats, "the bucket went as one flat"
+    assert tuple(keys) in batched._buckets.flats, "the bucket went as one flat"
     return loop, batched
 
 
@@ -727,8 +727,8 @@ def test_several_buckets_held_in_one_step_keep_their_flats_and_a_new_bucketing_f
         loop.commit(set("abcd"))
         batched.commit(set("abcd"))
         same(step)
-        assert set(batched._flats) == {keys for keys, _ in buckets} == set(batched._flat_spares), step
-        flat_of = {keys: (g.v if which == "dgc" else g.flat).data_ptr() for keys, g in batched._flats.items()}
+        assert set(batched._buckets.flats) == {keys for keys, _ in buckets} == set(batched._buckets.spares), step
+        flat_of = {keys: g.flats[0].data_ptr() for keys, g in batched._buckets.flats.items()}
         storage.append(flat_of)
     assert storage[3] == storage[1] and storage[2] == storage[0], "each bucket's two flats alternate, none rebuilt"
 

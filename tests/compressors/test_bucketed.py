@@ -75,7 +75,7 @@ def test_a_bucket_at_once_is_the_per_tensor_loop(numels, density, decay, value_d
         assume(_no_tie_at_k(loop, grads, keys, density, decay))
         _step(loop, batched, grads, keys)
         assert torch.equal(bucket, torch.cat(grads)), "the gradient is read, not written"
-    views = batched._flats[tuple(keys)].views
+    views = batched._buckets.flats[tuple(keys)].views[0]
     assert all(batched.residuals[key] is view for key, view in zip(keys, views, strict=True)), "the flat's slices"
 
 
@@ -94,7 +94,7 @@ def test_residuals_survive_a_new_bucketing_a_checkpoint_and_per_tensor_calls():
     g = grads()
     _step(loop, batched, g[:2], keys[:2])  # rebuilt: two buckets
     _step(loop, batched, g[2:], keys[2:])
-    assert set(batched._flats) == {tuple(keys[:2]), tuple(keys[2:])}, "the stale bucket's flat is let go"
+    assert set(batched._buckets.flats) == {tuple(keys[:2]), tuple(keys[2:])}, "the stale bucket's flat is let go"
     g = grads()
     for key, grad in zip(keys[:2], g[:2], strict=True):  # per tensor into the flat's slices
         assert _pairs(loop.compress(grad, key)) == _pairs(batched.compress(grad, key))
@@ -121,7 +121,7 @@ def test_a_step_that_uses_fewer_parameters_lets_the_old_flat_go():
         _step(loop, batched, grads, list(used))
         storages = {r.untyped_storage().data_ptr(): r.untyped_storage().nbytes() for r in batched.residuals.values()}
         assert sum(storages.values()) == 4 * sum(numels), f"residual storage held beyond the residuals after {used}"
-        assert list(batched._flats) == [tuple(used)]
+        assert list(batched._buckets.flats) == [tuple(used)]
     assert all(torch.equal(loop.residuals[key], batched.residuals[key]) for key in keys)
 
 
@@ -236,7 +236,7 @@ def test_on_a_gpu_the_bucket_is_the_per_tensor_loop():
     batched = ErrorFeedback(TopKCompressor(0.001))
     for _ in range(3):
         _step(loop, batched, list(torch.randn(sum(numels), device="cuda", generator=gen).split(numels)), keys)
-    assert tuple(keys) in batched._flats, "the default batches on a GPU"
+    assert tuple(keys) in batched._buckets.flats, "the default batches on a GPU"
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -283,7 +283,7 @@ def _train_bucketed(rank: int, world: int, which: str, bucketed: bool, steps: in
     return {
         "grads": grads,
         "residuals": {k: v.clone() for k, v in state.compressor.residual_store().items()},
-        "flats": len(state.compressor._flats),
+        "flats": len(state.compressor._buckets.flats),
         "stats": state.stats.as_dict(),
     }
 
