@@ -123,6 +123,7 @@ def test_pca_is_exact_on_its_span_and_decodes_the_projection_of_the_sum():
     assert 0 < leader_codecs._evaluate(coarse, layouts[3:])["error"] < 1e-3
 
 
+@pytest.mark.slow
 def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
     steps = leader_codecs.leader_steps(_gradients(), 0.05, rotating=False)
     ae = _coder("ae:2:fp16:value", chunk=64)
@@ -320,6 +321,7 @@ def test_bad_values_are_named_before_anything_is_recorded(monkeypatch, argv, mes
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_recorded_run_gives_every_codec_a_row_per_leader_and_the_files_and_a_rerun_reuses_them(
     tmp_path, monkeypatch, capsys
 ):

@@ -206,6 +206,7 @@ def test_resuming_from_a_run_folder_finishes_the_run(tmp_path, stopped_run):
 # --- concurrent runs ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_runs_started_in_the_same_second_get_separate_folders(tmp_path):
     command = [sys.executable, "-m", "lgc.train", "--cfg", "hydra", "--resolve"]
     runs = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, text=True) for _ in range(2)]

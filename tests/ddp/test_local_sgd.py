@@ -94,6 +94,7 @@ def test_workers_communicate_only_every_delay_steps_and_agree_after_each_exchang
         assert same == ((step + 1) % delay == 0), step
 
 
+@pytest.mark.slow
 def test_a_shared_index_state_exchanges_the_exact_mean_update_at_full_density():
     # The LGC family under a delay: the hook state exchanges the weight updates as it exchanges
     # gradients. At density 1 with fp32 values the leader's positions are all of them and the sum
@@ -509,6 +510,7 @@ def test_a_checkpoint_whose_residuals_hold_the_weight_update_is_refused():
         _delayed(ErrorFeedback(TopKCompressor(0.1)), delay=4).load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_fragments_are_exchanged_on_staggered_steps_and_send_the_same_bytes():
     """H = 4, two fragments: fragment 0 is exchanged at local steps 2, 6, fragment 1 at 4, 8.
 
@@ -673,6 +675,7 @@ def _train_evaluating(rank: int, world: int, evaluate_after: tuple[int, ...], st
     return {"trace": trace, "evaluated": evaluated, "outputs": outputs}
 
 
+@pytest.mark.slow
 def test_the_global_model_is_every_fragments_last_synchronized_weights_and_training_goes_on_untouched():
     """H = 4, two fragments (exchanged at local steps 2 and 4 of every 4), DiLoCo's outer SGD, BatchNorm.
 

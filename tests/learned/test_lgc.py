@@ -59,7 +59,7 @@ def test_width_sizes_the_reference_architecture_and_keeps_its_latent():
             LGCRingAllreduceState(training={"autoencoder": dict(width=width)})
 
 
-@pytest.mark.parametrize("decoder", ["transposed", "upsample"])
+@pytest.mark.parametrize("decoder", ["transposed", pytest.param("upsample", marks=pytest.mark.slow)])
 def test_both_decoders_give_the_same_code_size_and_train(decoder):
     """The decoder's upsampling choice changes its cost (``lgc-bench step``), not the wire: the same latent."""
     config = AutoencoderConfig(
@@ -98,6 +98,7 @@ def _correlated_chunks(samples: int, workers: int, chunk: int, noise: float, see
     return chunks / chunk_scales(common.squeeze(1))[:, None, None]
 
 
+@pytest.mark.slow
 def test_training_lowers_reconstruction_error_and_the_mean_latent_decodes_to_the_mean():
     """On correlated synthetic gradients (4 workers, noise 0.3 of the shared curve's scale).
 
@@ -377,7 +378,7 @@ def _converges(rank: int, world: int, variant: str) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["rar", "ps"])
+@pytest.mark.parametrize("variant", ["rar", pytest.param("ps", marks=pytest.mark.slow)])
 def test_lgc_trains_a_small_network_close_to_dense(variant):
     """120 steps (10 warm-up, 30 autoencoder training, 80 compressed), two workers, several buckets.
 
@@ -497,7 +498,15 @@ def _check_compressed_step(variant: str, result: dict, rank: int, leader_rank: i
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant,index_coding", [("rar", "raw"), ("ps", "raw"), ("rar", "golomb"), ("ps", "golomb")])
+@pytest.mark.parametrize(
+    "variant,index_coding",
+    [
+        ("ps", "raw"),
+        ("rar", "golomb"),
+        pytest.param("rar", "raw", marks=pytest.mark.slow),
+        pytest.param("ps", "golomb", marks=pytest.mark.slow),
+    ],
+)
 def test_compressed_stage_delivers_exactly_what_its_code_carries(variant, index_coding):
     """With an identity code the compressed stage must deliver, exactly:
 
@@ -511,7 +520,7 @@ def test_compressed_stage_delivers_exactly_what_its_code_carries(variant, index_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["rar", "ps"])
+@pytest.mark.parametrize("variant", ["rar", pytest.param("ps", marks=pytest.mark.slow)])
 def test_a_rotating_leader_hands_the_positions_to_every_worker_in_turn(variant):
     """``rotate_leader``: step ``t``'s positions are worker ``t % P``'s top-k, for both topologies.
 
@@ -695,12 +704,16 @@ def _resume(rank: int, world: int, variant: str, stop: int) -> dict:
 @pytest.mark.parametrize(
     ("variant", "stop"),
     [
-        *[(variant, stop) for variant in ("rar", "ps") for stop in (4, 8)],
-        # The codec variants differ from LGC-RAR mostly in the compressed stage: their stage-2 stops
-        # run with -m slow.
-        *[(variant, 8) for variant in ("rar_int8", "rar_linear", "rar_pca")],
+        ("rar", 4),
+        ("rar", 8),
+        ("ps", 8),
+        # The rest with -m slow: LGC-PS's stage 2 (LGC-RAR's), the codec variants besides int8 (they
+        # differ from LGC-RAR mostly in the compressed stage), the rotating leader (LGC-RAR's stage).
+        pytest.param("ps", 4, marks=pytest.mark.slow),
+        ("rar_int8", 8),
+        *[pytest.param(variant, 8, marks=pytest.mark.slow) for variant in ("rar_linear", "rar_pca")],
         *[pytest.param(variant, 4, marks=pytest.mark.slow) for variant in ("rar_int8", "rar_linear", "rar_pca")],
-        ("rar_leader", 4),  # its compressed stage is LGC-RAR's
+        pytest.param("rar_leader", 4, marks=pytest.mark.slow),
     ],
     ids=lambda value: {4: "in stage 2", 8: "in stage 3"}.get(value, value),
 )

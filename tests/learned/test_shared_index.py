@@ -365,6 +365,7 @@ def _curved_chunks(samples: int, seed: int) -> torch.Tensor:
     return curve.expand(samples, 2, 32) + 0.01 * torch.randn(samples, 2, 32, generator=g)
 
 
+@pytest.mark.slow
 def test_pca_autoencoder_is_the_linear_codec_until_its_correction_learns_and_then_beats_it():
     chunks = _curved_chunks(400, 0)
     options = dict(lr=3e-3, batch_size=64, seed=0, weights=LossWeights(similarity=0.0))

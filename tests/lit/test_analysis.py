@@ -241,6 +241,7 @@ def test_recorder_and_loader_reject_bad_input(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_recorded_gradients_are_each_workers_own_and_average_to_what_ddp_applies(tmp_path):
     recorder = GradientRecorder(str(tmp_path / "grads"), _NAMES)
     applied = _GradsAtStep(_NAMES, out_dir=str(tmp_path))

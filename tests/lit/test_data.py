@@ -487,6 +487,7 @@ class _Linear(pl.LightningModule):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_lightning_keeps_the_partition_sampler_on_every_rank(tmp_path):
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -97,9 +97,15 @@ def test_every_experiment_builds_its_parts(name, tmp_path, data_roots):
         hydra.utils.instantiate(cfg.scheduler)(optimizer)
 
 
-#: The ResNet-50 and ResNet-101 LGC smoke variants differ from the others mainly in model size (their
-#: parts are built by test_every_experiment_builds_its_parts); they train with -m slow.
-LARGE_SMOKE = {"paper/lgc_cifar10_resnet50_smoke", "paper/lgc_cifar10_resnet101_smoke"}
+#: The smoke variants of the larger models (LGC's ResNet-50 and ResNet-101, DGC's ResNet-110, LGC's PSPNet
+#: on CamVid) differ from the others mainly in model size (their parts are built by
+#: test_every_experiment_builds_its_parts, their data loaders tested in test_data); they train with -m slow.
+LARGE_SMOKE = {
+    "paper/lgc_cifar10_resnet50_smoke",
+    "paper/lgc_cifar10_resnet101_smoke",
+    "paper/lgc_camvid_pspnet_smoke",
+    "paper/dgc_cifar10_resnet110_smoke",
+}
 
 
 @pytest.mark.multiprocess

@@ -25,6 +25,7 @@ def test_outside_a_hydra_sweep_runs_have_no_group_and_no_override_name():
     assert sweep_group() is None and sweep_run_name() is None
 
 
+@pytest.mark.slow
 def test_an_offline_lgc_run_holds_every_metric_the_config_and_the_layer_table(tmp_path):
     with initialize_config_module("lgc.conf", version_base="1.3"):
         cfg = compose(
