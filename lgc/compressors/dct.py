@@ -84,9 +84,10 @@ class TiledDCT:
 
         One batched product per side, every tile its own ``h x w`` product with the basis (broadcast
         with a zero stride), on a copy of ``blocks`` unless they start a storage (whose start the
-        allocator aligns): the CPU's BLAS rounds a product whose rows start at other alignments
-        differently. So on one thread a tile's coefficients are the same bits whichever tiles are
-        batched beside it, and a bucket's tiles taken across tensors (DeMo's
+        allocator aligns): the CPU's BLAS rounded the same tiles differently when the batch started
+        at another alignment (64-column tiles, a few rows each). On one thread a tile's coefficients
+        were then the same bits whichever tiles were batched beside it, wherever they lay (tested on
+        the tile shapes DeMo meets, moved in memory), so a bucket's tiles taken across tensors (DeMo's
         ``feed_back_segments``) equal each tensor's own. A folded ``(tiles * h, w) @ (w, w)``
         product does not: the BLAS rounds a one-row product (a vector's single chunk) differently
         from a many-row one. On several threads the BLAS may split a lone tile's product between
@@ -105,7 +106,7 @@ class TiledDCT:
 
     def _flat_tiles(self, flat: Tensor, inverse: bool) -> Tensor:
         """Flat tiles: each ``chunk**2`` run's 2-D DCT, then the partial tile's rows and tail (see DeMo)."""
-        if flat.storage_offset():  # the BLAS rounds rows read at another alignment differently (see tiles)
+        if flat.storage_offset():  # the BLAS rounds a product starting at another alignment differently (tiles)
             flat = flat.clone()
         chunk = self.chunk
         tile = chunk * chunk

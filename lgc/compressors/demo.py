@@ -15,12 +15,12 @@ reference code bloc97/DeMo (``demo.py``). Per step and per parameter the referen
 
 In lgc, steps 1 and 3's subtraction are error feedback with a decay, so the compressor is used as
 ``ErrorFeedback(DeMoCompressor(), decay=0.999)``: the residual ``r`` *is* DeMo's ``delta``
-(``v = decay * r + g``, then ``r = v - decompress(payload)``). This module does steps 2 to 5.
+(``v = decay * r + g``, then ``r = v - decompress(payload)``). This module does steps 2 to 5, the
+transform by matrix products with the closed-form DCT matrix (:mod:`lgc.compressors.dct`; the
+reference's einsum with an FFT-built basis is equal up to float rounding).
 
-Knobs (reference defaults: ``compression_chunk=64``, ``compression_topk=32``,
-``compression_decay=0.999``, the last being :class:`~lgc.compressors.ErrorFeedback`'s ``decay``):
-``chunk`` (the target tile side), ``k`` (coefficients kept per tile), ``tiling``, ``aggregate``,
-``sign`` and ``value_dtype``.
+Knobs: ``chunk``, ``k``, ``tiling``, ``aggregate``, ``sign``, ``value_dtype`` (reference defaults:
+``compression_chunk=64``, ``compression_topk=32``; its ``compression_decay=0.999`` is error feedback's).
 
 Tiles (:mod:`lgc.compressors.tiles`). ``tiling="shape"`` (default) is the reference's: a
 ``96 x 40`` matrix gets two ``48 x 40`` tiles, a ``10 x 64`` classifier one tile of 640 keeping
@@ -83,8 +83,6 @@ Deviations from the reference, and what they mean for training:
   payload's positions are distinct), so every rank decodes bitwise the same gradient; the
   reference's ``scatter_reduce`` over all workers' indices at once is flagged nondeterministic
   on CUDA in its own code, and a sign flip of a near-zero entry would make replicas drift.
-* **The transform** is a matrix product with the closed-form DCT matrix, the reference's an
-  einsum with a basis built by FFT: equal up to float rounding.
 * **``sign=False``** returns the aggregate itself (for a plain SGD step): the sender mean of the
   workers' own momenta, the hook's division by the world size undone (:meth:`set_world_size`).
 
@@ -284,14 +282,11 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         ``flat`` left holding DeMo's momentum ``delta`` of every tensor.
 
         The tiles of every tensor that share a shape are transformed by one batched product each
-        way (:meth:`~lgc.compressors.dct.TiledDCT.tiles`) and selected by one top-k over their rows
-        (:func:`~lgc.compressors.tiles.rows_topk`: a tile's selection depends on its row alone), the
-        kept coefficients gathered, scattered back and decoded at once, and the decoded bucket
-        subtracted in one operation: a pass per distinct tile shape (five on ResNet-50), not per
-        tensor. On one thread each payload, and each residual, is bit for bit the per-tensor path's
-        (each tile is its own product either way, :meth:`~lgc.compressors.dct.TiledDCT.tiles`); on
-        several the transform's last bits may differ. Flat tiles (``tiling="flat"``) go tensor by tensor
-        inside: their partial tiles' rows and tails take a transform of their own size.
+        way (:meth:`~lgc.compressors.dct.TiledDCT.tiles`: each tile its own product, so on one thread
+        the per-tensor path's bits; on several the last bits may differ), selected by one top-k over
+        their rows (a tile's selection depends on its row alone), gathered, scattered back, decoded
+        and subtracted at once: a pass per distinct tile shape (five on ResNet-50), not per tensor.
+        Flat tiles (``tiling="flat"``) go tensor by tensor inside: their partial tiles differ.
         """
         segments = flat.split(list(numels))
         layouts = [self.layout(key, numel) for key, numel in zip(keys, numels, strict=True)]
@@ -303,7 +298,9 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
                 payloads.append(payload)
             return payloads
         payloads: list[DCTPayload | None] = [None] * len(layouts)
-        decoded: list[Tensor | None] = [None] * len(layouts)
+        decoded: list[Tensor | None] = [segment if not segment.numel() else None for segment in segments]
+        for i in (i for i, segment in enumerate(segments) if not segment.numel()):
+            payloads[i] = self.compress(segments[i], keys[i])
         for (h, w, keep), members in _by_tile_shape(layouts).items():
             tiles = [layouts[i].groups[0].tiles for i in members]
             blocks = [layouts[i].order(segments[i]).view(t, h, w) for i, t in zip(members, tiles, strict=True)]
@@ -362,7 +359,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         ]
         mean = self.sparse_mean(shifted)  # type: ignore[arg-type]
         segments = mean.split(numels)
-        decoded: list[Tensor | None] = [None] * len(layouts)
+        decoded: list[Tensor | None] = [segment if not segment.numel() else None for segment in segments]
         for (h, w, _), members in _by_tile_shape(layouts).items():
             blocks = [segments[i].view(-1, h, w) for i in members]
             inverse = self._dct.tiles(torch.cat(blocks) if len(blocks) > 1 else blocks[0], inverse=True)
@@ -391,9 +388,12 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
 
 
 def _by_tile_shape(layouts: Sequence[TileLayout]) -> dict[tuple[int, int, int], list[int]]:
-    """The tensors (their places in ``layouts``) by tile shape and coefficients kept per tile, in order."""
+    """The tensors (their places in ``layouts``) by tile shape and coefficients kept per tile, in order; empty
+    tensors (no tiles) left out."""
     groups: dict[tuple[int, int, int], list[int]] = {}
     for i, layout in enumerate(layouts):
+        if not layout.numel:
+            continue
         assert layout.tile_shape is not None and len(layout.groups) == 1, "shape tiles: one group of tiles"
         (h, w), keep = layout.tile_shape, layout.groups[0].keep
         groups.setdefault((h, w, keep), []).append(i)

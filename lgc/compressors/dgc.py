@@ -586,7 +586,8 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         ``commit(frozenset())``: no parameter was used (the step's schedule stands); a step the
         ranks agreed to skip is dropped by :meth:`drop`.
         """
-        # Taken first: a commit interrupted halfway leaves no held step for the hook's drop to reuse.
+        # Taken first (the buckets' held flats in BucketFlats.commit): a commit interrupted halfway leaves no
+        # held step for the hook's drop to reuse.
         pending, self._pending = self._pending, {}
         dense, self._dense_pending = self._dense_pending, {}
         self._before_step = None

@@ -357,6 +357,8 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         state = dict(state)
         state.setdefault("_bucketed", state.pop("bucketed", None))
         self.__dict__.update({**scratch, **state})
+        if self._bucketed is not None and isinstance(self.compressor, CodesBuckets):
+            self.compressor.bucketed = self._bucketed
 
     def state_dict(self) -> dict[str, Any]:
         return {

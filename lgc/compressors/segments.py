@@ -34,8 +34,9 @@ __all__ = [
 @runtime_checkable
 class FeedsBackSegments(Protocol):
     """A compressor whose error feedback can encode a whole bucket at once
-    (:meth:`~lgc.compressors.ErrorFeedback.compress_many` with ``bucketed``): top-k, SBC, EF-signSGD's scaled
-    sign, chunked top-k, SparseLoCo's quantized values (:func:`feeds_back_segments` asks)."""
+    (:meth:`~lgc.compressors.ErrorFeedback.compress_many` with ``bucketed``): top-k, SBC, RedSync, EF-signSGD's
+    scaled sign, chunked top-k, SparseLoCo's quantized values, DeMo, QSGD and TernGrad
+    (:func:`feeds_back_segments` asks)."""
 
     def feed_back_segments(self, flat: Tensor, numels: Sequence[int], keys: Sequence[str]) -> list[Any]:
         """Every segment's payload (``numels[i]`` entries of ``flat`` for ``keys[i]``), and what they send
@@ -65,12 +66,13 @@ def feeds_back_segments(compressor: object) -> bool:
 class CodesBuckets:
     """Mixin for a compressor whose ``compress_many`` encodes a bucket at once where :meth:`batches_on` says
     so, tensor by tensor (the base's loop) elsewhere: DGC, and through :class:`DecodesSegments` fp4,
-    QSGD and TernGrad.
+    QSGD, TernGrad and DeMo (whose encoding error feedback's ``bucketed`` chooses).
 
     ``bucketed`` chooses where: None (default) on a GPU, where a few kernels per tensor cost more
     than the arithmetic, and tensor by tensor on the CPU, whose loop is the faster one
     (``lgc-bench compressors`` measures both); True everywhere (the test matrix runs it on the CPU
-    through the hook), False nowhere. Both paths give the same payloads and state, bit for bit.
+    through the hook), False nowhere. Both paths give the same payloads and state, bit for bit (DeMo's
+    transform on one thread: see :meth:`~lgc.compressors.dct.TiledDCT.tiles`).
     """
 
     #: Where a bucket is coded at once: None (a GPU), True (everywhere) or False (nowhere).

@@ -270,6 +270,11 @@ def _train_bucketed(rank: int, world: int, which: str, bucketed: bool, steps: in
     torch.manual_seed(0)
     model = DDP(_net(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
     state = register_compression_hook(model, _bucketed_compressor(which, bucketed), min_numel=0)
+    decoded_at_once = []
+    if which == "demo":  # count the bucket decodes the hook's aggregate_many takes
+        demo = state.compressor.compressor
+        decode = demo.decode_segments
+        demo.decode_segments = lambda payloads, outs: decoded_at_once.append(len(outs)) or decode(payloads, outs)
     momentum = 0.0 if which in ("dgc", "demo") else 0.9  # DGC applies its own, DeMo keeps it in the residual
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     grads = []
@@ -285,6 +290,7 @@ def _train_bucketed(rank: int, world: int, which: str, bucketed: bool, steps: in
         "grads": grads,
         "residuals": {k: v.clone() for k, v in state.compressor.residual_store().items()},
         "flats": len(state.compressor._buckets.flats),
+        "decoded_at_once": len(decoded_at_once),
         "stats": state.stats.as_dict(),
     }
 
@@ -299,6 +305,8 @@ def test_a_step_encoded_as_one_flat_trains_as_tensor_by_tensor(which):
     flat = run_workers(_train_bucketed, 2, which, True, steps)
     for by_loop, by_flat in zip(loop, flat, strict=True):
         assert by_flat["flats"] == 1 and by_loop["flats"] == 0, "one flat for the step's parameters"
+        if which == "demo":
+            assert by_flat["decoded_at_once"] == steps and by_loop["decoded_at_once"] == 0, "decoded a bucket at once"
         for step, (want, have) in enumerate(zip(by_loop["grads"], by_flat["grads"], strict=True)):
             assert all(torch.equal(a, b) for a, b in zip(want, have, strict=True)), step
         assert by_loop["residuals"].keys() == by_flat["residuals"].keys()
