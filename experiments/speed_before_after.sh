@@ -7,12 +7,14 @@
 # with the load average of every run. Needs a quiet machine (timings).
 #   experiments/speed_before_after.sh BEFORE [OUT]      (OUT default: experiments/results/speed_before_after)
 #   ROUNDS=3 DENSITY=0.01 experiments/speed_before_after.sh bcf3643
+#   ONLY="demo dgc" experiments/speed_before_after.sh be9641c OUT   (those compressors' rows and the references)
 set -euo pipefail
 before=${1:?usage: experiments/speed_before_after.sh BEFORE_COMMIT [OUT]}
 out=$(realpath -m "${2:-experiments/results/speed_before_after}")
 rounds=${ROUNDS:-2}
 density=${DENSITY:-0.001}
 repeats=${REPEATS:-5}
+only=${ONLY:+--only $ONLY}
 root=$(git rev-parse --show-toplevel)
 tree=$(mktemp -d)
 trap 'git -C "$root" worktree remove --force "$tree" > /dev/null 2>&1 || rm -rf "$tree"' EXIT
@@ -20,9 +22,9 @@ git -C "$root" worktree add --detach --force "$tree" "$before" > /dev/null
 mkdir -p "$out"
 export OMP_NUM_THREADS=1
 for round in $(seq 1 "$rounds"); do
-  (cd "$tree" && PYTHONPATH="$tree" python -m lgc.bench.cli compressors --density "$density" --repeats "$repeats" \
+  (cd "$tree" && PYTHONPATH="$tree" python -m lgc.bench.cli compressors --density "$density" --repeats "$repeats" $only \
     --json "$out/before_$round.json" > "$out/before_$round.md" 2>&1)
-  (cd "$root" && PYTHONPATH="$root" python -m lgc.bench.cli compressors --density "$density" --repeats "$repeats" \
+  (cd "$root" && PYTHONPATH="$root" python -m lgc.bench.cli compressors --density "$density" --repeats "$repeats" $only \
     --json "$out/after_$round.json" > "$out/after_$round.md" 2>&1)
 done
 python - "$out" "$before" "$(git -C "$root" rev-parse --short HEAD)" "$rounds" <<'PY' | tee "$out/README.md"
