@@ -205,6 +205,7 @@ def test_dense_limit_with_weight_decay_is_momentum_sgd_with_weight_decay_step_fo
 
 # Nesterov's case runs with -m slow: the decay's placement is the same question with either momentum.
 @pytest.mark.parametrize("nesterov", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_weight_decay_outside_dgc_is_one_minus_m_weaker_and_inside_it_is_not(nesterov):
     """Equilibrium norms (measured: dense SGD 7.676, DGC with the decay 7.676, decay in the optimizer 11.118).
 

@@ -108,6 +108,7 @@ def test_a_frozen_worker_ends_the_run_after_the_timeout_naming_the_rank(tmp_path
     assert elapsed >= timeout_s
 
 
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_run_within_seconds_and_leaves_a_checkpoint(tmp_path):
     launcher = _start_long_run(tmp_path, timeout_s=300)
     beats = _wait_for_workers(tmp_path, launcher, min_step=6)

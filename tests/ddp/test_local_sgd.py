@@ -73,6 +73,7 @@ def _train(
     [pytest.param(NoneCompressor(), marks=pytest.mark.slow), ErrorFeedback(TopKCompressor(1.0))],
     ids=lambda compressor: repr(compressor),
 )
+@pytest.mark.slow
 def test_delay_one_with_lossless_compression_equals_plain_sgd(compressor):
     steps = 5
     dense = run_workers(_train, 2, None, None, steps)

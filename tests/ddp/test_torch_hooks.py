@@ -103,7 +103,7 @@ def _run_with_auxiliary_branch(rank: int, world: int, state: PowerSGDHookState, 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("batched", [False, True], ids=["per_tensor", "batched"])
+@pytest.mark.parametrize("batched", [pytest.param(False, marks=pytest.mark.slow), True], ids=["per_tensor", "batched"])
 def test_powersgd_stays_finite_when_a_layer_is_unused_at_the_first_compressed_step(batched):
     # The branch's matrices are zero on both ranks at step 2, so Gram-Schmidt divided
     # 0 by 0; error feedback carried the NaN into step 3 (the batched hook ignored PyTorch's epsilon).
@@ -193,7 +193,7 @@ def _checkpoint_and_resume(rank: int, world: int, batched: bool, find_unused: bo
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("batched", [False, True], ids=["per_tensor", "batched"])
+@pytest.mark.parametrize("batched", [pytest.param(False, marks=pytest.mark.slow), True], ids=["per_tensor", "batched"])
 def test_powersgd_checkpoint_loads_with_weights_only_and_resumes_bit_identically(batched, tmp_path):
     # find_unused_parameters=True: DDP never rebuilds its buckets, so the restarted model's buckets
     # are those of the checkpoint from its first step on.
@@ -206,7 +206,7 @@ def test_powersgd_checkpoint_loads_with_weights_only_and_resumes_bit_identically
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("batched", [False, True], ids=["per_tensor", "batched"])
+@pytest.mark.parametrize("batched", [pytest.param(False, marks=pytest.mark.slow), True], ids=["per_tensor", "batched"])
 def test_powersgd_resumes_when_ddp_rebuilds_its_buckets_after_the_restart(batched, tmp_path):
     # By default DDP holds every parameter in one bucket until its first iteration is done; the restored
     # state belongs to the rebuilt buckets (bucket 0's error did not fit: RuntimeError). That first step

@@ -59,7 +59,8 @@ def test_width_sizes_the_reference_architecture_and_keeps_its_latent():
             LGCRingAllreduceState(training={"autoencoder": dict(width=width)})
 
 
-@pytest.mark.parametrize("decoder", ["transposed", pytest.param("upsample", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("decoder", ["transposed", "upsample"])
 def test_both_decoders_give_the_same_code_size_and_train(decoder):
     """The decoder's upsampling choice changes its cost (``lgc-bench step``), not the wire: the same latent."""
     config = AutoencoderConfig(
@@ -378,7 +379,8 @@ def _converges(rank: int, world: int, variant: str) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["rar", pytest.param("ps", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["rar", "ps"])
 def test_lgc_trains_a_small_network_close_to_dense(variant):
     """120 steps (10 warm-up, 30 autoencoder training, 80 compressed), two workers, several buckets.
 
@@ -592,7 +594,7 @@ def _decode_calls(rank: int, world: int, kwargs: dict) -> list[int]:
     "kwargs,expected",
     [
         ({}, ["2r"]),  # own reconstruction and the mean: one call of both
-        ({"residual": "zero"}, ["r"]),  # the mean only
+        pytest.param({"residual": "zero"}, ["r"], marks=pytest.mark.slow),  # the mean only
         ({"stages": {"refresh_threshold": 10.0}}, ["r", "r"]),  # the own error rides in the allreduce: decoded first
     ],
 )
@@ -705,13 +707,12 @@ def _resume(rank: int, world: int, variant: str, stop: int) -> dict:
     ("variant", "stop"),
     [
         ("rar", 4),
-        ("rar", 8),
+        pytest.param("rar", 8, marks=pytest.mark.slow),
         ("ps", 8),
-        # The rest with -m slow: LGC-PS's stage 2 (LGC-RAR's), the codec variants besides int8 (they
-        # differ from LGC-RAR mostly in the compressed stage), the rotating leader (LGC-RAR's stage).
+        # The rest with -m slow: LGC-RAR's stage 3 and LGC-PS's stage 2 (each the other's), the codec
+        # variants (they differ from LGC-RAR mostly in the compressed stage), the rotating leader.
         pytest.param("ps", 4, marks=pytest.mark.slow),
-        ("rar_int8", 8),
-        *[pytest.param(variant, 8, marks=pytest.mark.slow) for variant in ("rar_linear", "rar_pca")],
+        *[pytest.param(variant, 8, marks=pytest.mark.slow) for variant in ("rar_int8", "rar_linear", "rar_pca")],
         *[pytest.param(variant, 4, marks=pytest.mark.slow) for variant in ("rar_int8", "rar_linear", "rar_pca")],
         pytest.param("rar_leader", 4, marks=pytest.mark.slow),
     ],

@@ -121,7 +121,9 @@ def _rotating_steps(rank: int, world: int, kwargs: dict) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("leader_only", [False, True], ids=["shared_topk", "leader_scaled"])
+@pytest.mark.parametrize(
+    "leader_only", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["shared_topk", "leader_scaled"]
+)
 def test_a_rotating_leader_gives_every_worker_its_turn(leader_only):
     """By default (``rotate_leader``) step ``t`` uses worker ``t % P``'s top-k positions (three workers, steps 2, 3, 4).
 
