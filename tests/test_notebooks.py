@@ -56,6 +56,7 @@ def _printed_json(notebook: nbformat.NotebookNode) -> object:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_gradient_correlation_notebook_runs_and_reports_both_partitions(tmp_path, monkeypatch):
     notebook, seconds = _run(NOTEBOOKS / "gradient_correlation.ipynb", tmp_path, monkeypatch)
     printed = _printed_json(notebook)

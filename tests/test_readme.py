@@ -68,7 +68,10 @@ def _torchrun(script: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("method", "min_ratio"), [("topk", 10), ("lgc_rar", 1), ("sbc", 10)])
+@pytest.mark.parametrize(
+    ("method", "min_ratio"),
+    [("topk", 10), pytest.param("lgc_rar", 1, marks=pytest.mark.slow), pytest.param("sbc", 10, marks=pytest.mark.slow)],
+)
 def test_plain_ddp_example_runs_under_torchrun(tmp_path, method, min_ratio):
     script = tmp_path / "example.py"
     script.write_text(_plain_ddp_examples()[method])

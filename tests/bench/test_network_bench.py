@@ -236,6 +236,7 @@ def _evaluate_on_each_rank(rank, world, folder, perturb):
         return str(error)
 
 
+@pytest.mark.slow
 def test_fashion_mnist_is_evaluated_on_every_image_shared_between_ranks_holding_the_same_model(tmp_path):
     from test_fashion_mnist import write_fashion_mnist
 

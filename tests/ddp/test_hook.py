@@ -295,7 +295,9 @@ def _train_bucketed(rank: int, world: int, which: str, bucketed: bool, steps: in
     }
 
 
-@pytest.mark.parametrize("which", ["topk", "dgc", pytest.param("sbc", marks=pytest.mark.slow), "demo"])
+@pytest.mark.parametrize(
+    "which", [pytest.param("topk", marks=pytest.mark.slow), "dgc", pytest.param("sbc", marks=pytest.mark.slow), "demo"]
+)
 def test_a_step_encoded_as_one_flat_trains_as_tensor_by_tensor(which):
     """ErrorFeedback(TopK), ErrorFeedback(SBC), ErrorFeedback(DeMo) and DGC with bucketed=True in DDP (the GPU's
     default path, forced on gloo; SBC and DGC encode each step ahead and hold it): the same bits (DGC: its

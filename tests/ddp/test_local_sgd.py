@@ -190,6 +190,7 @@ def test_bad_outer_settings_are_named(outer, message):
         _delayed(NoneCompressor(), delay=4, **outer)
 
 
+@pytest.mark.slow
 def test_outer_sgd_with_lr_one_and_no_momentum_is_periodic_averaging_bit_for_bit():
     """DiLoCo's outer step ``W -= 1 * (-mean dW)`` with no momentum is SBC's ``W += mean dW``."""
     compressor, delay, steps = ErrorFeedback(TopKCompressor(0.2)), 3, 9
@@ -246,7 +247,7 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
             marks=pytest.mark.slow,
         ),
         # The LGC family: its dense warm-up exchange before the checkpoint, compressed ones after.
-        ["comm=local_sgd", "compressor=shared_topk_int8"],
+        pytest.param(["comm=local_sgd", "compressor=shared_topk_int8"], marks=pytest.mark.slow),
         # LGC-RAR's linear codec: warm-up, codec fitting and a compressed exchange before the checkpoint.
         [
             "comm=local_sgd",

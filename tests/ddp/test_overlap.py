@@ -388,12 +388,10 @@ def _train(rank: int, world: int, name: str, overlap: bool, pack: bool | None = 
 
 #: One of each way to hold a step back: error feedback over a stateless compressor (fixed and
 #: variable-size payloads), DGC's momenta, QSGD's draws, RedSync's thresholds, random-block's step.
-#: The default suite runs error feedback over top-k and DGC; the others run with -m slow.
+#: The default suite runs error feedback over top-k; the others run with -m slow.
 HELD_STEP_NAMES = ["topk", "sbc", "dgc", "qsgd_alone", "redsync", "random_block_unshared"]
 HELD_STEP_NAMES += ["signsgd", "quantized_topk", "topk_fp16_values:decay=0.95", "dgc_nesterov", "terngrad"]
-HELD_STEP_CASES = [
-    name if name in ("topk", "dgc") else pytest.param(name, marks=pytest.mark.slow) for name in HELD_STEP_NAMES
-]
+HELD_STEP_CASES = [name if name == "topk" else pytest.param(name, marks=pytest.mark.slow) for name in HELD_STEP_NAMES]
 
 
 @pytest.mark.multiprocess

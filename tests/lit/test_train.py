@@ -374,6 +374,7 @@ def test_a_comm_setting_that_does_not_apply_or_is_of_the_wrong_type_is_refused_b
     assert re.search(message, f"{info.value}\n{info.value.__cause__}"), f"{info.value}\n{info.value.__cause__}"
 
 
+@pytest.mark.slow
 def test_a_refused_run_leaves_no_folder_behind(tmp_path):
     earlier = tmp_path / "outputs" / "2026-01-01" / "10-00-00"
     earlier.mkdir(parents=True)
