@@ -228,7 +228,7 @@ def _covering_sample(size: int, seed: int = 0) -> list[Case]:
     return chosen
 
 
-SAMPLE_SIZE = 96
+SAMPLE_SIZE = 80
 SAMPLE = _covering_sample(SAMPLE_SIZE)
 
 

@@ -1172,6 +1172,7 @@ def _train_three_ways(rank: int, world: int, steps: int, lr: float, density: flo
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ddp_dgc_with_plain_sgd_trains_like_dense_momentum_sgd():
     """Least squares (512 x 64 features, a 64 x 64 weight), two gloo workers with half the data each.
 

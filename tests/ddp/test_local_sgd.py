@@ -249,12 +249,15 @@ def test_outer_nesterov_sgd_follows_diloco_on_the_pseudo_gradient():
         # The LGC family: its dense warm-up exchange before the checkpoint, compressed ones after.
         pytest.param(["comm=local_sgd", "compressor=shared_topk_int8"], marks=pytest.mark.slow),
         # LGC-RAR's linear codec: warm-up, codec fitting and a compressed exchange before the checkpoint.
-        [
-            "comm=local_sgd",
-            "experiment=embedded/lgc_rar_lean",
-            "compressor.stages.warmup_steps=1",
-            "compressor.stages.ae_steps=1",
-        ],
+        pytest.param(
+            [
+                "comm=local_sgd",
+                "experiment=embedded/lgc_rar_lean",
+                "compressor.stages.warmup_steps=1",
+                "compressor.stages.ae_steps=1",
+            ],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["average", "diloco", "streaming", "streaming_overlap", "shared_index", "lgc_rar"],
 )

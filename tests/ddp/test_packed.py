@@ -64,7 +64,7 @@ def _compare(a: dict, b: dict, name: str, exact: bool) -> None:
 # other ways (SBC, random-block's summed payload, ...) run with -m slow.
 @pytest.mark.parametrize(
     "name",
-    [name if name in ("topk", "dgc") else pytest.param(name, marks=pytest.mark.slow) for name in HELD_STEP_NAMES],
+    [name if name == "topk" else pytest.param(name, marks=pytest.mark.slow) for name in HELD_STEP_NAMES],
 )
 def test_one_message_changes_the_collectives_and_nothing_else(name):
     """Two workers, unused parameters (on every rank, on one), a NaN in one layer, a NaN everywhere: bitwise."""

@@ -52,7 +52,7 @@ def test_torch_fp16_hook_is_wrapped_with_exact_byte_counts():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("batched", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_powersgd_runs_on_gloo_with_several_buckets_and_counts_its_bytes(batched):
     steps = 5
     state = PowerSGDHookState(

@@ -196,7 +196,7 @@ def test_a_knob_a_group_lacks_is_named_with_the_groups_knobs():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["rar", "ps"])
+@pytest.mark.parametrize("variant", ["rar", pytest.param("ps", marks=pytest.mark.slow)])
 def test_one_worker_goes_through_every_stage(variant):
     """A group of one (as lgc-bench profiles a method alone): no correlation between workers to log."""
     ((result),) = run_workers(_stages_and_bytes, 1, variant, {})
@@ -293,7 +293,7 @@ def _stages_and_bytes(rank: int, world: int, variant: str, kwargs: dict) -> dict
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["rar", "ps"])
+@pytest.mark.parametrize("variant", ["rar", pytest.param("ps", marks=pytest.mark.slow)])
 def test_stages_switch_at_the_configured_steps_and_bytes_match_the_payloads(variant):
     results = run_workers(_stages_and_bytes, 2, variant, {})
     for rank, result in enumerate(results):
@@ -628,6 +628,7 @@ def _warm_started(rank: int, world: int, path: str) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_saved_codec_warm_starts_another_run_without_its_training_stage(tmp_path):
     """``training.autoencoder.init``: the saved weights on every worker, stage 2 skipped, nothing broadcast."""
     path = str(tmp_path / "codec.pt")

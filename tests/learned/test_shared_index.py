@@ -62,7 +62,7 @@ def _one_compressed_step(rank: int, world: int, kwargs: dict) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("index_coding", ["raw", "golomb"])
+@pytest.mark.parametrize("index_coding", ["raw", pytest.param("golomb", marks=pytest.mark.slow)])
 def test_shared_index_fp32_delivers_the_exact_sum_at_the_leaders_positions(index_coding):
     results = run_workers(_one_compressed_step, 2, dict(leaders=dict(index_coding=index_coding)))
     compressed_k = 0
@@ -83,7 +83,7 @@ def test_shared_index_fp32_delivers_the_exact_sum_at_the_leaders_positions(index
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("values", ["int8", "int4"])
+@pytest.mark.parametrize("values", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
 def test_quantized_shared_index_is_within_one_step_per_worker_and_keeps_its_rounding(values):
     """One bucket: also the payload, exactly: every worker's codes in ``bits``-wide lanes (whole chunks,
     zero-padded) and each chunk's scale once (4 bytes, the allreduce-max); the leader's raw positions."""

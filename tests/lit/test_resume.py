@@ -141,6 +141,7 @@ def check_resume_matrix(tmp_path: Path, method: str, stops: tuple[tuple[str, int
     return results
 
 
+@pytest.mark.slow
 def test_lgc_rar_stopped_by_max_steps_in_its_compressed_stage_resumes_bit_identically(tmp_path):
     """The default suite's resume check (every method and stage: the slow matrix below)."""
     check_resume_matrix(tmp_path, "lgc_rar", (("max_steps", 13),))
