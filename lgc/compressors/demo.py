@@ -103,6 +103,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -289,7 +290,6 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         Flat tiles (``tiling="flat"``) go tensor by tensor inside: their partial tiles differ.
         """
         segments = flat.split(list(numels))
-        layouts = [self.layout(key, numel) for key, numel in zip(keys, numels, strict=True)]
         if not self.segments_supported():
             payloads = []
             for segment, key in zip(segments, keys, strict=True):
@@ -297,6 +297,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
                 segment.sub_(self.decompress(payload))
                 payloads.append(payload)
             return payloads
+        layouts = [self.layout(key, numel) for key, numel in zip(keys, numels, strict=True)]
         payloads: list[DCTPayload | None] = [None] * len(layouts)
         decoded: list[Tensor | None] = [segment if not segment.numel() else None for segment in segments]
         for i in (i for i, segment in enumerate(segments) if not segment.numel()):
@@ -304,7 +305,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         for (h, w, keep), members in _by_tile_shape(layouts).items():
             tiles = [layouts[i].groups[0].tiles for i in members]
             blocks = [layouts[i].order(segments[i]).view(t, h, w) for i, t in zip(members, tiles, strict=True)]
-            coefficients = self._dct.tiles(torch.cat(blocks) if len(blocks) > 1 else blocks[0], inverse=False)
+            coefficients = self._dct.tiles(torch.cat(blocks), inverse=False)  # a fresh, aligned batch
             rows = coefficients.view(-1, h * w)
             if keep == h * w:
                 local = torch.arange(keep, device=flat.device).expand(rows.shape[0], keep)
@@ -344,9 +345,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         assert all(isinstance(p, DCTPayload) for p in firsts)
         layouts = [p.layout for p in firsts]  # type: ignore[attr-defined]
         numels = [out.numel() for out in outs]
-        starts = [0]
-        for numel in numels[:-1]:
-            starts.append(starts[-1] + numel)
+        starts = [0, *itertools.accumulate(numels[:-1])]
         shifted = [
             SparsePayload(
                 numel=sum(numels),
@@ -362,7 +361,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         decoded: list[Tensor | None] = [segment if not segment.numel() else None for segment in segments]
         for (h, w, _), members in _by_tile_shape(layouts).items():
             blocks = [segments[i].view(-1, h, w) for i in members]
-            inverse = self._dct.tiles(torch.cat(blocks) if len(blocks) > 1 else blocks[0], inverse=True)
+            inverse = self._dct.tiles(torch.cat(blocks), inverse=True)
             if self.sign:
                 inverse.sign_()
             for i, back in zip(members, inverse.view(-1).split([numels[i] for i in members]), strict=True):

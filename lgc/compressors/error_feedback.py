@@ -357,8 +357,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         state = dict(state)
         state.setdefault("_bucketed", state.pop("bucketed", None))
         self.__dict__.update({**scratch, **state})
-        if self._bucketed is not None and isinstance(self.compressor, CodesBuckets):
-            self.compressor.bucketed = self._bucketed
+        self.bucketed = self._bucketed  # the setter hands it to the compressor too
 
     def state_dict(self) -> dict[str, Any]:
         return {
