@@ -287,16 +287,12 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         the per-tensor path's bits; on several the last bits may differ), selected by one top-k over
         their rows (a tile's selection depends on its row alone), gathered, scattered back, decoded
         and subtracted at once: a pass per distinct tile shape (five on ResNet-50), not per tensor.
-        Flat tiles (``tiling="flat"``) go tensor by tensor inside: their partial tiles differ.
+        Flat tiles (``tiling="flat"``) have no bucket pass (their partial tiles differ tensor by
+        tensor): error feedback keeps its own loop for them (its ``batches_on``); a direct call is refused.
         """
-        segments = flat.split(list(numels))
         if not self.segments_supported():
-            payloads = []
-            for segment, key in zip(segments, keys, strict=True):
-                payload = self.compress(segment, key)
-                segment.sub_(self.decompress(payload))
-                payloads.append(payload)
-            return payloads
+            raise ValueError(f"tiling={self.tiling!r} has no bucket pass: only tiling='shape' tiles a bucket at once")
+        segments = flat.split(list(numels))
         layouts = [self.layout(key, numel) for key, numel in zip(keys, numels, strict=True)]
         payloads: list[DCTPayload | None] = [None] * len(layouts)
         decoded: list[Tensor | None] = [segment if not segment.numel() else None for segment in segments]

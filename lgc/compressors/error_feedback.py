@@ -159,8 +159,12 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         return list(self.compressor.feed_back_segments(flat, [t.numel() for t in tensors], keys))
 
     def batches_on(self, device: torch.device) -> bool:
-        """Whether :meth:`compress_many` encodes as one flat on ``device`` (see ``bucketed``)."""
+        """Whether :meth:`compress_many` encodes as one flat on ``device`` (see ``bucketed``): never where the
+        compressor's configuration has no bucket pass (``segments_supported``: DeMo's flat tiles, QSGD's
+        codes that straddle bytes), which then goes tensor by tensor here."""
         if not feeds_back_segments(self.compressor) or self.bucketed is False:
+            return False
+        if isinstance(self.compressor, CodesBuckets) and not self.compressor.segments_supported():
             return False
         return self.bucketed is True or device.type != "cpu"
 

@@ -309,14 +309,14 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
         """A bucket at once under error feedback (:class:`~lgc.compressors.segments.FeedsBackSegments`): the
         payloads of :meth:`compress_many`'s bucket path, every key's draws advanced, and what they decode
         to (:meth:`decode_segments` of this worker's payloads alone) subtracted from ``flat``. Bit for
-        bit error feedback's loop over :meth:`compress`, whose subtraction is of :meth:`decompress`; that
-        loop itself where the codes straddle bytes (:meth:`segments_supported`)."""
-        segments = list(flat.split(list(numels)))
+        bit error feedback's loop over :meth:`compress`, whose subtraction is of :meth:`decompress`.
+        Codes that straddle bytes have no bucket pass (:meth:`segments_supported`): error feedback
+        then keeps its own loop (its ``batches_on``), and a direct call is refused."""
         if not self.segments_supported():
-            payloads = [self.compress(segment, key) for segment, key in zip(segments, keys, strict=True)]
-            for segment, payload in zip(segments, payloads, strict=True):
-                segment.sub_(self.decompress(payload))
-            return payloads
+            raise ValueError(
+                f"feed_back_segments needs codes of 1, 2, 4 or 8 bits, got {self.code_bits} (levels={self.levels})"
+            )
+        segments = list(flat.split(list(numels)))
         payloads = self._compress_bucket(segments, keys)
         sent = torch.empty_like(flat)
         self.decode_segments([[payload] for payload in payloads], list(sent.split(list(numels))))

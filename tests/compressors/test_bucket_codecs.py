@@ -358,7 +358,7 @@ def test_a_subclass_that_overrides_compress_alone_is_encoded_tensor_by_tensor():
 @pytest.mark.parametrize("which", range(6))
 def test_error_feedback_over_a_stochastic_quantizer_feeds_a_bucket_back_as_the_loop(which):
     """TernGrad with error feedback (its overlap config) and QSGD under it: payloads, residuals and draws
-    as the per-tensor loop's over 3 steps; 3-bit codes (QSGD's levels=3) take the loop inside."""
+    as the per-tensor loop's over 3 steps; 3-bit codes (QSGD's levels=3) take error feedback's own loop."""
 
     def quantizer():
         return [*_quantizers(), QSGDCompressor(levels=3, bucket_size=64, seed=8)][which]
@@ -772,7 +772,7 @@ def _demo_pair(shapes, **knobs):
             {"chunk": 16, "k": 256},  # every coefficient of a full tile kept
             {"chunk": 64, "k": 32},  # the reference's
             {"chunk": 8, "k": 1, "value_dtype": "bfloat16"},
-            {"chunk": 16, "k": 4, "tiling": "flat"},  # tensor by tensor inside
+            {"chunk": 16, "k": 4, "tiling": "flat"},  # error feedback's own loop
         ]
     ),
     seed=st.integers(0, 2**16),
@@ -820,6 +820,27 @@ def test_demos_bucket_decode_goes_through_the_hooks_aggregate_many_where_it_batc
     flat_tiles = DeMoCompressor(tiling="flat")
     flat_tiles.bucketed = True
     assert not flat_tiles.batches_on(torch.device("cpu")), "flat tiles have no bucket pass"
+
+
+@pytest.mark.parametrize(
+    ("make", "refusal"),
+    [
+        (lambda: DeMoCompressor(chunk=16, k=4, tiling="flat"), "tiling='flat' has no bucket pass"),
+        (lambda: QSGDCompressor(levels=3, bucket_size=64), r"codes of 1, 2, 4 or 8 bits, got 3 \(levels=3\)"),
+    ],
+)
+def test_error_feedback_keeps_its_own_loop_where_a_codec_configuration_has_no_bucket_pass(make, refusal, monkeypatch):
+    """bucketed=True over a configuration without a bucket pass (segments_supported): error feedback builds no flat
+    and never calls feed_back_segments, which refuses such a configuration when called directly."""
+    ef = ErrorFeedback(make(), bucketed=True)
+    if isinstance(ef.compressor, DeMoCompressor):
+        ef.compressor.attach_parameters({"a": torch.empty(700), "b": torch.empty(40, 30)})
+    assert not ef.batches_on(torch.device("cpu")) and not ef.batches_on(torch.device("cuda"))
+    with pytest.raises(ValueError, match=refusal):
+        ef.compressor.feed_back_segments(torch.zeros(1900), [700, 1200], ["a", "b"])
+    monkeypatch.setattr(type(ef.compressor), "feed_back_segments", lambda *args: pytest.fail("no bucket pass"))
+    ef.compress_many([torch.randn(700), torch.randn(1200)], ["a", "b"])
+    assert not ef._buckets.flats, "no flat built"
 
 
 def test_demos_tiles_transform_alike_whatever_tiles_are_batched_beside_them():
