@@ -1,4 +1,4 @@
-"""``lgc.compress``: the one way to put any lgc method on a DistributedDataParallel model.
+"""``lgc.compress``: the one way to put any lgc method on a DistributedDataParallel or FSDP2 model.
 
 Every method of ``lgc/conf/compressor/`` is available by name with its paper's defaults, or by
 object (a :class:`~lgc.compressors.Compressor`, or a hook state built by hand). The call checks what
@@ -27,17 +27,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors import Compressor
 from lgc.ddp.protocol import HookState
+from lgc.fsdp import FSDPCompression, check_fsdp_state
 from lgc.methods import METHODS, Comm, build_hook_state, check_error_feedback, optimizer_rules_owner
 
 __all__ = ["METHODS", "HookState", "compress"]
 
 
 def compress(
-    model: DistributedDataParallel,
+    model: DistributedDataParallel | FSDPModule,
     method: str | Compressor | HookState,
     *,
     optimizer: torch.optim.Optimizer | None = None,
@@ -67,12 +69,20 @@ def compress(
     Call it in every worker, after ``dist.init_process_group`` and ``DistributedDataParallel(...)``,
     before the first backward pass; then train as usual.
 
+    An FSDP2 model (``fully_shard``, whose root is ``model``) gets lgc's reduce-scatter in every
+    parameter group (:mod:`lgc.fsdp`): each rank compresses every gradient whole, as the DDP hook does,
+    and keeps its shard of the sum; every per-step lgc compressor runs there, bitwise as under DDP
+    (``tests/fsdp/``). FSDP2 takes no ``process_group`` (its mesh decides), ``overlap``, ``pack``,
+    ``buffers`` nor communication delay, and runs no hook state with collectives of its own (LGC's,
+    PyTorch's DDP hooks): each is refused, naming it.
+
     Compiled models train through the hook, every method (``tests/ddp/test_compile.py``):
     ``DistributedDataParallel(torch.compile(net))``; ``torch.compile`` of the DDP model is taken as
     the DDP model it wraps.
 
     Args:
-        model: the :class:`~torch.nn.parallel.DistributedDataParallel` model, or ``torch.compile`` of it.
+        model: the :class:`~torch.nn.parallel.DistributedDataParallel` model, or ``torch.compile`` of it; or
+            the root of an FSDP2 model (``fully_shard(model)`` after its blocks).
         method: a name of :data:`METHODS` (``"topk"``, ``"dgc"``, ``"lgc_rar"``, ``"powersgd"``, ...: the
             configs of ``lgc/conf/compressor/``, with their paper's defaults), a
             :class:`~lgc.compressors.Compressor` (e.g. ``ErrorFeedback(TopKCompressor(0.01))``), or a
@@ -163,6 +173,7 @@ def compress(
     model = _uncompiled(model)
     _check_model(model, process_group)
     _check_optimizer(model, optimizer, optimizer_momentum, optimizer_weight_decay)
+    sharded = isinstance(model, FSDPModule)
     comm_settings = dict(
         min_numel=min_numel,
         start_iter=start_iter,
@@ -196,7 +207,11 @@ def compress(
             )
         state = method
     else:
+        if sharded:
+            _check_fsdp_settings(comm_settings)
         state = _build(method, knobs, Comm(**comm_settings, prefix=""), error_feedback, error_decay, process_group)
+    if sharded:
+        check_fsdp_state(state, method)
     check_error_feedback(state, method, error_feedback)
     _check_against_optimizer(state, optimizer, optimizer_momentum, optimizer_weight_decay)
     if grad_scaler is not None:
@@ -206,8 +221,38 @@ def compress(
                 "it (PyTorch's hooks compress scaled gradients; communication delay exchanges weight updates)"
             )
         state.loss_scale = grad_scaler.get_scale
-    state.register(model, optimizer)
+    if sharded:
+        FSDPCompression(state).register(model)
+    else:
+        state.register(model, optimizer)
     return state
+
+
+#: Settings of the DDP hook that an FSDP2 model does not take: FSDP2's mesh chooses the group, reduces each
+#: parameter group as it is ready and keeps module buffers on each rank.
+_DDP_ONLY = (
+    "overlap",
+    "pack",
+    "buffers",
+    "delay",
+    "outer",
+    "outer_lr",
+    "outer_momentum",
+    "fragments",
+    "fragment_split",
+    "overlap_steps",
+    "mixing",
+)
+
+
+def _check_fsdp_settings(settings: dict[str, Any]) -> None:
+    given = [name for name in _DDP_ONLY if settings.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: DDP settings, which an FSDP2 model does not take (FSDP2 reduces each parameter "
+            "group as it is ready, over its mesh, and keeps module buffers on each rank); communication delay "
+            "under FSDP2 is not supported yet"
+        )
 
 
 def _uncompiled(model: Any) -> Any:
@@ -218,10 +263,17 @@ def _uncompiled(model: Any) -> Any:
 
 
 def _check_model(model: Any, process_group: dist.ProcessGroup | None) -> None:
+    if isinstance(model, FSDPModule):
+        if process_group is not None:
+            raise ValueError(
+                "process_group= does not apply to an FSDP2 model: its mesh (fully_shard(mesh=...)) decides"
+            )
+        return
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(
-            f"lgc.compress needs a DistributedDataParallel model, got {type(model).__name__}: wrap it first, in "
-            "every worker after torch.distributed.init_process_group(...): model = DistributedDataParallel(model)"
+            f"lgc.compress needs a DistributedDataParallel model or an FSDP2 one (fully_shard), got "
+            f"{type(model).__name__}: wrap it first, in every worker after torch.distributed.init_process_group(...): "
+            "model = DistributedDataParallel(model), or fully_shard(model)"
         )
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

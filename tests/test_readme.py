@@ -81,6 +81,25 @@ def test_plain_ddp_example_runs_under_torchrun(tmp_path, method, min_ratio):
     assert len(ratios) == 2 and all(ratio > min_ratio for ratio in ratios), result.stdout
 
 
+def _fsdp_example() -> str:
+    text = README.read_text()
+    start = text.index("<!-- fsdp-example:start -->")
+    (script,) = re.findall(r"```python\n(.*?)```", text[start : text.index("<!-- fsdp-example:end -->")], flags=re.S)
+    return script
+
+
+@pytest.mark.multiprocess
+def test_the_fsdp2_example_runs_under_torchrun(tmp_path):
+    """The README's fully_shard script trains 2 gloo workers through top-k."""
+    script = tmp_path / "fsdp_example.py"
+    script.write_text(_fsdp_example())
+    assert "fully_shard(model)" in script.read_text() and '"topk"' in script.read_text()
+    result = _torchrun(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ratios = [float(x) for x in RATIO.findall(result.stdout)]
+    assert len(ratios) == 2 and all(ratio > 10 for ratio in ratios), result.stdout
+
+
 def _own_compressor_example() -> str:
     """The plain-DDP script with the usage page's own compressor defined above it and passed to ``lgc.compress``."""
     text = (README.parent / "docs" / "usage.md").read_text()

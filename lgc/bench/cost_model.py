@@ -9,16 +9,17 @@ where the collectives are the ones the method's hook really issues in one steady
 :func:`lgc.ddp.collectives.record_collectives`, with their per-worker sizes, which do not depend on
 ``P`` for any lgc method) and ``T`` follows the algorithm the backend runs (:mod:`lgc.ddp.wire`):
 
-=============  =========================================  ==============================================
-collective     algorithm                                  T(call, P) for a message of ``L`` bytes
-=============  =========================================  ==============================================
-allreduce      ring (gloo; NCCL for large messages)       ``2 (P - 1) (alpha + ceil(L / P) / B)``
-               double binary tree (``allreduce="tree"``)  ``2 ceil(log2 P) alpha + 2 L / B`` (pipelined)
-allgather      ring                                       ``(P - 1) (alpha + L / B)``
-broadcast      gloo's binomial tree                       ``ceil(log2 P) (alpha + L / B)``
-gather         flat, to the root                          ``alpha + (P - 1) L / B`` (the root's link)
-send / recv    point to point                             ``alpha + L / B`` (counted once, at the sender)
-=============  =========================================  ==============================================
+===============  =========================================  ==============================================
+collective       algorithm                                  T(call, P) for a message of ``L`` bytes
+===============  =========================================  ==============================================
+allreduce        ring (gloo; NCCL for large messages)       ``2 (P - 1) (alpha + ceil(L / P) / B)``
+                 double binary tree (``allreduce="tree"``)  ``2 ceil(log2 P) alpha + 2 L / B`` (pipelined)
+allgather        ring                                       ``(P - 1) (alpha + L / B)``
+reduce-scatter   ring (FSDP2's gradients)                   ``(P - 1) (alpha + ceil(L / P) / B)``
+broadcast        gloo's binomial tree                       ``ceil(log2 P) (alpha + L / B)``
+gather           flat, to the root                          ``alpha + (P - 1) L / B`` (the root's link)
+send / recv      point to point                             ``alpha + L / B`` (counted once, at the sender)
+===============  =========================================  ==============================================
 
 * ``compute``: the step on an infinitely fast network: forward, backward, DDP's bucket copies and
   the optimizer, measured as plain DDP in a group of one worker (or a knob).
@@ -103,6 +104,8 @@ def _rounds_and_bytes(call: CollectiveCall, world: int, allreduce: str = "ring")
         return 2 * (world - 1), 2 * (world - 1) * math.ceil(size / world)
     if call.kind == "all_gather":
         return world - 1, float((world - 1) * size)
+    if call.kind == "reduce_scatter":
+        return world - 1, (world - 1) * math.ceil(size / world)
     if call.kind == "broadcast":
         return rounds_log, float(rounds_log * size)
     if call.kind == "gather":

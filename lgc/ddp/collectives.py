@@ -11,11 +11,15 @@ collective, independent of how the backend routes them:
 * broadcast of ``L`` bytes: the source sends ``L``, every other rank receives ``L``;
 * gather of ``L`` bytes per rank to a root: every other rank sends ``L``, the root receives
   ``(world - 1) * L`` (its own contribution never leaves it);
+* reduce-scatter of ``L`` bytes per rank: ``L`` sent, ``L / world`` received (this rank's chunk);
 * send / recv of ``L`` bytes: ``L`` sent by one, received by the other.
 
 Ranks are ranks *in the group*; they are translated to global ranks for torch.distributed. The
 ``book_*`` functions add a collective's bytes without running it, for collectives issued by code
 lgc does not own (PyTorch's hooks) and for the dense exchange a step is compared with.
+
+Why one module: it is the one door to :mod:`torch.distributed`; each collective sits beside the
+booking of its bytes, so none can be issued uncounted or counted by another algorithm than it runs.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ __all__ = [
     "book_dense_equivalent",
     "book_gather",
     "book_local_upstream",
+    "book_dense_reduce_scatter",
     "book_point_to_point",
+    "book_reduce_scatter",
     "broadcast",
     "broadcast_bytes",
     "gather",
@@ -55,6 +61,7 @@ __all__ = [
     "nbytes",
     "record_collectives",
     "recv",
+    "reduce_scatter",
     "send",
 ]
 
@@ -137,7 +144,7 @@ class CommStats:
 class CollectiveCall(NamedTuple):
     """One collective as this worker issued it: what a cost model needs to time it at any size of group.
 
-    ``kind`` is ``all_reduce``, ``all_gather``, ``broadcast``, ``gather``, ``send`` or ``recv``;
+    ``kind`` is ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``gather``, ``send`` or ``recv``;
     ``nbytes`` the logical bytes of this worker's tensor (per rank for an allgather or a gather);
     ``root`` the source or destination in the group (broadcast, gather, send, recv), else None.
     """
@@ -230,6 +237,31 @@ def book_dense_equivalent(stats: CommStats, tensor: Tensor, group: dist.ProcessG
     stats.wire_dense_equivalent_bytes += wire.ring_allreduce(tensor.numel(), tensor.element_size(), world, rank).sent
 
 
+def book_dense_reduce_scatter(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+    """What stock FSDP2 would send for ``tensor`` (one parameter group's reduce-scatter input): a dense
+    reduce-scatter of it, by the backend's algorithm (:func:`book_reduce_scatter`)."""
+    stats.dense_equivalent_bytes += nbytes(tensor)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    stats.wire_dense_equivalent_bytes += _reduce_scatter_algorithm(tensor, group)(
+        tensor.numel(), tensor.element_size(), world, rank
+    ).sent
+
+
+def book_reduce_scatter(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+    """A reduce-scatter of ``tensor`` (every rank's whole input): ``L`` logical bytes sent, ``L / P`` received.
+
+    On the wire as the backend runs it: NCCL's ring reduce-scatter, ``(P - 1) / P * L``; gloo's, an
+    allreduce of the whole input then a local copy of the rank's chunk
+    (``ProcessGroupGloo::reduce_scatter_single_coalesced``), ``2 (P - 1) / P * L``, recorded as the
+    allreduce it is for the cost model.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    algorithm = _reduce_scatter_algorithm(tensor, group)
+    _record("reduce_scatter" if algorithm is wire.ring_reduce_scatter else "all_reduce", tensor, group)
+    logical = wire.WireBytes(nbytes(tensor), nbytes(tensor) // world)
+    _book(stats, logical, algorithm(tensor.numel(), tensor.element_size(), world, rank))
+
+
 def book_dense_broadcast(stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | None) -> None:
     """What plain DDP sends broadcasting ``tensor`` from ``src`` (its module buffers), in the dense equivalent."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -283,6 +315,11 @@ def _on_nccl(group: dist.ProcessGroup | None) -> bool:
     return "nccl" in str(dist.get_backend(group))
 
 
+def _reduce_scatter_algorithm(tensor: Tensor, group: dist.ProcessGroup | None) -> Any:
+    """The wire model of a reduce-scatter of ``tensor``: NCCL's ring for CUDA tensors on NCCL, else gloo's allreduce."""
+    return wire.ring_reduce_scatter if tensor.is_cuda and _on_nccl(group) else wire.ring_allreduce
+
+
 def _broadcast_algorithm(tensor: Tensor, group: dist.ProcessGroup | None) -> Any:
     """The wire model of a broadcast of ``tensor``: NCCL's ring for CUDA tensors on NCCL, else gloo's tree."""
     return wire.pipeline_broadcast if tensor.is_cuda and _on_nccl(group) else wire.tree_broadcast
@@ -298,6 +335,14 @@ def all_reduce(
     """
     book_all_reduce(stats, tensor, group)
     return kept(dist.all_reduce(tensor, op=op, group=group, async_op=True)).get_future()
+
+
+def reduce_scatter(
+    stats: CommStats, output: Tensor, input: Tensor, group: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM
+) -> Any:
+    """Reduce ``input`` (``P`` equal chunks) across the group and leave this rank's chunk in ``output``; the work."""
+    book_reduce_scatter(stats, input, group)
+    return kept(dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True))
 
 
 def all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> tuple[list[Tensor], Any]:

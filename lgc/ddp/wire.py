@@ -11,6 +11,8 @@ collective             algorithm (gloo; NCCL where it differs)      bytes sent p
 =====================  ===========================================  ==============================
 allreduce              ring: reduce-scatter, then allgather         ``2 (P - 1) / P * L``
 allgather              ring                                         ``(P - 1) * L``
+reduce-scatter (NCCL)  ring (the allreduce's first half)            ``(P - 1) / P * L``
+reduce-scatter (gloo)  allreduce of the whole input, a local copy   ``2 (P - 1) / P * L``
 broadcast (gloo)       binomial tree (``gloo/broadcast.cc``)        ``L`` x its children; leaves 0
 broadcast (NCCL)       pipelined ring from the root                 ``L``; the last in the ring 0
 gather                 flat: every rank sends to the root           ``L``; the root 0
@@ -44,6 +46,7 @@ __all__ = [
     "ring_allgather",
     "ring_allreduce",
     "ring_chunks",
+    "ring_reduce_scatter",
     "tree_broadcast",
 ]
 
@@ -78,6 +81,20 @@ def ring_allreduce(numel: int, itemsize: int, world: int, rank: int) -> WireByte
     sent = 2 * total - chunk[(rank + 1) % world] - chunk[(rank + 2) % world]
     received = 2 * total - chunk[rank] - chunk[(rank + 1) % world]
     return WireBytes(sent, received)
+
+
+def ring_reduce_scatter(numel: int, itemsize: int, world: int, rank: int) -> WireBytes:
+    """A ring reduce-scatter of ``numel`` elements of ``itemsize`` bytes per rank: the allreduce's first half.
+
+    In step ``s`` rank ``r`` sends chunk ``(r - s) mod P``: every chunk once except the one it finishes
+    reducing (``r + 1`` in :func:`ring_allreduce`'s numbering); it receives every chunk once except ``r``.
+    """
+    _check(world, rank)
+    if world == 1:
+        return WireBytes(0, 0)
+    chunk = [n * itemsize for n in ring_chunks(numel, world)]
+    total = numel * itemsize
+    return WireBytes(total - chunk[(rank + 1) % world], total - chunk[rank])
 
 
 def ring_allgather(nbytes: int, world: int, rank: int) -> WireBytes:

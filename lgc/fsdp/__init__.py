@@ -1,0 +1,19 @@
+"""Gradient compression under FSDP2 (:func:`torch.distributed.fsdp.fully_shard`).
+
+:func:`lgc.compress` takes an FSDP2 model as it takes a DDP one; this package is what it installs:
+a compressed reduce-scatter per parameter group (:mod:`lgc.fsdp.reduce_scatter`), which rebuilds
+each gradient whole from FSDP2's reduce-scatter input (:mod:`lgc.fsdp.layout`) and compresses it as
+the DDP hook does.
+"""
+
+from lgc.fsdp.layout import GroupLayout, ParamColumns
+from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
+
+__all__ = [
+    "CompressedReduceScatter",
+    "FSDPCompression",
+    "GroupLayout",
+    "ParamColumns",
+    "check_fsdp_state",
+    "fsdp_modules",
+]

@@ -1,0 +1,276 @@
+"""A compressed gradient reduce-scatter for FSDP2 (``fully_shard``): every lgc compressor, sharded.
+
+FSDP2 reduces each parameter group's gradients in one reduce-scatter and lets a program replace it
+(``FSDPModule.set_custom_reduce_scatter``). :class:`CompressedReduceScatter` is that replacement;
+:class:`FSDPCompression` runs it for one model with the DDP hook's state
+(:class:`~lgc.ddp.CompressionHookState`: compressor, step guard, statistics, checkpoints). For a
+parameter group:
+
+1. Parameters below ``min_numel`` (biases, norm layers) are reduce-scattered dense and unchanged,
+   as stock FSDP2 reduces them, with the op FSDP2 asks for (``AVG`` for fp32 and bf16 reductions).
+2. Every other parameter's gradient is rebuilt whole from the reduce-scatter input
+   (:class:`~lgc.fsdp.layout.GroupLayout`) and compressed on its own, keyed by the parameter's
+   name, exactly as the DDP hook compresses it: the compressor selects on the full unsharded
+   gradient (top-k's largest entries of the whole tensor, not of a shard), so residuals, momenta
+   and payloads are those of the DDP hook and a compressed FSDP2 run follows the DDP run's
+   trajectory. The payloads are exchanged as the compressor declares (gathered: an allgather;
+   summable: an allreduce; :mod:`lgc.ddp.exchange`), every rank decodes the sum, and keeps the
+   chunk it owns. The cost of selecting on the whole gradient: error feedback's residual (DGC's
+   momentum and accumulator) is a full-size fp32 tensor per compressed parameter on every rank,
+   not a shard of one.
+3. The step guard decides each group before its state moves: one small allreduce says whether
+   some rank has an inf or NaN in the group (then it is reduce-scattered dense and unchanged, as
+   stock FSDP2 does) and which parameters have a gradient on some rank. A compressor with state
+   encodes into held state (:class:`~lgc.compressors.base.HoldsSteps`); at the end of the backward
+   pass the step is committed, or dropped whole if any group of it was skipped, so a skipped step
+   leaves every residual as it was, as under DDP. Stateless compressors need no guard.
+
+``none`` never reaches a compressor: every group is reduce-scattered as stock FSDP2 does it, bit for
+bit, and counted. The collectives are issued inside FSDP2's reduce-scatter call, in group order,
+the same on every rank.
+
+Why one module: the reduce-scatter FSDP2 calls and the per-step bookkeeping it feeds (the end of a
+backward pass, the held step's commit) are one unit; the layout arithmetic is in ``layout``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from lgc.compressors.base import CombineMode, HoldsSteps, holds_steps
+from lgc.compressors.dgc import DGCCompressor
+from lgc.compressors.none import NoneCompressor
+from lgc.ddp import collectives as counted
+from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, prepare_compressor
+from lgc.ddp.hook import CompressionHookState
+from lgc.ddp.step_guard import PendingBucket, agree_on_step
+from lgc.fsdp.layout import GroupLayout
+
+__all__ = ["CompressedReduceScatter", "FSDPCompression", "check_fsdp_state", "fsdp_modules"]
+
+#: ``min_numel`` that compresses nothing (``none``).
+_NEVER = 2**62
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    """Every module of ``model`` that ``fully_shard`` made an FSDP module, ``model`` (the root) first."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def check_fsdp_state(state: Any, method: Any) -> CompressionHookState:
+    """Refuse a hook state FSDP2's reduce-scatter cannot run, naming it; return it as a compression state."""
+    if type(state) is not CompressionHookState:
+        raise ValueError(
+            f"lgc.compress on an FSDP2 model runs an lgc compressor every step (e.g. 'topk', 'dgc', 'sbc', 'qsgd', "
+            f"'fp16'); {method!r} builds {type(state).__name__}, which runs collectives of its own "
+            "(LGC's stages, PyTorch's DDP hooks, communication delay): use it with DistributedDataParallel"
+        )
+    compressor = state.compressor
+    if compressor.combine is CombineMode.SERVER:
+        raise ValueError(f"{compressor!r} combines via a server, which FSDP2's reduce-scatter does not run")
+    if not compressor.stateless and not (holds_steps(compressor) and compressor.combine is CombineMode.GATHER):
+        raise ValueError(
+            f"{compressor!r} keeps state that it cannot hold back until every parameter group of a step is "
+            "decided (HoldsSteps); under FSDP2 a step is reduced group by group, so a skipped step could not leave "
+            "its state as it was: use it with DistributedDataParallel"
+        )
+    if getattr(compressor, "weight_decay", 0.0) and isinstance(compressor, DGCCompressor):
+        raise ValueError(
+            f"DGC's weight_decay={compressor.weight_decay:g} adds the decay of every parameter whole on every rank, "
+            "which FSDP2 shards: give the decay to the optimizer under FSDP2 (lgc.compress(model, 'dgc', "
+            "weight_decay=0, ...) with torch.optim.SGD(..., weight_decay=wd))"
+        )
+    if state.overlap:
+        raise ValueError("overlap=True is a DDP hook setting: FSDP2 reduces each parameter group as it is ready")
+    return state
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter for one parameter group, through an :class:`FSDPCompression`."""
+
+    def __init__(self, compression: FSDPCompression, layout: GroupLayout) -> None:
+        self.compression = compression
+        self.layout = layout
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: Any, async_op: bool = False
+    ) -> None:
+        if async_op:
+            raise NotImplementedError("lgc's compressed reduce-scatter runs synchronously (FSDP2 never asks otherwise)")
+        self.compression.reduce_scatter(self.layout, output_tensor, input_tensor, group, op)
+
+
+class FSDPCompression:
+    """The compressed gradient reduction of one FSDP2 model, with ``state``'s compressor and statistics.
+
+    Built by :func:`lgc.compress` for an FSDP2 model; :meth:`register` installs a
+    :class:`CompressedReduceScatter` on every FSDP module of the model. ``state.iteration`` counts
+    finished steps (a backward pass that reduced, not skipped), as under DDP.
+    """
+
+    def __init__(self, state: CompressionHookState) -> None:
+        self.state = state
+        #: Whether the current backward pass has reduced a group (its end is then queued).
+        self.in_step = False
+        #: Whether some group of the current step was skipped (inf/NaN on some rank).
+        self.step_skipped = False
+        #: Parameters with a gradient on some rank in the current step (held state committed for them).
+        self.used: set[str] = set()
+        #: Whether the current step compresses (past ``start_iter``).
+        self.compressing = False
+        #: The layouts installed, one per parameter group.
+        self.layouts: list[GroupLayout] = []
+
+    @property
+    def dense_only(self) -> bool:
+        """Whether nothing is compressed (``none``): every group goes as stock FSDP2's reduce-scatter."""
+        return isinstance(self.state.compressor, NoneCompressor)
+
+    def register(self, model: torch.nn.Module) -> None:
+        """Install the compressed reduce-scatter on every FSDP module of ``model`` (the root of ``fully_shard``)."""
+        state = self.state
+        names = {id(p): name for name, p in model.named_parameters()}
+        group_pg = None
+        for module in fsdp_modules(model):
+            param_groups = module._get_fsdp_state()._fsdp_param_groups
+            if not param_groups:
+                continue
+            for param_group in param_groups:
+                mesh_info = param_group.mesh_info
+                if getattr(mesh_info, "replicate_process_group", None) is not None:
+                    raise NotImplementedError(
+                        "lgc.compress on an HSDP model (a 2-D mesh: shard and replicate) is not supported yet; "
+                        "use a 1-D mesh (fully_shard's default)"
+                    )
+                if group_pg is None:
+                    group_pg = mesh_info.shard_process_group
+                elif mesh_info.shard_process_group is not group_pg:
+                    raise ValueError("lgc.compress needs every FSDP module of the model on one mesh")
+                min_numel = _NEVER if self.dense_only else state.min_numel
+                self.layouts.append(GroupLayout.of_group(param_group, names, mesh_info.shard_mesh_size, min_numel))
+            if not self.dense_only:
+                # Zeros for a parameter unused on this rank, so the group's layout is the same on every rank.
+                module.set_reduce_scatter_unused_params(True, recurse=False)
+            module.set_custom_reduce_scatter(CompressedReduceScatter(self, self.layouts[-1]))
+        if group_pg is None:
+            raise ValueError("lgc.compress found no parameter to reduce in the FSDP2 model")
+        state.process_group = group_pg
+        state.compressor.attach_parameters(dict(model.named_parameters()))
+
+    # -- one group ---------------------------------------------------------------------------------
+    def reduce_scatter(self, layout: GroupLayout, output: Tensor, input: Tensor, group: Any, op: Any) -> None:
+        """Reduce-scatter ``input`` (``world x row``) into ``output`` (this rank's row) with ``state``'s compressor."""
+        state = self.state
+        if group is not state.process_group:
+            raise RuntimeError("FSDP2 reduce-scattered over a process group other than the one lgc.compress found")
+        layout.check(input.numel(), output.numel())
+        if not self.in_step:
+            self._begin_step()
+        state.stats.hook_calls += 1
+        counted.book_dense_reduce_scatter(state.stats, input, group)
+        if self.dense_only or not self.compressing:
+            self._as_stock(input, output, group, op)
+            return
+        world = layout.world
+        buffer = input.new_empty(layout.unsharded_numel())
+        segments = layout.gather_unsharded(input.view(world, layout.row), buffer)
+        # As the DDP hook: each worker's share, divided by the world size (FSDP2's fp16 reductions have
+        # divided it already, and sum) and by the loss scale.
+        state.unscale(buffer, world if _averages(op) else 1)
+        if state.guards_steps:
+            verdict = agree_on_step(state.stats, group, [PendingBucket(buffer, segments, torch.futures.Future())])
+            if verdict.skip:
+                self.step_skipped = True
+                self._as_stock(input, output, group, op)
+                return
+            self.used |= verdict.used
+            self._exchange_held(buffer, segments, verdict.used)
+        else:
+            result = average_compressed(state, buffer, segments, state.iteration).wait()
+            state.skips.note(state.stats, state.iteration, result)
+        if state.step_scale != 1.0:
+            buffer.mul_(state.step_scale)
+        layout.scatter_own(buffer, output, dist.get_rank(group))
+
+    def _exchange_held(self, buffer: Tensor, segments: tuple[Segment, ...], used: frozenset[str]) -> None:
+        """A guarded group's exchange, the state it moves held until the step's end (:meth:`_end_step`).
+
+        The dense parameters used on some rank are transformed as the compressor holds them (DGC's
+        momentum) and summed in one allreduce, as the DDP hook sums them; the compressed ones are
+        encoded into held state and exchanged (:class:`~lgc.ddp.exchange.PayloadExchange`). A
+        parameter unused on every rank keeps its zero and moves no state.
+        """
+        state = self.state
+        compressor = state.compressor
+        assert isinstance(compressor, HoldsSteps), compressor
+        # Rank, world size, shared seed and the step's schedule (DGC's warm-up) before anything encodes.
+        prepare_compressor(state, buffer.device, state.iteration)
+        dense = [s for s in segments if not s.compressed and s.name in used]
+        if dense:
+            pieces = [buffer[s.offset : s.offset + s.numel] for s in dense]
+            if compressor.transforms_dense:
+                for s, piece in zip(dense, pieces, strict=True):
+                    piece.copy_(compressor.transform_dense_pending(piece, s.name))
+            summed = torch.cat(pieces)
+            counted.all_reduce(state.stats, summed, state.process_group).wait()
+            for s, piece, total in zip(dense, pieces, summed.split([s.numel for s in dense]), strict=True):
+                piece.copy_(total)
+                compressor.finish_aggregate(piece, s.name)
+                state.layer_stats.book(s.name, s.numel, False, s.numel * buffer.element_size())
+        compressed = tuple(s for s in segments if s.compressed and s.name in used)
+        if compressed:
+            exchange = PayloadExchange(state, buffer, compressed, state.iteration, pending=True)
+            torch.futures.wait_all(exchange.futures)
+            exchange.finish()
+
+    def _as_stock(self, input: Tensor, output: Tensor, group: Any, op: Any) -> None:
+        """Stock FSDP2's reduce-scatter of the whole group, counted."""
+        counted.reduce_scatter(self.state.stats, output, input, group, op).wait()
+
+    # -- the step ------------------------------------------------------------------------------------
+    def _begin_step(self) -> None:
+        """The first group of a backward pass: queue the step's end, decide whether it compresses."""
+        self.in_step = True
+        self.step_skipped = False
+        self.used = set()
+        self.compressing = self.state.iteration >= self.state.start_iter
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+
+    def _end_step(self) -> None:
+        """The end of a backward pass that reduced: commit the held step, or drop it if a group was skipped."""
+        state = self.state
+        self.in_step = False
+        compressor = state.compressor
+        if self.compressing and state.guards_steps:
+            assert isinstance(compressor, HoldsSteps), compressor
+            if self.step_skipped:
+                compressor.drop()
+                state.begun_step = -1
+            else:
+                compressor.commit(frozenset(self.used))
+        if self.step_skipped:
+            state.stats.skipped_steps += 1
+        else:
+            state.iteration += 1
+        state.step_done(skipped=self.step_skipped)
+
+
+def _averages(op: Any) -> bool:
+    """Whether FSDP2's reduce op averages (``AVG``) or sums (``SUM``, its fp16 reductions' pre- and post-division)."""
+    if op == dist.ReduceOp.AVG:
+        return True
+    if op == dist.ReduceOp.SUM:
+        return False
+    raise ValueError(
+        f"lgc's compressed reduce-scatter averages or sums; FSDP2 asked for {op!r} "
+        "(set_gradient_divide_factor): leave FSDP2's default division"
+    )

@@ -1,0 +1,209 @@
+"""lgc.compress on FSDP2 models (fully_shard) over gloo: stock equality, DDP equality, bytes, the step guard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import lgc
+from lgc.ddp import wire
+from lgc.fsdp import GroupLayout
+
+STEPS = 4
+
+
+def _net(seed: int = 0) -> torch.nn.Module:
+    """Two sharded blocks and a root: weights over min_numel (compressed), biases under it (dense), odd row counts."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(40, 37), torch.nn.ReLU(), torch.nn.Linear(37, 45), torch.nn.ReLU(), torch.nn.Linear(45, 3)
+    )
+
+
+def _shard(net: torch.nn.Module) -> torch.nn.Module:
+    fully_shard(net[0])
+    fully_shard(net[2])
+    fully_shard(net)
+    return net
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 40, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+
+
+def _train(model: torch.nn.Module, rank: int, steps: int | None = None, poison: int | None = None) -> None:
+    steps = STEPS if steps is None else steps
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        if poison == step and rank == 1:
+            x[0, 0] = float("nan")
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if poison == step:
+            continue  # what a GradScaler does with a non-finite step
+        opt.step()
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (allgathered from its shards), on every rank."""
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
+def _stock_and_none(rank: int, world: int) -> tuple[dict, dict, dict]:
+    stock = _shard(_net())
+    _train(stock, rank)
+    dense = _shard(_net())
+    state = lgc.compress(dense, "none")
+    _train(dense, rank)
+    return _full(stock), _full(dense), state.stats.as_dict()
+
+
+def test_none_is_stock_fsdp2_bit_for_bit_and_counts_its_reduce_scatters():
+    for stock, dense, stats in run_workers(_stock_and_none, 2):
+        for name in stock:
+            assert torch.equal(stock[name], dense[name]), name
+        assert stats["hook_calls"] == 3 * STEPS, "one reduce-scatter per parameter group per step"
+        assert stats["wire_bytes_sent"] == stats["wire_dense_equivalent_bytes"] > 0
+        assert stats["compression_ratio"] == 1.0
+
+
+#: Every per-step lgc method FSDP2 runs, with knobs that make it compress this small model.
+FOLLOWERS = {
+    "topk": {"density": 0.05},
+    "signsgd": {},
+    "sbc": {"density": 0.05},
+    "redsync": {"density": 0.05},
+    "chunked_topk": {},
+    "sparseloco": {},
+    "demo": {},
+    "dgc": {"density": 0.05, "steps_per_epoch": 2, "weight_decay": 0.0},
+    "qsgd": {},
+    "terngrad": {},
+    "fp4": {},
+    "fp16": {},
+}
+
+
+def _ddp_and_fsdp(rank: int, world: int) -> dict[str, tuple]:
+    runs = {}
+    for method, knobs in FOLLOWERS.items():
+        ddp = DistributedDataParallel(_net())
+        ddp_state = lgc.compress(ddp, method, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1), **knobs)
+        _train(ddp, rank)
+        fsdp = _shard(_net())
+        fsdp_state = lgc.compress(fsdp, method, optimizer=torch.optim.SGD(fsdp.parameters(), lr=0.1), **knobs)
+        _train(fsdp, rank)
+        residuals = [
+            {k: v.clone() for k, v in state.compressor.residual_store().items()} for state in (ddp_state, fsdp_state)
+        ]
+        full = {name: p.detach().clone() for name, p in ddp.module.named_parameters()}
+        runs[method] = (full, _full(fsdp), residuals, [s.stats.as_dict() for s in (ddp_state, fsdp_state)])
+    return runs
+
+
+@pytest.fixture(scope="module")
+def followed() -> list[dict[str, tuple]]:
+    return run_workers(_ddp_and_fsdp, 2)
+
+
+@pytest.mark.parametrize("method", sorted(FOLLOWERS))
+def test_a_compressor_selects_on_the_whole_gradient_and_follows_its_ddp_trajectory(followed, method):
+    """Each rank compresses every parameter's full unsharded gradient, keyed by name, as the DDP hook does:
+    parameters, residuals and payload bytes equal the DDP run's, bit for bit (the dense small tensors are
+    summed divided by the world size, as the DDP hook sums them)."""
+    for runs in followed:
+        ddp, fsdp, (ddp_res, fsdp_res), (ddp_stats, fsdp_stats) = runs[method]
+        assert ddp.keys() == fsdp.keys()
+        for name in ddp:
+            assert torch.equal(fsdp[name], ddp[name]), name
+        assert ddp_res.keys() == fsdp_res.keys()
+        for key in ddp_res:
+            assert torch.equal(fsdp_res[key], ddp_res[key]), key
+        assert fsdp_stats["payload_bytes"] == ddp_stats["payload_bytes"] > 0
+        assert fsdp_stats["skipped_steps"] == 0
+
+
+def _guarded(rank: int, world: int) -> tuple[dict, dict, int]:
+    poisoned = _shard(_net())
+    state = lgc.compress(poisoned, "topk", density=0.05)
+    _train(poisoned, rank, steps=STEPS + 1, poison=1)
+    clean = _shard(_net())
+    clean_state = lgc.compress(clean, "topk", density=0.05)
+    opt = torch.optim.SGD(clean.parameters(), lr=0.1)
+    for step in [0, 2, 3, 4]:
+        x, y = _batch(rank, step)
+        loss = torch.nn.functional.cross_entropy(clean(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert clean_state.iteration == state.iteration == STEPS
+    store = {k: v.clone() for k, v in state.compressor.residual_store().items()}
+    clean_store = {k: v.clone() for k, v in clean_state.compressor.residual_store().items()}
+    return (_full(poisoned), store), (_full(clean), clean_store), state.stats.skipped_steps
+
+
+def test_a_step_with_a_nan_on_one_rank_leaves_every_residual_as_it_was():
+    """A NaN in the first layer's input reaches every group's gradient on rank 1; the step is skipped whole,
+    the held state dropped, so the run equals one that never saw the step."""
+    for (poisoned, store), (clean, clean_store), skipped in run_workers(_guarded, 2):
+        assert skipped == 1
+        for name in clean:
+            assert torch.equal(poisoned[name], clean[name]), name
+        for key in clean_store:
+            assert torch.equal(store[key], clean_store[key]), key
+
+
+def test_the_layout_rebuilds_each_gradient_from_fsdp2s_chunks():
+    """chunk_cat's layout (each gradient padded on dim 0 to whole chunks, row r = rank r's chunks) round trips."""
+    world = 3
+    grads = {"a": torch.randn(7, 5), "b": torch.randn(2), "c": torch.randn(10, 1, 2)}
+    layout = GroupLayout([(k, tuple(v.shape)) for k, v in grads.items()], world, min_numel=3)
+    padded = [
+        torch.cat([g, g.new_zeros(-(-g.shape[0] // world) * world - g.shape[0], *g.shape[1:])]) for g in grads.values()
+    ]
+    rows = torch.cat([p.reshape(world, -1) for p in padded], dim=1)
+    assert rows.shape == (world, layout.row)
+    out = torch.empty(layout.unsharded_numel())
+    segments = layout.gather_unsharded(rows, out)
+    assert [(s.name, s.compressed) for s in segments] == [("a", True), ("b", False), ("c", True)]
+    for s in segments:
+        assert torch.equal(out[s.offset : s.offset + s.numel], grads[s.name].reshape(-1))
+    for rank in range(world):
+        output = torch.full((layout.row,), float("nan"))
+        layout.scatter_own(out, output, rank)
+        assert torch.equal(output, rows[rank])
+
+
+def test_a_reduce_scatter_is_booked_as_the_backend_runs_it():
+    assert wire.ring_reduce_scatter(12, 4, 3, 0) == wire.WireBytes(32, 32)
+    assert sum(wire.ring_reduce_scatter(10, 4, 3, r).sent for r in range(3)) == 2 * 40
+    assert wire.ring_reduce_scatter(10, 4, 1, 0) == wire.WireBytes(0, 0)
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    messages = []
+    for method, kwargs in [("topk", {"overlap": True}), ("topk", {"delay": 4}), ("powersgd", {}), ("lgc_rar", {})]:
+        try:
+            lgc.compress(_shard(_net()), method, **kwargs)
+        except ValueError as err:
+            messages.append(str(err))
+    try:
+        lgc.compress(_shard(_net()), "topk", process_group=dist.group.WORLD)
+    except ValueError as err:
+        messages.append(str(err))
+    return messages
+
+
+def test_ddp_only_settings_and_methods_are_refused_naming_them():
+    messages = run_workers(_refusals, 2)[0]
+    assert len(messages) == 5
+    assert "overlap" in messages[0] and "delay" in messages[1]
+    assert "DistributedDataParallel" in messages[2] and "DistributedDataParallel" in messages[3]
+    assert "mesh" in messages[4]
