@@ -3,9 +3,11 @@
 :func:`lgc.compress` takes an FSDP2 model as it takes a DDP one; this package is what it installs:
 a compressed reduce-scatter per parameter group (:mod:`lgc.fsdp.reduce_scatter`), which rebuilds
 each gradient whole from FSDP2's reduce-scatter input (:mod:`lgc.fsdp.layout`) and compresses it as
-the DDP hook does.
+the DDP hook does. :class:`~lgc.fsdp.checkpoint.PerRankState` puts its state in a distributed
+checkpoint (DCP), every rank's under its own key.
 """
 
+from lgc.fsdp.checkpoint import PerRankState
 from lgc.fsdp.layout import GroupLayout, ParamColumns
 from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
 
@@ -14,6 +16,7 @@ __all__ = [
     "FSDPCompression",
     "GroupLayout",
     "ParamColumns",
+    "PerRankState",
     "check_fsdp_state",
     "fsdp_modules",
 ]
