@@ -74,9 +74,9 @@ class GroupLayout:
     def of_group(cls, group: Any, names: Mapping[int, str], world: int, min_numel: int) -> GroupLayout:
         """The layout of an ``FSDPParamGroup`` (``fsdp_params``), its parameters named by ``names`` (by ``id``).
 
-        Parameters that take no gradient are not reduced and have no columns; the others all do
-        (the compressed reduce-scatter sets ``reduce_scatter_unused_params``, so an unused one
-        reduces zeros rather than dropping out of the layout on one rank only).
+        Every parameter that takes a gradient, as if all had one; refuses a parameter sharded on
+        another dim than 0. (A reduce-scatter carries those with a gradient in the step:
+        :class:`~lgc.fsdp.reduce_scatter.CompressedReduceScatter` lays out what FSDP2 chose.)
         """
         params = []
         for fsdp_param in group.fsdp_params:

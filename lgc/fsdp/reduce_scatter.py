@@ -20,7 +20,8 @@ parameter group:
    not a shard of one.
 3. The step guard decides each group before its state moves: one small allreduce says whether
    some rank has an inf or NaN in the group (then it is reduce-scattered dense and unchanged, as
-   stock FSDP2 does) and which parameters have a gradient on some rank. A compressor with state
+   stock FSDP2 does), which parameters have a gradient on some rank, and whether the ranks carry
+   the same parameters (else every rank refuses, naming them, before a mismatched collective). A compressor with state
    encodes into held state (:class:`~lgc.compressors.base.HoldsSteps`); at the end of the backward
    pass the step is committed, or dropped whole if any group of it was skipped, so a skipped step
    leaves every residual as it was, as under DDP. Stateless compressors need no guard.
@@ -49,13 +50,10 @@ from lgc.compressors.none import NoneCompressor
 from lgc.ddp import collectives as counted
 from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, prepare_compressor
 from lgc.ddp.hook import CompressionHookState
-from lgc.ddp.step_guard import PendingBucket, agree_on_step
+from lgc.ddp.step_guard import StepVerdict, agree_flags, bucket_maxima
 from lgc.fsdp.layout import GroupLayout
 
 __all__ = ["CompressedReduceScatter", "FSDPCompression", "check_fsdp_state", "fsdp_modules"]
-
-#: ``min_numel`` that compresses nothing (``none``).
-_NEVER = 2**62
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -92,11 +90,48 @@ def check_fsdp_state(state: Any, method: Any) -> CompressionHookState:
 
 
 class CompressedReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter for one parameter group, through an :class:`FSDPCompression`."""
+    """FSDP2's reduce-scatter for one parameter group, through an :class:`FSDPCompression`.
 
-    def __init__(self, compression: FSDPCompression, layout: GroupLayout) -> None:
+    It learns which of the group's parameters the reduce-scatter carries from the group's
+    ``post_backward`` (wrapped by :meth:`watch`), which FSDP2 calls just before: those with a
+    gradient (or an accumulated one), and with ``set_reduce_scatter_unused_params`` every parameter
+    that takes one, exactly FSDP2's own choice. A parameter without a gradient on every rank is then
+    left out as stock FSDP2 leaves it out (its ``.grad`` stays None).
+    """
+
+    def __init__(self, compression: FSDPCompression, param_group: Any, names: dict[int, str], world: int) -> None:
         self.compression = compression
-        self.layout = layout
+        self.param_group = param_group
+        self.names = names
+        self.world = world
+        #: Every parameter of the group that takes a gradient, in the group's order (the step guard's flags).
+        self.all_names = tuple(
+            names[id(p.sharded_param)] for p in param_group.fsdp_params if p.sharded_param.requires_grad
+        )
+        #: The parameters (``(name, shape)``) the next reduce-scatter carries, as post_backward chose them.
+        self.carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
+        self.layouts: dict[tuple[tuple[str, tuple[int, ...]], ...], GroupLayout] = {}
+
+    def watch(self) -> None:
+        """Wrap the group's ``post_backward`` to note the parameters its reduce-scatter will carry."""
+        group, original = self.param_group, self.param_group.post_backward
+
+        def post_backward(*args: Any) -> Any:
+            self.carried = tuple(
+                (self.names[id(p.sharded_param)], tuple(p._orig_size))
+                for p in group.fsdp_params
+                if _reduced(p, group.reduce_scatter_unused_params)
+            )
+            return original(*args)
+
+        group.post_backward = post_backward
+
+    def layout(self, min_numel: int) -> GroupLayout:
+        """The layout of the parameters the current reduce-scatter carries (one per distinct set, kept)."""
+        layout = self.layouts.get(self.carried)
+        if layout is None:
+            layout = self.layouts[self.carried] = GroupLayout(self.carried, self.world, min_numel)
+        return layout
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -106,7 +141,17 @@ class CompressedReduceScatter(ReduceScatter):
     ) -> None:
         if async_op:
             raise NotImplementedError("lgc's compressed reduce-scatter runs synchronously (FSDP2 never asks otherwise)")
-        self.compression.reduce_scatter(self.layout, output_tensor, input_tensor, group, op)
+        self.compression.reduce_scatter(self, output_tensor, input_tensor, group, op)
+
+
+def _reduced(fsdp_param: Any, unused_too: bool) -> bool:
+    """Whether FSDP2's ``post_backward`` puts ``fsdp_param`` in its reduce-scatter (its own test, in its order)."""
+    if not hasattr(fsdp_param, "_unsharded_param"):
+        return False
+    unsharded = fsdp_param._unsharded_param
+    if fsdp_param.unsharded_accumulated_grad is not None or unsharded.grad is not None:
+        return True
+    return bool(unused_too and unsharded.requires_grad)
 
 
 class FSDPCompression:
@@ -127,8 +172,8 @@ class FSDPCompression:
         self.used: set[str] = set()
         #: Whether the current step compresses (past ``start_iter``).
         self.compressing = False
-        #: The layouts installed, one per parameter group.
-        self.layouts: list[GroupLayout] = []
+        #: The reduce-scatters installed, one per parameter group.
+        self.comms: list[CompressedReduceScatter] = []
 
     @property
     def dense_only(self) -> bool:
@@ -136,43 +181,53 @@ class FSDPCompression:
         return isinstance(self.state.compressor, NoneCompressor)
 
     def register(self, model: torch.nn.Module) -> None:
-        """Install the compressed reduce-scatter on every FSDP module of ``model`` (the root of ``fully_shard``)."""
+        """Install the compressed reduce-scatter on every FSDP module of ``model`` (the root of ``fully_shard``).
+
+        Everything is checked before anything is installed: one mesh of at least two ranks, no HSDP,
+        one parameter group per module, gradients sharded on dim 0.
+        """
         state = self.state
         names = {id(p): name for name, p in model.named_parameters()}
-        group_pg = None
-        for module in fsdp_modules(model):
-            param_groups = module._get_fsdp_state()._fsdp_param_groups
-            if not param_groups:
-                continue
-            for param_group in param_groups:
-                mesh_info = param_group.mesh_info
-                if getattr(mesh_info, "replicate_process_group", None) is not None:
-                    raise NotImplementedError(
-                        "lgc.compress on an HSDP model (a 2-D mesh: shard and replicate) is not supported yet; "
-                        "use a 1-D mesh (fully_shard's default)"
-                    )
-                if group_pg is None:
-                    group_pg = mesh_info.shard_process_group
-                elif mesh_info.shard_process_group is not group_pg:
-                    raise ValueError("lgc.compress needs every FSDP module of the model on one mesh")
-                min_numel = _NEVER if self.dense_only else state.min_numel
-                self.layouts.append(GroupLayout.of_group(param_group, names, mesh_info.shard_mesh_size, min_numel))
-            if not self.dense_only:
-                # Zeros for a parameter unused on this rank, so the group's layout is the same on every rank.
-                module.set_reduce_scatter_unused_params(True, recurse=False)
-            module.set_custom_reduce_scatter(CompressedReduceScatter(self, self.layouts[-1]))
-        if group_pg is None:
+        groups = [(m, g) for m in fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+        if not groups:
             raise ValueError("lgc.compress found no parameter to reduce in the FSDP2 model")
-        state.process_group = group_pg
+        shard_pg = groups[0][1].mesh_info.shard_process_group
+        for module, param_group in groups:
+            mesh_info = param_group.mesh_info
+            if getattr(mesh_info, "replicate_process_group", None) is not None:
+                raise NotImplementedError(
+                    "lgc.compress on an HSDP model (a 2-D mesh: shard and replicate) is not supported yet; "
+                    "use a 1-D mesh (fully_shard's default)"
+                )
+            if mesh_info.shard_process_group is not shard_pg:
+                raise ValueError("lgc.compress needs every FSDP module of the model on one mesh")
+            if len(module._get_fsdp_state()._fsdp_param_groups) > 1:
+                raise ValueError(f"{type(module).__name__}: lgc.compress takes one parameter group per FSDP module")
+            GroupLayout.of_group(param_group, names, mesh_info.shard_mesh_size, 1)  # refuses dim != 0
+        world = dist.get_world_size(shard_pg)
+        if world < 2:
+            raise ValueError(
+                "FSDP2 on one rank reduces nothing (it never calls a reduce-scatter), so lgc would compress nothing: "
+                "run on two or more ranks"
+            )
+        for module, param_group in groups:
+            comm = CompressedReduceScatter(self, param_group, names, world)
+            comm.watch()
+            module.set_custom_reduce_scatter(comm)
+            self.comms.append(comm)
+        model.register_forward_pre_hook(self._before_forward)
+        state.process_group = shard_pg
         state.compressor.attach_parameters(dict(model.named_parameters()))
 
     # -- one group ---------------------------------------------------------------------------------
-    def reduce_scatter(self, layout: GroupLayout, output: Tensor, input: Tensor, group: Any, op: Any) -> None:
+    def reduce_scatter(self, comm: CompressedReduceScatter, output: Tensor, input: Tensor, group: Any, op: Any) -> None:
         """Reduce-scatter ``input`` (``world x row``) into ``output`` (this rank's row) with ``state``'s compressor."""
         state = self.state
         if group is not state.process_group:
-            raise RuntimeError("FSDP2 reduce-scattered over a process group other than the one lgc.compress found")
-        layout.check(input.numel(), output.numel())
+            raise RuntimeError(
+                "FSDP2 reduce-scattered over a process group other than its mesh's "
+                "(set_separate_reduce_scatter_group?): lgc compresses over the mesh's shard group"
+            )
         if not self.in_step:
             self._begin_step()
         state.stats.hook_calls += 1
@@ -180,14 +235,16 @@ class FSDPCompression:
         if self.dense_only or not self.compressing:
             self._as_stock(input, output, group, op)
             return
+        layout = comm.layout(state.min_numel)
+        layout.check(input.numel(), output.numel())
         world = layout.world
         buffer = input.new_empty(layout.unsharded_numel())
         segments = layout.gather_unsharded(input.view(world, layout.row), buffer)
         # As the DDP hook: each worker's share, divided by the world size (FSDP2's fp16 reductions have
-        # divided it already, and sum) and by the loss scale.
-        state.unscale(buffer, world if _averages(op) else 1)
+        # divided it already, and sum; set_gradient_divide_factor's factor) and by the loss scale.
+        state.unscale(buffer, _divisor(op, world, comm.param_group.gradient_divide_factor))
         if state.guards_steps:
-            verdict = agree_on_step(state.stats, group, [PendingBucket(buffer, segments, torch.futures.Future())])
+            verdict = self._agree(comm, buffer, segments)
             if verdict.skip:
                 self.step_skipped = True
                 self._as_stock(input, output, group, op)
@@ -200,6 +257,39 @@ class FSDPCompression:
         if state.step_scale != 1.0:
             buffer.mul_(state.step_scale)
         layout.scatter_own(buffer, output, dist.get_rank(group))
+
+    def _agree(self, comm: CompressedReduceScatter, buffer: Tensor, segments: tuple[Segment, ...]) -> StepVerdict:
+        """The step guard's allreduce for one group, over every parameter the group could carry.
+
+        One MAX-allreduce of ``1 + 3 n`` bytes (``n`` parameters that take a gradient): inf/NaN
+        anywhere, and per parameter whether its gradient is nonzero, carried, and left out on some
+        rank. Its length never depends on what a rank carries, so ranks that carry different
+        parameters (one used on some ranks only, without ``set_reduce_scatter_unused_params``: stock
+        FSDP2's reduce-scatters would not match either) learn it here, and every rank refuses.
+        """
+        names = comm.all_names
+        index = {name: i for i, name in enumerate(names)}
+        carried = [index[s.name] for s in segments]
+        table = bucket_maxima(buffer, segments).float()
+        flags = torch.zeros(1 + 3 * len(names), dtype=torch.uint8)
+        flags[0] = int(not bool(torch.isfinite(table).all()))
+        nonzero = (table != 0).to(torch.uint8)  # NaN counts as nonzero (its step is skipped anyway)
+        for i, flag in zip(carried, nonzero.tolist(), strict=True):
+            flags[1 + i] = flag
+        mine = torch.zeros(len(names), dtype=torch.uint8)
+        mine[carried] = 1
+        flags[1 + len(names) :] = torch.cat([mine, 1 - mine])
+        flags = agree_flags(self.state.stats, flags, self.state.process_group)
+        some, missing = flags[1 + len(names) : 1 + 2 * len(names)], flags[1 + 2 * len(names) :]
+        split = [names[i] for i in range(len(names)) if some[i] and missing[i]]
+        if split:
+            raise RuntimeError(
+                f"{', '.join(split[:3])}: a gradient on some ranks and none on others, so the ranks' reduce-scatters "
+                "differ; call model.set_reduce_scatter_unused_params(True), as FSDP2 needs when ranks use different "
+                "parameters"
+            )
+        used = frozenset(names[i] for i in range(len(names)) if flags[1 + i])
+        return StepVerdict(skip=bool(flags[0]), used=used)
 
     def _exchange_held(self, buffer: Tensor, segments: tuple[Segment, ...], used: frozenset[str]) -> None:
         """A guarded group's exchange, the state it moves held until the step's end (:meth:`_end_step`).
@@ -239,11 +329,29 @@ class FSDPCompression:
     # -- the step ------------------------------------------------------------------------------------
     def _begin_step(self) -> None:
         """The first group of a backward pass: queue the step's end, decide whether it compresses."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+        except RuntimeError as err:
+            raise RuntimeError(
+                "lgc's compressed reduce-scatter ends a step with the backward pass that reduces it; FSDP2 reduced "
+                "outside one (pipelining's stage backward?), which lgc does not support"
+            ) from err
         self.in_step = True
         self.step_skipped = False
         self.used = set()
         self.compressing = self.state.iteration >= self.state.start_iter
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+
+    def _before_forward(self, _module: torch.nn.Module, _args: Any) -> None:
+        """A forward pass while a step is open: its backward raised before its end. Drop what it held."""
+        if not self.in_step:
+            return
+        self.in_step = False
+        state = self.state
+        if self.compressing and state.guards_steps:
+            compressor = state.compressor
+            assert isinstance(compressor, HoldsSteps), compressor
+            compressor.drop()
+            state.begun_step = -1
 
     def _end_step(self) -> None:
         """The end of a backward pass that reduced: commit the held step, or drop it if a group was skipped."""
@@ -264,13 +372,14 @@ class FSDPCompression:
         state.step_done(skipped=self.step_skipped)
 
 
-def _averages(op: Any) -> bool:
-    """Whether FSDP2's reduce op averages (``AVG``) or sums (``SUM``, its fp16 reductions' pre- and post-division)."""
+def _divisor(op: Any, world: int, factor: float | None) -> float:
+    """What FSDP2's reduce op divides the sum by: the world size (``AVG``), nothing (``SUM``: its fp16 reductions
+    divide before and after, its ``force_sum_reduction_for_comms`` after) or ``set_gradient_divide_factor``'s
+    factor (``PREMUL_SUM``)."""
     if op == dist.ReduceOp.AVG:
-        return True
+        return world
     if op == dist.ReduceOp.SUM:
-        return False
-    raise ValueError(
-        f"lgc's compressed reduce-scatter averages or sums; FSDP2 asked for {op!r} "
-        "(set_gradient_divide_factor): leave FSDP2's default division"
-    )
+        return 1
+    if factor is None:
+        raise ValueError(f"lgc's compressed reduce-scatter cannot tell what FSDP2's reduce op {op!r} divides by")
+    return factor

@@ -257,3 +257,124 @@ def test_a_distributed_checkpoint_resumes_bit_for_bit(tmp_path):
             assert torch.equal(residuals[key], resumed_residuals[key]), key
     first, second = results[0][0][1], results[1][0][1]
     assert any(not torch.equal(first[k], second[k]) for k in first), "each rank has residuals of its own"
+
+
+class _Branchy(torch.nn.Module):
+    """A body, a head and a branch that no rank uses (its gradient stays None under stock FSDP2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(40, 45)
+        self.head = torch.nn.Linear(45, 3)
+        self.unused = torch.nn.Linear(45, 40)
+
+    def forward(self, x: torch.Tensor, use_unused: bool = False) -> torch.Tensor:
+        hidden = torch.relu(self.body(x))
+        out = self.head(hidden)
+        return out + self.unused(hidden)[:, :3] if use_unused else out
+
+
+def _branchy(policy=None) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    net = _Branchy()
+    policy = policy or MixedPrecisionPolicy()
+    fully_shard(net.body, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    return net
+
+
+def _unused_everywhere(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out = {}
+    for method in ("stock", "none", "topk"):
+        net = _branchy()
+        before = net.unused.weight.full_tensor().clone()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)
+        if method != "stock":
+            lgc.compress(net, method, optimizer=opt, **({"density": 0.05} if method == "topk" else {}))
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            assert net.unused.weight.grad is None, "a parameter without a gradient anywhere keeps None"
+            opt.step()
+        out[method] = (_full(net), torch.equal(before, net.unused.weight.full_tensor()))
+    # bf16 parameters reduced in fp32, two micro-batches accumulated, the branch unused in both.
+    net = _branchy(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    state = lgc.compress(net, "topk", density=0.05)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(STEPS):
+        for micro in range(2):
+            net.set_requires_gradient_sync(micro == 1)
+            x, y = _batch(rank, 10 * step + micro)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["accumulated"] = (state.iteration, state.stats.payload_bytes)
+    return out
+
+
+def test_a_parameter_without_a_gradient_on_every_rank_is_left_out_as_stock_fsdp2_leaves_it():
+    """Its .grad stays None (AdamW's weight decay leaves it alone), none stays stock FSDP2 bit for bit, and
+    accumulation in bf16 reduced in fp32 runs with the branch unused in every micro-batch."""
+    for out in run_workers(_unused_everywhere, 2):
+        for method in ("stock", "none", "topk"):
+            assert out[method][1], f"{method}: the unused branch moved"
+        for name, p in out["stock"][0].items():
+            assert torch.equal(p, out["none"][0][name]), name
+        iterations, payload = out["accumulated"]
+        assert iterations == STEPS and payload > 0
+
+
+def test_a_forward_while_a_step_is_open_drops_what_the_step_held():
+    """A backward that raised after some groups reduced never reaches the step's end: the next forward pass
+    drops the state those groups held (residuals as before the step) and opens the next step afresh."""
+    from lgc.compressors import ErrorFeedback, TopKCompressor
+    from lgc.ddp import CompressionHookState
+    from lgc.fsdp import FSDPCompression
+
+    state = CompressionHookState(ErrorFeedback(TopKCompressor(0.5)))
+    compression = FSDPCompression(state)
+    state.compressor.compress(torch.ones(4), "w")
+    before = state.compressor.residuals["w"].clone()
+    state.compressor.compress_pending(torch.arange(4.0), "w")
+    compression.in_step, compression.compressing, state.begun_step = True, True, 7
+    compression._before_forward(torch.nn.Identity(), ())
+    assert not compression.in_step and state.begun_step == -1
+    state.compressor.commit(frozenset({"w"}))
+    assert torch.equal(state.compressor.residuals["w"], before), "the held step was dropped, not committed"
+
+
+def _alone(rank: int, world: int) -> str:
+    with pytest.raises(ValueError, match="one rank reduces nothing") as err:
+        lgc.compress(_shard(_net()), "topk")
+    return str(err.value)
+
+
+def test_one_rank_is_refused_rather_than_compressing_nothing():
+    assert "two or more ranks" in run_workers(_alone, 1)[0]
+
+
+def _used_on_one_rank(rank: int, world: int) -> str:
+    net = _Branchy()
+    fully_shard(net.body)
+    fully_shard(net)
+    # From the first step: the dense start is stock FSDP2's reduce-scatter, which would not match either.
+    lgc.compress(net, "topk", density=0.05, start_iter=0)
+    for step in range(2):
+        x, y = _batch(rank, step)
+        try:
+            torch.nn.functional.cross_entropy(net(x, use_unused=rank == 0), y).backward()
+        except RuntimeError as err:
+            return str(err)
+    return "no error"
+
+
+def test_a_parameter_used_on_some_ranks_only_is_refused_naming_it_and_the_fix():
+    """Without set_reduce_scatter_unused_params the ranks' reduce-scatters differ (stock FSDP2's would not match
+    either): the step guard's flags, of one length on every rank, tell every rank, which refuses."""
+    for message in run_workers(_used_on_one_rank, 2):
+        assert "unused.weight" in message and "set_reduce_scatter_unused_params(True)" in message

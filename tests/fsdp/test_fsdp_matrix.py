@@ -124,6 +124,8 @@ def _sharded(case: Case) -> torch.nn.Module:
     for module in (net.body[0], net.body[2], net.head):
         fully_shard(module, mp_policy=policy)
     fully_shard(net, mp_policy=policy)  # the aux branch reduces with the root's group
+    if case.feature == "unused_one":
+        net.set_reduce_scatter_unused_params(True)  # what FSDP2 needs when ranks use different parameters
     return net
 
 
