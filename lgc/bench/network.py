@@ -59,7 +59,7 @@ than mixed in.
 
 Output: a markdown table (stdout and ``--out``/``network.md``), ``network.json.gz`` (every step
 of every rank, gzipped JSON with floats to 6 significant digits, rewritten whole after every
-measurement) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, and below
+measurement; each measurement records the commit its workers imported, ``provenance``) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, and below
 against the wire bytes a worker sent; one line
 per method, a panel per setting). Needs root and iproute2; without them it says what is missing
 and exits with status 2 before creating anything. Every namespace and interface it creates is
@@ -109,6 +109,7 @@ from lgc.bench.network_results import (
 from lgc.bench.network_worker import SCHEDULES, TASKS, WorkerSpec
 from lgc.ddp.collectives import CollectiveCall
 from lgc.methods import merge_knobs
+from lgc.provenance import run_provenance
 
 __all__ = ["RECORD", "add_arguments", "read_record", "run", "validate", "write_record"]
 
@@ -380,7 +381,9 @@ def run(args: argparse.Namespace) -> None:
                             folder = Path(scratch) / f"{workers}-{bandwidth}-{repeat}-{index}-{method.name}"
                             folder.mkdir()
                             started = time.perf_counter()
-                            measurement = _measure(net, spec, args.timeout, folder)
+                            # The commit the workers import (they start now, from this checkout).
+                            provenance = run_provenance()
+                            measurement = {**_measure(net, spec, args.timeout, folder), "provenance": provenance}
                             measurements.setdefault(setting, {}).setdefault(method.label, []).append(measurement)
                             print(
                                 f"{setting} {method.label} seed {seed}: {time.perf_counter() - started:.0f} s",

@@ -341,6 +341,7 @@ def test_a_rerun_with_the_same_out_measures_only_what_is_missing(tmp_path, monke
     assert sorted(measured) == [("none", 1), ("topk", 1)] and len(calibrated) == 1  # the kept calibration
     saved = network.read_record(tmp_path / network.RECORD)["raw"]["2 workers, 1gbit"]
     assert [run["ranks"][0]["spec"]["seed"] for run in saved["topk"]] == [0, 1]
+    assert all("commit" in run["provenance"] for run in saved["topk"]), "every measurement records its commit"
     measured.clear()
     with pytest.raises(SystemExit, match=r"other training settings \(--schedule cosine there, constant here\)"):
         main([*common, "--seeds", "0,1,2", "--schedule", "constant"])
