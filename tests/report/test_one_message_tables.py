@@ -136,3 +136,15 @@ def test_the_evidence_page_holds_the_tables_the_committed_records_give(tables):
     text = tables.time_table(before, tables.TIME_RECORDS / "network.json.gz", "4 workers, 100mbit", "-")
     expected = text.split("\n", 2)[2].strip()
     assert block(tables.TIME_BEGIN, tables.TIME_END) == expected, "one_message_tables.py time --write"
+
+
+def test_the_evidence_page_holds_the_streaming_overlap_table_the_committed_record_gives(monkeypatch):
+    """docs/evidence.md's Streaming DiLoCo overlap block is generated from the committed shaped-network record."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("streaming_overlap_tables", None)
+    streaming = importlib.import_module("streaming_overlap_tables")
+    page = streaming.EVIDENCE.read_text()
+    block = page[page.index(streaming.BEGIN) + len(streaming.BEGIN) : page.index(streaming.END)].strip()
+    expected = streaming.block(streaming.read_record(streaming.RECORD))
+    assert block == expected, "python experiments/streaming_overlap_tables.py --write"
+    assert "x no-communication bound" in block and "overlap_steps=4" in block
