@@ -59,11 +59,11 @@ than mixed in.
 
 Output: a markdown table (stdout and ``--out``/``network.md``), ``network.json.gz`` (every step
 of every rank, gzipped JSON with floats to 6 significant digits, rewritten whole after every
-measurement; each measurement records the commit its workers imported, ``provenance``) and ``accuracy_vs_time.png`` (validation accuracy against training seconds, and below
-against the wire bytes a worker sent; one line
-per method, a panel per setting). Needs root and iproute2; without them it says what is missing
-and exits with status 2 before creating anything. Every namespace and interface it creates is
-removed at the end, on Ctrl-C and when a worker crashes.
+measurement; each measurement records the commit its workers imported, ``provenance``) and
+``accuracy_vs_time.png`` (validation accuracy against training seconds, and below against the wire
+bytes a worker sent; one line per method, a panel per setting). Needs root and iproute2; without
+them it says what is missing and exits with status 2 before creating anything. Every namespace and
+interface it creates is removed at the end, on Ctrl-C and when a worker crashes.
 
 Why one module: the ``lgc-bench network`` command: its arguments, the calibration of the shaped
 link, each measurement's run and its record (rewritten after each, so a stopped run resumes), and
