@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from one_message_tables import replace_in
+
 from lgc.bench.network import read_record
 from lgc.bench.network_results import over_seeds, seeds_table
 
@@ -48,13 +50,6 @@ def block(record: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def replace_in(page: str, text: str) -> str:
-    start, stop = page.find(BEGIN), page.find(END)
-    if start < 0 or stop < start:
-        raise SystemExit(f"{EVIDENCE.name} has no {BEGIN} ... {END} block")
-    return page[: start + len(BEGIN)] + "\n" + text + "\n" + page[stop:]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="replace the block in docs/evidence.md")
@@ -62,7 +57,7 @@ def main() -> None:
     text = block(read_record(RECORD))
     print(text)
     if args.write:
-        EVIDENCE.write_text(replace_in(EVIDENCE.read_text(), text))
+        EVIDENCE.write_text(replace_in(EVIDENCE.read_text(), text, BEGIN, END))
 
 
 if __name__ == "__main__":
