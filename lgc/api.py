@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
@@ -59,6 +60,7 @@ def compress(
     pack: bool | None = None,
     buffers: str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    replicate: DeviceMesh | dist.ProcessGroup | None = None,
     optimizer_momentum: float | None = None,
     optimizer_weight_decay: float | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
@@ -74,7 +76,8 @@ def compress(
     and keeps its shard of the sum; every per-step lgc compressor runs there, bitwise as under DDP
     (``tests/fsdp/``). FSDP2 takes no ``process_group`` (its mesh decides), ``overlap``, ``pack``,
     ``buffers`` nor communication delay, and runs no hook state with collectives of its own (LGC's,
-    PyTorch's DDP hooks): each is refused, naming it.
+    PyTorch's DDP hooks): each is refused, naming it. Hybrid sharding (HSDP): shard over the shard
+    dimension and pass ``replicate``; the all-reduce across replicas is then the compressed one.
 
     Compiled models train through the hook, every method (``tests/ddp/test_compile.py``):
     ``DistributedDataParallel(torch.compile(net))``; ``torch.compile`` of the DDP model is taken as
@@ -140,6 +143,11 @@ def compress(
             distribution); counted either way. Not with ``delay``, which averages them at every
             exchange (:mod:`lgc.ddp.buffers`).
         process_group: the group to communicate in (default: the world).
+        replicate: FSDP2 only, hybrid sharding: the replicate dimension of a 2-D mesh
+            (``mesh["replicate"]``, or its process group) when the model is sharded over the other
+            (``fully_shard(module, mesh=mesh["shard"])``). FSDP2's reduce-scatter inside a replica
+            stays exact; the all-reduce across replicas is compressed, each rank coding its shards
+            (:mod:`lgc.fsdp.reduce_scatter`).
         optimizer_momentum / optimizer_weight_decay: what the optimizer will apply, for DGC when the
             optimizer is not built yet (one or the other: ``optimizer`` is checked directly).
         grad_scaler: AMP's ``GradScaler`` when training with fp16 loss scaling: compressors then see
@@ -172,6 +180,7 @@ def compress(
     """
     model = _uncompiled(model)
     _check_model(model, process_group)
+    replicate_group = _replicate_group(model, replicate)
     _check_optimizer(model, optimizer, optimizer_momentum, optimizer_weight_decay)
     sharded = isinstance(model, FSDPModule)
     comm_settings = dict(
@@ -222,7 +231,7 @@ def compress(
             )
         state.loss_scale = grad_scaler.get_scale
     if sharded:
-        FSDPCompression(state).register(model)
+        FSDPCompression(state, replicate_group).register(model)
     else:
         state.register(model, optimizer)
     return state
@@ -253,6 +262,23 @@ def _check_fsdp_settings(settings: dict[str, Any]) -> None:
             "group as it is ready, over its mesh, and keeps module buffers on each rank); communication delay "
             "under FSDP2 is not supported yet"
         )
+
+
+def _replicate_group(model: Any, replicate: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``replicate``'s process group, refused unless the model is FSDP2's and it is one dimension."""
+    if replicate is None:
+        return None
+    if not isinstance(model, FSDPModule):
+        raise ValueError("replicate= is hybrid sharding's replicate dimension: it applies to FSDP2 models only")
+    if isinstance(replicate, DeviceMesh):
+        if replicate.ndim != 1:
+            raise ValueError(
+                f"replicate= takes one dimension of a mesh (mesh['replicate']), got {replicate.ndim}: {replicate}"
+            )
+        return replicate.get_group()
+    if not isinstance(replicate, dist.ProcessGroup):
+        raise TypeError(f"replicate= takes a 1-D DeviceMesh or a ProcessGroup, got {type(replicate).__name__}")
+    return replicate
 
 
 def _uncompiled(model: Any) -> Any:

@@ -117,6 +117,18 @@ class GroupLayout:
             start += self.world * p.chunk
         return tuple(segments)
 
+    def own_segments(self, rank: int) -> tuple[Segment, ...]:
+        """The segments of a reduce-scatter's output on ``rank``: each parameter's chunk, its real entries.
+
+        A chunk's entries past the gradient's end are padding (the last ranks' chunks of a tensor
+        whose dim 0 does not divide evenly), left out; a chunk of padding only is an empty segment,
+        kept so that every rank lists the parameters it carries.
+        """
+        return tuple(
+            Segment(p.name, p.offset, real := max(0, min(p.chunk, p.numel - rank * p.chunk)), p.compressed and real > 0)
+            for p in self.params
+        )
+
     def unsharded_numel(self) -> int:
         """Elements of :meth:`gather_unsharded`'s ``out``: ``world x row``."""
         return self.world * self.row

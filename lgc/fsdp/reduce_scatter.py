@@ -30,12 +30,24 @@ parameter group:
 bit, and counted. The collectives are issued inside FSDP2's reduce-scatter call, in group order,
 the same on every rank.
 
+**Hybrid sharding (HSDP).** FSDP2's own HSDP (a 2-D mesh) all-reduces the replicas dense before any
+hook sees the gradient. lgc's hybrid form shards the model over the shard dimension only
+(``fully_shard(mesh=mesh["shard"])``) and is given the replicate dimension
+(``lgc.compress(..., replicate=mesh["replicate"])``): FSDP2's reduce-scatter inside a replica stays
+exact (the fast links), and the all-reduce across replicas (the slow ones) is lgc's, compressed, in
+FSDP2's all-reduce hook (``set_all_reduce_hook``). There each rank holds its shard of its replica's
+summed gradient; the compressor runs on every parameter's shard, keyed by its name (top-k selects
+among the shard, residuals are shard-sized), and the replicas holding the same shard exchange
+payloads, as DDP workers would. The step guard decides over the whole world, so every rank skips
+or commits the same steps. ``state.stats`` counts the replicate dimension's traffic.
+
 Why one module: the reduce-scatter FSDP2 calls and the per-step bookkeeping it feeds (the end of a
 backward pass, the held step's commit) are one unit; the layout arithmetic is in ``layout``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -43,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
 
 from lgc.compressors.base import CombineMode, HoldsSteps, holds_steps
 from lgc.compressors.dgc import DGCCompressor
@@ -162,8 +175,12 @@ class FSDPCompression:
     finished steps (a backward pass that reduced, not skipped), as under DDP.
     """
 
-    def __init__(self, state: CompressionHookState) -> None:
+    def __init__(self, state: CompressionHookState, replicate: dist.ProcessGroup | None = None) -> None:
         self.state = state
+        #: HSDP's replicate dimension, whose all-reduce lgc compresses; None: the reduce-scatter is compressed.
+        self.replicate = replicate
+        #: The group the step guard decides over (the shard group, or with ``replicate`` the world).
+        self.guard_group: dist.ProcessGroup | None = None
         #: Whether the current backward pass has reduced a group (its end is then queued).
         self.in_step = False
         #: Whether some group of the current step was skipped (inf/NaN on some rank).
@@ -183,8 +200,11 @@ class FSDPCompression:
     def register(self, model: torch.nn.Module) -> None:
         """Install the compressed reduce-scatter on every FSDP module of ``model`` (the root of ``fully_shard``).
 
-        Everything is checked before anything is installed: one mesh of at least two ranks, no HSDP,
-        one parameter group per module, gradients sharded on dim 0.
+        Everything is checked before anything is installed: one mesh of at least two ranks (with
+        ``replicate``: replicas times shards is the world, at least two replicas), no 2-D mesh
+        (FSDP2's own HSDP), one parameter group per module, gradients sharded on dim 0. With
+        ``replicate``, every parameter shard is broadcast from the first replica, as DDP broadcasts
+        its parameters at construction.
         """
         state = self.state
         names = {id(p): name for name, p in model.named_parameters()}
@@ -195,9 +215,10 @@ class FSDPCompression:
         for module, param_group in groups:
             mesh_info = param_group.mesh_info
             if getattr(mesh_info, "replicate_process_group", None) is not None:
-                raise NotImplementedError(
-                    "lgc.compress on an HSDP model (a 2-D mesh: shard and replicate) is not supported yet; "
-                    "use a 1-D mesh (fully_shard's default)"
+                raise ValueError(
+                    "fully_shard over a 2-D mesh (FSDP2's own HSDP) all-reduces the replicas dense before any hook "
+                    "sees the gradient: shard over the shard dimension only, fully_shard(module, mesh=mesh['shard']), "
+                    "and pass lgc.compress(model, ..., replicate=mesh['replicate']), whose all-reduce lgc compresses"
                 )
             if mesh_info.shard_process_group is not shard_pg:
                 raise ValueError("lgc.compress needs every FSDP module of the model on one mesh")
@@ -205,7 +226,9 @@ class FSDPCompression:
                 raise ValueError(f"{type(module).__name__}: lgc.compress takes one parameter group per FSDP module")
             GroupLayout.of_group(param_group, names, mesh_info.shard_mesh_size, 1)  # refuses dim != 0
         world = dist.get_world_size(shard_pg)
-        if world < 2:
+        if self.replicate is not None:
+            self._check_replicate(shard_pg)
+        elif world < 2:
             raise ValueError(
                 "FSDP2 on one rank reduces nothing (it never calls a reduce-scatter), so lgc would compress nothing: "
                 "run on two or more ranks"
@@ -213,11 +236,33 @@ class FSDPCompression:
         for module, param_group in groups:
             comm = CompressedReduceScatter(self, param_group, names, world)
             comm.watch()
-            module.set_custom_reduce_scatter(comm)
+            if self.replicate is None:
+                module.set_custom_reduce_scatter(comm)
+            else:
+                module.set_all_reduce_hook(functools.partial(self.all_reduce, comm))
             self.comms.append(comm)
         model.register_forward_pre_hook(self._before_forward)
-        state.process_group = shard_pg
+        if self.replicate is None:
+            state.process_group = self.guard_group = shard_pg
+        else:
+            state.process_group, self.guard_group = self.replicate, dist.group.WORLD
+            _broadcast_from_first_replica(model, self.replicate)
         state.compressor.attach_parameters(dict(model.named_parameters()))
+
+    def _check_replicate(self, shard_pg: dist.ProcessGroup) -> None:
+        replicas, shards = dist.get_world_size(self.replicate), dist.get_world_size(shard_pg)
+        if replicas < 2:
+            raise ValueError(
+                f"replicate= has {replicas} rank: lgc compresses the all-reduce across two or more replicas"
+            )
+        if replicas * shards != dist.get_world_size():
+            raise ValueError(
+                f"replicate= has {replicas} ranks and the shard mesh {shards}, which do not make the world's "
+                f"{dist.get_world_size()} ranks: build both from one 2-D mesh "
+                "(init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard')))"
+            )
+        if dist.get_rank(self.replicate) < 0 or dist.get_rank(shard_pg) < 0:
+            raise ValueError("replicate= and the shard mesh must both hold this rank")
 
     # -- one group ---------------------------------------------------------------------------------
     def reduce_scatter(self, comm: CompressedReduceScatter, output: Tensor, input: Tensor, group: Any, op: Any) -> None:
@@ -258,6 +303,46 @@ class FSDPCompression:
             buffer.mul_(state.step_scale)
         layout.scatter_own(buffer, output, dist.get_rank(group))
 
+    def all_reduce(self, comm: CompressedReduceScatter, reduced: Tensor) -> None:
+        """HSDP's all-reduce across replicas of ``reduced`` (this rank's shard of its replica's sum), compressed.
+
+        Run by FSDP2's all-reduce hook after the exact reduce-scatter inside the replica, before
+        FSDP2's own post-division; leaves the replicas' average in ``reduced``, as FSDP2's HSDP does.
+        """
+        state, group = self.state, self.replicate
+        if not self.in_step:
+            self._begin_step()
+        state.stats.hook_calls += 1
+        counted.book_dense_equivalent(state.stats, reduced, group)
+        replicas = dist.get_world_size(group)
+        if self.dense_only or not self.compressing:
+            self._average_dense(reduced, replicas)
+            return
+        layout = comm.layout(state.min_numel)
+        layout.check(layout.world * reduced.numel(), reduced.numel())
+        shards = layout.own_segments(dist.get_rank(comm.param_group.mesh_info.shard_process_group))
+        held = tuple(s for s in shards if s.numel)
+        if state.guards_steps:
+            verdict = self._agree(comm, reduced, shards)
+            if verdict.skip:
+                self.step_skipped = True
+                self._average_dense(reduced, replicas)
+                return
+            self.used |= verdict.used
+            state.unscale(reduced, replicas)
+            self._exchange_held(reduced, held, verdict.used)
+        else:
+            state.unscale(reduced, replicas)
+            result = average_compressed(state, reduced, held, state.iteration).wait()
+            state.skips.note(state.stats, state.iteration, result)
+        if state.step_scale != 1.0:
+            reduced.mul_(state.step_scale)
+
+    def _average_dense(self, reduced: Tensor, replicas: int) -> None:
+        """FSDP2's own HSDP all-reduce (the replicas' average), counted."""
+        counted.all_reduce(self.state.stats, reduced, self.replicate).wait()
+        reduced.div_(replicas)
+
     def _agree(self, comm: CompressedReduceScatter, buffer: Tensor, segments: tuple[Segment, ...]) -> StepVerdict:
         """The step guard's allreduce for one group, over every parameter the group could carry.
 
@@ -279,7 +364,7 @@ class FSDPCompression:
         mine = torch.zeros(len(names), dtype=torch.uint8)
         mine[carried] = 1
         flags[1 + len(names) :] = torch.cat([mine, 1 - mine])
-        flags = agree_flags(self.state.stats, flags, self.state.process_group)
+        flags = agree_flags(self.state.stats, flags, self.guard_group)
         some, missing = flags[1 + len(names) : 1 + 2 * len(names)], flags[1 + 2 * len(names) :]
         split = [names[i] for i in range(len(names)) if some[i] and missing[i]]
         if split:
@@ -370,6 +455,15 @@ class FSDPCompression:
         else:
             state.iteration += 1
         state.step_done(skipped=self.step_skipped)
+
+
+def _broadcast_from_first_replica(model: torch.nn.Module, replicate: dist.ProcessGroup) -> None:
+    """Every parameter shard as the first replica holds it, on every replica (DDP's broadcast at construction)."""
+    source = dist.get_global_rank(replicate, 0)
+    with torch.no_grad():
+        for param in model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            dist.broadcast(local, source, group=replicate)
 
 
 def _divisor(op: Any, world: int, factor: float | None) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,14 +93,17 @@ FOLLOWERS = {
 }
 
 
-def _ddp_and_fsdp(rank: int, world: int) -> dict[str, tuple]:
+def ddp_and_sharded(rank: int, shard=None, **mesh: Any) -> dict[str, tuple]:
+    """Every follower trained under DDP and sharded (``shard``, default :func:`_shard`; ``mesh``: ``lgc.compress``'s
+    mesh settings): per method, DDP's weights, the sharded run's, both runs' residuals and statistics."""
     runs = {}
     for method, knobs in FOLLOWERS.items():
         ddp = DistributedDataParallel(_net())
         ddp_state = lgc.compress(ddp, method, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1), **knobs)
         _train(ddp, rank)
-        fsdp = _shard(_net())
-        fsdp_state = lgc.compress(fsdp, method, optimizer=torch.optim.SGD(fsdp.parameters(), lr=0.1), **knobs)
+        fsdp = (shard or _shard)(_net())
+        opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+        fsdp_state = lgc.compress(fsdp, method, optimizer=opt, **mesh, **knobs)
         _train(fsdp, rank)
         residuals = [
             {k: v.clone() for k, v in state.compressor.residual_store().items()} for state in (ddp_state, fsdp_state)
@@ -111,6 +116,10 @@ def _ddp_and_fsdp(rank: int, world: int) -> dict[str, tuple]:
 @pytest.fixture(scope="module")
 def followed() -> list[dict[str, tuple]]:
     return run_workers(_ddp_and_fsdp, 2)
+
+
+def _ddp_and_fsdp(rank: int, world: int) -> dict[str, tuple]:
+    return ddp_and_sharded(rank)
 
 
 @pytest.mark.parametrize("method", sorted(FOLLOWERS))
@@ -209,7 +218,10 @@ def test_ddp_only_settings_and_methods_are_refused_naming_them():
     assert "mesh" in messages[4]
 
 
-def _resumed(rank: int, world: int, path: str) -> tuple[dict, dict]:
+def _resumed(rank: int, world: int, path: str, hybrid: bool = False) -> tuple[dict, dict]:
+    """Three steps, a DCP save, three more; then a fresh model loads the save and takes the three again.
+
+    ``hybrid``: a 2 x 2 mesh, sharded over its shard dimension, lgc's all-reduce across its replicas."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -223,9 +235,18 @@ def _resumed(rank: int, world: int, path: str) -> tuple[dict, dict]:
             opt.step()
 
     def build():
-        model = _shard(_net())
+        if hybrid:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            model = _net()
+            for block in (model[0], model[2], model):
+                fully_shard(block, mesh=mesh["shard"])
+            replicate = {"replicate": mesh["replicate"]}
+        else:
+            model, replicate = _shard(_net()), {}
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        return model, opt, lgc.compress(model, "topk", optimizer=opt, density=0.05)
+        return model, opt, lgc.compress(model, "topk", optimizer=opt, density=0.05, **replicate)
 
     model, opt, state = build()
     run(model, opt, range(3))
@@ -245,10 +266,11 @@ def _resumed(rank: int, world: int, path: str) -> tuple[dict, dict]:
     return straight, (_full(model), {k: v.clone() for k, v in state.compressor.residual_store().items()})
 
 
-def test_a_distributed_checkpoint_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["fsdp", "hsdp"])
+def test_a_distributed_checkpoint_resumes_bit_for_bit(tmp_path, hybrid):
     """DCP with the model, the optimizer and every rank's own residuals (PerRankState): the resumed run is the
     straight run's, bit for bit, though the ranks' residuals differ."""
-    results = run_workers(_resumed, 2, str(tmp_path / "ckpt"))
+    results = run_workers(_resumed, 4 if hybrid else 2, str(tmp_path / "ckpt"), hybrid)
     for (weights, residuals), (resumed, resumed_residuals) in results:
         for name in weights:
             assert torch.equal(weights[name], resumed[name]), name

@@ -1,0 +1,177 @@
+"""Hybrid sharding (HSDP) with lgc: FSDP2's reduce-scatter inside a replica, lgc's compressed all-reduce across them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+from test_fsdp import FOLLOWERS, STEPS, _batch, _full, _net, _train, ddp_and_sharded
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import lgc
+
+
+def _mesh(replicas: int, shards: int):
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def _shard(net: torch.nn.Module, mesh) -> torch.nn.Module:
+    for block in (net[0], net[2], net):
+        fully_shard(block, mesh=mesh)
+    return net
+
+
+def _native_and_none(rank: int, world: int) -> tuple[dict, dict, dict]:
+    mesh = _mesh(2, 2)
+    native = _shard(_net(), mesh)  # FSDP2's own HSDP: a 2-D mesh
+    _train(native, rank)
+    hybrid = _shard(_net(), mesh["shard"])
+    state = lgc.compress(hybrid, "none", replicate=mesh["replicate"])
+    _train(hybrid, rank)
+    return _full(native), _full(hybrid), state.stats.as_dict()
+
+
+def test_none_is_fsdp2s_own_hsdp_bit_for_bit_on_a_2x2_mesh():
+    for native, hybrid, stats in run_workers(_native_and_none, 4):
+        for name in native:
+            assert torch.equal(native[name], hybrid[name]), name
+        assert stats["hook_calls"] == 3 * STEPS, "one all-reduce per parameter group per step"
+        assert stats["wire_bytes_sent"] == stats["wire_dense_equivalent_bytes"] > 0
+
+
+def _ddp_and_hybrid(rank: int, world: int) -> dict[str, tuple]:
+    mesh = _mesh(2, 1)
+    return ddp_and_sharded(rank, lambda net: _shard(net, mesh["shard"]), replicate=mesh["replicate"])
+
+
+@pytest.fixture(scope="module")
+def one_shard_per_replica() -> list[dict[str, tuple]]:
+    return run_workers(_ddp_and_hybrid, 2)
+
+
+@pytest.mark.parametrize("method", sorted(FOLLOWERS))
+def test_with_one_shard_per_replica_every_method_is_its_ddp_run(one_shard_per_replica, method):
+    """A 2 x 1 mesh: each replica's shard is the whole gradient, so the all-reduce across replicas is the DDP
+    hook's exchange over two workers: weights, residuals and payload bytes bit for bit."""
+    for runs in one_shard_per_replica:
+        ddp, hybrid, (ddp_res, hybrid_res), (ddp_stats, hybrid_stats) = runs[method]
+        for name in ddp:
+            assert torch.equal(hybrid[name], ddp[name]), name
+        assert ddp_res.keys() == hybrid_res.keys()
+        for key in ddp_res:
+            assert torch.equal(hybrid_res[key], ddp_res[key]), key
+        assert hybrid_stats["payload_bytes"] == ddp_stats["payload_bytes"] > 0
+
+
+DENSITY = 0.05
+LR = 0.1
+
+
+def _reference_topk(replicas: int, shards: int) -> dict[str, torch.Tensor]:
+    """HSDP with top-k and error feedback, transcribed in one process: each replica averages its ranks' gradients
+    (FSDP2's reduce-scatter), every rank keeps the dim-0 chunk it owns, adds its residual to its share (the
+    chunk over the number of replicas), sends the ceil(density * n) entries of largest magnitude and keeps the
+    rest; the replicas' sum is the gradient. Parameters under 1,024 elements are averaged dense; the first step
+    (start_iter) is dense."""
+    net = _net()
+    residuals: dict[tuple[str, int, int], torch.Tensor] = {}
+    for step in range(STEPS):
+        grads = []
+        for rank in range(replicas * shards):
+            net.zero_grad()
+            x, y = _batch(rank, step)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            grads.append({name: p.grad.clone() for name, p in net.named_parameters()})
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                replica_means = [
+                    sum(grads[r * shards + s][name] for s in range(shards)) / shards for r in range(replicas)
+                ]
+                if step == 0 or p.numel() < 1024:
+                    p -= LR * sum(replica_means) / replicas
+                    continue
+                rows = math.ceil(p.shape[0] / shards)
+                total = torch.zeros_like(p)
+                for r, mean in enumerate(replica_means):
+                    for s, chunk in enumerate(mean.split(rows)):
+                        v = residuals.get((name, r, s), torch.zeros(chunk.numel())) + chunk.flatten() / replicas
+                        keep = torch.topk(v.abs(), max(1, math.ceil(DENSITY * v.numel()))).indices
+                        sent = torch.zeros_like(v)
+                        sent[keep] = v[keep]
+                        residuals[(name, r, s)] = v - sent
+                        total[s * rows : s * rows + chunk.shape[0]] += sent.view_as(chunk)
+                p -= LR * total
+    return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+def _hybrid_topk(rank: int, world: int) -> tuple[dict, dict[str, torch.Size], dict]:
+    mesh = _mesh(2, 2)
+    model = _shard(_net(), mesh["shard"])
+    state = lgc.compress(model, "topk", density=DENSITY, replicate=mesh["replicate"])
+    _train(model, rank)
+    shapes = {k: v.shape for k, v in state.compressor.residual_store().items()}
+    return _full(model), shapes, state.stats.as_dict()
+
+
+def test_on_a_2x2_mesh_each_rank_codes_its_shard_across_replicas_as_the_transcription_does():
+    """Top-k with error feedback over an odd number of rows (the last shard padded): the weights are the
+    transcription's, within float summation order; residuals are the size of the rank's shard."""
+    expected = _reference_topk(2, 2)
+    results = run_workers(_hybrid_topk, 4)
+    for rank, (weights, shapes, stats) in enumerate(results):
+        for name in expected:
+            torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=2e-6, msg=name)
+        shard = rank % 2  # mesh ranks: replicate-major
+        assert shapes == {
+            "0.weight": torch.Size([(19 if shard == 0 else 18) * 40]),
+            "2.weight": torch.Size([(23 if shard == 0 else 22) * 37]),
+        }
+        assert stats["compression_ratio"] > 1.5
+
+
+def _poisoned(rank: int, world: int) -> tuple[int, int, dict]:
+    mesh = _mesh(2, 2)
+    model = _shard(_net(), mesh["shard"])
+    state = lgc.compress(model, "topk", density=DENSITY, replicate=mesh["replicate"])
+    _train(model, rank, poison=2)
+    return state.stats.skipped_steps, state.iteration, _full(model)
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
+    """The step guard decides over the world: the NaN reaches one shard of one replica, yet all four ranks skip
+    the step, so their step counts (DGC's schedules, the compressors' seeds) stay together."""
+    results = run_workers(_poisoned, 4)
+    assert [(skipped, iteration) for skipped, iteration, _ in results] == [(1, STEPS - 1)] * 4
+    for name, weight in results[0][2].items():
+        assert torch.isfinite(weight).all(), name
+        for other in results[1:]:
+            assert torch.equal(other[2][name], weight), name
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    mesh = _mesh(2, 2)
+    messages = []
+    attempts = [
+        lambda: lgc.compress(_shard(_net(), mesh), "topk"),  # FSDP2's own HSDP
+        lambda: lgc.compress(_shard(_net(), mesh["shard"]), "topk", replicate=mesh),  # 2-D replicate
+        lambda: lgc.compress(DistributedDataParallel(_net()), "topk", replicate=mesh["replicate"]),
+        lambda: lgc.compress(_shard(_net(), mesh["shard"]), "topk", replicate=dist.new_group([0, 1, 2, 3])),
+    ]
+    for attempt in attempts:
+        with pytest.raises(ValueError) as info:
+            attempt()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_native_hsdp_and_mismatched_meshes_are_refused_naming_the_fix():
+    for messages in run_workers(_refusals, 4):
+        assert "mesh=mesh['shard']" in messages[0] and "replicate=mesh['replicate']" in messages[0]
+        assert "one dimension" in messages[1]
+        assert "FSDP2 models only" in messages[2]
+        assert "do not make the world's 4 ranks" in messages[3]
