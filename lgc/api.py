@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors import Compressor
 from lgc.ddp.protocol import HookState
-from lgc.fsdp import FSDPCompression, check_fsdp_state
+from lgc.fsdp import FSDPCompression, check_fsdp_settings, check_fsdp_state, replicate_group_of
 from lgc.methods import METHODS, Comm, build_hook_state, check_error_feedback, optimizer_rules_owner
 
 __all__ = ["METHODS", "HookState", "compress"]
@@ -75,7 +75,7 @@ def compress(
     parameter group (:mod:`lgc.fsdp`): each rank compresses every gradient whole, as the DDP hook does,
     and keeps its shard of the sum; every per-step lgc compressor runs there, bitwise as under DDP
     (``tests/fsdp/``). FSDP2 takes no ``process_group`` (its mesh decides), ``overlap``, ``pack``,
-    ``buffers`` nor communication delay, and runs no hook state with collectives of its own (LGC's,
+    nor communication delay, and runs no hook state with collectives of its own (LGC's,
     PyTorch's DDP hooks): each is refused, naming it. Hybrid sharding (HSDP): shard over the shard
     dimension and pass ``replicate``; the all-reduce across replicas is then the compressed one.
 
@@ -141,7 +141,9 @@ def compress(
             (rank 0's on every rank, as DDP keeps them; the default) or ``"average"`` (the
             floating-point ones averaged over the workers, for shards that differ in
             distribution); counted either way. Not with ``delay``, which averages them at every
-            exchange (:mod:`lgc.ddp.buffers`).
+            exchange (:mod:`lgc.ddp.buffers`). An FSDP2 model keeps each rank's own buffers, as
+            FSDP2 does, unless ``buffers`` is given: then they are kept in step once per step, at the
+            end of the backward pass.
         process_group: the group to communicate in (default: the world).
         replicate: FSDP2 only, hybrid sharding: the replicate dimension of a 2-D mesh
             (``mesh["replicate"]``, or its process group) when the model is sharded over the other
@@ -180,7 +182,7 @@ def compress(
     """
     model = _uncompiled(model)
     _check_model(model, process_group)
-    replicate_group = _replicate_group(model, replicate)
+    replicate_group = replicate_group_of(model, replicate)
     _check_optimizer(model, optimizer, optimizer_momentum, optimizer_weight_decay)
     sharded = isinstance(model, FSDPModule)
     comm_settings = dict(
@@ -217,7 +219,7 @@ def compress(
         state = method
     else:
         if sharded:
-            _check_fsdp_settings(comm_settings)
+            check_fsdp_settings(comm_settings)
         state = _build(method, knobs, Comm(**comm_settings, prefix=""), error_feedback, error_decay, process_group)
     if sharded:
         check_fsdp_state(state, method)
@@ -231,54 +233,10 @@ def compress(
             )
         state.loss_scale = grad_scaler.get_scale
     if sharded:
-        FSDPCompression(state, replicate_group).register(model)
+        FSDPCompression(state, replicate_group, buffers).register(model)
     else:
         state.register(model, optimizer)
     return state
-
-
-#: Settings of the DDP hook that an FSDP2 model does not take: FSDP2's mesh chooses the group, reduces each
-#: parameter group as it is ready and keeps module buffers on each rank.
-_DDP_ONLY = (
-    "overlap",
-    "pack",
-    "buffers",
-    "delay",
-    "outer",
-    "outer_lr",
-    "outer_momentum",
-    "fragments",
-    "fragment_split",
-    "overlap_steps",
-    "mixing",
-)
-
-
-def _check_fsdp_settings(settings: dict[str, Any]) -> None:
-    given = [name for name in _DDP_ONLY if settings.get(name) is not None]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)}: DDP settings, which an FSDP2 model does not take (FSDP2 reduces each parameter "
-            "group as it is ready, over its mesh, and keeps module buffers on each rank); communication delay "
-            "under FSDP2 is not supported yet"
-        )
-
-
-def _replicate_group(model: Any, replicate: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """``replicate``'s process group, refused unless the model is FSDP2's and it is one dimension."""
-    if replicate is None:
-        return None
-    if not isinstance(model, FSDPModule):
-        raise ValueError("replicate= is hybrid sharding's replicate dimension: it applies to FSDP2 models only")
-    if isinstance(replicate, DeviceMesh):
-        if replicate.ndim != 1:
-            raise ValueError(
-                f"replicate= takes one dimension of a mesh (mesh['replicate']), got {replicate.ndim}: {replicate}"
-            )
-        return replicate.get_group()
-    if not isinstance(replicate, dist.ProcessGroup):
-        raise TypeError(f"replicate= takes a 1-D DeviceMesh or a ProcessGroup, got {type(replicate).__name__}")
-    return replicate
 
 
 def _uncompiled(model: Any) -> Any:

@@ -38,6 +38,7 @@ from lgc.provenance import run_provenance
 
 __all__ = [
     "check_devices",
+    "check_strategy",
     "expected_optimizer_steps",
     "launched_externally",
     "main",
@@ -326,6 +327,51 @@ def _check_timeout(value: Any) -> float:
     return float(value)
 
 
+#: ``strategy.name``'s options (``lgc/conf/strategy/``).
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+_FP32 = (None, 32, "32", "32-true")
+
+
+def check_strategy(cfg: DictConfig, hook_state: Any, devices: int, world_size: int, shared: bool) -> int | None:
+    """The shard size the ``strategy`` node asks for (None: DDP, or FSDP over every worker), or an error naming it.
+
+    FSDP2 and HSDP take a per-step lgc compressor (:func:`lgc.fsdp.check_fsdp_state`), fp32 training,
+    one worker per device, and at least two workers (HSDP: two replicas, of ``shard_size`` workers,
+    default ``trainer.devices``).
+    """
+    from lgc.fsdp import check_fsdp_state
+
+    node = cfg.get("strategy") or {"name": "ddp"}
+    name = node.get("name")
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy.name must be one of {', '.join(STRATEGIES)}, got {name!r}")
+    if name == "ddp":
+        return None
+    check_fsdp_state(hook_state, cfg.compressor.get("_target_"))
+    if cfg.comm.get("pack"):
+        raise ValueError(f"comm.pack=true is a DDP hook setting; strategy={name} reduces each parameter group itself")
+    if cfg.trainer.get("precision") not in _FP32:
+        raise ValueError(
+            f"trainer.precision={cfg.trainer.precision!r}: strategy={name} trains in fp32 here (FSDP2's mixed "
+            "precision is its MixedPrecisionPolicy, which lgc.compress takes in a script of your own)"
+        )
+    if shared:
+        raise ValueError(f"strategy={name} takes one worker per GPU; workers sharing GPUs run with strategy=ddp")
+    if name == "fsdp":
+        if world_size < 2:
+            raise ValueError(f"strategy=fsdp shards over the workers: it needs two or more, this run has {world_size}")
+        return None
+    shard_size = devices if node.get("shard_size") is None else node.get("shard_size")
+    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1:
+        raise ValueError(f"strategy.shard_size must be a positive number of workers, got {shard_size!r}")
+    if world_size % shard_size or world_size // shard_size < 2:
+        raise ValueError(
+            f"strategy=hsdp with strategy.shard_size={shard_size} on {world_size} workers: the workers must form two "
+            "or more replicas of shard_size workers each"
+        )
+    return shard_size
+
+
 def hydra_record(choices: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """What a run was asked for, as ``summary.json`` records it (``hydra``; ``lgc-report`` labels runs by it).
 
@@ -346,7 +392,13 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     """
     import pytorch_lightning as pl
 
-    from lgc.lit import CompressedDDPStrategy, CompressionCallback, RunSummary, ValidateAtMaxSteps
+    from lgc.lit import (
+        CompressedDDPStrategy,
+        CompressedFSDPStrategy,
+        CompressionCallback,
+        RunSummary,
+        ValidateAtMaxSteps,
+    )
 
     _check_types(cfg)
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
@@ -357,6 +409,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     # Workers sharing GPUs: Lightning takes their devices from the strategy; the Trainer gets the GPUs' count.
     worker_gpus = shared_gpus(cfg.trainer.accelerator, devices, cfg.ddp.process_group_backend, num_nodes)
     timeout_s = _check_timeout(cfg.ddp.get("timeout", 300))
+    shard_size = check_strategy(cfg, hook_state, devices, world_size, shared=bool(worker_gpus))
     output_dir = Path(cfg.output_dir)
     ckpt_path = resolve_checkpoint_path(cfg.ckpt_path, output_dir)
 
@@ -377,6 +430,9 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     effective_min_numel = hook_state.dense_below()
     if resolved["comm"].get("min_numel") is None and effective_min_numel is not None:
         resolved["comm"]["min_numel"] = effective_min_numel
+    resolved.setdefault("strategy", {"name": "ddp"})
+    if shard_size is not None:  # hsdp: the number it is, as the checkpoint records it
+        resolved["strategy"]["shard_size"] = shard_size
     if ckpt_path is not None:
         check_checkpoint(
             ckpt_path,
@@ -385,17 +441,30 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
             world_size=world_size,
             model_state=module.state_dict(),
             total_steps=total_steps,
+            strategy=resolved["strategy"],
         )
     heartbeat_dir = output_dir / ".workers"
-    strategy = CompressedDDPStrategy(
-        hook_state,
-        heartbeat_dir=heartbeat_dir,
-        start_method="popen" if launched_externally() else cfg.ddp.start_method,
-        process_group_backend="gloo" if worker_gpus else cfg.ddp.process_group_backend,
-        parallel_devices=worker_gpus,
-        bucket_cap_mb=cfg.ddp.bucket_cap_mb,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    start_method = "popen" if launched_externally() else cfg.ddp.start_method
+    if resolved["strategy"]["name"] == "ddp":
+        strategy = CompressedDDPStrategy(
+            hook_state,
+            heartbeat_dir=heartbeat_dir,
+            start_method=start_method,
+            process_group_backend="gloo" if worker_gpus else cfg.ddp.process_group_backend,
+            parallel_devices=worker_gpus,
+            bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    else:
+        strategy = CompressedFSDPStrategy(
+            hook_state,
+            shard_size=shard_size,
+            buffers=hook_state.buffers,
+            heartbeat_dir=heartbeat_dir,
+            start_method=start_method,
+            timeout=timedelta(seconds=timeout_s),
+            process_group_backend=cfg.ddp.process_group_backend,
+        )
     loggers = [hydra.utils.instantiate(node) for node in (cfg.get("logger") or {}).values() if node is not None]
     checkpoint_node = cfg.get("checkpoint") or {}
     callbacks = [
@@ -403,7 +472,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
         RunSummary(str(output_dir), resolved, hydra=hydra_run, provenance=run_provenance()),
         ValidateAtMaxSteps(),
         ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=checkpoint_node.get("every_n_train_steps")),
-        CheckpointRecord(resolved["compressor"], resolved["comm"]),
+        CheckpointRecord(resolved["compressor"], resolved["comm"], resolved["strategy"]),
     ]
     # Extra callbacks by name (null drops one), e.g. lgc.analysis.GradientRecorder.
     callbacks += [

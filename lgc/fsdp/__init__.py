@@ -10,6 +10,7 @@ checkpoint (DCP), every rank's under its own key.
 from lgc.fsdp.checkpoint import PerRankState
 from lgc.fsdp.layout import GroupLayout, ParamColumns
 from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
+from lgc.fsdp.settings import check_fsdp_settings, replicate_group_of
 
 __all__ = [
     "CompressedReduceScatter",
@@ -17,6 +18,8 @@ __all__ = [
     "GroupLayout",
     "ParamColumns",
     "PerRankState",
+    "check_fsdp_settings",
     "check_fsdp_state",
     "fsdp_modules",
+    "replicate_group_of",
 ]

@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from lgc.compressors.base import CombineMode, HoldsSteps, holds_steps
 from lgc.compressors.dgc import DGCCompressor
 from lgc.compressors.none import NoneCompressor
+from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, prepare_compressor
 from lgc.ddp.hook import CompressionHookState
@@ -175,8 +176,17 @@ class FSDPCompression:
     finished steps (a backward pass that reduced, not skipped), as under DDP.
     """
 
-    def __init__(self, state: CompressionHookState, replicate: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, state: CompressionHookState, replicate: dist.ProcessGroup | None = None, buffers: str | None = None
+    ) -> None:
+        if buffers is not None:
+            module_buffers.check_buffer_mode(buffers)
         self.state = state
+        #: Module buffers kept in step once per step (``broadcast`` from rank 0, or ``average``), as lgc's DDP
+        #: hook keeps them; None leaves each rank its own, as FSDP2 does.
+        self.buffers = buffers
+        self._buffer_names: tuple[str, ...] = ()
+        self._model: torch.nn.Module | None = None
         #: HSDP's replicate dimension, whose all-reduce lgc compresses; None: the reduce-scatter is compressed.
         self.replicate = replicate
         #: The group the step guard decides over (the shard group, or with ``replicate`` the world).
@@ -242,6 +252,12 @@ class FSDPCompression:
                 module.set_all_reduce_hook(functools.partial(self.all_reduce, comm))
             self.comms.append(comm)
         model.register_forward_pre_hook(self._before_forward)
+        if self.buffers is not None:
+            self._model = model
+            self._buffer_names = tuple(name for name, _ in model.named_buffers())
+        state.buffer_sync = module_buffers.BufferSync(
+            self.buffers if self._buffer_names else module_buffers.NO_SYNC, self._buffer_names
+        )
         if self.replicate is None:
             state.process_group = self.guard_group = shard_pg
         else:
@@ -426,6 +442,19 @@ class FSDPCompression:
         self.used = set()
         self.compressing = self.state.iteration >= self.state.start_iter
 
+    def _sync_buffers(self) -> None:
+        """The module buffers in step, once per backward pass, at its end (as lgc's DDP hook keeps them: after the
+        forward that updated them, before the next one; not earlier, where a BatchNorm's backward still holds them),
+        over every rank, counted."""
+        assert self._model is not None
+        named = dict(self._model.named_buffers())
+        kept = [named[name] for name in self._buffer_names]
+        with torch.no_grad():
+            if self.buffers == module_buffers.AVERAGE:
+                module_buffers.average_step_buffers(self.state.stats, kept, self.guard_group)
+            else:
+                module_buffers.broadcast_buffers(self.state.stats, kept, self.guard_group)
+
     def _before_forward(self, _module: torch.nn.Module, _args: Any) -> None:
         """A forward pass while a step is open: its backward raised before its end. Drop what it held."""
         if not self.in_step:
@@ -442,6 +471,8 @@ class FSDPCompression:
         """The end of a backward pass that reduced: commit the held step, or drop it if a group was skipped."""
         state = self.state
         self.in_step = False
+        if self._buffer_names:
+            self._sync_buffers()
         compressor = state.compressor
         if self.compressing and state.guards_steps:
             assert isinstance(compressor, HoldsSteps), compressor

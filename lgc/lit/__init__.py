@@ -11,6 +11,7 @@ from lgc.lit.data import (
     FashionScenesDataModule,
     ImageNetDataModule,
 )
+from lgc.lit.fsdp_strategy import CompressedFSDPStrategy
 from lgc.lit.segmentation import SemanticSegmenter
 from lgc.lit.strategy import CompressedDDPStrategy
 
@@ -19,6 +20,7 @@ __all__ = [
     "CamVidDataModule",
     "CheckpointRecord",
     "CompressedDDPStrategy",
+    "CompressedFSDPStrategy",
     "CompressionCallback",
     "DigitsDataModule",
     "FashionMNISTDataModule",

@@ -39,6 +39,9 @@ __all__ = [
     "set_rng_state",
 ]
 
+#: The ``strategy`` record of a DDP run (and of checkpoints written before strategies were recorded).
+DDP_STRATEGY: dict[str, Any] = {"name": "ddp"}
+
 #: Version of ``checkpoint["lgc"]``; a checkpoint of another format is refused with this number named.
 CHECKPOINT_FORMAT = 1
 
@@ -140,11 +143,15 @@ class CheckpointRecord(pl.Callback):
     Args:
         compressor: the resolved ``compressor`` config node.
         comm: the resolved ``comm`` config node.
+        strategy: the resolved ``strategy`` config node (DDP, FSDP2 or HSDP); None: DDP.
     """
 
-    def __init__(self, compressor: dict[str, Any], comm: dict[str, Any]) -> None:
+    def __init__(
+        self, compressor: dict[str, Any], comm: dict[str, Any], strategy: dict[str, Any] | None = None
+    ) -> None:
         self.compressor = compressor
         self.comm = comm
+        self.strategy = DDP_STRATEGY if strategy is None else strategy
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -157,6 +164,7 @@ class CheckpointRecord(pl.Callback):
             "world_size": trainer.world_size,
             "compressor": self.compressor,
             "comm": self.comm,
+            "strategy": self.strategy,
         }
 
 
@@ -235,6 +243,7 @@ def check_checkpoint(
     world_size: int,
     model_state: dict[str, torch.Tensor],
     total_steps: int | None = None,
+    strategy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load ``path`` safely and check that this run can resume from it; returns the checkpoint.
 
@@ -251,6 +260,7 @@ def check_checkpoint(
         world_size: this run's number of workers.
         model_state: this run's LightningModule ``state_dict()`` (names and shapes are compared).
         total_steps: the optimizer steps this run would end at, when known.
+        strategy: this run's resolved ``strategy`` config node; None: DDP (a checkpoint without one is DDP's).
     """
     checkpoint = load_checkpoint(path)
     name = f"ckpt_path={str(path)!r}"
@@ -265,6 +275,12 @@ def check_checkpoint(
         raise ValueError(
             f"{name} was written by {record['world_size']} workers, this run has {world_size}: every rank's "
             "compressor state (residuals) is in it, so resume with the same number of workers"
+        )
+    saved_strategy = record.get("strategy", DDP_STRATEGY)
+    if saved_strategy != (DDP_STRATEGY if strategy is None else strategy):
+        raise ValueError(
+            f"{name} was written under strategy {saved_strategy}, this run has {strategy}: the optimizer state and "
+            "every rank's compressor state are laid out by it, so resume under the same strategy"
         )
     differences = _differences(record["compressor"], compressor, "compressor") + _differences(
         record["comm"], comm, "comm"

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lgc.lit.fsdp_strategy import shard_for_strategy
 from lgc.validation import NonNegativeInt, PositiveFraction, check
 
 __all__ = ["ImageClassifier", "LinearWarmup", "StepCosine"]
@@ -191,6 +192,10 @@ class ImageClassifier(pl.LightningModule):
         self.scheduler_factory = scheduler
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def configure_model(self) -> None:
+        """Under lgc's FSDP2 strategy, shard the network and install the compressed reduction; else nothing."""
+        shard_for_strategy(self.trainer.strategy, self.model)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.model(images)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
 from lgc.lit.classification import optimizer_with_epoch_scheduler
+from lgc.lit.fsdp_strategy import shard_for_strategy
 
 __all__ = ["SemanticSegmenter", "pixel_cross_entropy", "split_logits"]
 
@@ -98,6 +99,10 @@ class SemanticSegmenter(pl.LightningModule):
         self.aux_weight = aux_weight
         self.val_miou = MulticlassJaccardIndex(num_classes, average="macro", ignore_index=ignore_index)
         self.val_pixel_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=ignore_index)
+
+    def configure_model(self) -> None:
+        """Under lgc's FSDP2 strategy, shard the network and install the compressed reduction; else nothing."""
+        shard_for_strategy(self.trainer.strategy, self.model)
 
     def forward(self, images: Tensor) -> Any:
         return self.model(images)

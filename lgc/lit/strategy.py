@@ -30,7 +30,7 @@ from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.torch_hooks import TorchHookState
 
-__all__ = ["CompressedDDPStrategy", "heartbeats", "stalled_workers"]
+__all__ = ["CompressedDDPStrategy", "WorkerChecks", "heartbeats", "stalled_workers"]
 
 #: Seconds between heartbeats; a worker silent for much longer than this while others went on was stalled.
 HEARTBEAT_INTERVAL_S = 1.0
@@ -93,7 +93,54 @@ def stalled_workers(folder: str | Path, min_gap_s: float = 5 * HEARTBEAT_INTERVA
     return sorted(stalled, key=lambda r: r["time"])
 
 
-class CompressedDDPStrategy(DDPStrategy):
+class WorkerChecks:
+    """What lgc's strategies share: the checkpoint callback required, heartbeats, and a loud end if no hook ran.
+
+    Mixed into a Lightning strategy that has ``hook_state`` and ``heartbeat_dir``.
+    """
+
+    hook_state: Any
+    heartbeat_dir: Path | None
+    _heartbeat: _Heartbeat | None = None
+
+    def require_compression_callback(self) -> None:
+        """Refuse to train without :class:`lgc.lit.CompressionCallback` (checked before the process group exists:
+        Lightning never destroys it, and one left behind in this process would hold MASTER_PORT)."""
+        from lgc.lit.callbacks import CompressionCallback
+
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if not any(isinstance(cb, CompressionCallback) for cb in trainer.callbacks):
+            raise ValueError(
+                f"{type(self).__name__} needs lgc.lit.CompressionCallback in Trainer(callbacks=...) so that every "
+                "rank's compressor state (residuals) is checkpointed"
+            )
+        # NCCL: a timed-out collective aborts the communicator and ends the process instead of hanging.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+    def start_heartbeat(self) -> None:
+        """This worker's heartbeat thread, once the ranks are known (when ``heartbeat_dir`` is set)."""
+        if self.heartbeat_dir is not None:
+            trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+            rank = self.global_rank  # type: ignore[attr-defined]
+            self._heartbeat = _Heartbeat(self.heartbeat_dir, rank, step=lambda: trainer.global_step)
+            self._heartbeat.start()
+
+    def stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stopped.set()
+            self._heartbeat = None
+
+    def check_hook_ran(self, what: str) -> None:
+        """At the end of fit: raise if steps were taken but ``what`` (the compressed reduction) never ran."""
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if trainer.global_step > 0 and self.hook_state.stats.hook_calls == 0:
+            raise RuntimeError(
+                f"{self.hook_state.describe()} was configured but {what} never ran in "
+                f"{trainer.global_step} steps: gradients were averaged uncompressed"
+            )
+
+
+class CompressedDDPStrategy(WorkerChecks, DDPStrategy):
     """DDP whose gradient averaging goes through ``hook_state.compressor``.
 
     Add :class:`lgc.lit.CompressionCallback` to the trainer too: it logs the ``comm/*`` metrics and
@@ -133,25 +180,11 @@ class CompressedDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.hook_state = hook_state
         self.heartbeat_dir = None if heartbeat_dir is None else Path(heartbeat_dir)
-        self._heartbeat: _Heartbeat | None = None
 
     def setup_environment(self) -> None:
-        # Checked before the process group exists: Lightning never destroys it, and one left behind
-        # in this process would hold MASTER_PORT for every later run.
-        from lgc.lit.callbacks import CompressionCallback
-
-        trainer = self.lightning_module.trainer
-        if not any(isinstance(cb, CompressionCallback) for cb in trainer.callbacks):
-            raise ValueError(
-                "CompressedDDPStrategy needs lgc.lit.CompressionCallback in Trainer(callbacks=...) so that every "
-                "rank's compressor state (residuals) is checkpointed"
-            )
-        # NCCL: a timed-out collective aborts the communicator and ends the process instead of hanging.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        self.require_compression_callback()
         super().setup_environment()
-        if self.heartbeat_dir is not None:
-            self._heartbeat = _Heartbeat(self.heartbeat_dir, self.global_rank, step=lambda: trainer.global_step)
-            self._heartbeat.start()
+        self.start_heartbeat()
 
     def _register_ddp_hooks(self) -> None:
         # Deliberately not Lightning's CUDA-only path: register on gloo and NCCL alike.
@@ -159,16 +192,9 @@ class CompressedDDPStrategy(DDPStrategy):
         self.hook_state.register(self.model)
 
     def teardown(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stopped.set()
-            self._heartbeat = None
+        self.stop_heartbeat()
         super().teardown()
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        trainer = self.lightning_module.trainer
-        if trainer.global_step > 0 and self.hook_state.stats.hook_calls == 0:
-            raise RuntimeError(
-                f"{self.hook_state.describe()} was configured but the DDP communication hook never ran in "
-                f"{trainer.global_step} steps: gradients were averaged uncompressed"
-            )
+        self.check_hook_ran("the DDP communication hook")

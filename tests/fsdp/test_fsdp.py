@@ -400,3 +400,42 @@ def test_a_parameter_used_on_some_ranks_only_is_refused_naming_it_and_the_fix():
     either): the step guard's flags, of one length on every rank, tell every rank, which refuses."""
     for message in run_workers(_used_on_one_rank, 2):
         assert "unused.weight" in message and "set_reduce_scatter_unused_params(True)" in message
+
+
+def _normed(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(40, 37), torch.nn.BatchNorm1d(37), torch.nn.ReLU(), torch.nn.Linear(37, 3)
+    )
+
+
+def _buffers_kept(rank: int, world: int) -> dict[str, tuple]:
+    ddp = DistributedDataParallel(_normed())
+    lgc.compress(ddp, "topk", density=0.05)
+    _train(ddp, rank)
+    runs = {"ddp": (dict(ddp.module.named_buffers()), {n: p.detach() for n, p in ddp.module.named_parameters()}, 0)}
+    for buffers in (None, "broadcast"):
+        model = _normed()
+        fully_shard(model[0])
+        fully_shard(model)
+        state = lgc.compress(model, "topk", density=0.05, buffers=buffers)
+        _train(model, rank)
+        runs[str(buffers)] = (dict(model.named_buffers()), _full(model), state.stats.wire_buffer_bytes_sent)
+    return runs
+
+
+def test_module_buffers_are_each_ranks_own_unless_kept_in_step_as_under_ddp():
+    """buffers='broadcast' keeps BatchNorm's statistics as lgc's DDP hook keeps them (rank 0's, once per step,
+    counted): weights and buffers bitwise the DDP run's. Without it each rank keeps its own, as FSDP2 does."""
+    ranks = run_workers(_buffers_kept, 2)
+    for runs in ranks:
+        ddp_buffers, ddp_weights, _ = runs["ddp"]
+        buffers, weights, _ = runs["broadcast"]
+        for name in ddp_weights:
+            assert torch.equal(weights[name], ddp_weights[name]), name
+        for name in ddp_buffers:
+            assert torch.equal(buffers[name], ddp_buffers[name]), name
+        assert runs["None"][2] == 0
+    assert sum(runs["broadcast"][2] for runs in ranks) > 0, "rank 0's broadcast is counted"
+    own = [runs["None"][0]["1.running_mean"] for runs in ranks]
+    assert not torch.equal(own[0], own[1]), "without buffers=, each rank's statistics are its own batches'"

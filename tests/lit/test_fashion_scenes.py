@@ -142,7 +142,8 @@ def test_a_missing_dataset_names_the_debian_package(tmp_path, monkeypatch):
 
 
 @pytest.mark.multiprocess
-def test_pspnet_trains_on_the_scenes_and_a_run_stopped_mid_epoch_is_validated(tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_pspnet_trains_on_the_scenes_and_a_run_stopped_mid_epoch_is_validated(tmp_path, monkeypatch, strategy):
     write_garments(tmp_path / "src", train=64, test=16)
     monkeypatch.setenv("FASHION_MNIST_ROOT", str(tmp_path / "src"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -164,6 +165,7 @@ def test_pspnet_trains_on_the_scenes_and_a_run_stopped_mid_epoch_is_validated(tm
                 "logger=csv",
                 "trainer.enable_progress_bar=false",
                 "ddp.start_method=fork",
+                f"strategy={strategy}",
                 f"output_dir={tmp_path / 'run'}",
             ],
         )

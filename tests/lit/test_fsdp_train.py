@@ -1,0 +1,100 @@
+"""lgc-train under FSDP2 and HSDP (strategy=fsdp / hsdp): the DDP run's training, exact resume, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_resume import EPOCHS, STEPS_PER_EPOCH, assert_identical, assert_same_training, load
+from test_resume import compose_cfg as compose_resume_cfg
+from test_train import compose_cfg
+
+from lgc.train import train
+
+pytestmark = pytest.mark.multiprocess
+
+TOPK = ("compressor=topk", "compressor.density=0.05")
+
+
+def _summary(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [("strategy=fsdp",), ("strategy=hsdp", "strategy.shard_size=1")],
+    ids=["fsdp", "hsdp_one_worker_per_replica"],
+)
+def test_a_sharded_run_trains_the_ddp_runs_weights_bit_for_bit(tmp_path, strategy):
+    """Top-k with error feedback over ResNet-8 with BatchNorm, 2 workers: FSDP2 (every gradient coded whole) and
+    HSDP with one worker per replica (each shard is the whole gradient) take the DDP run's steps: weights, buffers
+    and the compressed bytes. The checkpoint is whole and records the strategy."""
+    train(compose_cfg(tmp_path / "ddp", *TOPK))
+    train(compose_cfg(tmp_path / "sharded", *TOPK, *strategy))
+    ddp, sharded = (load(tmp_path / run / "checkpoints" / "last.ckpt") for run in ("ddp", "sharded"))
+    assert_identical(ddp["state_dict"], sharded["state_dict"], "weights and buffers")
+    name = strategy[0].split("=")[1]
+    assert sharded["lgc"]["strategy"]["name"] == name and ddp["lgc"]["strategy"] == {"name": "ddp"}
+    ddp_summary, sharded_summary = _summary(tmp_path / "ddp"), _summary(tmp_path / "sharded")
+    payloads = [sum(worker["payload_bytes"] for worker in s["workers"]) for s in (ddp_summary, sharded_summary)]
+    assert payloads[0] == payloads[1] > 0
+    assert sharded_summary["val/acc"] == ddp_summary["val/acc"]
+    assert sharded_summary["buffer_sync"] == "broadcast"
+
+
+def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_for_bit(tmp_path):
+    """Stopped by max_steps in the middle of an epoch: weights, optimizer state (whole, as the checkpoint holds it),
+    the schedule and every rank's residuals are the straight run's."""
+    overrides = (*TOPK, "strategy=fsdp")
+    train(compose_resume_cfg(tmp_path / "straight", *overrides))
+    train(compose_resume_cfg(tmp_path / "first", *overrides, "trainer.max_steps=12"))
+    stopped = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    assert load(stopped)["global_step"] == 12
+    train(compose_resume_cfg(tmp_path / "resumed", *overrides, f"ckpt_path={stopped}"))
+    straight = load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    assert straight["global_step"] == STEPS_PER_EPOCH * EPOCHS
+    assert_same_training(straight, load(tmp_path / "resumed" / "checkpoints" / "last.ckpt"))
+
+
+def test_an_hsdp_run_on_a_2x2_mesh_trains_and_counts_the_replicate_dimension(tmp_path):
+    train(
+        compose_cfg(
+            tmp_path / "run",
+            *TOPK,
+            "strategy=hsdp",
+            "strategy.shard_size=2",
+            "trainer.devices=4",
+            "ddp.oversubscribe=true",
+        )
+    )
+    summary = _summary(tmp_path / "run")
+    assert summary["config"]["strategy"] == {"name": "hsdp", "shard_size": 2}
+    assert summary["compression_ratio"] > 2
+    assert 0 <= summary["val/acc"] <= 1
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["strategy=fsdp", "compressor=lgc_rar"], "use it with DistributedDataParallel"),
+        (["strategy=fsdp", "comm=local_sgd", "comm.delay=4"], "use it with DistributedDataParallel"),
+        (["strategy=fsdp", "comm.overlap=true"], "overlap=True is a DDP hook setting"),
+        (["strategy=fsdp", "comm.pack=true"], "comm.pack=true is a DDP hook setting"),
+        (["strategy=fsdp", "+trainer.precision=bf16-mixed"], "trainer.precision='bf16-mixed': strategy=fsdp"),
+        (["strategy=fsdp", "trainer.devices=1"], "it needs two or more, this run has 1"),
+        (["strategy=hsdp"], "strategy.shard_size=2 on 2 workers: the workers must form two or more replicas"),
+        (["strategy=hsdp", "strategy.shard_size=0"], "strategy.shard_size must be a positive number"),
+        (["strategy.name=zero"], "strategy.name must be one of ddp, fsdp, hsdp, got 'zero'"),
+    ],
+)
+def test_a_strategy_that_cannot_run_is_refused_before_workers_start(tmp_path, no_workers, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train(compose_cfg(tmp_path / "run", *overrides))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_ddp_checkpoint_is_refused_under_fsdp(tmp_path):
+    train(compose_cfg(tmp_path / "ddp", *TOPK, "trainer.max_steps=2"))
+    with pytest.raises(ValueError, match="written under strategy {'name': 'ddp'}, this run has {'name': 'fsdp'}"):
+        train(compose_cfg(tmp_path / "fsdp", *TOPK, "strategy=fsdp", f"ckpt_path={tmp_path / 'ddp'}"))
