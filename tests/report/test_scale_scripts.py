@@ -375,3 +375,63 @@ def test_the_codec_rule_picks_the_lowest_error_then_the_fewest_bits_and_waits_fo
         rule_module.codec_choice(rule, 0.01)
     with pytest.raises(ValueError, match="at density 0.001 is not measured"):
         rule_module.codec_choice(rule, 0.001)
+
+
+@pytest.fixture
+def sharded(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    for name in ("scale_comparison", "scale_tables", "sharded_tables"):
+        sys.modules.pop(name, None)
+    return importlib.import_module("sharded_tables")
+
+
+def test_the_sharded_protocol_runs_every_method_under_each_strategy_over_the_same_seeds(sharded, tmp_path):
+    protocol = importlib.import_module("scale_comparison").load_protocol(sharded.PROTOCOL)
+    methods = protocol["methods"]
+    bases = {spec["base"] for spec in methods.values()}
+    assert {(spec["base"], spec["strategy"]) for spec in methods.values()} == {
+        (base, strategy) for base in bases for strategy in ("ddp", "fsdp", "hsdp")
+    }
+    assert len(protocol["seeds"]) == 5 and protocol["margin_points"] == 1.0
+    with initialize_config_module("lgc.conf", version_base="1.3"):
+        for name, spec in methods.items():
+            overrides = importlib.import_module("scale_comparison").run_overrides(protocol, "r8_iid4", name, 2)
+            cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}"])
+            assert cfg.strategy.name == spec["strategy"] and cfg.trainer.devices == 4 and cfg.seed == 2
+            assert cfg.strategy.get("shard_size") == (2 if spec["strategy"] == "hsdp" else None)
+
+
+def test_sharded_runs_are_marked_against_the_same_methods_ddp_run_once_every_seed_ran(sharded, tmp_path):
+    protocol = importlib.import_module("scale_comparison").load_protocol(sharded.PROTOCOL)
+    ddp = [0.88, 0.885, 0.879, 0.882, 0.884]
+    runs = {
+        "topk_ddp": ddp,
+        "topk_fsdp": ddp,  # bit for bit the DDP run
+        "topk_hsdp": [d - 0.03 + 0.002 * k for k, d in enumerate(ddp)],  # about 2.6 points below
+        "dense_ddp": ddp,
+        "dense_fsdp": ddp[:3],  # still running
+    }
+    for method, values in runs.items():
+        for seed, value in enumerate(values):
+            folder = tmp_path / "r8_iid4" / method / f"seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps(_summary(seed, "val/acc", value, 1_000_000)))
+    table, commits = sharded.rows(protocol, tmp_path)
+    row = {r["method"]: r for r in table}
+    assert row["topk_fsdp"]["mark"] == "within" and row["topk_fsdp"]["holds_zero"]
+    assert row["topk_fsdp"]["gap_points"]["mean"] == 0.0
+    assert row["topk_hsdp"]["mark"] == "worse" and row["topk_hsdp"]["holds_zero"] is False
+    assert row["dense_fsdp"]["mark"] is None and row["dense_fsdp"]["seeds"] == [0, 1, 2]
+    assert row["topk_ddp"]["gap_points"] is None and row["qsgd_hsdp"]["seeds"] == []
+    assert commits == ["abcdef0"]
+    text = sharded.table_text(protocol, table, commits)
+    assert "| topk | hsdp | 5 |" in text and "| dense | fsdp | 3 of 5 |" in text
+
+
+def test_the_evidence_page_holds_the_sharded_table_the_committed_records_give(sharded):
+    protocol = importlib.import_module("scale_comparison").load_protocol(sharded.PROTOCOL)
+    page = sharded.EVIDENCE.read_text()
+    block = page[page.index(sharded.BEGIN) + len(sharded.BEGIN) : page.index(sharded.END)].strip()
+    assert block == sharded.table_text(protocol, *sharded.rows(protocol, sharded.RESULTS)), (
+        "python experiments/sharded_tables.py --write"
+    )
