@@ -16,6 +16,7 @@ allreduce        ring (gloo; NCCL for large messages)       ``2 (P - 1) (alpha +
                  double binary tree (``allreduce="tree"``)  ``2 ceil(log2 P) alpha + 2 L / B`` (pipelined)
 allgather        ring                                       ``(P - 1) (alpha + L / B)``
 reduce-scatter   ring (FSDP2's gradients)                   ``(P - 1) (alpha + ceil(L / P) / B)``
+all-to-all       pairwise (FSDP2's quantized shards)        ``(P - 1) (alpha + ceil(L / P) / B)``
 broadcast        gloo's binomial tree                       ``ceil(log2 P) (alpha + L / B)``
 gather           flat, to the root                          ``alpha + (P - 1) L / B`` (the root's link)
 send / recv      point to point                             ``alpha + L / B`` (counted once, at the sender)
@@ -105,6 +106,8 @@ def _rounds_and_bytes(call: CollectiveCall, world: int, allreduce: str = "ring")
     if call.kind == "all_gather":
         return world - 1, float((world - 1) * size)
     if call.kind == "reduce_scatter":
+        return world - 1, (world - 1) * math.ceil(size / world)
+    if call.kind == "all_to_all":  # pairwise: a split to every other rank (balanced splits)
         return world - 1, (world - 1) * math.ceil(size / world)
     if call.kind == "broadcast":
         return rounds_log, float(rounds_log * size)

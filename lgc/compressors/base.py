@@ -195,6 +195,11 @@ class Compressor(abc.ABC):
     #: Whether it keeps what it does not send itself (DGC's accumulator is its error feedback):
     #: :class:`~lgc.compressors.ErrorFeedback` refuses to wrap it, which would feed the error back twice.
     keeps_own_residual: bool = False
+    #: Whether it is a quantizer: every entry is sent (rounded, cast or signed), so the payload of a
+    #: piece of a tensor decodes to that piece and no selection spans the tensor. FSDP2's compressed
+    #: reduce-scatter then codes each rank's chunk of a gradient on its own and sends it only to the
+    #: rank that owns it (:mod:`lgc.fsdp.reduce_scatter`); a sparsifier selects on the whole gradient.
+    codes_every_entry: bool = False
     #: Whether :meth:`transform_dense` is not the identity (DGC's momentum on the tensors sent dense):
     #: the hook's one-message step then encodes the dense tensors ahead of the ranks' agreement too,
     #: which needs :meth:`HoldsSteps.transform_dense_pending`.

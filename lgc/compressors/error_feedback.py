@@ -85,6 +85,7 @@ class ErrorFeedback(HoldsSteps, ForwardsHookCalls, Compressor):
         self.bucketed = bucketed
         self.combine = compressor.combine
         self.variable_size = compressor.variable_size
+        self.codes_every_entry = compressor.codes_every_entry
         self.needs_shared_seed = compressor.needs_shared_seed
         #: Per-key residual: the part of earlier inputs that has not been sent yet.
         self.residuals: dict[str, Tensor] = {}

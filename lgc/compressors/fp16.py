@@ -24,6 +24,7 @@ class FP16Compressor(Compressor):
 
     combine = CombineMode.SUM
     stateless = True
+    codes_every_entry = True
 
     def __init__(self, dtype: torch.dtype | str = "float16") -> None:
         if isinstance(dtype, str):

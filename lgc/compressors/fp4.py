@@ -114,6 +114,7 @@ class FP4Compressor(DecodesSegments, Compressor):
 
     combine = CombineMode.GATHER
     stateless = True
+    codes_every_entry = True
     variable_size = False
     # Streaming DiLoCo quantizes every outer gradient, biases and norm layers included.
     default_min_numel = 1

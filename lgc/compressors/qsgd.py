@@ -180,6 +180,7 @@ class StochasticQuantizer(HoldsSteps, DecodesSegments, DecodesInto, Compressor):
 
     combine = CombineMode.GATHER
     variable_size = False
+    codes_every_entry = True
 
     def __init__(self, levels: Levels, bucket_size: PositiveInt | None, seed: Seed = 0) -> None:
         check("levels", levels, Levels)

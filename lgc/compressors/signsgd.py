@@ -125,6 +125,7 @@ class SignSGDCompressor(DecodesInto, Compressor):
     needs_error_feedback = True
     pure_encoding = True
     combine = CombineMode.GATHER
+    codes_every_entry = True
     variable_size = False
 
     def payload_nbytes(self, numel: int) -> int:

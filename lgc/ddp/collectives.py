@@ -63,6 +63,8 @@ __all__ = [
     "recv",
     "reduce_scatter",
     "send",
+    "all_to_all",
+    "book_all_to_all",
 ]
 
 
@@ -144,7 +146,8 @@ class CommStats:
 class CollectiveCall(NamedTuple):
     """One collective as this worker issued it: what a cost model needs to time it at any size of group.
 
-    ``kind`` is ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``gather``, ``send`` or ``recv``;
+    ``kind`` is ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``, ``gather``, ``send``
+    or ``recv``;
     ``nbytes`` the logical bytes of this worker's tensor (per rank for an allgather or a gather);
     ``root`` the source or destination in the group (broadcast, gather, send, recv), else None.
     """
@@ -262,6 +265,19 @@ def book_reduce_scatter(stats: CommStats, tensor: Tensor, group: dist.ProcessGro
     _book(stats, logical, algorithm(tensor.numel(), tensor.element_size(), world, rank))
 
 
+def book_all_to_all(
+    stats: CommStats, input: Tensor, input_splits: list[int], output_splits: list[int], group: dist.ProcessGroup | None
+) -> None:
+    """An all-to-all of ``input``: split ``i`` (``input_splits[i]`` elements) goes to rank ``i``, ``output_splits[i]``
+    come from it. Each split travels once, point to point: logical and wire bytes are what leaves for the other
+    ranks and what arrives from them (this rank's own split stays)."""
+    rank, size = dist.get_rank(group), input.element_size()
+    _record("all_to_all", input, group)
+    sent = size * sum(n for i, n in enumerate(input_splits) if i != rank)
+    received = size * sum(n for i, n in enumerate(output_splits) if i != rank)
+    _book(stats, wire.WireBytes(sent, received), wire.WireBytes(sent, received))
+
+
 def book_dense_broadcast(stats: CommStats, tensor: Tensor, src: int, group: dist.ProcessGroup | None) -> None:
     """What plain DDP sends broadcasting ``tensor`` from ``src`` (its module buffers), in the dense equivalent."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -343,6 +359,20 @@ def reduce_scatter(
     """Reduce ``input`` (``P`` equal chunks) across the group and leave this rank's chunk in ``output``; the work."""
     book_reduce_scatter(stats, input, group)
     return kept(dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True))
+
+
+def all_to_all(
+    stats: CommStats,
+    output: Tensor,
+    input: Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+) -> Any:
+    """Split ``input`` by ``input_splits`` and send split ``i`` to rank ``i``; ``output`` receives every rank's
+    split for this one, in rank order (``output_splits``). Returns the work."""
+    book_all_to_all(stats, input, input_splits, output_splits, group)
+    return kept(dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True))
 
 
 def all_gather(stats: CommStats, tensor: Tensor, group: dist.ProcessGroup | None) -> tuple[list[Tensor], Any]:

@@ -48,6 +48,7 @@ backward pass, the held step's commit) are one unit; the layout arithmetic is in
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.step_guard import StepVerdict, agree_flags, bucket_maxima
 from lgc.fsdp.layout import GroupLayout
 
-__all__ = ["CompressedReduceScatter", "FSDPCompression", "check_fsdp_state", "fsdp_modules"]
+__all__ = ["CompressedReduceScatter", "FSDPCompression", "check_fsdp_state", "codes_shards", "fsdp_modules"]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -304,14 +305,18 @@ class FSDPCompression:
         # As the DDP hook: each worker's share, divided by the world size (FSDP2's fp16 reductions have
         # divided it already, and sum; set_gradient_divide_factor's factor) and by the loss scale.
         state.unscale(buffer, _divisor(op, world, comm.param_group.gradient_divide_factor))
-        if state.guards_steps:
+        shards = codes_shards(state.compressor)
+        if state.guards_steps or shards:
             verdict = self._agree(comm, buffer, segments)
             if verdict.skip:
                 self.step_skipped = True
                 self._as_stock(input, output, group, op)
                 return
             self.used |= verdict.used
-            self._exchange_held(buffer, segments, verdict.used)
+            if shards:
+                self._exchange_shards(layout, buffer, segments, verdict.used, dist.get_rank(group))
+            else:
+                self._exchange_held(buffer, segments, verdict.used)
         else:
             result = average_compressed(state, buffer, segments, state.iteration).wait()
             state.skips.note(state.stats, state.iteration, result)
@@ -405,23 +410,97 @@ class FSDPCompression:
         assert isinstance(compressor, HoldsSteps), compressor
         # Rank, world size, shared seed and the step's schedule (DGC's warm-up) before anything encodes.
         prepare_compressor(state, buffer.device, state.iteration)
-        dense = [s for s in segments if not s.compressed and s.name in used]
-        if dense:
-            pieces = [buffer[s.offset : s.offset + s.numel] for s in dense]
-            if compressor.transforms_dense:
-                for s, piece in zip(dense, pieces, strict=True):
-                    piece.copy_(compressor.transform_dense_pending(piece, s.name))
-            summed = torch.cat(pieces)
-            counted.all_reduce(state.stats, summed, state.process_group).wait()
-            for s, piece, total in zip(dense, pieces, summed.split([s.numel for s in dense]), strict=True):
-                piece.copy_(total)
-                compressor.finish_aggregate(piece, s.name)
-                state.layer_stats.book(s.name, s.numel, False, s.numel * buffer.element_size())
+        self._sum_dense(buffer, segments, used)
         compressed = tuple(s for s in segments if s.compressed and s.name in used)
         if compressed:
             exchange = PayloadExchange(state, buffer, compressed, state.iteration, pending=True)
             torch.futures.wait_all(exchange.futures)
             exchange.finish()
+
+    def _sum_dense(self, buffer: Tensor, segments: tuple[Segment, ...], used: frozenset[str]) -> None:
+        """The dense parameters used on some rank, transformed as the compressor holds them (DGC's momentum) and
+        summed in one allreduce, as the DDP hook sums them."""
+        state, compressor = self.state, self.state.compressor
+        dense = [s for s in segments if not s.compressed and s.name in used]
+        if not dense:
+            return
+        pieces = [buffer[s.offset : s.offset + s.numel] for s in dense]
+        if compressor.transforms_dense:
+            assert isinstance(compressor, HoldsSteps), compressor
+            for s, piece in zip(dense, pieces, strict=True):
+                piece.copy_(compressor.transform_dense_pending(piece, s.name))
+        summed = torch.cat(pieces)
+        counted.all_reduce(state.stats, summed, state.process_group).wait()
+        for s, piece, total in zip(dense, pieces, summed.split([s.numel for s in dense]), strict=True):
+            piece.copy_(total)
+            compressor.finish_aggregate(piece, s.name)
+            state.layer_stats.book(s.name, s.numel, False, s.numel * buffer.element_size())
+
+    def _exchange_shards(
+        self, layout: GroupLayout, buffer: Tensor, segments: tuple[Segment, ...], used: frozenset[str], rank: int
+    ) -> None:
+        """A quantizer's reduce-scatter of compressed shards: each chunk of this rank's gradient coded on its own
+        and sent only to the rank that owns it (one all-to-all), every rank's codes of its own chunk decoded and
+        summed in fp32 into ``buffer``'s chunk of this rank.
+
+        Chunk ``j`` of a parameter is coded under the key ``name@j`` (its own scale, its own random rounding
+        and, with error feedback, its own residual). The payload sizes go first, in a small all-to-all of their
+        own. A compressor with state encodes into held state, committed at the step's end with these keys.
+        """
+        state, compressor, group = self.state, self.state.compressor, self.state.process_group
+        world = layout.world
+        prepare_compressor(state, buffer.device, state.iteration)
+        self._sum_dense(buffer, segments, used)
+        compressed = [s for s in segments if s.compressed and s.name in used]
+        if not compressed:
+            return
+        columns = {p.name: p for p in layout.params}
+        # Every chunk of every compressed parameter, destination by destination: (destination, segment, start, real).
+        chunks = [
+            (j, s, s.offset + j * columns[s.name].chunk, real)
+            for j in range(world)
+            for s in compressed
+            if (real := max(0, min(columns[s.name].chunk, s.numel - j * columns[s.name].chunk)))
+        ]
+        pieces = [buffer[start : start + real] for _, _, start, real in chunks]
+        keys = [f"{s.name}@{j}" for j, s, _, _ in chunks]
+        started = time.perf_counter()
+        encode = compressor.compress_pending_many if holds_steps(compressor) else compressor.compress_many
+        payloads = encode(pieces, keys)
+        state.codec_seconds["encode"] += time.perf_counter() - started
+        if holds_steps(compressor):
+            self.used |= set(keys)
+        for s in compressed:
+            sent = sum(p.nbytes for (_, t, _, _), p in zip(chunks, payloads, strict=True) if t is s)
+            state.layer_stats.book(s.name, s.numel, True, sent)
+        state.stats.payload_bytes += sum(p.nbytes for p in payloads)
+        state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in compressed) * buffer.element_size()
+        wires = [p.to_wire() for p in payloads]
+        # The sizes of every payload, then the payloads, each to the rank that owns its chunk.
+        per_rank = [sum(1 for j, *_ in chunks if j == r) for r in range(world)]
+        sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64)
+        their_sizes = torch.empty(world * per_rank[rank], dtype=torch.int64)
+        counted.all_to_all(state.stats, their_sizes, sizes, [per_rank[rank]] * world, per_rank, group).wait()
+        sent_bytes = [int(sizes[sum(per_rank[:r]) : sum(per_rank[: r + 1])].sum()) for r in range(world)]
+        received_bytes = [int(n) for n in their_sizes.view(world, per_rank[rank]).sum(dim=1)]
+        received = torch.empty(sum(received_bytes), dtype=torch.uint8)
+        send = torch.cat(wires) if wires else torch.empty(0, dtype=torch.uint8)
+        counted.all_to_all(state.stats, received, send, received_bytes, sent_bytes, group).wait()
+        # Decode: every rank's payload of each of this rank's chunks, summed in fp32 into the chunk.
+        mine = [(s, start, real) for j, s, start, real in chunks if j == rank]
+        parts = received.split(their_sizes.tolist())
+        started = time.perf_counter()
+        gathered: list[list[Any]] = [[] for _ in mine]
+        for source in range(world):
+            wires_in = parts[source * len(mine) : (source + 1) * len(mine)]
+            parsed = compressor.payloads_from_wire_many(
+                list(wires_in), [real for _, _, real in mine], [f"{s.name}@{rank}" for s, _, _ in mine]
+            )
+            for i, payload in enumerate(parsed):
+                gathered[i].append(payload)
+        outs = [buffer[start : start + real] for _, start, real in mine]
+        compressor.aggregate_many(gathered, outs)
+        state.codec_seconds["decode"] += time.perf_counter() - started
 
     def _as_stock(self, input: Tensor, output: Tensor, group: Any, op: Any) -> None:
         """Stock FSDP2's reduce-scatter of the whole group, counted."""
@@ -486,6 +565,13 @@ class FSDPCompression:
         else:
             state.iteration += 1
         state.step_done(skipped=self.step_skipped)
+
+
+def codes_shards(compressor: Any) -> bool:
+    """Whether FSDP2's compressed reduce-scatter codes ``compressor``'s chunks on their own (an all-to-all of
+    compressed shards): a quantizer (:attr:`~lgc.compressors.Compressor.codes_every_entry`, with or without
+    error feedback) that moves no state of its own on dense tensors. Sparsifiers select on the whole gradient."""
+    return bool(compressor.codes_every_entry) and not compressor.transforms_dense
 
 
 def _broadcast_from_first_replica(model: torch.nn.Module, replicate: dist.ProcessGroup) -> None:

@@ -93,11 +93,19 @@ FOLLOWERS = {
 }
 
 
-def ddp_and_sharded(rank: int, shard=None, **mesh: Any) -> dict[str, tuple]:
+#: The quantizers: under FSDP2 each rank codes every chunk of a gradient on its own and sends it to the rank that
+#: owns it (codes_shards), so their runs follow the transcription below, not the DDP hook's.
+QUANTIZERS = ("signsgd", "qsgd", "terngrad", "fp4", "fp16")
+#: The methods whose FSDP2 run is the DDP hook's, bit for bit: each selects on (or codes) the whole gradient.
+SELECTORS = tuple(m for m in FOLLOWERS if m not in QUANTIZERS)
+
+
+def ddp_and_sharded(rank: int, shard=None, methods=tuple(FOLLOWERS), **mesh: Any) -> dict[str, tuple]:
     """Every follower trained under DDP and sharded (``shard``, default :func:`_shard`; ``mesh``: ``lgc.compress``'s
     mesh settings): per method, DDP's weights, the sharded run's, both runs' residuals and statistics."""
     runs = {}
-    for method, knobs in FOLLOWERS.items():
+    for method in methods:
+        knobs = FOLLOWERS[method]
         ddp = DistributedDataParallel(_net())
         ddp_state = lgc.compress(ddp, method, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1), **knobs)
         _train(ddp, rank)
@@ -119,10 +127,10 @@ def followed() -> list[dict[str, tuple]]:
 
 
 def _ddp_and_fsdp(rank: int, world: int) -> dict[str, tuple]:
-    return ddp_and_sharded(rank)
+    return ddp_and_sharded(rank, methods=SELECTORS)
 
 
-@pytest.mark.parametrize("method", sorted(FOLLOWERS))
+@pytest.mark.parametrize("method", sorted(SELECTORS))
 def test_a_compressor_selects_on_the_whole_gradient_and_follows_its_ddp_trajectory(followed, method):
     """Each rank compresses every parameter's full unsharded gradient, keyed by name, as the DDP hook does:
     parameters, residuals and payload bytes equal the DDP run's, bit for bit (the dense small tensors are
@@ -137,6 +145,71 @@ def test_a_compressor_selects_on_the_whole_gradient_and_follows_its_ddp_trajecto
             assert torch.equal(fsdp_res[key], ddp_res[key]), key
         assert fsdp_stats["payload_bytes"] == ddp_stats["payload_bytes"] > 0
         assert fsdp_stats["skipped_steps"] == 0
+
+
+def _quantized(rank: int, world: int) -> dict[str, tuple]:
+    """Each quantizer trained under FSDP2, and its transcription: every rank's compressor copied before the first
+    step, each rank's gradient (all ranks' batches are known here) cut into the owners' dim-0 chunks, chunk ``j``
+    coded by rank ``r``'s copy under ``name@j``, the codes of a chunk decoded and summed in fp32; parameters under
+    min_numel averaged dense; the first step (start_iter) dense."""
+    import copy
+
+    from lgc.fsdp.reduce_scatter import codes_shards
+
+    runs = {}
+    for method in QUANTIZERS:
+        model = _shard(_net())
+        state = lgc.compress(model, method, **FOLLOWERS[method])
+        assert codes_shards(state.compressor), method
+        copies = [copy.deepcopy(state.compressor) for _ in range(world)]
+        _train(model, rank)
+        reference = _net()
+        for step in range(STEPS):
+            grads = []
+            for r in range(world):
+                reference.zero_grad()
+                x, y = _batch(r, step)
+                torch.nn.functional.cross_entropy(reference(x), y).backward()
+                grads.append({n: p.grad.clone() for n, p in reference.named_parameters()})
+            with torch.no_grad():
+                for name, p in reference.named_parameters():
+                    if step == 0 or p.numel() < state.min_numel:
+                        p -= 0.1 * sum(g[name] / world for g in grads)
+                        continue
+                    rows = -(-p.shape[0] // world)
+                    total = torch.zeros(p.numel())
+                    for j in range(world):
+                        lo, hi = j * rows * p[0].numel(), min(p.numel(), (j + 1) * rows * p[0].numel())
+                        for r, compressor in enumerate(copies):
+                            compressor.set_rank(r)
+                            compressor.set_world_size(world)
+                            compressor.begin_step(step)
+                            share = (grads[r][name] / world).reshape(-1)[lo:hi].contiguous()
+                            total[lo:hi] += compressor.decompress(compressor.compress(share, f"{name}@{j}"))
+                    p -= 0.1 * total.view_as(p)
+        runs[method] = (
+            _full(model),
+            {n: p.detach().clone() for n, p in reference.named_parameters()},
+            state.stats.as_dict(),
+        )
+    return runs
+
+
+@pytest.fixture(scope="module")
+def quantized() -> list[dict[str, tuple]]:
+    return run_workers(_quantized, 2)
+
+
+@pytest.mark.parametrize("method", QUANTIZERS)
+def test_a_quantizer_codes_each_chunk_for_its_owner_as_the_transcription_does(quantized, method):
+    """Each rank's chunk of a gradient is coded on its own (its own scale and rounding, its own residual) and goes
+    only to the rank that owns it: the weights are the transcription's, and the payloads travel in all-to-alls,
+    each rank sending the other its chunk's codes, less than a dense reduce-scatter."""
+    for runs in quantized:
+        weights, expected, stats = runs[method]
+        for name in expected:
+            torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=1e-6, msg=name)
+        assert stats["wire_bytes_sent"] < stats["wire_dense_equivalent_bytes"]
 
 
 def _guarded(rank: int, world: int) -> tuple[dict, dict, int]:
