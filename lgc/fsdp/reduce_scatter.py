@@ -18,13 +18,19 @@ parameter group:
    chunk it owns. The cost of selecting on the whole gradient: error feedback's residual (DGC's
    momentum and accumulator) is a full-size fp32 tensor per compressed parameter on every rank,
    not a shard of one.
+   The quantizers (:func:`codes_shards`: fp16, fp4, QSGD, TernGrad, EF-signSGD) need no whole
+   gradient, since they code every entry: each rank codes each chunk of the gradient on its own
+   (keyed ``name@chunk``: its own scale, rounding and residual) and sends it only to the chunk's
+   owner in one all-to-all, which decodes every rank's codes and sums them in fp32. A rank then
+   sends ``(P - 1) / P`` of its coded gradient, as a ring reduce-scatter does of a dense one.
 3. The step guard decides each group before its state moves: one small allreduce says whether
    some rank has an inf or NaN in the group (then it is reduce-scattered dense and unchanged, as
    stock FSDP2 does), which parameters have a gradient on some rank, and whether the ranks carry
    the same parameters (else every rank refuses, naming them, before a mismatched collective). A compressor with state
    encodes into held state (:class:`~lgc.compressors.base.HoldsSteps`); at the end of the backward
    pass the step is committed, or dropped whole if any group of it was skipped, so a skipped step
-   leaves every residual as it was, as under DDP. Stateless compressors need no guard.
+   leaves every residual as it was, as under DDP. Stateless compressors need no guard, but the
+   quantizers take it, so that every rank skips the same steps although each sums other chunks.
 
 ``none`` never reaches a compressor: every group is reduce-scattered as stock FSDP2 does it, bit for
 bit, and counted. The collectives are issued inside FSDP2's reduce-scatter call, in group order,

@@ -142,7 +142,7 @@ def test_a_missing_dataset_names_the_debian_package(tmp_path, monkeypatch):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_pspnet_trains_on_the_scenes_and_a_run_stopped_mid_epoch_is_validated(tmp_path, monkeypatch, strategy):
     write_garments(tmp_path / "src", train=64, test=16)
     monkeypatch.setenv("FASHION_MNIST_ROOT", str(tmp_path / "src"))

@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from test_resume import EPOCHS, STEPS_PER_EPOCH, assert_identical, assert_same_training, load
 from test_resume import compose_cfg as compose_resume_cfg
 from test_train import compose_cfg
 
+from lgc.lit.fsdp_strategy import shard_blocks
+from lgc.models import CifarResNet, PSPNet
 from lgc.train import train
 
 pytestmark = pytest.mark.multiprocess
@@ -43,6 +46,7 @@ def test_a_sharded_run_trains_the_ddp_runs_weights_bit_for_bit(tmp_path, strateg
     assert sharded_summary["buffer_sync"] == "broadcast"
 
 
+@pytest.mark.slow
 def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_for_bit(tmp_path):
     """Stopped by max_steps in the middle of an epoch: weights, optimizer state (whole, as the checkpoint holds it),
     the schedule and every rank's residuals are the straight run's."""
@@ -57,6 +61,7 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_for_bit(tmp_path):
     assert_same_training(straight, load(tmp_path / "resumed" / "checkpoints" / "last.ckpt"))
 
 
+@pytest.mark.slow
 def test_an_hsdp_run_on_a_2x2_mesh_trains_and_counts_the_replicate_dimension(tmp_path):
     train(
         compose_cfg(
@@ -98,3 +103,29 @@ def test_a_ddp_checkpoint_is_refused_under_fsdp(tmp_path):
     train(compose_cfg(tmp_path / "ddp", *TOPK, "trainer.max_steps=2"))
     with pytest.raises(ValueError, match="written under strategy {'name': 'ddp'}, this run has {'name': 'fsdp'}"):
         train(compose_cfg(tmp_path / "fsdp", *TOPK, "strategy=fsdp", f"ckpt_path={tmp_path / 'ddp'}"))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        lambda: PSPNet(num_classes=5, in_channels=1, backbone="resnet18", width=16, output_stride=8),
+        lambda: CifarResNet(depth=8, num_classes=10, in_channels=1),
+    ],
+    ids=["pspnet", "resnet8"],
+)
+def test_every_block_fsdp2_shards_runs_its_own_forward(model):
+    """fully_shard gathers a block's weights in its forward: every block lgc-train shards must have its forward
+    called (PSPNet calls its backbone's stages one by one, never the backbone), and together they hold every
+    parameter the model trains."""
+    net = model()
+    blocks = shard_blocks(net)
+    called: set[int] = set()
+    for block in blocks:
+        block.register_forward_pre_hook(lambda module, _args: called.add(id(module)))
+    net.train()
+    out = net(torch.randn(2, 1, 32, 32))
+    loss = sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)) if o is not None)
+    loss.backward()
+    assert called == {id(b) for b in blocks}
+    trained = {id(p) for p in net.parameters() if p.grad is not None}
+    assert trained <= {id(p) for b in blocks for p in b.parameters()}
