@@ -15,6 +15,10 @@ between two device synchronizations, and the CPU time is the host's. A method wi
 exchanges at their share when the timed steps (``--rounds`` x ``--steps``) are a multiple of the
 delay (the report says when they are not); its median is a local step.
 
+``--fsdp`` times methods on the same model sharded with FSDP2 (``fully_shard`` on every block:
+:func:`lgc.fsdp.shard_model`), in the same rounds, as rows ``fsdp/NAME`` beside ``fsdp``, FSDP2's
+own reduce-scatter; each gets its CPU ratio to DDP's step like every other row.
+
 A method is an ``lgc.compress`` name, optionally with knobs after a colon, ``;``-separated, dotted
 for nested knobs and YAML-valued; e.g. LGC-RAR with a narrower autoencoder::
 
@@ -52,10 +56,15 @@ __all__ = ["add_arguments", "run", "step_rows"]
 METHODS = "ddp,none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
 #: DDP's own allreduce, no communication hook: what lgc's dense hook (``none``) costs beside it.
 PLAIN_DDP = "ddp"
+#: Stock FSDP2 (``fully_shard`` on every block, its own reduce-scatter): the ``--fsdp`` rows' yardstick.
+PLAIN_FSDP = "fsdp"
 
 
-def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store: str, results: Any) -> None:
+def _worker(
+    rank: int, args: argparse.Namespace, specs: list[MethodSpec], sharded: list[MethodSpec], store: str, results: Any
+) -> None:
     import lgc
+    from lgc.fsdp import shard_model
     from lgc.models.torchvision_resnet import torchvision_resnet
 
     torch.set_num_threads(args.threads)
@@ -90,6 +99,16 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
             state.set_epoch(1000)  # DGC past its density warm-up
             warm = state.steady_from() + 2
         runs[spec.label] = (model, optimizer, warm, spec.name == NO_COMM)
+    for spec in sharded:  # the same model sharded with FSDP2, through lgc's reduce-scatter or FSDP2's own
+        model = shard_model(copy.deepcopy(base))
+        optimizer = sgd_for(spec.name, model, lr=1e-3)
+        warm = 2
+        if spec.name != PLAIN_FSDP:
+            knobs = merge_knobs(profile_knobs(args.density).get(spec.name, {}), spec.knobs)
+            state = lgc.compress(model, spec.name, optimizer=optimizer, **knobs)
+            state.set_epoch(1000)
+            warm = state.steady_from() + 2
+        runs[spec.label] = (model, optimizer, warm, False)
 
     def step(label: str) -> tuple[float, float]:
         model, optimizer, _, no_comm = runs[label]
@@ -123,6 +142,12 @@ def _worker(rank: int, args: argparse.Namespace, specs: list[MethodSpec], store:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="resnet50", choices=("resnet18", "resnet50", "resnet101"))
     parser.add_argument("--methods", default=METHODS, help="comma-separated name[:key=value;...] (default %(default)s)")
+    parser.add_argument(
+        "--fsdp",
+        default="",
+        help="methods also timed on the model sharded with FSDP2 (fully_shard on every block), as rows fsdp/NAME; "
+        "'fsdp' is FSDP2's own reduce-scatter (e.g. --fsdp fsdp,none,fp16,topk,qsgd)",
+    )
     parser.add_argument("--density", type=float, default=0.001, help="the sparsifiers' and LGC's density")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
@@ -156,10 +181,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         specs = parse_methods(args.methods, plain=(PLAIN_DDP,))
     except ValueError as error:
         raise SystemExit(f"--methods: {error}") from None
+    try:
+        sharded = [
+            spec if spec.name == PLAIN_FSDP else spec._replace(label=f"fsdp/{spec.label}")
+            for spec in parse_methods(args.fsdp, plain=(PLAIN_FSDP,))
+        ]
+    except ValueError as error:
+        raise SystemExit(f"--fsdp: {error}") from None
+    if sharded and args.workers < 2:
+        raise SystemExit("--fsdp shards the model over the workers: it needs --workers 2 or more")
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         results = mp.Manager().dict()
-        mp.spawn(_worker, args=(args, specs, f"file://{scratch}/store", results), nprocs=args.workers)
+        mp.spawn(_worker, args=(args, specs, sharded, f"file://{scratch}/store", results), nprocs=args.workers)
         per_rank = [json.loads(results[rank]) for rank in range(args.workers)]
     rows = step_rows(per_rank, args.rounds)
     timed = args.rounds * args.steps

@@ -7,6 +7,7 @@ the DDP hook does. :class:`~lgc.fsdp.checkpoint.PerRankState` puts its state in 
 checkpoint (DCP), every rank's under its own key.
 """
 
+from lgc.fsdp.blocks import shard_blocks, shard_model
 from lgc.fsdp.checkpoint import PerRankState
 from lgc.fsdp.layout import GroupLayout, ParamColumns
 from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
@@ -22,4 +23,6 @@ __all__ = [
     "check_fsdp_state",
     "fsdp_modules",
     "replicate_group_of",
+    "shard_blocks",
+    "shard_model",
 ]

@@ -2,10 +2,11 @@
 
 :class:`CompressedFSDPStrategy` is Lightning's ``ModelParallelStrategy`` (FSDP2, one data-parallel
 dimension) with lgc's reduction installed (:mod:`lgc.fsdp`): the task module's ``configure_model``
-calls :meth:`CompressedFSDPStrategy.shard_model`, which shards every block of the model and then
-the model itself, and registers the compressed reduce-scatter. With ``shard_size`` it is hybrid
-sharding (HSDP): the workers form a ``replicas x shard_size`` mesh, the model is sharded within a
-replica (FSDP2's exact reduce-scatter) and lgc compresses the all-reduce across replicas.
+calls :meth:`CompressedFSDPStrategy.shard_model`, which shards every block of the model
+(:func:`lgc.fsdp.shard_blocks`) and then the model itself, and registers the compressed
+reduce-scatter. With ``shard_size`` it is hybrid sharding (HSDP): the workers form a
+``replicas x shard_size`` mesh, the model is sharded within a replica (FSDP2's exact
+reduce-scatter) and lgc compresses the all-reduce across replicas.
 
 What it shares with :class:`~lgc.lit.CompressedDDPStrategy`: it refuses to train without
 :class:`~lgc.lit.CompressionCallback` (every rank's compressor state goes into checkpoints), it
@@ -26,29 +27,13 @@ from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcess
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from lgc.ddp.hook import CompressionHookState
-from lgc.fsdp import FSDPCompression
+from lgc.fsdp import FSDPCompression, shard_model
 from lgc.lit.strategy import WorkerChecks
 
-__all__ = ["CompressedFSDPStrategy", "shard_blocks", "shard_for_strategy"]
-
-
-def shard_blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules ``fully_shard`` gets before the model itself, in the model's order: every block of an
-    ``nn.Sequential`` child (a ResNet stage's residual blocks), every child with parameters of its own (a
-    convolution, a norm layer, a linear head), and the same within every other child. A container's own
-    ``forward`` need not run (PSPNet calls its backbone's stages one by one), so it is never a unit itself."""
-    blocks = []
-    for child in model.children():
-        if isinstance(child, nn.Sequential):
-            blocks += [part for part in child.children() if any(True for _ in part.parameters())]
-        elif any(True for _ in child.parameters(recurse=False)):
-            blocks.append(child)
-        else:
-            blocks += shard_blocks(child)
-    return blocks
+__all__ = ["CompressedFSDPStrategy", "shard_for_strategy"]
 
 
 class _WorkerResultsLauncher(_MultiProcessingLauncher):
@@ -124,14 +109,13 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
         self.start_heartbeat()
 
     def shard_model(self, model: nn.Module) -> None:
-        """``fully_shard`` every block of ``model`` (:func:`shard_blocks`) and ``model``, and install lgc's reduction.
+        """``fully_shard`` every block of ``model`` and ``model`` (:func:`lgc.fsdp.shard_model`), and install lgc's
+        reduction.
 
         Called by the task module's ``configure_model``; a model sharded already is left as it is."""
         if isinstance(model, FSDPModule):
             return
-        for block in shard_blocks(model):
-            fully_shard(block, mesh=self.shard_mesh)
-        fully_shard(model, mesh=self.shard_mesh)
+        shard_model(model, mesh=self.shard_mesh)
         replicate = None if self.replicate_mesh is None else self.replicate_mesh.get_group()
         FSDPCompression(self.hook_state, replicate, self.buffers).register(model)
 

@@ -231,3 +231,26 @@ def test_step_rows_give_each_methods_cpu_over_ddps_round_by_round_with_an_interv
     # Without DDP's row, or with one round, there is nothing to pair.
     assert "cpu_vs_ddp" not in step_rows(per_rank, rounds=1)["topk"]
     assert "cpu_vs_ddp" not in step_rows([{k: v for k, v in r.items() if k != "ddp"} for r in per_rank], 3)["topk"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_step_benchmark_times_the_model_sharded_with_fsdp2_beside_ddp(tmp_path):
+    """``--fsdp``: the same ResNet-18 sharded with FSDP2, its own reduce-scatter (``fsdp``) and lgc's, timed in the
+    same rounds as DDP's step, each with its CPU ratio to DDP's."""
+    out = tmp_path / "step.json"
+    main(
+        ["step", "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--steps", "1", "--rounds", "2",
+         "--methods", "ddp", "--fsdp", "fsdp,fp16,topk", "--json", str(out)]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["no_sync", "ddp", "fsdp", "fsdp/fp16", "fsdp/topk"]
+    assert all(row["cpu_s"] > 0 for row in rows.values())
+    assert all("cpu_vs_ddp" in rows[label] for label in ("fsdp", "fsdp/fp16", "fsdp/topk"))
+
+
+def test_step_fsdp_rows_are_refused_on_one_worker_before_any_worker_starts(no_workers):
+    with pytest.raises(SystemExit, match="--fsdp shards the model over the workers"):
+        main(["step", "--workers", "1", "--fsdp", "topk"])
+    with pytest.raises(SystemExit, match="--fsdp: unknown method 'topkk'"):
+        main(["step", "--fsdp", "topkk"])

@@ -11,7 +11,7 @@ from test_resume import EPOCHS, STEPS_PER_EPOCH, assert_identical, assert_same_t
 from test_resume import compose_cfg as compose_resume_cfg
 from test_train import compose_cfg
 
-from lgc.lit.fsdp_strategy import shard_blocks
+from lgc.fsdp import shard_blocks
 from lgc.models import CifarResNet, PSPNet
 from lgc.train import train
 
