@@ -302,6 +302,8 @@ class FSDPCompression:
         counted.book_dense_reduce_scatter(state.stats, input, group)
         if self.dense_only or not self.compressing:
             self._as_stock(input, output, group, op)
+            if self.dense_only:  # counted as the DDP hook counts a stateless method's non-finite step
+                state.skips.note(state.stats, state.iteration, output)
             return
         layout = comm.layout(state.min_numel)
         layout.check(input.numel(), output.numel())
