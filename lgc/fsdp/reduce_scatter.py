@@ -129,6 +129,8 @@ class CompressedReduceScatter(ReduceScatter):
         self.all_names = tuple(
             names[id(p.sharded_param)] for p in param_group.fsdp_params if p.sharded_param.requires_grad
         )
+        #: Each of :attr:`all_names`' place in the step guard's flags.
+        self.flag_index = {name: i for i, name in enumerate(self.all_names)}
         #: The parameters (``(name, shape)``) the next reduce-scatter carries, as post_backward chose them.
         self.carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
         self.layouts: dict[tuple[tuple[str, tuple[int, ...]], ...], GroupLayout] = {}
@@ -382,8 +384,7 @@ class FSDPCompression:
         FSDP2's reduce-scatters would not match either) learn it here, and every rank refuses.
         """
         names = comm.all_names
-        index = {name: i for i, name in enumerate(names)}
-        carried = [index[s.name] for s in segments]
+        carried = [comm.flag_index[s.name] for s in segments]
         table = bucket_maxima(buffer, segments).float()
         flags = torch.zeros(1 + 3 * len(names), dtype=torch.uint8)
         flags[0] = int(not bool(torch.isfinite(table).all()))
