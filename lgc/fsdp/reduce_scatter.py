@@ -394,7 +394,8 @@ class FSDPCompression:
         mine = torch.zeros(len(names), dtype=torch.uint8)
         mine[carried] = 1
         flags[1 + len(names) :] = torch.cat([mine, 1 - mine])
-        flags = agree_flags(self.state.stats, flags, self.guard_group)
+        # On the gradients' device: NCCL reduces device tensors only.
+        flags = agree_flags(self.state.stats, flags.to(buffer.device), self.guard_group)
         some, missing = flags[1 + len(names) : 1 + 2 * len(names)], flags[1 + 2 * len(names) :]
         split = [names[i] for i in range(len(names)) if some[i] and missing[i]]
         if split:
@@ -487,13 +488,15 @@ class FSDPCompression:
         wires = [p.to_wire() for p in payloads]
         # The sizes of every payload, then the payloads, each to the rank that owns its chunk.
         per_rank = [sum(1 for j, *_ in chunks if j == r) for r in range(world)]
+        device = buffer.device  # NCCL moves device tensors only
         sizes = torch.tensor([w.numel() for w in wires], dtype=torch.int64)
-        their_sizes = torch.empty(world * per_rank[rank], dtype=torch.int64)
-        counted.all_to_all(state.stats, their_sizes, sizes, [per_rank[rank]] * world, per_rank, group).wait()
+        their_sizes = torch.empty(world * per_rank[rank], dtype=torch.int64, device=device)
+        counted.all_to_all(state.stats, their_sizes, sizes.to(device), [per_rank[rank]] * world, per_rank, group).wait()
+        their_sizes = their_sizes.cpu()
         sent_bytes = [int(sizes[sum(per_rank[:r]) : sum(per_rank[: r + 1])].sum()) for r in range(world)]
         received_bytes = [int(n) for n in their_sizes.view(world, per_rank[rank]).sum(dim=1)]
-        received = torch.empty(sum(received_bytes), dtype=torch.uint8)
-        send = torch.cat(wires) if wires else torch.empty(0, dtype=torch.uint8)
+        received = torch.empty(sum(received_bytes), dtype=torch.uint8, device=device)
+        send = torch.cat([w.to(device) for w in wires])
         counted.all_to_all(state.stats, received, send, received_bytes, sent_bytes, group).wait()
         # Decode: every rank's payload of each of this rank's chunks, summed in fp32 into the chunk.
         mine = [(s, start, real) for j, s, start, real in chunks if j == rank]
