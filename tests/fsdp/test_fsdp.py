@@ -339,7 +339,7 @@ def _resumed(rank: int, world: int, path: str, hybrid: bool = False) -> tuple[di
     return straight, (_full(model), {k: v.clone() for k, v in state.compressor.residual_store().items()})
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["fsdp", "hsdp"])
+@pytest.mark.parametrize("hybrid", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fsdp", "hsdp"])
 def test_a_distributed_checkpoint_resumes_bit_for_bit(tmp_path, hybrid):
     """DCP with the model, the optimizer and every rank's own residuals (PerRankState): the resumed run is the
     straight run's, bit for bit, though the ranks' residuals differ."""

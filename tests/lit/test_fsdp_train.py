@@ -26,7 +26,7 @@ def _summary(folder: Path) -> dict:
 
 @pytest.mark.parametrize(
     "strategy",
-    [("strategy=fsdp",), ("strategy=hsdp", "strategy.shard_size=1")],
+    [("strategy=fsdp",), pytest.param(("strategy=hsdp", "strategy.shard_size=1"), marks=pytest.mark.slow)],
     ids=["fsdp", "hsdp_one_worker_per_replica"],
 )
 def test_a_sharded_run_trains_the_ddp_runs_weights_bit_for_bit(tmp_path, strategy):
