@@ -358,7 +358,9 @@ def reduce_scatter(
 ) -> Any:
     """Reduce ``input`` (``P`` equal chunks) across the group and leave this rank's chunk in ``output``; the work."""
     book_reduce_scatter(stats, input, group)
-    return kept(dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True))
+    # reduce_scatter_single: torch 2.14's name (FSDP2's own call); reduce_scatter_tensor before it, deprecated since.
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return kept(reduce_scatter_single(output, input, op=op, group=group, async_op=True))
 
 
 def all_to_all(
