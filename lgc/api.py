@@ -222,7 +222,7 @@ def compress(
             check_fsdp_settings(comm_settings)
         state = _build(method, knobs, Comm(**comm_settings, prefix=""), error_feedback, error_decay, process_group)
     if sharded:
-        check_fsdp_state(state, method)
+        check_fsdp_state(state, method, hybrid=replicate_group is not None)
     check_error_feedback(state, method, error_feedback)
     _check_against_optimizer(state, optimizer, optimizer_momentum, optimizer_weight_decay)
     if grad_scaler is not None:

@@ -347,7 +347,12 @@ def check_strategy(cfg: DictConfig, hook_state: Any, devices: int, world_size: i
         raise ValueError(f"strategy.name must be one of {', '.join(STRATEGIES)}, got {name!r}")
     if name == "ddp":
         return None
-    check_fsdp_state(hook_state, cfg.compressor.get("_target_"))
+    check_fsdp_state(hook_state, cfg.compressor.get("_target_"), hybrid=name == "hsdp")
+    if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}: strategy={name} reduces (and lgc "
+            "compresses) every micro-batch under Lightning, not once per optimizer step; train with 1 here"
+        )
     if cfg.comm.get("pack"):
         raise ValueError(f"comm.pack=true is a DDP hook setting; strategy={name} reduces each parameter group itself")
     if cfg.trainer.get("precision") not in _FP32:

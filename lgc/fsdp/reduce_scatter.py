@@ -67,12 +67,14 @@ from torch.distributed.tensor import DTensor
 from lgc.compressors.base import CombineMode, HoldsSteps, holds_steps
 from lgc.compressors.dgc import DGCCompressor
 from lgc.compressors.none import NoneCompressor
+from lgc.compressors.tiles import TiledCompressorMixin
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, prepare_compressor
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.step_guard import StepVerdict, agree_flags, bucket_maxima
 from lgc.fsdp.layout import GroupLayout
+from lgc.methods import compressor_chain
 
 __all__ = ["CompressedReduceScatter", "FSDPCompression", "check_fsdp_state", "codes_shards", "fsdp_modules"]
 
@@ -82,8 +84,12 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def check_fsdp_state(state: Any, method: Any) -> CompressionHookState:
-    """Refuse a hook state FSDP2's reduce-scatter cannot run, naming it; return it as a compression state."""
+def check_fsdp_state(state: Any, method: Any, *, hybrid: bool = False) -> CompressionHookState:
+    """Refuse a hook state FSDP2's reduce-scatter cannot run, naming it; return it as a compression state.
+
+    ``hybrid``: under hybrid sharding, where each rank codes its shards, which refuses the compressors
+    whose tiles follow the whole parameter's shape (chunked top-k, SparseLoCo's selection, DeMo).
+    """
     if type(state) is not CompressionHookState:
         raise ValueError(
             f"lgc.compress on an FSDP2 model runs an lgc compressor every step (e.g. 'topk', 'dgc', 'sbc', 'qsgd', "
@@ -107,6 +113,11 @@ def check_fsdp_state(state: Any, method: Any) -> CompressionHookState:
         )
     if state.overlap:
         raise ValueError("overlap=True is a DDP hook setting: FSDP2 reduces each parameter group as it is ready")
+    if hybrid and any(isinstance(c, TiledCompressorMixin) for c in compressor_chain(compressor)):
+        raise ValueError(
+            f"{method!r} tiles each parameter by its whole shape, and under hybrid sharding each rank codes its shard "
+            "of it: run it with FSDP2 over every worker (no replicate=) or with DistributedDataParallel"
+        )
     return state
 
 
@@ -346,6 +357,10 @@ class FSDPCompression:
         state.stats.hook_calls += 1
         counted.book_dense_equivalent(state.stats, reduced, group)
         replicas = dist.get_world_size(group)
+        # FSDP2 divided the replica's sum by the shard count (AVG), or by set_gradient_divide_factor's factor,
+        # which is the whole run's: then the replicas' results are summed, not averaged.
+        if comm.param_group.gradient_divide_factor is not None:
+            replicas = 1
         if self.dense_only or not self.compressing:
             self._average_dense(reduced, replicas)
             return

@@ -161,6 +161,7 @@ def _refusals(rank: int, world: int) -> list[str]:
         lambda: lgc.compress(_shard(_net(), mesh["shard"]), "topk", replicate=mesh),  # 2-D replicate
         lambda: lgc.compress(DistributedDataParallel(_net()), "topk", replicate=mesh["replicate"]),
         lambda: lgc.compress(_shard(_net(), mesh["shard"]), "topk", replicate=dist.new_group([0, 1, 2, 3])),
+        lambda: lgc.compress(_shard(_net(), mesh["shard"]), "chunked_topk", replicate=mesh["replicate"]),
     ]
     for attempt in attempts:
         with pytest.raises(ValueError) as info:
@@ -175,3 +176,4 @@ def test_native_hsdp_and_mismatched_meshes_are_refused_naming_the_fix():
         assert "one dimension" in messages[1]
         assert "FSDP2 models only" in messages[2]
         assert "do not make the world's 4 ranks" in messages[3]
+        assert "'chunked_topk' tiles each parameter by its whole shape" in messages[4]

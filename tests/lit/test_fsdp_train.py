@@ -91,6 +91,8 @@ def test_an_hsdp_run_on_a_2x2_mesh_trains_and_counts_the_replicate_dimension(tmp
         (["strategy=hsdp"], "strategy.shard_size=2 on 2 workers: the workers must form two or more replicas"),
         (["strategy=hsdp", "strategy.shard_size=0"], "strategy.shard_size must be a positive number"),
         (["strategy.name=zero"], "strategy.name must be one of ddp, fsdp, hsdp, got 'zero'"),
+        (["strategy=hsdp", "strategy.shard_size=1", "compressor=chunked_topk"], "tiles each parameter by its whole"),
+        (["strategy=fsdp", "+trainer.accumulate_grad_batches=2"], "compresses\\) every micro-batch"),
     ],
 )
 def test_a_strategy_that_cannot_run_is_refused_before_workers_start(tmp_path, no_workers, overrides, message):
