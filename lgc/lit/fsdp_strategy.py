@@ -63,6 +63,7 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
     """
 
     strategy_name = "lgc_fsdp"
+    reduction = "the compressed FSDP2 reduction"
 
     def __init__(
         self,
@@ -118,14 +119,6 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
         shard_model(model, mesh=self.shard_mesh)
         replicate = None if self.replicate_mesh is None else self.replicate_mesh.get_group()
         FSDPCompression(self.hook_state, replicate, self.buffers).register(model)
-
-    def teardown(self) -> None:
-        self.stop_heartbeat()
-        super().teardown()
-
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self.check_hook_ran("the compressed FSDP2 reduction")
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

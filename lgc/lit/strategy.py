@@ -102,6 +102,16 @@ class WorkerChecks:
     hook_state: Any
     heartbeat_dir: Path | None
     _heartbeat: _Heartbeat | None = None
+    #: What compresses the gradients, for the end-of-fit check's message.
+    reduction: str
+
+    def teardown(self) -> None:
+        self.stop_heartbeat()
+        super().teardown()  # type: ignore[misc]
+
+    def on_train_end(self) -> None:
+        super().on_train_end()  # type: ignore[misc]
+        self.check_hook_ran(self.reduction)
 
     def require_compression_callback(self) -> None:
         """Refuse to train without :class:`lgc.lit.CompressionCallback` (checked before the process group exists:
@@ -164,6 +174,7 @@ class CompressedDDPStrategy(WorkerChecks, DDPStrategy):
     """
 
     strategy_name = "lgc_ddp"
+    reduction = "the DDP communication hook"
 
     def __init__(
         self,
@@ -190,11 +201,3 @@ class CompressedDDPStrategy(WorkerChecks, DDPStrategy):
         # Deliberately not Lightning's CUDA-only path: register on gloo and NCCL alike.
         self.hook_state.process_group = dist.group.WORLD
         self.hook_state.register(self.model)
-
-    def teardown(self) -> None:
-        self.stop_heartbeat()
-        super().teardown()
-
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self.check_hook_ran("the DDP communication hook")
