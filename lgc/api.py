@@ -32,8 +32,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors import Compressor
+from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.protocol import HookState
-from lgc.fsdp import FSDPCompression, check_fsdp_settings, check_fsdp_state, replicate_group_of
+from lgc.fsdp import FSDPCompression, check_fsdp_settings, check_fsdp_state, register_local_steps, replicate_group_of
 from lgc.methods import METHODS, Comm, build_hook_state, check_error_feedback, optimizer_rules_owner
 
 __all__ = ["METHODS", "HookState", "compress"]
@@ -74,10 +75,11 @@ def compress(
     An FSDP2 model (``fully_shard``, whose root is ``model``) gets lgc's reduce-scatter in every
     parameter group (:mod:`lgc.fsdp`): each rank compresses every gradient whole, as the DDP hook does,
     and keeps its shard of the sum; every per-step lgc compressor runs there, bitwise as under DDP
-    (``tests/fsdp/``). FSDP2 takes no ``process_group`` (its mesh decides), ``overlap``, ``pack``,
-    nor communication delay, and runs no hook state with collectives of its own (LGC's,
-    PyTorch's DDP hooks): each is refused, naming it. Hybrid sharding (HSDP): shard over the shard
-    dimension and pass ``replicate``; the all-reduce across replicas is then the compressed one.
+    (``tests/fsdp/``). FSDP2 takes no ``process_group`` (its mesh decides), ``overlap`` nor
+    ``pack``, and runs no hook state with collectives of its own (LGC's, PyTorch's DDP hooks): each
+    is refused, naming it. Hybrid sharding (HSDP): shard over the shard dimension and pass
+    ``replicate``; the all-reduce across replicas is then the compressed one, and with ``delay`` the
+    replicas are the local-step family's workers (:mod:`lgc.fsdp.local_steps`).
 
     Compiled models train through the hook, every method (``tests/ddp/test_compile.py``):
     ``DistributedDataParallel(torch.compile(net))``; ``torch.compile`` of the DDP model is taken as
@@ -221,8 +223,9 @@ def compress(
         if sharded:
             check_fsdp_settings(comm_settings)
         state = _build(method, knobs, Comm(**comm_settings, prefix=""), error_feedback, error_decay, process_group)
-    if sharded:
-        check_fsdp_state(state, method, hybrid=replicate_group is not None)
+    local_steps = isinstance(state, CommunicationDelayState)
+    if sharded and not local_steps:
+        check_fsdp_state(state, method)
     check_error_feedback(state, method, error_feedback)
     _check_against_optimizer(state, optimizer, optimizer_momentum, optimizer_weight_decay)
     if grad_scaler is not None:
@@ -232,7 +235,9 @@ def compress(
                 "it (PyTorch's hooks compress scaled gradients; communication delay exchanges weight updates)"
             )
         state.loss_scale = grad_scaler.get_scale
-    if sharded:
+    if sharded and local_steps:
+        register_local_steps(state, model, replicate_group, optimizer)
+    elif sharded:
         FSDPCompression(state, replicate_group, buffers).register(model)
     else:
         state.register(model, optimizer)

@@ -347,7 +347,13 @@ def check_strategy(cfg: DictConfig, hook_state: Any, devices: int, world_size: i
         raise ValueError(f"strategy.name must be one of {', '.join(STRATEGIES)}, got {name!r}")
     if name == "ddp":
         return None
-    check_fsdp_state(hook_state, cfg.compressor.get("_target_"), hybrid=name == "hsdp")
+    if getattr(hook_state, "takes_local_steps", False):
+        raise ValueError(
+            f"comm.delay={cfg.comm.delay}: strategy={name} trains with an exchange every step here; local steps "
+            "under hybrid sharding run in a script of your own (lgc.compress(model, ..., delay=..., "
+            "replicate=mesh['replicate']), lgc.fsdp.local_steps), or with strategy=ddp"
+        )
+    check_fsdp_state(hook_state, cfg.compressor.get("_target_"))
     if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
         raise ValueError(
             f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}: strategy={name} reduces (and lgc "

@@ -138,6 +138,6 @@ def restore(delayed: CommunicationDelayState, state: dict[str, Any]) -> None:
     delayed.in_flight = None
     if flight is not None:
         pieces = [s for s in delayed.slices if s.fragment == int(flight["fragment"])]
-        segments = delayed.exchange_state.segments([(s.key, s.numel) for s in pieces])
+        segments = delayed.segments_of(pieces)
         device = next(iter(params.values())).device
         delayed.in_flight = InFlight.from_state(flight, segments, device)

@@ -78,10 +78,20 @@ class FragmentSlice(NamedTuple):
     whole: bool
     #: The slice's shape: the parameter's, with ``stop - start`` rows.
     shape: tuple[int, ...]
+    #: Under FSDP2, where ``start:stop`` are rows of this rank's shard: the rows of the whole parameter that the
+    #: piece is this shard's part of (they name it, the same on every rank); None: ``start:stop`` name it.
+    origin: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def full_numel(self) -> int:
+        """Entries of the piece this slice is a shard's part of (under FSDP2), else its own: what ``min_numel`` sees."""
+        if self.origin is None:
+            return self.numel
+        return (self.origin[1] - self.origin[0]) * math.prod(self.shape[1:])
 
     @property
     def entries(self) -> slice:
@@ -95,7 +105,22 @@ class FragmentSlice(NamedTuple):
 
         A piece is keyed ``name[start:stop]``: ``param[start:stop]`` is its view of the parameter.
         """
-        return self.name if self.whole else f"{self.name}[{self.start}:{self.stop}]"
+        if self.whole:
+            return self.name
+        start, stop = self.origin or (self.start, self.stop)
+        return f"{self.name}[{start}:{stop}]"
+
+    def in_shard(self, first: int, rows: int) -> FragmentSlice:
+        """This slice's part of the shard holding the parameter's rows ``first : first + rows`` (FSDP2's dim-0
+        chunk), in the shard's rows, keyed as this slice: the whole shard for a whole parameter, else the rows
+        the two share (none, where they share none)."""
+        if self.whole:
+            return self._replace(stop=rows, shape=(rows, *self.shape[1:]), origin=(self.start, self.stop))
+        start = min(max(self.start - first, 0), rows)
+        stop = max(min(self.stop - first, rows), start)
+        return self._replace(
+            start=start, stop=stop, shape=(stop - start, *self.shape[1:]), origin=(self.start, self.stop)
+        )
 
 
 def read_piece(param: Tensor, piece: FragmentSlice) -> Tensor:

@@ -65,12 +65,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors.base import Compressor
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import delay_checkpoint
 from lgc.ddp.collectives import CommStats
+from lgc.ddp.exchange import Segment
 from lgc.ddp.fragments import FRAGMENT_SPLITS, FragmentSchedule, FragmentSlice, read_piece, write_piece
 from lgc.ddp.global_view import GlobalModelView
 from lgc.ddp.hook import CompressionHookState
@@ -152,6 +154,11 @@ class CommunicationDelayState(HookState):
         "mixing",  # alpha: the local weights' share when an exchange is applied
         "in_flight",  # the exchange started and not yet applied (lgc.ddp.streaming.InFlight), or None
         "runner",  # the thread and process group overlapped exchanges run on (lgc.ddp.streaming.ExchangeRunner)
+        # Under FSDP2 (lgc.fsdp.local_steps): the group whose ranks agree on skipping an exchange and average the
+        # buffers (the world), where the exchange itself runs across the replicas; None: the exchange's group.
+        "guard_group",
+        # Under FSDP2: parameter name -> (first row, rows) of this rank's shard; empty under DDP.
+        "shards",
     )
 
     def __init__(
@@ -182,6 +189,8 @@ class CommunicationDelayState(HookState):
         self.view = GlobalModelView()
         self.module_ref: weakref.ReferenceType[nn.Module] | None = None
         self.pending: dict[str, Any] | None = None
+        self.guard_group: dist.ProcessGroup | None = None
+        self.shards: dict[str, tuple[int, int]] = {}
 
     # The settings, as the constructor took them.
     delay = property(lambda self: self.schedule.delay)
@@ -265,13 +274,36 @@ class CommunicationDelayState(HookState):
     def summary_extras(self) -> dict[str, Any]:
         return self.exchange_state.summary_extras()
 
-    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+    def _named_parameters(self) -> list[tuple[str, Tensor]]:
+        """The trainable parameters by name; under FSDP2 this rank's shard of each (a view of its weights)."""
         assert self.module is not None, "call register(model) first"
-        return [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        return [(name, _local(p)) for name, p in self.module.named_parameters() if p.requires_grad]
 
     def _slices_of(self, module: nn.Module) -> tuple[FragmentSlice, ...]:
-        """The fragments' pieces of ``module``'s trainable parameters."""
-        return self.schedule.slices_of([(name, p.shape) for name, p in module.named_parameters() if p.requires_grad])
+        """The fragments' pieces of ``module``'s trainable parameters; under FSDP2 each one's part of this rank's
+        shard (cut as the whole parameters are, so every rank holds the same pieces, some of them empty)."""
+        slices = self.schedule.slices_of([(name, p.shape) for name, p in module.named_parameters() if p.requires_grad])
+        if not self.shards:
+            return slices
+        return tuple(s.in_shard(*self.shards[s.name]) for s in slices)
+
+    def segments_of(self, pieces: list[FragmentSlice]) -> tuple[Segment, ...]:
+        """The exchange's segments of ``pieces``, laid end to end. Under FSDP2 a shard's part is compressed or sent
+        dense as its whole piece is, as the DDP hook decides by the parameter (a shard's own size would send every
+        shard of a large parameter dense on enough ranks)."""
+        segments = self.exchange_state.segments([(s.key, s.numel) for s in pieces])
+        if not self.shards:
+            return segments
+        dense_below = self.exchange_state.min_numel
+        return tuple(
+            segment._replace(compressed=bool(s.numel) and s.full_numel >= dense_below)
+            for segment, s in zip(segments, pieces, strict=True)
+        )
+
+    @property
+    def _guard(self) -> dist.ProcessGroup | None:
+        """The group that decides whether an exchange is skipped and averages the buffers."""
+        return self.process_group if self.guard_group is None else self.guard_group
 
     @property
     def needs_total_steps(self) -> bool:  # type: ignore[override]
@@ -303,34 +335,39 @@ class CommunicationDelayState(HookState):
         next forward pass with gradients (:class:`~lgc.ddp.local_step_hook.LocalStepCheck`), before
         the weights are used.
         """
-        self.module_ref = weakref.ref(model.module)
         if self.overlap_steps:
             # The exchanges run on a thread of their own, over a process group of their own (lgc.ddp.streaming).
             self.process_group = self.runner.side_group(self.process_group)
         self.exchange_state.set_world_size(dist.get_world_size(self.process_group))
         # The compressor learns the parameters' names and shapes (DeMo and chunked top-k tile by shape).
         self.exchange_state.attach(model)
-        self.slices = self._slices_of(model.module)
-        # And every piece of a cut parameter by its key, as a view of its rows: a tiled compressor sees
-        # the piece's (rows, cols) matrix, and one that reads the weights reads the piece's.
-        params = dict(self._named_parameters())
-        pieces = {s.key: read_piece(params[s.name], s) for s in self.slices if not s.whole}
-        if pieces:
-            self.compressor.attach_parameters({**dict(model.module.named_parameters()), **pieces})
-        with torch.no_grad():
-            if self.pending is not None:
-                delay_checkpoint.restore(self, self.pending)
-                self.pending = None
-            else:
-                self.synced = {s.key: read_piece(params[s.name], s).clone() for s in self.slices}
-                self.buffers.snapshot(model.module)
-                self.outer_step.build(list(self.synced.values()))
+        self.take(model.module)
         self.buffers.sync = module_buffers.keep_buffers_local(model)
         check = LocalStepCheck(self, automatic=optimizer is not None)
         model.register_comm_hook(check, checked_local_step_hook)
         model.register_forward_pre_hook(check.before_forward)
         if optimizer is not None:
             optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step())
+
+    def take(self, module: nn.Module) -> None:
+        """Cut ``module``'s parameters into the fragments' pieces and take its synchronized weights and buffers (or a
+        loaded state's); the registration's part that DDP and FSDP2 (:mod:`lgc.fsdp.local_steps`) share."""
+        self.module_ref = weakref.ref(module)
+        self.slices = self._slices_of(module)
+        # Every piece of a cut parameter by its key, as a view of its rows (under FSDP2 every shard, whole or cut):
+        # a tiled compressor sees the piece's (rows, cols) matrix, and one that reads the weights reads the piece's.
+        params = dict(self._named_parameters())
+        pieces = {s.key: read_piece(params[s.name], s) for s in self.slices if s.numel and (self.shards or not s.whole)}
+        if pieces:
+            self.compressor.attach_parameters({**dict(module.named_parameters()), **pieces})
+        with torch.no_grad():
+            if self.pending is not None:
+                delay_checkpoint.restore(self, self.pending)
+                self.pending = None
+            else:
+                self.synced = {s.key: read_piece(params[s.name], s).clone() for s in self.slices}
+                self.buffers.snapshot(module)
+                self.outer_step.build(list(self.synced.values()))
 
     @torch.no_grad()
     def after_optimizer_step(self) -> bool:
@@ -381,14 +418,14 @@ class CommunicationDelayState(HookState):
         # The pseudo-gradient W_sync - W_local goes through the compressor (see the module docstring).
         update = torch.cat([(self.synced[s.key] - read_piece(params[s.name], s)).reshape(-1) for s in pieces])
         update.div_(dist.get_world_size(self.process_group))
-        segments = self.exchange_state.segments([(s.key, s.numel) for s in pieces])
+        segments = self.segments_of(pieces)
         pending = [PendingBucket(update, segments, torch.futures.Future())]
 
         def exchange() -> bool:
             # The hook's step guard, applied to the weight update: every rank agrees whether some
             # rank's weights went non-finite (a local step without a GradScaler to skip it) and
             # which parameters did not move anywhere.
-            verdict = agree_on_step(self.stats, self.process_group, pending)
+            verdict = agree_on_step(self.stats, self._guard, pending)
             if not verdict.skip:
                 self.exchange_state.compress_step(pending, verdict.used, number)
             return verdict.skip
@@ -426,8 +463,8 @@ class CommunicationDelayState(HookState):
                 synced = torch.lerp(synced, read_piece(params[s.name], s), self.mixing)
             write_piece(params[s.name], s, synced)
         if flight.with_buffers:
-            world_size = dist.get_world_size(self.process_group)
-            self.buffers.average(self.module, self.stats, world_size, self.process_group)
+            group = self._guard
+            self.buffers.average(self.module, self.stats, dist.get_world_size(group), group)
         self.exchange_state.step_done(skipped=False)  # after the buffers: their bytes belong to this exchange
 
     @contextlib.contextmanager
@@ -474,8 +511,15 @@ class CommunicationDelayState(HookState):
             "mixing": self.mixing,
             "in_flight": None,
             "runner": ExchangeRunner(),
+            "guard_group": None,
+            "shards": {},
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
+
+
+def _local(param: nn.Parameter) -> Tensor:
+    """``param``, or under FSDP2 this rank's shard of it: a plain tensor viewing the parameter's own storage."""
+    return param.to_local().detach() if isinstance(param, DTensor) else param

@@ -4,12 +4,15 @@
 a compressed reduce-scatter per parameter group (:mod:`lgc.fsdp.reduce_scatter`), which rebuilds
 each gradient whole from FSDP2's reduce-scatter input (:mod:`lgc.fsdp.layout`) and compresses it as
 the DDP hook does. :class:`~lgc.fsdp.checkpoint.PerRankState` puts its state in a distributed
-checkpoint (DCP), every rank's under its own key.
+checkpoint (DCP), every rank's under its own key. Under hybrid sharding the local-step family
+(communication delay: SBC, DiLoCo, SparseLoCo, Streaming DiLoCo) runs with the replicas as its
+workers (:mod:`lgc.fsdp.local_steps`).
 """
 
 from lgc.fsdp.blocks import shard_blocks, shard_model
 from lgc.fsdp.checkpoint import PerRankState
 from lgc.fsdp.layout import GroupLayout, ParamColumns
+from lgc.fsdp.local_steps import register_local_steps, shard_rows
 from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
 from lgc.fsdp.settings import check_fsdp_settings, replicate_group_of
 
@@ -22,7 +25,9 @@ __all__ = [
     "check_fsdp_settings",
     "check_fsdp_state",
     "fsdp_modules",
+    "register_local_steps",
     "replicate_group_of",
     "shard_blocks",
     "shard_model",
+    "shard_rows",
 ]

@@ -7,6 +7,11 @@ serialized object (a leaf DCP saves as bytes), so every rank's survives, and on 
 its own. One object rather than tensor by tensor: DCP loads only the keys the live state already
 has, and a state resumed before its first step has no residuals yet.
 
+Under hybrid sharding with local steps (:mod:`lgc.fsdp.local_steps`) the replicas' weights and
+inner optimizer states differ between exchanges, where DCP keeps one replica's copy of each shard:
+save ``PerRankState(optimizer)`` too, and load both after the model and the optimizer, whose
+values they then replace with this rank's own (``tests/fsdp/test_local_steps.py``).
+
 Example::
 
     >>> state = lgc.compress(model, "topk", optimizer=opt)  # model: fully_shard(...)
@@ -29,7 +34,8 @@ class PerRankState:
     """DCP's ``Stateful`` view of a hook state (anything with ``state_dict`` / ``load_state_dict``), per rank.
 
     Args:
-        state: the hook state :func:`lgc.compress` returned.
+        state: the hook state :func:`lgc.compress` returned (or any object with ``state_dict`` and
+            ``load_state_dict`` whose state is the rank's own: an optimizer under local steps).
         group: the group whose ranks name the entries (default: the world).
     """
 

@@ -44,7 +44,9 @@ exact (the fast links), and the all-reduce across replicas (the slow ones) is lg
 FSDP2's all-reduce hook (``set_all_reduce_hook``). There each rank holds its shard of its replica's
 summed gradient; the compressor runs on every parameter's shard, keyed by its name (top-k selects
 among the shard, residuals are shard-sized), and the replicas holding the same shard exchange
-payloads, as DDP workers would. The step guard decides over the whole world, so every rank skips
+payloads, as DDP workers would; a tiled compressor (chunked top-k, SparseLoCo's selection, DeMo)
+tiles the shard's rows, where under DDP it tiles the whole parameter's (the same tiles wherever a
+shard's first row starts a tile). The step guard decides over the whole world, so every rank skips
 or commits the same steps. ``state.stats`` counts the replicate dimension's traffic.
 
 Why one module: the reduce-scatter FSDP2 calls and the per-step bookkeeping it feeds (the end of a
@@ -67,16 +69,23 @@ from torch.distributed.tensor import DTensor
 from lgc.compressors.base import CombineMode, HoldsSteps, holds_steps
 from lgc.compressors.dgc import DGCCompressor
 from lgc.compressors.none import NoneCompressor
-from lgc.compressors.tiles import TiledCompressorMixin
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
 from lgc.ddp.exchange import PayloadExchange, Segment, average_compressed, prepare_compressor
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.step_guard import StepVerdict, agree_flags, bucket_maxima
 from lgc.fsdp.layout import GroupLayout
-from lgc.methods import compressor_chain
 
-__all__ = ["CompressedReduceScatter", "FSDPCompression", "check_fsdp_state", "codes_shards", "fsdp_modules"]
+__all__ = [
+    "CompressedReduceScatter",
+    "FSDPCompression",
+    "broadcast_from_first_replica",
+    "check_fsdp_state",
+    "check_replicate",
+    "codes_shards",
+    "fsdp_modules",
+    "param_groups",
+]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -84,12 +93,8 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def check_fsdp_state(state: Any, method: Any, *, hybrid: bool = False) -> CompressionHookState:
-    """Refuse a hook state FSDP2's reduce-scatter cannot run, naming it; return it as a compression state.
-
-    ``hybrid``: under hybrid sharding, where each rank codes its shards, which refuses the compressors
-    whose tiles follow the whole parameter's shape (chunked top-k, SparseLoCo's selection, DeMo).
-    """
+def check_fsdp_state(state: Any, method: Any) -> CompressionHookState:
+    """Refuse a hook state FSDP2's reduce-scatter cannot run, naming it; return it as a compression state."""
     if type(state) is not CompressionHookState:
         raise ValueError(
             f"lgc.compress on an FSDP2 model runs an lgc compressor every step (e.g. 'topk', 'dgc', 'sbc', 'qsgd', "
@@ -113,11 +118,6 @@ def check_fsdp_state(state: Any, method: Any, *, hybrid: bool = False) -> Compre
         )
     if state.overlap:
         raise ValueError("overlap=True is a DDP hook setting: FSDP2 reduces each parameter group as it is ready")
-    if hybrid and any(isinstance(c, TiledCompressorMixin) for c in compressor_chain(compressor)):
-        raise ValueError(
-            f"{method!r} tiles each parameter by its whole shape, and under hybrid sharding each rank codes its shard "
-            "of it: run it with FSDP2 over every worker (no replicate=) or with DistributedDataParallel"
-        )
     return state
 
 
@@ -238,26 +238,10 @@ class FSDPCompression:
         """
         state = self.state
         names = {id(p): name for name, p in model.named_parameters()}
-        groups = [(m, g) for m in fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
-        if not groups:
-            raise ValueError("lgc.compress found no parameter to reduce in the FSDP2 model")
-        shard_pg = groups[0][1].mesh_info.shard_process_group
-        for module, param_group in groups:
-            mesh_info = param_group.mesh_info
-            if getattr(mesh_info, "replicate_process_group", None) is not None:
-                raise ValueError(
-                    "fully_shard over a 2-D mesh (FSDP2's own HSDP) all-reduces the replicas dense before any hook "
-                    "sees the gradient: shard over the shard dimension only, fully_shard(module, mesh=mesh['shard']), "
-                    "and pass lgc.compress(model, ..., replicate=mesh['replicate']), whose all-reduce lgc compresses"
-                )
-            if mesh_info.shard_process_group is not shard_pg:
-                raise ValueError("lgc.compress needs every FSDP module of the model on one mesh")
-            if len(module._get_fsdp_state()._fsdp_param_groups) > 1:
-                raise ValueError(f"{type(module).__name__}: lgc.compress takes one parameter group per FSDP module")
-            GroupLayout.of_group(param_group, names, mesh_info.shard_mesh_size, 1)  # refuses dim != 0
+        groups, shard_pg = param_groups(model)
         world = dist.get_world_size(shard_pg)
         if self.replicate is not None:
-            self._check_replicate(shard_pg)
+            check_replicate(self.replicate, shard_pg)
         elif world < 2:
             raise ValueError(
                 "FSDP2 on one rank reduces nothing (it never calls a reduce-scatter), so lgc would compress nothing: "
@@ -282,23 +266,12 @@ class FSDPCompression:
             state.process_group = self.guard_group = shard_pg
         else:
             state.process_group, self.guard_group = self.replicate, dist.group.WORLD
-            _broadcast_from_first_replica(model, self.replicate)
-        state.compressor.attach_parameters(dict(model.named_parameters()))
-
-    def _check_replicate(self, shard_pg: dist.ProcessGroup) -> None:
-        replicas, shards = dist.get_world_size(self.replicate), dist.get_world_size(shard_pg)
-        if replicas < 2:
-            raise ValueError(
-                f"replicate= has {replicas} rank: lgc compresses the all-reduce across two or more replicas"
-            )
-        if replicas * shards != dist.get_world_size():
-            raise ValueError(
-                f"replicate= has {replicas} ranks and the shard mesh {shards}, which do not make the world's "
-                f"{dist.get_world_size()} ranks: build both from one 2-D mesh "
-                "(init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard')))"
-            )
-        if dist.get_rank(self.replicate) < 0 or dist.get_rank(shard_pg) < 0:
-            raise ValueError("replicate= and the shard mesh must both hold this rank")
+            broadcast_from_first_replica(model, self.replicate)
+        params = dict(model.named_parameters())
+        if self.replicate is not None:
+            # Each rank codes its shard of each parameter: a tiled compressor tiles the shard's rows.
+            params = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in params.items()}
+        state.compressor.attach_parameters(params)
 
     # -- one group ---------------------------------------------------------------------------------
     def reduce_scatter(self, comm: CompressedReduceScatter, output: Tensor, input: Tensor, group: Any, op: Any) -> None:
@@ -594,6 +567,46 @@ class FSDPCompression:
         state.step_done(skipped=self.step_skipped)
 
 
+def param_groups(model: torch.nn.Module) -> tuple[list[tuple[FSDPModule, Any]], dist.ProcessGroup]:
+    """Every FSDP module of ``model`` with its parameter group, and their one shard group; refuses what lgc cannot
+    run: no parameter, a 2-D mesh (FSDP2's own HSDP), several meshes or parameter groups per module, a parameter
+    sharded on another dim than 0."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = [(m, g) for m in fsdp_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+    if not groups:
+        raise ValueError("lgc.compress found no parameter to reduce in the FSDP2 model")
+    shard_pg = groups[0][1].mesh_info.shard_process_group
+    for module, param_group in groups:
+        mesh_info = param_group.mesh_info
+        if getattr(mesh_info, "replicate_process_group", None) is not None:
+            raise ValueError(
+                "fully_shard over a 2-D mesh (FSDP2's own HSDP) all-reduces the replicas dense before any hook "
+                "sees the gradient: shard over the shard dimension only, fully_shard(module, mesh=mesh['shard']), "
+                "and pass lgc.compress(model, ..., replicate=mesh['replicate']), whose all-reduce lgc compresses"
+            )
+        if mesh_info.shard_process_group is not shard_pg:
+            raise ValueError("lgc.compress needs every FSDP module of the model on one mesh")
+        if len(module._get_fsdp_state()._fsdp_param_groups) > 1:
+            raise ValueError(f"{type(module).__name__}: lgc.compress takes one parameter group per FSDP module")
+        GroupLayout.of_group(param_group, names, mesh_info.shard_mesh_size, 1)  # refuses dim != 0
+    return groups, shard_pg
+
+
+def check_replicate(replicate: dist.ProcessGroup, shard_pg: dist.ProcessGroup) -> None:
+    """Refuse a replicate group that does not complete the shard group to the world, or has one replica."""
+    replicas, shards = dist.get_world_size(replicate), dist.get_world_size(shard_pg)
+    if replicas < 2:
+        raise ValueError(f"replicate= has {replicas} rank: lgc compresses the all-reduce across two or more replicas")
+    if replicas * shards != dist.get_world_size():
+        raise ValueError(
+            f"replicate= has {replicas} ranks and the shard mesh {shards}, which do not make the world's "
+            f"{dist.get_world_size()} ranks: build both from one 2-D mesh "
+            "(init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard')))"
+        )
+    if dist.get_rank(replicate) < 0 or dist.get_rank(shard_pg) < 0:
+        raise ValueError("replicate= and the shard mesh must both hold this rank")
+
+
 def codes_shards(compressor: Any) -> bool:
     """Whether FSDP2's compressed reduce-scatter codes ``compressor``'s chunks on their own (an all-to-all of
     compressed shards): a quantizer (:attr:`~lgc.compressors.Compressor.codes_every_entry`, with or without
@@ -601,7 +614,7 @@ def codes_shards(compressor: Any) -> bool:
     return bool(compressor.codes_every_entry) and not compressor.transforms_dense
 
 
-def _broadcast_from_first_replica(model: torch.nn.Module, replicate: dist.ProcessGroup) -> None:
+def broadcast_from_first_replica(model: torch.nn.Module, replicate: dist.ProcessGroup) -> None:
     """Every parameter shard as the first replica holds it, on every replica (DDP's broadcast at construction)."""
     source = dist.get_global_rank(replicate, 0)
     with torch.no_grad():

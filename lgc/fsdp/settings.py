@@ -11,20 +11,8 @@ from torch.distributed.fsdp import FSDPModule
 __all__ = ["DDP_ONLY", "check_fsdp_settings", "replicate_group_of"]
 
 
-#: Settings of the DDP hook that an FSDP2 model does not take: FSDP2's mesh chooses the group, reduces each
-#: parameter group as it is ready.
-DDP_ONLY = (
-    "overlap",
-    "pack",
-    "delay",
-    "outer",
-    "outer_lr",
-    "outer_momentum",
-    "fragments",
-    "fragment_split",
-    "overlap_steps",
-    "mixing",
-)
+#: Settings of the DDP hook that an FSDP2 model does not take: FSDP2 reduces each parameter group as it is ready.
+DDP_ONLY = ("overlap", "pack")
 
 
 def check_fsdp_settings(settings: dict[str, Any]) -> None:
@@ -32,8 +20,7 @@ def check_fsdp_settings(settings: dict[str, Any]) -> None:
     if given:
         raise ValueError(
             f"{', '.join(given)}: DDP settings, which an FSDP2 model does not take (FSDP2 reduces each parameter "
-            "group as it is ready, over its mesh); communication delay "
-            "under FSDP2 is not supported yet"
+            "group as it is ready, over its mesh)"
         )
 
 

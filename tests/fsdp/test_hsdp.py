@@ -44,8 +44,10 @@ def test_none_is_fsdp2s_own_hsdp_bit_for_bit_on_a_2x2_mesh():
         assert stats["wire_bytes_sent"] == stats["wire_dense_equivalent_bytes"] > 0
 
 
-#: The per-step methods hybrid sharding runs: all but those whose tiles follow the whole parameter (refused there).
-HYBRID = tuple(m for m in FOLLOWERS if m not in ("chunked_topk", "sparseloco", "demo"))
+#: Every per-step method FSDP2 runs; hybrid sharding runs them all.
+HYBRID = tuple(FOLLOWERS)
+#: The methods that tile a tensor by its shape: under hybrid sharding they tile each rank's shard.
+TILED = ("chunked_topk", "sparseloco", "demo")
 
 
 def _ddp_and_hybrid(rank: int, world: int) -> dict[str, tuple]:
@@ -165,7 +167,6 @@ def _refusals(rank: int, world: int) -> list[str]:
         lambda: lgc.compress(_shard(_net(), mesh["shard"]), "topk", replicate=mesh),  # 2-D replicate
         lambda: lgc.compress(DistributedDataParallel(_net()), "topk", replicate=mesh["replicate"]),
         lambda: lgc.compress(_shard(_net(), mesh["shard"]), "topk", replicate=dist.new_group([0, 1, 2, 3])),
-        lambda: lgc.compress(_shard(_net(), mesh["shard"]), "chunked_topk", replicate=mesh["replicate"]),
     ]
     for attempt in attempts:
         with pytest.raises(ValueError) as info:
@@ -180,4 +181,30 @@ def test_native_hsdp_and_mismatched_meshes_are_refused_naming_the_fix():
         assert "one dimension" in messages[1]
         assert "FSDP2 models only" in messages[2]
         assert "do not make the world's 4 ranks" in messages[3]
-        assert "'chunked_topk' tiles each parameter by its whole shape" in messages[4]
+
+
+def _tiled(rank: int, world: int) -> dict[str, tuple]:
+    mesh = _mesh(2, 2)
+    out = {}
+    for method in TILED:
+        model = _shard(_net(), mesh["shard"])
+        state = lgc.compress(model, method, replicate=mesh["replicate"], **FOLLOWERS[method])
+        _train(model, rank)
+        shapes = {k: tuple(v.shape) for k, v in state.compressor.residual_store().items()}
+        out[method] = (_full(model), shapes, state.stats.as_dict())
+    return out
+
+
+def test_on_a_2x2_mesh_a_tiled_compressor_tiles_each_ranks_shard():
+    """Chunked top-k, SparseLoCo's selection and DeMo code each rank's shard as a matrix of its rows: residuals are
+    shard-sized, the payloads smaller than dense, and both replicas end with the same weights."""
+    results = run_workers(_tiled, 4)
+    for rank, result in enumerate(results):
+        rows = (19, 23) if rank % 2 == 0 else (18, 22)
+        for method in TILED:
+            weights, shapes, stats = result[method]
+            assert shapes["0.weight"] == (rows[0] * 40,) and shapes["2.weight"] == (rows[1] * 37,), method
+            assert stats["payload_bytes"] < stats["payload_dense_equivalent_bytes"], method
+            for name, weight in weights.items():
+                assert torch.isfinite(weight).all()
+                assert torch.equal(weight, results[rank % 2][method][0][name]), (method, name)
