@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -277,7 +278,19 @@ class CommunicationDelayState(HookState):
     def _named_parameters(self) -> list[tuple[str, Tensor]]:
         """The trainable parameters by name; under FSDP2 this rank's shard of each (a view of its weights)."""
         assert self.module is not None, "call register(model) first"
+        if not self.shards:
+            return [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        self._reshard()
         return [(name, _local(p)) for name, p in self.module.named_parameters() if p.requires_grad]
+
+    def _reshard(self) -> None:
+        """Under FSDP2, every module's parameters back to their shards: FSDP2 keeps the root's gathered after a
+        forward pass without backward (an evaluation), and the shards would then be read and written beside
+        the copy the next forward pass uses."""
+        assert self.module is not None
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _slices_of(self, module: nn.Module) -> tuple[FragmentSlice, ...]:
         """The fragments' pieces of ``module``'s trainable parameters; under FSDP2 each one's part of this rank's
@@ -483,8 +496,12 @@ class CommunicationDelayState(HookState):
         assert self.module is not None, "call register(model) first"
         synced = [(s, self.synced[s.key]) for s in self.slices]
         averaged = {name: self.buffers.synced[name] for name in self.buffers.averaged(self.module)}
-        with self.view.enter(self.module, dict(self._named_parameters()), synced, averaged) as module:
-            yield module
+        try:
+            with self.view.enter(self.module, dict(self._named_parameters()), synced, averaged) as module:
+                yield module
+        finally:
+            if self.shards:
+                self._reshard()  # the evaluation's gathered synchronized weights out of the root
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (:func:`lgc.ddp.delay_checkpoint.save`): its weights differ from the other ranks'."""

@@ -25,7 +25,12 @@ What sharding changes, and what it leaves alone:
 * The module buffers (BatchNorm's statistics, each rank's own between exchanges, as stock FSDP2
   keeps them) are averaged over the world with the last fragment's exchange, so every rank of every
   replica agrees on them there.
-* Parameters are broadcast from the first replica at registration, so the replicas start equal.
+* Parameters are broadcast from the first replica at registration, and buffers from the first
+  rank, so the replicas start equal.
+* An evaluation forward pass leaves FSDP2's root gathered; the state reshards every module before
+  it reads or writes a shard and after :meth:`~lgc.ddp.local_sgd.CommunicationDelayState.global_model`.
+* ``overlap_steps`` runs on the CPU (gloo) only: on a GPU its exchange thread would share the
+  compute stream with FSDP2's collectives, untested, so it is refused there.
 
 Between exchanges FSDP2's all-reduce hook (which runs on each group's reduced shard, FSDP2 doing no
 all-reduce of its own over a 1-D mesh) counts what plain HSDP would send across the replicas and
@@ -33,7 +38,8 @@ notes each backward pass, for the check that ``after_optimizer_step`` runs once 
 Checkpoints: :class:`~lgc.fsdp.checkpoint.PerRankState` of the state and of the optimizer beside
 the model's and the optimizer's DCP state dicts, loaded after them: between exchanges every rank's
 local weights, inner optimizer state, residuals and synchronized shards are its own, where DCP
-keeps one replica's copy of each shard.
+keeps one replica's copy of each shard (saved between exchanges, DCP's model state mixes shards of
+different replicas: export the model inside ``global_model()``).
 """
 
 from __future__ import annotations
@@ -81,7 +87,16 @@ def register_local_steps(
     _, shard_pg = param_groups(model)
     check_replicate(replicate, shard_pg)
     shards = shard_rows(model, shard_pg)
+    if state.overlap_steps and any(p.device.type != "cpu" for p in model.parameters()):
+        raise ValueError(
+            f"overlap_steps={state.overlap_steps} under hybrid sharding runs on the CPU (gloo) only: on a GPU the "
+            "exchange's thread would share the compute stream with FSDP2's own collectives, untested; use "
+            "overlap_steps=0 there"
+        )
     broadcast_from_first_replica(model, replicate)
+    with torch.no_grad():  # and every buffer from the first rank, as DDP does at construction
+        for buffer in model.buffers():
+            dist.broadcast(buffer, dist.get_global_rank(dist.group.WORLD, 0))
     if state.overlap_steps:
         # Overlapped exchanges run on a thread of their own, over groups of their own (lgc.ddp.streaming): the
         # world's for the guard and the buffers, made first by every rank, then each replicate group's.
@@ -99,6 +114,7 @@ def register_local_steps(
     hook = _LocalStepHook(check, replicate)
     for module in fsdp_modules(model):
         module.set_all_reduce_hook(hook)
+    model.register_forward_pre_hook(hook.before_forward)
     model.register_forward_pre_hook(check.before_forward)
     if optimizer is not None:
         optimizer.register_step_post_hook(lambda *_: state.after_optimizer_step())
@@ -141,6 +157,10 @@ class _LocalStepHook:
         if not self.queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
             self.queued = True
+
+    def before_forward(self, *_: object) -> None:
+        """A forward pass starts no backward's end: one that raised before its end leaves nothing queued."""
+        self.queued = False
 
     def _backward_done(self) -> None:
         self.queued = False

@@ -187,6 +187,35 @@ def test_a_nan_on_one_rank_skips_that_exchange_on_every_rank():
             assert torch.equal(weight, results[0][0][name]), name
 
 
+def _evaluated(rank: int, world: int) -> tuple[dict, dict, torch.Tensor]:
+    """DiLoCo on 2 x 2 for 6 steps (an exchange every 4), with and without an evaluation inside ``global_model()``
+    after step 3; returns both runs' weights and the evaluation's output."""
+    mesh = _mesh(2, 2)
+    runs, output = [], torch.empty(0)
+    for evaluate in (False, True):
+        model = _shard(_net(), mesh["shard"])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        state = lgc.compress(model, "none", optimizer=opt, replicate=mesh["replicate"], delay=4, outer="sgd")
+        _run(model, opt, lambda step: _batch(rank, step), range(3))
+        if evaluate:
+            with torch.no_grad(), state.global_model() as synced:
+                output = synced(_batch(0, 99)[0])
+        _run(model, opt, lambda step: _batch(rank, step), range(3, 6))
+        runs.append(_full(model))
+    return runs[0], runs[1], output
+
+
+def test_an_evaluation_of_the_synchronized_model_leaves_training_as_it_was():
+    """FSDP2 keeps its root gathered after a forward pass without backward; the evaluation inside
+    ``global_model()`` sees the synchronized weights (the same on every rank), and training afterwards takes the
+    local ones again: the run equals the one without an evaluation, bit for bit."""
+    results = run_workers(_evaluated, 4)
+    for plain, evaluated, output in results:
+        for name in plain:
+            assert torch.equal(plain[name], evaluated[name]), name
+        assert torch.equal(output, results[0][2])
+
+
 def _resumed(rank: int, world: int, path: str) -> tuple[dict, dict]:
     """Three steps of DiLoCo with top-k (an exchange every 2), a DCP save mid-interval, three more; then a fresh
     model loads the save and takes the three again."""
