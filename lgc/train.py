@@ -337,9 +337,10 @@ def check_strategy(cfg: DictConfig, hook_state: Any, devices: int, world_size: i
 
     FSDP2 and HSDP take a per-step lgc compressor (:func:`lgc.fsdp.check_fsdp_state`), fp32 training,
     one worker per device, and at least two workers (HSDP: two replicas, of ``shard_size`` workers,
-    default ``trainer.devices``).
+    default ``trainer.devices``). HSDP also takes local steps (``comm.delay``) through an lgc
+    compressor, the replicas the workers (:mod:`lgc.fsdp.local_steps`).
     """
-    from lgc.fsdp import check_fsdp_state
+    from lgc.fsdp import check_fsdp_state, check_local_steps
 
     node = cfg.get("strategy") or {"name": "ddp"}
     name = node.get("name")
@@ -347,13 +348,21 @@ def check_strategy(cfg: DictConfig, hook_state: Any, devices: int, world_size: i
         raise ValueError(f"strategy.name must be one of {', '.join(STRATEGIES)}, got {name!r}")
     if name == "ddp":
         return None
-    if getattr(hook_state, "takes_local_steps", False):
+    if not getattr(hook_state, "takes_local_steps", False):
+        check_fsdp_state(hook_state, cfg.compressor.get("_target_"))
+    elif name == "fsdp":
         raise ValueError(
-            f"comm.delay={cfg.comm.delay}: strategy={name} trains with an exchange every step here; local steps "
-            "under hybrid sharding run in a script of your own (lgc.compress(model, ..., delay=..., "
-            "replicate=mesh['replicate']), lgc.fsdp.local_steps), or with strategy=ddp"
+            f"comm.delay={cfg.comm.delay}: local steps need replicas that step apart, and strategy=fsdp shards one "
+            "model over every worker: strategy=hsdp strategy.shard_size=N (each replica of N workers an outer "
+            "worker), or strategy=ddp"
         )
-    check_fsdp_state(hook_state, cfg.compressor.get("_target_"))
+    else:
+        check_local_steps(hook_state)
+        if hook_state.overlap_steps and cfg.trainer.get("accelerator") not in (None, "cpu"):
+            raise ValueError(
+                f"comm.overlap_steps={hook_state.overlap_steps}: under strategy=hsdp overlapped exchanges run on "
+                f"the CPU only (trainer.accelerator={cfg.trainer.accelerator!r}); use comm.overlap_steps=0"
+            )
     if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
         raise ValueError(
             f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}: strategy={name} reduces (and lgc "

@@ -12,7 +12,7 @@ workers (:mod:`lgc.fsdp.local_steps`).
 from lgc.fsdp.blocks import shard_blocks, shard_model
 from lgc.fsdp.checkpoint import PerRankState
 from lgc.fsdp.layout import GroupLayout, ParamColumns
-from lgc.fsdp.local_steps import register_local_steps, shard_rows
+from lgc.fsdp.local_steps import check_local_steps, register_local_steps, shard_rows
 from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
 from lgc.fsdp.settings import check_fsdp_settings, replicate_group_of
 
@@ -24,6 +24,7 @@ __all__ = [
     "PerRankState",
     "check_fsdp_settings",
     "check_fsdp_state",
+    "check_local_steps",
     "fsdp_modules",
     "register_local_steps",
     "replicate_group_of",

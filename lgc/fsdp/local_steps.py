@@ -56,7 +56,7 @@ from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.local_step_hook import LocalStepCheck
 from lgc.fsdp.reduce_scatter import broadcast_from_first_replica, check_replicate, fsdp_modules, param_groups
 
-__all__ = ["register_local_steps", "shard_rows"]
+__all__ = ["check_local_steps", "register_local_steps", "shard_rows"]
 
 
 def register_local_steps(
@@ -77,13 +77,7 @@ def register_local_steps(
             "exchange (FSDP2 over every rank holds one model, with nothing to step apart): shard over "
             "mesh['shard'] and pass replicate=mesh['replicate']"
         )
-    exchange = state.exchange_state
-    if type(exchange) is not CompressionHookState:
-        raise ValueError(
-            f"communication delay under FSDP2 exchanges through an lgc compressor (e.g. 'none' with outer='sgd' for "
-            f"DiLoCo, 'sparseloco', 'sbc'); {type(exchange).__name__} codes whole parameters: use it with "
-            "DistributedDataParallel"
-        )
+    exchange = check_local_steps(state)
     _, shard_pg = param_groups(model)
     check_replicate(replicate, shard_pg)
     shards = shard_rows(model, shard_pg)
@@ -118,6 +112,19 @@ def register_local_steps(
     model.register_forward_pre_hook(check.before_forward)
     if optimizer is not None:
         optimizer.register_step_post_hook(lambda *_: state.after_optimizer_step())
+
+
+def check_local_steps(state: CommunicationDelayState) -> CompressionHookState:
+    """Refuse an exchange of the LGC family (its codec and leader are built for whole parameters), naming it;
+    return the exchange state."""
+    exchange = state.exchange_state
+    if type(exchange) is not CompressionHookState:
+        raise ValueError(
+            f"communication delay under FSDP2 exchanges through an lgc compressor (e.g. 'none' with outer='sgd' for "
+            f"DiLoCo, 'sparseloco', 'sbc'); {type(exchange).__name__} codes whole parameters: use it with "
+            "DistributedDataParallel"
+        )
+    return exchange
 
 
 def shard_rows(model: torch.nn.Module, shard_pg: dist.ProcessGroup) -> dict[str, tuple[int, int]]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.protocol import HookState
-from lgc.lit.checkpoint import rng_state, set_rng_state
+from lgc.lit.checkpoint import load_own_optimizer_state, own_optimizer_state, rng_state, set_rng_state
 
 __all__ = ["LAYER_COLUMNS", "CompressionCallback", "RunSummary", "ValidateAtMaxSteps", "gather_worker_stats"]
 
@@ -144,7 +144,7 @@ class CompressionCallback(pl.Callback):
         # After Lightning restored rank 0's optimizer state on every rank: put back this rank's own.
         if self._pending_optimizer_states is not None:
             for optimizer, state in zip(trainer.optimizers, self._pending_optimizer_states, strict=True):
-                optimizer.load_state_dict(state)
+                load_own_optimizer_state(optimizer, state)
             self._pending_optimizer_states = None
         if self._pending_rng is not None:
             set_rng_state(self._pending_rng)
@@ -207,7 +207,7 @@ class CompressionCallback(pl.Callback):
         state = {**self._state.state_dict(), "rng": rng_state()}
         if self._state.takes_local_steps and self._trainer is not None:
             # Between exchanges the ranks' optimizer states (momenta) differ too.
-            state = {**state, "optimizers": [opt.state_dict() for opt in self._trainer.optimizers]}
+            state = {**state, "optimizers": [own_optimizer_state(opt) for opt in self._trainer.optimizers]}
         return {"per_rank": _all_gather_object(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

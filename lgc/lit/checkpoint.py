@@ -27,6 +27,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -34,6 +35,8 @@ __all__ = [
     "ResumableCheckpoint",
     "check_checkpoint",
     "load_checkpoint",
+    "load_own_optimizer_state",
+    "own_optimizer_state",
     "resolve_checkpoint_path",
     "rng_state",
     "set_rng_state",
@@ -64,6 +67,43 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def own_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state in plain tensors: under FSDP2 a sharded parameter's state (its momentum, a
+    DTensor) by this rank's shard, so that the checkpoint loads without a process group."""
+    state = optimizer.state_dict()
+    own = {
+        index: {key: value.to_local() if isinstance(value, DTensor) else value for key, value in entry.items()}
+        for index, entry in state["state"].items()
+    }
+    return {**state, "state": own}
+
+
+def load_own_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load :func:`own_optimizer_state`'s result: a shard of a sharded parameter's state (a tensor of its local
+    shape, not a 0-dim step count) becomes that parameter's DTensor again."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    entries = {}
+    for index, entry in state["state"].items():
+        param = params[int(index)]
+        if isinstance(param, DTensor):
+            local_shape = param.to_local().shape
+            entry = {
+                key: DTensor.from_local(
+                    value,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local_shape
+                else value
+                for key, value in entry.items()
+            }
+        entries[index] = entry
+    optimizer.load_state_dict({**state, "state": entries})
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

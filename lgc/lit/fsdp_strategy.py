@@ -6,7 +6,9 @@ calls :meth:`CompressedFSDPStrategy.shard_model`, which shards every block of th
 (:func:`lgc.fsdp.shard_blocks`) and then the model itself, and registers the compressed
 reduce-scatter. With ``shard_size`` it is hybrid sharding (HSDP): the workers form a
 ``replicas x shard_size`` mesh, the model is sharded within a replica (FSDP2's exact
-reduce-scatter) and lgc compresses the all-reduce across replicas.
+reduce-scatter) and lgc compresses the all-reduce across replicas, or, with communication delay
+(a :class:`~lgc.ddp.local_sgd.CommunicationDelayState`), the replicas take local steps and exchange
+their shards' pseudo-gradients (:mod:`lgc.fsdp.local_steps`).
 
 What it shares with :class:`~lgc.lit.CompressedDDPStrategy`: it refuses to train without
 :class:`~lgc.lit.CompressionCallback` (every rank's compressor state goes into checkpoints), it
@@ -30,7 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from lgc.ddp.hook import CompressionHookState
-from lgc.fsdp import FSDPCompression, shard_model
+from lgc.ddp.local_sgd import CommunicationDelayState
+from lgc.fsdp import FSDPCompression, register_local_steps, shard_model
 from lgc.lit.strategy import WorkerChecks
 
 __all__ = ["CompressedFSDPStrategy", "shard_for_strategy"]
@@ -51,7 +54,8 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
 
     Args:
         hook_state: the compressor and its settings (:class:`~lgc.ddp.CompressionHookState`; methods with
-            collectives of their own are refused by :func:`lgc.fsdp.check_fsdp_state`).
+            collectives of their own are refused by :func:`lgc.fsdp.check_fsdp_state`), or with HSDP local
+            steps through one (:class:`~lgc.ddp.local_sgd.CommunicationDelayState`).
         shard_size: None shards over every worker (FSDP); an integer makes a ``world / shard_size`` x
             ``shard_size`` mesh, sharded within a replica, compressed across replicas (HSDP).
         buffers: module buffers kept in step once per step, as the DDP strategy keeps them
@@ -67,7 +71,7 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
 
     def __init__(
         self,
-        hook_state: CompressionHookState,
+        hook_state: CompressionHookState | CommunicationDelayState,
         shard_size: int | None = None,
         buffers: str | None = None,
         heartbeat_dir: str | Path | None = None,
@@ -118,7 +122,11 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
             return
         shard_model(model, mesh=self.shard_mesh)
         replicate = None if self.replicate_mesh is None else self.replicate_mesh.get_group()
-        FSDPCompression(self.hook_state, replicate, self.buffers).register(model)
+        if isinstance(self.hook_state, CommunicationDelayState):
+            # Local steps, the replicas the workers; the compression callback steps the state after each batch.
+            register_local_steps(self.hook_state, model, replicate)
+        else:
+            FSDPCompression(self.hook_state, replicate, self.buffers).register(model)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

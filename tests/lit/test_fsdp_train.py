@@ -46,6 +46,56 @@ def test_a_sharded_run_trains_the_ddp_runs_weights_bit_for_bit(tmp_path, strateg
     assert sharded_summary["buffer_sync"] == "broadcast"
 
 
+LOCAL = ("comm=diloco", "comm.delay=4", "compressor=topk", "compressor.density=0.05")
+
+
+def test_local_steps_under_hsdp_with_one_worker_per_replica_are_the_ddp_run(tmp_path):
+    """DiLoCo's outer Nesterov step over top-k, an exchange every 4 steps, on ResNet-8 with BatchNorm: HSDP with one
+    worker per replica trains the DDP run's weights and buffers bit for bit, validates the synchronized model to
+    the same accuracy and sends the same payloads."""
+    train(compose_cfg(tmp_path / "ddp", *LOCAL))
+    train(compose_cfg(tmp_path / "hsdp", *LOCAL, "strategy=hsdp", "strategy.shard_size=1"))
+    ddp, hsdp = (load(tmp_path / run / "checkpoints" / "last.ckpt") for run in ("ddp", "hsdp"))
+    assert_identical(ddp["state_dict"], hsdp["state_dict"], "weights and buffers")
+    ddp_summary, hsdp_summary = _summary(tmp_path / "ddp"), _summary(tmp_path / "hsdp")
+    payloads = [sum(worker["payload_bytes"] for worker in s["workers"]) for s in (ddp_summary, hsdp_summary)]
+    assert payloads[0] == payloads[1] > 0
+    assert hsdp_summary["val/acc"] == ddp_summary["val/acc"]
+
+
+@pytest.mark.slow
+def test_local_steps_under_hsdp_resume_mid_interval_bit_for_bit(tmp_path):
+    """Stopped between exchanges on a 2 x 1 mesh, when the replicas' weights and momenta differ: every rank's own
+    come back from the checkpoint, and the resumed run is the straight one."""
+    overrides = (*LOCAL, "strategy=hsdp", "strategy.shard_size=1")
+    train(compose_resume_cfg(tmp_path / "straight", *overrides))
+    train(compose_resume_cfg(tmp_path / "first", *overrides, "trainer.max_steps=14"))
+    stopped = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    train(compose_resume_cfg(tmp_path / "resumed", *overrides, f"ckpt_path={stopped}"))
+    straight = load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    assert_same_training(straight, load(tmp_path / "resumed" / "checkpoints" / "last.ckpt"))
+
+
+@pytest.mark.slow
+def test_local_steps_under_hsdp_on_a_2x2_mesh_train_the_synchronized_model(tmp_path):
+    """DiLoCo on 2 replicas of 2 workers: the run validates the synchronized model and sends compressed
+    pseudo-gradients across the replicas only."""
+    train(
+        compose_cfg(
+            tmp_path / "run",
+            *LOCAL,
+            "strategy=hsdp",
+            "strategy.shard_size=2",
+            "trainer.devices=4",
+            "ddp.oversubscribe=true",
+        )
+    )
+    summary = _summary(tmp_path / "run")
+    assert summary["config"]["strategy"] == {"name": "hsdp", "shard_size": 2}
+    assert summary["compression_ratio"] > 4, "top-k's payloads every 4 steps, against dense every step"
+    assert 0 <= summary["val/acc"] <= 1
+
+
 @pytest.mark.slow
 def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_for_bit(tmp_path):
     """Stopped by max_steps in the middle of an epoch: weights, optimizer state (whole, as the checkpoint holds it),
@@ -83,7 +133,8 @@ def test_an_hsdp_run_on_a_2x2_mesh_trains_and_counts_the_replicate_dimension(tmp
     "overrides,message",
     [
         (["strategy=fsdp", "compressor=lgc_rar"], "use it with DistributedDataParallel"),
-        (["strategy=hsdp", "comm=local_sgd", "comm.delay=4"], "comm.delay=4: strategy=hsdp trains with an exchange"),
+        (["strategy=fsdp", "comm=local_sgd", "comm.delay=4"], "comm.delay=4: local steps need replicas"),
+        (["strategy=hsdp", "comm=local_sgd", "comm.delay=4", "compressor=lgc_rar"], "codes whole parameters"),
         (["strategy=fsdp", "comm.overlap=true"], "overlap=True is a DDP hook setting"),
         (["strategy=fsdp", "comm.pack=true"], "comm.pack=true is a DDP hook setting"),
         (["strategy=fsdp", "+trainer.precision=bf16-mixed"], "trainer.precision='bf16-mixed': strategy=fsdp"),
