@@ -24,6 +24,16 @@ def _summary(folder: Path) -> dict:
     return json.loads((folder / "summary.json").read_text())
 
 
+def _hsdp_2x2(tmp_path: Path, method: tuple[str, ...]) -> dict:
+    """A run of ``method`` on 2 replicas of 2 workers; its summary, whose strategy and accuracy are checked."""
+    hsdp = ("strategy=hsdp", "strategy.shard_size=2", "trainer.devices=4", "ddp.oversubscribe=true")
+    train(compose_cfg(tmp_path / "run", *method, *hsdp))
+    summary = _summary(tmp_path / "run")
+    assert summary["config"]["strategy"] == {"name": "hsdp", "shard_size": 2}
+    assert 0 <= summary["val/acc"] <= 1
+    return summary
+
+
 @pytest.mark.parametrize(
     "strategy",
     [("strategy=fsdp",), pytest.param(("strategy=hsdp", "strategy.shard_size=1"), marks=pytest.mark.slow)],
@@ -80,20 +90,8 @@ def test_local_steps_under_hsdp_resume_mid_interval_bit_for_bit(tmp_path):
 def test_local_steps_under_hsdp_on_a_2x2_mesh_train_the_synchronized_model(tmp_path):
     """DiLoCo on 2 replicas of 2 workers: the run validates the synchronized model and sends compressed
     pseudo-gradients across the replicas only."""
-    train(
-        compose_cfg(
-            tmp_path / "run",
-            *LOCAL,
-            "strategy=hsdp",
-            "strategy.shard_size=2",
-            "trainer.devices=4",
-            "ddp.oversubscribe=true",
-        )
-    )
-    summary = _summary(tmp_path / "run")
-    assert summary["config"]["strategy"] == {"name": "hsdp", "shard_size": 2}
+    summary = _hsdp_2x2(tmp_path, LOCAL)
     assert summary["compression_ratio"] > 4, "top-k's payloads every 4 steps, against dense every step"
-    assert 0 <= summary["val/acc"] <= 1
 
 
 @pytest.mark.slow
@@ -113,20 +111,7 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_for_bit(tmp_path):
 
 @pytest.mark.slow
 def test_an_hsdp_run_on_a_2x2_mesh_trains_and_counts_the_replicate_dimension(tmp_path):
-    train(
-        compose_cfg(
-            tmp_path / "run",
-            *TOPK,
-            "strategy=hsdp",
-            "strategy.shard_size=2",
-            "trainer.devices=4",
-            "ddp.oversubscribe=true",
-        )
-    )
-    summary = _summary(tmp_path / "run")
-    assert summary["config"]["strategy"] == {"name": "hsdp", "shard_size": 2}
-    assert summary["compression_ratio"] > 2
-    assert 0 <= summary["val/acc"] <= 1
+    assert _hsdp_2x2(tmp_path, TOPK)["compression_ratio"] > 2
 
 
 @pytest.mark.parametrize(
