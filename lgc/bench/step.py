@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs, sgd_for
 from lgc.methods import merge_knobs
+from lgc.provenance import run_provenance
 
 __all__ = ["add_arguments", "run", "step_rows"]
 
@@ -239,6 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "density": args.density,
         "load_average": [load, end],
+        # The commit the timings belong to (and whether the tree had changes), with the versions.
+        "provenance": run_provenance(),
         "rows": rows,
     }
     if args.json:

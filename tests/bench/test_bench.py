@@ -243,7 +243,9 @@ def test_step_benchmark_times_the_model_sharded_with_fsdp2_beside_ddp(tmp_path):
         ["step", "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--steps", "1", "--rounds", "2",
          "--methods", "ddp", "--fsdp", "fsdp,fp16,topk", "--json", str(out)]
     )  # fmt: skip
-    rows = json.loads(out.read_text())["rows"]
+    table = json.loads(out.read_text())
+    rows = table["rows"]
+    assert table["provenance"]["commit"] and table["provenance"]["dirty"] in (True, False), "the commit it timed"
     assert list(rows) == ["no_sync", "ddp", "fsdp", "fsdp/fp16", "fsdp/topk"]
     assert all(row["cpu_s"] > 0 for row in rows.values())
     assert all("cpu_vs_ddp" in rows[label] for label in ("fsdp", "fsdp/fp16", "fsdp/topk"))
