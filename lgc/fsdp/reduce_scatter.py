@@ -336,6 +336,8 @@ class FSDPCompression:
             replicas = 1
         if self.dense_only or not self.compressing:
             self._average_dense(reduced, replicas)
+            if self.dense_only:  # counted as the DDP hook counts a stateless method's non-finite step
+                state.skips.note(state.stats, state.iteration, reduced)
             return
         layout = comm.layout(state.min_numel)
         layout.check(layout.world * reduced.numel(), reduced.numel())
@@ -468,9 +470,11 @@ class FSDPCompression:
         state.codec_seconds["encode"] += time.perf_counter() - started
         if holds_steps(compressor):
             self.used |= set(keys)
+        sent: dict[str, int] = {}
+        for (_, s, _, _), payload in zip(chunks, payloads, strict=True):
+            sent[s.name] = sent.get(s.name, 0) + payload.nbytes
         for s in compressed:
-            sent = sum(p.nbytes for (_, t, _, _), p in zip(chunks, payloads, strict=True) if t is s)
-            state.layer_stats.book(s.name, s.numel, True, sent)
+            state.layer_stats.book(s.name, s.numel, True, sent.get(s.name, 0))
         state.stats.payload_bytes += sum(p.nbytes for p in payloads)
         state.stats.payload_dense_equivalent_bytes += sum(s.numel for s in compressed) * buffer.element_size()
         wires = [p.to_wire() for p in payloads]

@@ -140,10 +140,11 @@ def test_on_a_2x2_mesh_each_rank_codes_its_shard_across_replicas_as_the_transcri
         assert stats["compression_ratio"] > 1.5
 
 
-def _poisoned(rank: int, world: int) -> tuple[int, int, dict]:
+def _poisoned(rank: int, world: int, method: str = "topk") -> tuple[int, int, dict]:
     mesh = _mesh(2, 2)
     model = _shard(_net(), mesh["shard"])
-    state = lgc.compress(model, "topk", density=DENSITY, replicate=mesh["replicate"])
+    knobs = {"density": DENSITY} if method == "topk" else {}
+    state = lgc.compress(model, method, replicate=mesh["replicate"], **knobs)
     _train(model, rank, poison=2)
     return state.stats.skipped_steps, state.iteration, _full(model)
 
@@ -157,6 +158,13 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
         assert torch.isfinite(weight).all(), name
         for other in results[1:]:
             assert torch.equal(other[2][name], weight), name
+
+
+def test_none_counts_a_non_finite_step_on_every_rank_as_the_ddp_hook_counts_it():
+    """``none`` passes the NaN through as FSDP2's own HSDP does (the optimizer's to skip), and every rank counts
+    the step as skipped once, as the DDP hook counts a stateless method's non-finite step."""
+    results = run_workers(_poisoned, 4, "none")
+    assert [skipped for skipped, _, _ in results] == [1] * 4
 
 
 def _refusals(rank: int, world: int) -> list[str]:
