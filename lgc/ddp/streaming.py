@@ -54,7 +54,7 @@ from torch import Tensor
 
 from lgc.ddp.exchange import Segment
 
-__all__ = ["ExchangeRunner", "InFlight", "finished"]
+__all__ = ["ExchangeRunner", "InFlight", "finished", "new_side_group"]
 
 
 @dataclass
@@ -107,6 +107,13 @@ def finished(skipped: bool) -> concurrent.futures.Future[bool]:
     return outcome
 
 
+def new_side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group of ``group``'s ranks (None: every rank), made by those ranks only
+    (``use_local_synchronization``), so a subgroup's ranks make theirs without the others."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
 class ExchangeRunner:
     """One exchange at a time on a thread of its own, over a process group of its own (see the module docstring)."""
 
@@ -117,14 +124,10 @@ class ExchangeRunner:
         self.group: dist.ProcessGroup | None = None
 
     def side_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-        """A new process group of ``group``'s ranks (None: every rank) for the exchanges; made once.
-
-        Only ``group``'s ranks take part in making it (``use_local_synchronization``), so a
-        subgroup's ranks make theirs without the others.
-        """
+        """A new process group of ``group``'s ranks (None: every rank) for the exchanges; made once
+        (:func:`new_side_group`)."""
         if self.group is None:
-            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-            self.group = dist.new_group(ranks, use_local_synchronization=True)
+            self.group = new_side_group(group)
         return self.group
 
     def submit(self, job: Callable[[], bool], device: torch.device) -> concurrent.futures.Future[bool]:

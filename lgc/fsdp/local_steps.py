@@ -54,6 +54,7 @@ from lgc.ddp import collectives as counted
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.local_step_hook import LocalStepCheck
+from lgc.ddp.streaming import new_side_group
 from lgc.fsdp.reduce_scatter import broadcast_from_first_replica, check_replicate, fsdp_modules, param_groups
 
 __all__ = ["check_local_steps", "register_local_steps", "shard_rows"]
@@ -94,7 +95,7 @@ def register_local_steps(
     if state.overlap_steps:
         # Overlapped exchanges run on a thread of their own, over groups of their own (lgc.ddp.streaming): the
         # world's for the guard and the buffers, made first by every rank, then each replicate group's.
-        state.guard_group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True)
+        state.guard_group = new_side_group(dist.group.WORLD)
         state.process_group = state.runner.side_group(replicate)
     else:
         state.guard_group, state.process_group = dist.group.WORLD, replicate

@@ -269,18 +269,24 @@ def test_a_reduce_scatter_is_booked_as_the_backend_runs_it():
     assert wire.ring_reduce_scatter(10, 4, 1, 0) == wire.WireBytes(0, 0)
 
 
-def _refusals(rank: int, world: int) -> list[str]:
+def refusals(attempts: list) -> list[str]:
+    """The message of the ValueError each attempt raises (each must raise one)."""
     messages = []
-    for method, kwargs in [("topk", {"overlap": True}), ("topk", {"delay": 4}), ("powersgd", {}), ("lgc_rar", {})]:
-        try:
-            lgc.compress(_shard(_net()), method, **kwargs)
-        except ValueError as err:
-            messages.append(str(err))
-    try:
-        lgc.compress(_shard(_net()), "topk", process_group=dist.group.WORLD)
-    except ValueError as err:
-        messages.append(str(err))
+    for attempt in attempts:
+        with pytest.raises(ValueError) as info:
+            attempt()
+        messages.append(str(info.value))
     return messages
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    settings = [("topk", {"overlap": True}), ("topk", {"delay": 4}), ("powersgd", {}), ("lgc_rar", {})]
+    attempts = [
+        lambda method=method, kwargs=kwargs: lgc.compress(_shard(_net()), method, **kwargs)
+        for method, kwargs in settings
+    ]
+    attempts.append(lambda: lgc.compress(_shard(_net()), "topk", process_group=dist.group.WORLD))
+    return refusals(attempts)
 
 
 def test_ddp_only_settings_and_methods_are_refused_naming_them():

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_workers
-from test_fsdp import _batch, _full, _net, assert_resumed_exactly
+from test_fsdp import _batch, _full, _net, assert_resumed_exactly, refusals
 from test_hsdp import _mesh, _shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -266,17 +266,12 @@ def test_a_distributed_checkpoint_mid_interval_resumes_bit_for_bit(tmp_path):
 
 def _refusals(rank: int, world: int) -> list[str]:
     mesh = _mesh(2, 2)
-    messages = []
     attempts = [
         lambda: lgc.compress(_shard(_net(), mesh["shard"]), "none", delay=2, outer="sgd"),
         lambda: lgc.compress(_shard(_net(), mesh["shard"]), "lgc_rar", delay=2, replicate=mesh["replicate"]),
         lambda: lgc.compress(_shard(_net(), mesh["shard"]), "sbc", delay=2, replicate=mesh["replicate"], pack=True),
     ]
-    for attempt in attempts:
-        with pytest.raises(ValueError) as info:
-            attempt()
-        messages.append(str(info.value))
-    return messages
+    return refusals(attempts)
 
 
 def test_local_steps_without_replicas_or_with_a_whole_parameter_codec_are_refused():
