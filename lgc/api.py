@@ -34,7 +34,16 @@ from torch.nn.parallel import DistributedDataParallel
 from lgc.compressors import Compressor
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.protocol import HookState
-from lgc.fsdp import FSDPCompression, check_fsdp_settings, check_fsdp_state, register_local_steps, replicate_group_of
+from lgc.fsdp import (
+    FSDPCompression,
+    HybridLGC,
+    check_fsdp_settings,
+    check_fsdp_state,
+    check_learned,
+    register_local_steps,
+    replicate_group_of,
+)
+from lgc.learned.state import LGCHookState
 from lgc.methods import METHODS, Comm, build_hook_state, check_error_feedback, optimizer_rules_owner
 
 __all__ = ["METHODS", "HookState", "compress"]
@@ -76,10 +85,12 @@ def compress(
     parameter group (:mod:`lgc.fsdp`): each rank compresses every gradient whole, as the DDP hook does,
     and keeps its shard of the sum; every per-step lgc compressor runs there, bitwise as under DDP
     (``tests/fsdp/``). FSDP2 takes no ``process_group`` (its mesh decides), ``overlap`` nor
-    ``pack``, and runs no hook state with collectives of its own (LGC's, PyTorch's DDP hooks): each
-    is refused, naming it. Hybrid sharding (HSDP): shard over the shard dimension and pass
-    ``replicate``; the all-reduce across replicas is then the compressed one, and with ``delay`` the
-    replicas are the local-step family's workers (:mod:`lgc.fsdp.local_steps`).
+    ``pack``, and runs no hook state with collectives of its own (PyTorch's DDP hooks): each is
+    refused, naming it. Hybrid sharding (HSDP): shard over the shard dimension and pass
+    ``replicate``; the all-reduce across replicas is then the compressed one, with ``delay`` the
+    replicas are the local-step family's workers (:mod:`lgc.fsdp.local_steps`), and LGC's family
+    (``"lgc_rar"``, ``"lgc_ps"``, the shared-index codecs) codes that all-reduce, one codec per
+    shard position (:mod:`lgc.fsdp.learned`); without ``replicate`` LGC is refused.
 
     Compiled models train through the hook, every method (``tests/ddp/test_compile.py``):
     ``DistributedDataParallel(torch.compile(net))``; ``torch.compile`` of the DDP model is taken as
@@ -224,7 +235,10 @@ def compress(
             check_fsdp_settings(comm_settings)
         state = _build(method, knobs, Comm(**comm_settings, prefix=""), error_feedback, error_decay, process_group)
     local_steps = isinstance(state, CommunicationDelayState)
-    if sharded and not local_steps:
+    learned = isinstance(state, LGCHookState)
+    if sharded and learned:
+        check_learned(state, replicate_group)
+    elif sharded and not local_steps:
         check_fsdp_state(state, method)
     check_error_feedback(state, method, error_feedback)
     _check_against_optimizer(state, optimizer, optimizer_momentum, optimizer_weight_decay)
@@ -237,6 +251,8 @@ def compress(
         state.loss_scale = grad_scaler.get_scale
     if sharded and local_steps:
         register_local_steps(state, model, replicate_group, optimizer)
+    elif sharded and learned:
+        HybridLGC(state, replicate_group, buffers).register(model)
     elif sharded:
         FSDPCompression(state, replicate_group, buffers).register(model)
     else:

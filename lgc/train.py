@@ -338,9 +338,11 @@ def check_strategy(cfg: DictConfig, hook_state: Any, devices: int, world_size: i
     FSDP2 and HSDP take a per-step lgc compressor (:func:`lgc.fsdp.check_fsdp_state`), fp32 training,
     one worker per device, and at least two workers (HSDP: two replicas, of ``shard_size`` workers,
     default ``trainer.devices``). HSDP also takes local steps (``comm.delay``) through an lgc
-    compressor, the replicas the workers (:mod:`lgc.fsdp.local_steps`).
+    compressor and LGC's family, the replicas the workers (:mod:`lgc.fsdp.local_steps`,
+    :mod:`lgc.fsdp.learned`).
     """
     from lgc.fsdp import check_fsdp_state, check_local_steps
+    from lgc.learned.state import LGCHookState
 
     node = cfg.get("strategy") or {"name": "ddp"}
     name = node.get("name")
@@ -348,7 +350,14 @@ def check_strategy(cfg: DictConfig, hook_state: Any, devices: int, world_size: i
         raise ValueError(f"strategy.name must be one of {', '.join(STRATEGIES)}, got {name!r}")
     if name == "ddp":
         return None
-    if not getattr(hook_state, "takes_local_steps", False):
+    if isinstance(hook_state, LGCHookState):
+        if name == "fsdp":
+            raise ValueError(
+                f"{type(hook_state).__name__} codes the all-reduce across replicas, and strategy=fsdp shards one model "
+                "over every worker (no replicas): strategy=hsdp strategy.shard_size=N (each replica of N workers one "
+                "of LGC's workers), or strategy=ddp"
+            )
+    elif not getattr(hook_state, "takes_local_steps", False):
         check_fsdp_state(hook_state, cfg.compressor.get("_target_"))
     elif name == "fsdp":
         raise ValueError(
@@ -444,7 +453,8 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
     module = _task_module(cfg, model, datamodule)
     _check_optimizer(module)
-    hook_state.check_run(model, world_size, total_steps)
+    # The method's workers: under HSDP the replicas (LGC's leader and codecs, the local steps' outer workers).
+    hook_state.check_run(model, world_size if shard_size is None else world_size // shard_size, total_steps)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # comm.min_numel: null follows the method; the summary and the checkpoint record the number it is.
     effective_min_numel = hook_state.dense_below()

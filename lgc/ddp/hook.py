@@ -56,7 +56,7 @@ from lgc.ddp.layout import BucketLayouts, split_segments
 from lgc.ddp.overlap import EncodeAhead
 from lgc.ddp.packed import StepBuffers, packing, run_packed_step
 from lgc.ddp.protocol import OPTIMIZER_SOURCES, HookState
-from lgc.ddp.step_guard import PendingBucket, SkipCounter, agree_on_step, complete_dense, run_holding
+from lgc.ddp.step_guard import PendingBucket, SkipCounter, StepVerdict, agree_on_step, complete_dense, run_holding
 
 __all__ = ["CompressionHookState", "compression_hook", "register_compression_hook"]
 
@@ -272,16 +272,21 @@ class CompressionHookState(HookState):
             run_holding([bucket.future for bucket in pending], lambda: self.run_step(pending))
         return future
 
-    def run_step(self, pending: list[PendingBucket]) -> None:
+    def run_step(self, pending: list[PendingBucket], verdict: StepVerdict | None = None) -> None:
         """Run one guarded step over all its buckets and complete their futures.
 
-        Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared.
+        Subclasses (LGC) override :meth:`compress_step`; the guard itself is shared. ``verdict``:
+        the step guard's, decided by the caller over a group of its own (hybrid sharding's LGC
+        decides over the world, so that every shard position skips the same steps); ``None``: the
+        guard runs here over :attr:`process_group`.
         """
         if self.packs:
+            assert verdict is None, "a packed step decides its guard in its own header"
             buffers, self.step_buffers = self.step_buffers, None
             skipped = run_packed_step(self, pending, buffers)
         else:
-            verdict = agree_on_step(self.stats, self.process_group, pending)
+            if verdict is None:
+                verdict = agree_on_step(self.stats, self.process_group, pending)
             skipped = verdict.skip
             if skipped:
                 complete_dense(self.stats, self.process_group, pending, skipped=True)

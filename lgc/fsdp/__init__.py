@@ -6,12 +6,14 @@ each gradient whole from FSDP2's reduce-scatter input (:mod:`lgc.fsdp.layout`) a
 the DDP hook does. :class:`~lgc.fsdp.checkpoint.PerRankState` puts its state in a distributed
 checkpoint (DCP), every rank's under its own key. Under hybrid sharding the local-step family
 (communication delay: SBC, DiLoCo, SparseLoCo, Streaming DiLoCo) runs with the replicas as its
-workers (:mod:`lgc.fsdp.local_steps`).
+workers (:mod:`lgc.fsdp.local_steps`), and LGC's family codes the all-reduce across replicas, one
+codec per shard position (:mod:`lgc.fsdp.learned`).
 """
 
 from lgc.fsdp.blocks import shard_blocks, shard_model
 from lgc.fsdp.checkpoint import PerRankState
 from lgc.fsdp.layout import GroupLayout, ParamColumns
+from lgc.fsdp.learned import HybridLGC, check_learned
 from lgc.fsdp.local_steps import check_local_steps, register_local_steps, shard_rows
 from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
 from lgc.fsdp.settings import check_fsdp_settings, replicate_group_of
@@ -20,10 +22,12 @@ __all__ = [
     "CompressedReduceScatter",
     "FSDPCompression",
     "GroupLayout",
+    "HybridLGC",
     "ParamColumns",
     "PerRankState",
     "check_fsdp_settings",
     "check_fsdp_state",
+    "check_learned",
     "check_local_steps",
     "fsdp_modules",
     "register_local_steps",

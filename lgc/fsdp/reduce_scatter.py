@@ -84,7 +84,9 @@ __all__ = [
     "check_replicate",
     "codes_shards",
     "fsdp_modules",
+    "guard_flags",
     "param_groups",
+    "read_guard_flags",
 ]
 
 
@@ -98,8 +100,9 @@ def check_fsdp_state(state: Any, method: Any) -> CompressionHookState:
     if type(state) is not CompressionHookState:
         raise ValueError(
             f"lgc.compress on an FSDP2 model runs an lgc compressor every step (e.g. 'topk', 'dgc', 'sbc', 'qsgd', "
-            f"'fp16'); {method!r} builds {type(state).__name__}, which runs collectives of its own "
-            "(LGC's stages, PyTorch's DDP hooks, communication delay): use it with DistributedDataParallel"
+            f"'fp16'), LGC's family across replicas and the local-step family; {method!r} builds "
+            f"{type(state).__name__}, which runs collectives of its own (PyTorch's DDP hooks): use it with "
+            "DistributedDataParallel"
         )
     compressor = state.compressor
     if compressor.combine is CombineMode.SERVER:
@@ -373,29 +376,9 @@ class FSDPCompression:
         parameters (one used on some ranks only, without ``set_reduce_scatter_unused_params``: stock
         FSDP2's reduce-scatters would not match either) learn it here, and every rank refuses.
         """
-        names = comm.all_names
-        carried = [comm.flag_index[s.name] for s in segments]
-        table = bucket_maxima(buffer, segments).float()
-        flags = torch.zeros(1 + 3 * len(names), dtype=torch.uint8)
-        flags[0] = int(not bool(torch.isfinite(table).all()))
-        nonzero = (table != 0).to(torch.uint8)  # NaN counts as nonzero (its step is skipped anyway)
-        for i, flag in zip(carried, nonzero.tolist(), strict=True):
-            flags[1 + i] = flag
-        mine = torch.zeros(len(names), dtype=torch.uint8)
-        mine[carried] = 1
-        flags[1 + len(names) :] = torch.cat([mine, 1 - mine])
         # On the gradients' device: NCCL reduces device tensors only.
-        flags = agree_flags(self.state.stats, flags.to(buffer.device), self.guard_group)
-        some, missing = flags[1 + len(names) : 1 + 2 * len(names)], flags[1 + 2 * len(names) :]
-        split = [names[i] for i in range(len(names)) if some[i] and missing[i]]
-        if split:
-            raise RuntimeError(
-                f"{', '.join(split[:3])}: a gradient on some ranks and none on others, so the ranks' reduce-scatters "
-                "differ; call model.set_reduce_scatter_unused_params(True), as FSDP2 needs when ranks use different "
-                "parameters"
-            )
-        used = frozenset(names[i] for i in range(len(names)) if flags[1 + i])
-        return StepVerdict(skip=bool(flags[0]), used=used)
+        flags = agree_flags(self.state.stats, guard_flags(comm, buffer, segments).to(buffer.device), self.guard_group)
+        return read_guard_flags(comm, flags)
 
     def _exchange_held(self, buffer: Tensor, segments: tuple[Segment, ...], used: frozenset[str]) -> None:
         """A guarded group's exchange, the state it moves held until the step's end (:meth:`_end_step`).
@@ -594,6 +577,39 @@ def param_groups(model: torch.nn.Module) -> tuple[list[tuple[FSDPModule, Any]], 
             raise ValueError(f"{type(module).__name__}: lgc.compress takes one parameter group per FSDP module")
         GroupLayout.of_group(param_group, names, mesh_info.shard_mesh_size, 1)  # refuses dim != 0
     return groups, shard_pg
+
+
+def guard_flags(comm: CompressedReduceScatter, buffer: Tensor, segments: tuple[Segment, ...]) -> Tensor:
+    """This rank's step-guard flags for one group (``1 + 3 n`` bytes, ``n`` its parameters that take a gradient):
+    inf/NaN in ``segments`` of ``buffer``; per parameter, whether its gradient is nonzero, carried, and left out."""
+    names = comm.all_names
+    carried = [comm.flag_index[s.name] for s in segments]
+    table = bucket_maxima(buffer, segments).float()
+    flags = torch.zeros(1 + 3 * len(names), dtype=torch.uint8)
+    flags[0] = int(not bool(torch.isfinite(table).all()))
+    nonzero = (table != 0).to(torch.uint8)  # NaN counts as nonzero (its step is skipped anyway)
+    for i, flag in zip(carried, nonzero.tolist(), strict=True):
+        flags[1 + i] = flag
+    mine = torch.zeros(len(names), dtype=torch.uint8)
+    mine[carried] = 1
+    flags[1 + len(names) :] = torch.cat([mine, 1 - mine])
+    return flags
+
+
+def read_guard_flags(comm: CompressedReduceScatter, flags: Tensor) -> StepVerdict:
+    """The verdict of one group's :func:`guard_flags`, MAX-reduced over the ranks; refuses a parameter carried on
+    some ranks and not on others, naming the fix."""
+    names = comm.all_names
+    some, missing = flags[1 + len(names) : 1 + 2 * len(names)], flags[1 + 2 * len(names) :]
+    split = [names[i] for i in range(len(names)) if some[i] and missing[i]]
+    if split:
+        raise RuntimeError(
+            f"{', '.join(split[:3])}: a gradient on some ranks and none on others, so the ranks' reduce-scatters "
+            "differ; call model.set_reduce_scatter_unused_params(True), as FSDP2 needs when ranks use different "
+            "parameters"
+        )
+    used = frozenset(names[i] for i in range(len(names)) if flags[1 + i])
+    return StepVerdict(skip=bool(flags[0]), used=used)
 
 
 def check_replicate(replicate: dist.ProcessGroup, shard_pg: dist.ProcessGroup) -> None:

@@ -33,7 +33,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
-from lgc.fsdp import FSDPCompression, register_local_steps, shard_model
+from lgc.fsdp import FSDPCompression, HybridLGC, register_local_steps, shard_model
+from lgc.learned.state import LGCHookState
 from lgc.lit.strategy import WorkerChecks
 
 __all__ = ["CompressedFSDPStrategy", "shard_for_strategy"]
@@ -55,7 +56,8 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
     Args:
         hook_state: the compressor and its settings (:class:`~lgc.ddp.CompressionHookState`; methods with
             collectives of their own are refused by :func:`lgc.fsdp.check_fsdp_state`), or with HSDP local
-            steps through one (:class:`~lgc.ddp.local_sgd.CommunicationDelayState`).
+            steps through one (:class:`~lgc.ddp.local_sgd.CommunicationDelayState`) or LGC across the
+            replicas (:class:`~lgc.learned.state.LGCHookState`, :mod:`lgc.fsdp.learned`).
         shard_size: None shards over every worker (FSDP); an integer makes a ``world / shard_size`` x
             ``shard_size`` mesh, sharded within a replica, compressed across replicas (HSDP).
         buffers: module buffers kept in step once per step, as the DDP strategy keeps them
@@ -125,6 +127,8 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
         if isinstance(self.hook_state, CommunicationDelayState):
             # Local steps, the replicas the workers; the compression callback steps the state after each batch.
             register_local_steps(self.hook_state, model, replicate)
+        elif isinstance(self.hook_state, LGCHookState):
+            HybridLGC(self.hook_state, replicate, self.buffers).register(model)
         else:
             FSDPCompression(self.hook_state, replicate, self.buffers).register(model)
 

@@ -293,8 +293,17 @@ def test_ddp_only_settings_and_methods_are_refused_naming_them():
     messages = run_workers(_refusals, 2)[0]
     assert len(messages) == 5
     assert "overlap" in messages[0] and "delay" in messages[1]
-    assert "DistributedDataParallel" in messages[2] and "DistributedDataParallel" in messages[3]
+    assert "DistributedDataParallel" in messages[2] and "replicate=mesh['replicate']" in messages[3]
     assert "mesh" in messages[4]
+
+
+def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    """The optimizer steps ``steps`` on this rank's batches of those steps."""
+    for step in steps:
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
 
 
 def _resumed(rank: int, world: int, path: str, hybrid: bool = False) -> tuple[dict, dict]:
@@ -307,11 +316,7 @@ def _resumed(rank: int, world: int, path: str, hybrid: bool = False) -> tuple[di
     from lgc.fsdp import PerRankState
 
     def run(model, opt, steps):
-        for step in steps:
-            x, y = _batch(rank, step)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        run_steps(model, opt, rank, steps)
 
     def build():
         if hybrid:
@@ -412,16 +417,23 @@ def _unused_everywhere(rank: int, world: int) -> dict:
     # bf16 parameters reduced in fp32, two micro-batches accumulated, the branch unused in both.
     net = _branchy(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     state = lgc.compress(net, "topk", density=0.05)
+    train_micro_batches(net, rank)
+    out["accumulated"] = (state.iteration, state.stats.payload_bytes)
+    return out
+
+
+def train_micro_batches(net: torch.nn.Module, rank: int, steps: int = STEPS) -> None:
+    """``steps`` SGD steps of two micro-batches each, FSDP2 reducing once a step (at the second); the branch of
+    :class:`_Branchy` unused in both, its gradient None at every step."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for step in range(STEPS):
+    for step in range(steps):
         for micro in range(2):
             net.set_requires_gradient_sync(micro == 1)
             x, y = _batch(rank, 10 * step + micro)
             torch.nn.functional.cross_entropy(net(x), y).backward()
+        assert net.unused.weight.grad is None, "a parameter without a gradient anywhere keeps None"
         opt.step()
         opt.zero_grad()
-    out["accumulated"] = (state.iteration, state.stats.payload_bytes)
-    return out
 
 
 def test_a_parameter_without_a_gradient_on_every_rank_is_left_out_as_stock_fsdp2_leaves_it():

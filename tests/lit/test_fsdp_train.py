@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resume import EPOCHS, STEPS_PER_EPOCH, assert_identical, assert_same_training, load
+from test_resume import EPOCHS, LGC_STAGES, STEPS_PER_EPOCH, assert_identical, assert_same_training, load
 from test_resume import compose_cfg as compose_resume_cfg
 from test_train import compose_cfg
 
@@ -77,9 +77,13 @@ def test_local_steps_under_hsdp_with_one_worker_per_replica_are_the_ddp_run(tmp_
 def test_local_steps_under_hsdp_resume_mid_interval_bit_for_bit(tmp_path):
     """Stopped between exchanges on a 2 x 1 mesh, when the replicas' weights and momenta differ: every rank's own
     come back from the checkpoint, and the resumed run is the straight one."""
-    overrides = (*LOCAL, "strategy=hsdp", "strategy.shard_size=1")
+    _resumes_exactly(tmp_path, (*LOCAL, "strategy=hsdp", "strategy.shard_size=1"), "trainer.max_steps=14")
+
+
+def _resumes_exactly(tmp_path: Path, overrides: tuple[str, ...], stop: str) -> None:
+    """A straight run, one stopped by ``stop`` and its resumption: the resumed run is the straight one."""
     train(compose_resume_cfg(tmp_path / "straight", *overrides))
-    train(compose_resume_cfg(tmp_path / "first", *overrides, "trainer.max_steps=14"))
+    train(compose_resume_cfg(tmp_path / "first", *overrides, stop))
     stopped = tmp_path / "first" / "checkpoints" / "last.ckpt"
     train(compose_resume_cfg(tmp_path / "resumed", *overrides, f"ckpt_path={stopped}"))
     straight = load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
@@ -92,6 +96,48 @@ def test_local_steps_under_hsdp_on_a_2x2_mesh_train_the_synchronized_model(tmp_p
     pseudo-gradients across the replicas only."""
     summary = _hsdp_2x2(tmp_path, LOCAL)
     assert summary["compression_ratio"] > 4, "top-k's payloads every 4 steps, against dense every step"
+
+
+#: LGC-RAR's stages over the resume tests' 24 steps: dense warm-up 0-1, codec training 2-5, compressed 6-23.
+LGC = ("compressor=lgc_rar", *LGC_STAGES)
+
+
+def test_lgc_under_hsdp_with_one_worker_per_replica_is_the_ddp_run(tmp_path):
+    """LGC-RAR through its three stages on ResNet-8 with BatchNorm, 2 workers: HSDP with one worker per replica
+    (LGC across the replicas, each shard the whole gradient) trains the DDP run's weights and buffers bit for bit,
+    sends the same payloads stage by stage and validates to the same accuracy."""
+    train(compose_resume_cfg(tmp_path / "ddp", *LGC))
+    train(compose_resume_cfg(tmp_path / "hsdp", *LGC, "strategy=hsdp", "strategy.shard_size=1"))
+    ddp, hsdp = (load(tmp_path / run / "checkpoints" / "last.ckpt") for run in ("ddp", "hsdp"))
+    assert_identical(ddp["state_dict"], hsdp["state_dict"], "weights and buffers")
+    ddp_summary, hsdp_summary = _summary(tmp_path / "ddp"), _summary(tmp_path / "hsdp")
+    for ddp_worker, hsdp_worker in zip(ddp_summary["workers"], hsdp_summary["workers"], strict=True):
+        stages = [
+            {stage: counts["payload_bytes"] for stage, counts in worker["lgc"]["stages"].items()}
+            for worker in (ddp_worker, hsdp_worker)
+        ]
+        assert stages[0] == stages[1] and stages[0]["compressed"] > 0
+    assert hsdp_summary["val/acc"] == ddp_summary["val/acc"]
+
+
+@pytest.mark.slow
+def test_lgc_under_hsdp_resumes_in_its_compressed_stage_bit_for_bit(tmp_path):
+    """Stopped after the first epoch (step 8, in the compressed stage) on a 2 x 1 mesh: the trained codec, the
+    stage and every rank's residuals come back from the checkpoint, and the resumed run is the straight one."""
+    _resumes_exactly(tmp_path, (*LGC, "strategy=hsdp", "strategy.shard_size=1"), "trainer.max_epochs=1")
+
+
+@pytest.mark.slow
+def test_lgc_under_hsdp_on_a_2x2_mesh_compresses_across_the_replicas(tmp_path):
+    """LGC-RAR on 2 replicas of 2 workers: every worker's compressed stage sends a small part of the dense bytes of
+    its shard across the replicas (stage 2 and the warm-up send top-k and dense)."""
+    hsdp = ("strategy=hsdp", "strategy.shard_size=2", "trainer.devices=4", "ddp.oversubscribe=true")
+    train(compose_resume_cfg(tmp_path / "run", *LGC, *hsdp))
+    summary = _summary(tmp_path / "run")
+    assert summary["config"]["strategy"] == {"name": "hsdp", "shard_size": 2} and 0 <= summary["val/acc"] <= 1
+    for worker in summary["workers"]:
+        compressed = worker["lgc"]["stages"]["compressed"]
+        assert 0 < compressed["wire_bytes_sent"] < compressed["wire_dense_equivalent_bytes"] / 4
 
 
 @pytest.mark.slow
@@ -117,7 +163,8 @@ def test_an_hsdp_run_on_a_2x2_mesh_trains_and_counts_the_replicate_dimension(tmp
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["strategy=fsdp", "compressor=lgc_rar"], "use it with DistributedDataParallel"),
+        (["strategy=fsdp", "compressor=lgc_rar"], "strategy=fsdp shards one model over every worker"),
+        (["strategy=fsdp", "compressor=powersgd"], "use it with DistributedDataParallel"),
         (["strategy=fsdp", "comm=local_sgd", "comm.delay=4"], "comm.delay=4: local steps need replicas"),
         (["strategy=hsdp", "comm=local_sgd", "comm.delay=4", "compressor=lgc_rar"], "codes whole parameters"),
         (["strategy=fsdp", "comm.overlap=true"], "overlap=True is a DDP hook setting"),
