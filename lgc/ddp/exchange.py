@@ -157,12 +157,12 @@ class PayloadExchange:
         world_size = dist.get_world_size(state.process_group)
         compressor = state.compressor
         prepare_compressor(state, buffer.device, step)
-        # ``pending``: encoded ahead of the step's agreement (the hook's overlap), compressed segments
-        # only, whose payloads are gathered; state is held until the compressor's commit, and ``buffer``
-        # is left as it is until finish().
-        if pending and (used is not None or compressor.combine is not CombineMode.GATHER):
+        # ``pending``: state held until the compressor's commit (encoded ahead of the step's agreement,
+        # the hook's overlap, whose payloads are gathered; or after it, FSDP2 holding a step until every
+        # parameter group is reduced), compressed segments only; ``buffer`` is left as it is until finish().
+        if pending and (used is not None or compressor.combine is CombineMode.SERVER):
             raise ValueError(
-                "an exchange encoded ahead of the agreement gathers payloads of every parameter it is given"
+                "an exchange whose state is held exchanges every parameter it is given, gathered or summed"
             )
         if pending and any(not s.compressed for s in segments):
             raise ValueError("an exchange encoded ahead of the agreement takes compressed segments only")

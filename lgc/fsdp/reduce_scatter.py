@@ -107,7 +107,7 @@ def check_fsdp_state(state: Any, method: Any) -> CompressionHookState:
     compressor = state.compressor
     if compressor.combine is CombineMode.SERVER:
         raise ValueError(f"{compressor!r} combines via a server, which FSDP2's reduce-scatter does not run")
-    if not compressor.stateless and not (holds_steps(compressor) and compressor.combine is CombineMode.GATHER):
+    if not compressor.stateless and not holds_steps(compressor):
         raise ValueError(
             f"{compressor!r} keeps state that it cannot hold back until every parameter group of a step is "
             "decided (HoldsSteps); under FSDP2 a step is reduced group by group, so a skipped step could not leave "

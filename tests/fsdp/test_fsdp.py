@@ -82,6 +82,7 @@ FOLLOWERS = {
     "signsgd": {},
     "sbc": {"density": 0.05},
     "redsync": {"density": 0.05},
+    "random_block": {"density": 0.05},  # shared offsets: the payloads summed
     "chunked_topk": {},
     "sparseloco": {},
     "demo": {},
