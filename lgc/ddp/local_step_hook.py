@@ -95,7 +95,8 @@ class LocalStepCheck:
                 f"communication delay (delay={delay}): a backward pass finished but state.after_optimizer_step() "
                 "was not called before this forward pass, so this local step is not counted and the workers would "
                 f"drift apart without exchanging their updates: {how}. (Accumulating gradients over several "
-                "backward passes per step? Run all but the last under model.no_sync().)"
+                "backward passes per step? Run all but the last under model.no_sync(), or under FSDP2 after "
+                "model.set_requires_gradient_sync(False).)"
             )
         fix = (
             "lgc.compress(..., optimizer=...) already calls it after every optimizer.step(): remove your own call"
