@@ -200,8 +200,10 @@ def _wait_for_reduction(part: _Held) -> None:
     all-reduce hook and the division), as FSDP2's own end of backward waits for it (except under
     ``set_is_last_backward(False)``)."""
     event = getattr(part.comm.param_group, "_post_reduce_event", None)
-    if event is not None and part.reduced.device.type != "cpu":
-        torch.accelerator.current_stream(part.reduced.device).wait_event(event)
+    device = part.reduced.device
+    if event is not None and device.type != "cpu":
+        # FSDP2's device handle (torch.cuda on a GPU) made the event; its stream type waits on it.
+        getattr(torch, device.type).current_stream(device).wait_event(event)
 
 
 def _check_no_grad_hooks(param: Tensor, name: str) -> None:
