@@ -20,7 +20,8 @@ shard, unless FSDP2 casts it to another dtype (``MixedPrecisionPolicy.reduce_dty
 parameters' own dtype), offloads it (``CPUOffloadPolicy``) or adds it to a gradient already there
 (accumulation without ``zero_grad``, or ``zero_grad(set_to_none=False)``; micro-batches accumulate
 with ``set_requires_gradient_sync(False)``, one reduction a step). The first two are refused at
-registration, the third at the step, before anything is sent. A post-accumulate-grad hook
+registration, the third at the step on every rank (the step guard carries the refusal), before
+LGC sends anything. A post-accumulate-grad hook
 (an optimizer stepping in backward), which FSDP2 runs right after the all-reduce hook, would see
 the replica's gradient before LGC's average: refused too.
 
@@ -35,9 +36,10 @@ What sharding changes, and what it leaves alone:
 * **The step guard decides over the world**, in one allreduce for the step: an inf or NaN on any
   rank skips the step on every rank (averaged dense across replicas, no state moved), so every rank
   counts the same steps. Its flags are those of lgc's FSDP2 reduce-scatter
-  (:func:`~lgc.fsdp.reduce_scatter.guard_flags`: per parameter nonzero, carried, left out; two
-  bytes a parameter more than the DDP hook's), so a parameter some replicas leave out (used on some ranks only, without
-  ``set_reduce_scatter_unused_params(True)``) is refused on every rank, naming the fix.
+  (:func:`~lgc.fsdp.reduce_scatter.guard_flags`: per parameter nonzero, carried, left out) and one
+  for a refusal, two bytes a parameter and one a step more than the DDP hook's. So a parameter some
+  replicas leave out (used on some ranks only, without ``set_reduce_scatter_unused_params(True)``)
+  is refused on every rank, naming the fix, as is a gradient that is not its held shard.
 * A parameter under ``min_numel`` goes dense as under DDP, decided by its whole size; a shard
   holding only padding (fewer rows than shards) sends nothing.
 * ``state.stats`` counts the replicate dimension's traffic (the dense warm-up's all-reduce carries
@@ -148,47 +150,57 @@ class HybridLGC(FSDPCompression):
         held, self.held = self.held, []
         for part in held:
             _wait_for_reduction(part)
-            self._check_views(part)
-        if self._buffer_names:
-            self._sync_buffers()
+        summed = [name for part in held for name in _not_views(part)]
         for part in held:
             state.unscale(part.reduced, part.replicas)
-        verdict = self._agree_on_step(held)
+        verdict = self._agree_on_step(held, refuse=bool(summed))
+        if verdict is None:
+            raise RuntimeError(
+                f"{summed[0] if summed else 'a parameter on another rank'}: its gradient is not FSDP2's reduced shard "
+                "but a sum into a gradient already there (accumulation across backward passes, or "
+                "zero_grad(set_to_none=False)), which LGC's step cannot write: call optimizer.zero_grad() "
+                "(set_to_none=True, its default) after every optimizer step, and accumulate micro-batches with "
+                "model.set_requires_gradient_sync(False) before all but the last (FSDP2 then reduces once)"
+            )
+        if self._buffer_names:
+            self._sync_buffers()
         # LGC's step takes the shards that hold entries (the guard listed every parameter carried, so that every
         # rank's flags have the same length).
         pending = [PendingBucket(p.reduced, tuple(s for s in p.segments if s.numel), _unused()) for p in held]
         state.run_step(pending, verdict)
 
-    def _agree_on_step(self, held: list[_Held]) -> StepVerdict:
-        """The step guard over the world, for every held group in one MAX-allreduce of ``1 + 3 n`` bytes (``n``
-        parameters that take a gradient): inf/NaN anywhere; per parameter whether it is nonzero, carried, and left
-        out on some rank (a parameter carried on some ranks only is refused, naming the fix)."""
+    def _agree_on_step(self, held: list[_Held], refuse: bool) -> StepVerdict | None:
+        """The step guard over the world, for every held group in one MAX-allreduce of ``2 + 3 n`` bytes (``n``
+        parameters that take a gradient): inf/NaN anywhere; whether some rank refuses the step (``refuse``: a
+        gradient that is not its held shard); per parameter whether it is nonzero, carried, and left out on some
+        rank (a parameter carried on some ranks only is refused, naming the fix). None: some rank refuses, so every
+        rank refuses before LGC's step sends anything."""
         groups = [guard_flags(p.comm, p.reduced, p.segments) for p in held]
-        flags = torch.cat([torch.stack([g[0] for g in groups]).amax().reshape(1), *(g[1:] for g in groups)])
+        skip = torch.stack([g[0] for g in groups]).amax().reshape(1)
+        flags = torch.cat([skip, torch.tensor([int(refuse)], dtype=torch.uint8), *(g[1:] for g in groups)])
         flags = agree_flags(self.state.stats, flags.to(held[0].reduced.device), self.guard_group).cpu()
-        verdicts, start = [], 1
+        if flags[1]:
+            return None
+        verdicts, start = [], 2
         for part, group in zip(held, groups, strict=True):
             end = start + group.numel() - 1
             verdicts.append(read_guard_flags(part.comm, torch.cat([flags[:1], flags[start:end]])))
             start = end
         return StepVerdict(skip=bool(flags[0]), used=frozenset().union(*(v.used for v in verdicts)))
 
-    def _check_views(self, part: _Held) -> None:
-        """Refuse a step whose gradients FSDP2 did not leave as views of the held shard (accumulation)."""
-        storage = part.reduced.untyped_storage().data_ptr()
-        for fsdp_param in part.comm.param_group.fsdp_params:
-            grad = fsdp_param.sharded_param.grad
-            if grad is None:
-                continue
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            if local.untyped_storage().data_ptr() != storage:
-                raise RuntimeError(
-                    f"{_name(part.comm, fsdp_param)}: its gradient is not FSDP2's reduced shard but a sum into a "
-                    "gradient already there (accumulation across backward passes, or zero_grad(set_to_none=False)), "
-                    "which LGC's step cannot write: call optimizer.zero_grad() (set_to_none=True, its default) after "
-                    "every optimizer step, and accumulate micro-batches with model.set_requires_gradient_sync(False) "
-                    "before all but the last (FSDP2 then reduces once)"
-                )
+
+def _not_views(part: _Held) -> list[str]:
+    """The parameters of ``part`` whose gradient FSDP2 did not leave as a view of the held shard (accumulation)."""
+    storage = part.reduced.untyped_storage().data_ptr()
+    summed = []
+    for fsdp_param in part.comm.param_group.fsdp_params:
+        grad = fsdp_param.sharded_param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local.untyped_storage().data_ptr() != storage:
+            summed.append(_name(part.comm, fsdp_param))
+    return summed
 
 
 def _name(comm: CompressedReduceScatter, fsdp_param: object) -> str:

@@ -46,8 +46,9 @@ STAGE_STEPS = {
     else {"warmup": 2, "autoencoder_training": 3, "compressed": 3}
     for method in LEARNED
 }
-#: The step guard's bytes a step beyond the DDP hook's: the carried and left-out flags of the six parameters.
-GUARD_EXTRA = 2 * 6
+#: The step guard's bytes a step beyond the DDP hook's: the carried and left-out flags of the six parameters, and
+#: the refusal flag.
+GUARD_EXTRA = 2 * 6 + 1
 
 
 def _compress(model: torch.nn.Module, method: str, **mesh) -> lgc.HookState:
@@ -100,7 +101,7 @@ def test_with_one_shard_per_replica_lgc_is_its_ddp_run(one_shard_per_replica, me
         stages = ddp["extras"]["lgc"]["stages"]
         assert stages["compressed"]["payload_bytes"] > 0
         # Every count but the hook's calls (one per FSDP2 parameter group here, one per DDP bucket there) and the
-        # step guard's two flags more per parameter (carried, left out), each step an allreduce of that many bytes.
+        # step guard's two flags more per parameter (carried, left out) and its refusal flag, each step.
         hybrid_stages = hybrid["extras"]["lgc"]["stages"]
         assert hybrid_stages.keys() == stages.keys()
         for stage, counts in stages.items():
