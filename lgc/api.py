@@ -34,15 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lgc.compressors import Compressor
 from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.protocol import HookState
-from lgc.fsdp import (
-    FSDPCompression,
-    HybridLGC,
-    check_fsdp_settings,
-    check_fsdp_state,
-    check_learned,
-    register_local_steps,
-    replicate_group_of,
-)
+from lgc.fsdp import check_fsdp_settings, check_fsdp_state, check_learned, register_sharded, replicate_group_of
 from lgc.learned.state import LGCHookState
 from lgc.methods import METHODS, Comm, build_hook_state, check_error_feedback, optimizer_rules_owner
 
@@ -249,12 +241,8 @@ def compress(
                 "it (PyTorch's hooks compress scaled gradients; communication delay exchanges weight updates)"
             )
         state.loss_scale = grad_scaler.get_scale
-    if sharded and local_steps:
-        register_local_steps(state, model, replicate_group, optimizer)
-    elif sharded and learned:
-        HybridLGC(state, replicate_group, buffers).register(model)
-    elif sharded:
-        FSDPCompression(state, replicate_group, buffers).register(model)
+    if sharded:
+        register_sharded(state, model, replicate_group, buffers, optimizer)
     else:
         state.register(model, optimizer)
     return state

@@ -16,6 +16,7 @@ from lgc.fsdp.layout import GroupLayout, ParamColumns
 from lgc.fsdp.learned import HybridLGC, check_learned
 from lgc.fsdp.local_steps import check_local_steps, register_local_steps, shard_rows
 from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
+from lgc.fsdp.register import register_sharded
 from lgc.fsdp.settings import check_fsdp_settings, replicate_group_of
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "check_local_steps",
     "fsdp_modules",
     "register_local_steps",
+    "register_sharded",
     "replicate_group_of",
     "shard_blocks",
     "shard_model",

@@ -57,7 +57,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from lgc.ddp import collectives as counted
 from lgc.ddp.step_guard import PendingBucket, StepVerdict, agree_flags
 from lgc.fsdp.reduce_scatter import (
     CompressedReduceScatter,
@@ -124,18 +123,10 @@ class HybridLGC(FSDPCompression):
 
     def all_reduce(self, comm: CompressedReduceScatter, reduced: Tensor) -> None:
         """Hold ``reduced`` (this rank's shard of its replica's average); the step runs at the backward's end."""
-        state = self.state
-        if not self.in_step:
-            self._begin_step()
         for fsdp_param in comm.param_group.fsdp_params:
             _check_no_grad_hooks(fsdp_param.sharded_param, _name(comm, fsdp_param))
-        state.stats.hook_calls += 1
-        counted.book_dense_equivalent(state.stats, reduced, self.replicate)
-        replicas = 1 if comm.param_group.gradient_divide_factor is not None else dist.get_world_size(self.replicate)
-        layout = comm.layout(state.min_numel)
-        layout.check(layout.world * reduced.numel(), reduced.numel())
-        shard_rank = dist.get_rank(comm.param_group.mesh_info.shard_process_group)
-        self.held.append(_Held(comm, reduced, replicas, layout.own_segments(shard_rank)))
+        replicas = self._open_all_reduce(comm, reduced)
+        self.held.append(_Held(comm, reduced, replicas, self._shard_segments(comm, reduced)))
 
     def _before_forward(self, _module: torch.nn.Module, _args: object) -> None:
         """A backward pass that raised before its end leaves its held shards behind: drop them (LGC's state has not

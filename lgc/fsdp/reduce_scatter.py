@@ -327,24 +327,14 @@ class FSDPCompression:
         Run by FSDP2's all-reduce hook after the exact reduce-scatter inside the replica, before
         FSDP2's own post-division; leaves the replicas' average in ``reduced``, as FSDP2's HSDP does.
         """
-        state, group = self.state, self.replicate
-        if not self.in_step:
-            self._begin_step()
-        state.stats.hook_calls += 1
-        counted.book_dense_equivalent(state.stats, reduced, group)
-        replicas = dist.get_world_size(group)
-        # FSDP2 divided the replica's sum by the shard count (AVG), or by set_gradient_divide_factor's factor,
-        # which is the whole run's: then the replicas' results are summed, not averaged.
-        if comm.param_group.gradient_divide_factor is not None:
-            replicas = 1
+        state = self.state
+        replicas = self._open_all_reduce(comm, reduced)
         if self.dense_only or not self.compressing:
             self._average_dense(reduced, replicas)
             if self.dense_only:  # counted as the DDP hook counts a stateless method's non-finite step
                 state.skips.note(state.stats, state.iteration, reduced)
             return
-        layout = comm.layout(state.min_numel)
-        layout.check(layout.world * reduced.numel(), reduced.numel())
-        shards = layout.own_segments(dist.get_rank(comm.param_group.mesh_info.shard_process_group))
+        shards = self._shard_segments(comm, reduced)
         held = tuple(s for s in shards if s.numel)
         if state.guards_steps:
             verdict = self._agree(comm, reduced, shards)
@@ -361,6 +351,25 @@ class FSDPCompression:
             state.skips.note(state.stats, state.iteration, result)
         if state.step_scale != 1.0:
             reduced.mul_(state.step_scale)
+
+    def _open_all_reduce(self, comm: CompressedReduceScatter, reduced: Tensor) -> int:
+        """The start of every all-reduce hook call: the step opened at its first group, the call and what plain
+        HSDP would send counted. Returns what the replicas' sum is divided by."""
+        if not self.in_step:
+            self._begin_step()
+        self.state.stats.hook_calls += 1
+        counted.book_dense_equivalent(self.state.stats, reduced, self.replicate)
+        # FSDP2 divided the replica's sum by the shard count (AVG), or by set_gradient_divide_factor's factor,
+        # which is the whole run's: then the replicas' results are summed, not averaged.
+        if comm.param_group.gradient_divide_factor is not None:
+            return 1
+        return dist.get_world_size(self.replicate)
+
+    def _shard_segments(self, comm: CompressedReduceScatter, reduced: Tensor) -> tuple[Segment, ...]:
+        """Every parameter ``reduced`` carries, this rank's shard of it (empty where it holds padding only)."""
+        layout = comm.layout(self.state.min_numel)
+        layout.check(layout.world * reduced.numel(), reduced.numel())
+        return layout.own_segments(dist.get_rank(comm.param_group.mesh_info.shard_process_group))
 
     def _average_dense(self, reduced: Tensor, replicas: int) -> None:
         """FSDP2's own HSDP all-reduce (the replicas' average), counted."""

@@ -33,8 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
-from lgc.fsdp import FSDPCompression, HybridLGC, register_local_steps, shard_model
-from lgc.learned.state import LGCHookState
+from lgc.fsdp import register_sharded, shard_model
 from lgc.lit.strategy import WorkerChecks
 
 __all__ = ["CompressedFSDPStrategy", "shard_for_strategy"]
@@ -124,13 +123,8 @@ class CompressedFSDPStrategy(WorkerChecks, ModelParallelStrategy):
             return
         shard_model(model, mesh=self.shard_mesh)
         replicate = None if self.replicate_mesh is None else self.replicate_mesh.get_group()
-        if isinstance(self.hook_state, CommunicationDelayState):
-            # Local steps, the replicas the workers; the compression callback steps the state after each batch.
-            register_local_steps(self.hook_state, model, replicate)
-        elif isinstance(self.hook_state, LGCHookState):
-            HybridLGC(self.hook_state, replicate, self.buffers).register(model)
-        else:
-            FSDPCompression(self.hook_state, replicate, self.buffers).register(model)
+        # With local steps the compression callback steps the state after each batch (no optimizer here).
+        register_sharded(self.hook_state, model, replicate, self.buffers)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
