@@ -19,8 +19,8 @@ What every case asserts (see :func:`_check`):
 * exact methods (``none``, top-k and random-block at density 1) equal plain DDP's gradients, the
   16-bit ones within their rounding.
 
-The default suite runs a fixed sample that covers every method, dtype and feature at least once
-(:data:`SAMPLE_SIZE` cases in one spawn of two workers); ``pytest -m slow`` runs the full product.
+The default suite runs a fixed sample that holds every method once and every dtype with every
+feature (:data:`SAMPLE_SIZE` cases in one spawn of two workers); ``pytest -m slow`` runs the full product.
 """
 
 from __future__ import annotations
@@ -218,17 +218,16 @@ def _covering_sample(size: int, seed: int = 0) -> list[Case]:
     chosen: list[Case] = []
     for i, method in enumerate(METHODS):
         # Rotate through dtypes and features so that each appears with several methods.
-        for j in range(2):
-            dtype = DTYPES[(i + j) % len(DTYPES)]
-            features = [f for f in FEATURES if _applicable(method, f)]
-            feature = features[(2 * i + j) % len(features)]
-            chosen.append(Case(method, dtype, feature))
+        dtype = DTYPES[i % len(DTYPES)]
+        features = [f for f in FEATURES if _applicable(method, f)]
+        feature = features[(i + i // len(DTYPES)) % len(features)]
+        chosen.append(Case(method, dtype, feature))
     rest = [case for case in ALL_CASES if case not in chosen]
     chosen += rng.sample(rest, max(0, size - len(chosen)))
     return chosen
 
 
-SAMPLE_SIZE = 80
+SAMPLE_SIZE = len(METHODS)  # every method once; the rotation covers every dtype with every feature
 SAMPLE = _covering_sample(SAMPLE_SIZE)
 
 
@@ -511,7 +510,8 @@ def test_the_matrix_covers_every_compressor_config():
     )
     sampled = {(c.method.name, c.dtype, c.feature) for c in SAMPLE}
     assert {m for m, _, _ in sampled} == {m.name for m in METHODS}
-    assert {d for _, d, _ in sampled} == set(DTYPES) and {f for _, _, f in sampled} == set(FEATURES)
+    # Every dtype meets every feature (an inf under autocast, a NaN in bf16, ...).
+    assert {(d, f) for _, d, f in sampled} == set(itertools.product(DTYPES, FEATURES))
 
 
 def test_sampled_matrix():

@@ -8,7 +8,13 @@ method and of the no-communication step (``no_sync``: forward, backward and opti
 communicates nothing); ``ddp`` is DDP's own allreduce without a hook, beside which ``none`` shows
 what lgc's dense hook adds. Reported per method: median wall time, median CPU time summed over
 the workers' processes (all their threads), both as multiples of the no-communication step measured in
-the same rounds, the same as means over every timed step, and the load average. With ``--device
+the same rounds, the same as means over every timed step, and the load average. Beside the times, each method's
+arithmetic: the floating-point operations of one further step per worker (matrix products and
+convolutions, the model's and the method's codec's alike, counted by ``torch.utils.flop_counter``), and
+their multiple of the no-communication step's. Where a step is compute-bound (a CPU), that multiple
+is the floor under the CPU ratio that no implementation of the same arithmetic can pass; a
+learned codec's share of it falls as the model's work per step grows (``--batch-size``,
+``--image-size``). With ``--device
 cuda`` each worker is one GPU (NCCL; ``--workers`` at most the GPUs there are), every step is timed
 between two device synchronizations, and the CPU time is the host's. A method with
 ``delay`` (communication delay: local steps, then an exchange) is read by its mean, which counts its
@@ -47,12 +53,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scipy.stats import t as t_dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.flop_counter import FlopCounterMode
 
 from lgc.bench.methods import NO_COMM, MethodSpec, parse_methods, profile_knobs, sgd_for
 from lgc.methods import merge_knobs
 from lgc.provenance import run_provenance
 
-__all__ = ["add_arguments", "run", "step_rows"]
+__all__ = ["add_arguments", "flop_rows", "run", "step_rows"]
 
 METHODS = "ddp,none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
 #: DDP's own allreduce, no communication hook: what lgc's dense hook (``none``) costs beside it.
@@ -135,9 +142,19 @@ def _worker(
         for label in runs:
             for _ in range(args.steps):
                 timings[label].append(step(label))
-    results[rank] = json.dumps(timings)
+    # One further step per method, its arithmetic counted (every rank runs it, in the same order).
+    flops = {label: _counted_flops(step, label) for label in runs}
+    results[rank] = json.dumps({"timings": timings, "flops": flops})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _counted_flops(step: Any, label: str) -> float:
+    """The floating-point operations of one step of ``label`` on this worker (``torch.utils.flop_counter``)."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step(label)
+    return float(counter.get_total_flops())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,7 +213,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = mp.Manager().dict()
         mp.spawn(_worker, args=(args, specs, sharded, f"file://{scratch}/store", results), nprocs=args.workers)
         per_rank = [json.loads(results[rank]) for rank in range(args.workers)]
-    rows = step_rows(per_rank, args.rounds)
+    rows = step_rows([rank["timings"] for rank in per_rank], args.rounds)
+    flop_rows(rows, [rank["flops"] for rank in per_rank])
     timed = args.rounds * args.steps
     where = "NCCL workers, one GPU each" if args.device == "cuda" else "gloo workers on this machine"
     uneven = [spec.label for spec in specs if (spec.knobs.get("delay") or 1) > 1 and timed % spec.knobs["delay"]]
@@ -207,18 +225,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     print(
         "| method | wall (ms) | x no-comm | CPU, all workers (ms) | x no-comm | mean wall (ms) | x no-comm "
-        "| mean CPU (ms) | x no-comm |"
+        "| mean CPU (ms) | x no-comm | GFLOP/worker | x no-comm |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, row in rows.items():
         print(
             f"| {label} | {1000 * row['wall_s']:.0f} | {row['wall_x']:.2f} | {1000 * row['cpu_s']:.0f} "
             f"| {row['cpu_x']:.2f} | {1000 * row['mean_wall_s']:.0f} | {row['mean_wall_x']:.2f} "
-            f"| {1000 * row['mean_cpu_s']:.0f} | {row['mean_cpu_x']:.2f} |"
+            f"| {1000 * row['mean_cpu_s']:.0f} | {row['mean_cpu_x']:.2f} | {row['gflop']:.2f} | {row['gflop_x']:.2f} |"
         )
     print(
         "\nMedians are the step of a method that sends every step; with a delay most steps are local and "
-        "only the mean (every step timed, the exchanges included) is its cost."
+        "only the mean (every step timed, the exchanges included) is its cost. GFLOP/worker: the matrix "
+        "products and convolutions of one further step (the model's and the codec's; the most of any "
+        "worker), the arithmetic floor of the CPU ratio where the step is compute-bound."
     )
     against = [(label, row["cpu_vs_ddp"]) for label, row in rows.items() if "cpu_vs_ddp" in row]
     if against:
@@ -281,6 +301,15 @@ def step_rows(per_rank: list[dict[str, list[list[float]]]], rounds: int | None =
             half = float(t_dist.ppf(0.975, rounds - 1)) * statistics.stdev(ratios) / math.sqrt(rounds)
             row["cpu_vs_ddp"] = {"mean": mean, "half_width": half, "rounds": ratios}
     return rows
+
+
+def flop_rows(rows: dict[str, dict[str, Any]], per_rank: list[dict[str, float]]) -> None:
+    """Add each method's counted step (``gflop``: the most of any rank, in GFLOP) and its multiple of ``no_sync``'s."""
+    for label, row in rows.items():
+        row["gflop"] = max(rank[label] for rank in per_rank) / 1e9
+    reference = rows[NO_COMM]["gflop"]
+    for row in rows.values():
+        row["gflop_x"] = row["gflop"] / reference if reference else float("nan")
 
 
 def _round_cpu(per_rank: list[dict[str, list[list[float]]]], label: str, index: int, rounds: int) -> float:

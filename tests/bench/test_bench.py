@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from distributed import run_workers
 
 from lgc.bench.cli import main
 from lgc.bench.compressors import resnet50_numels
@@ -256,3 +257,68 @@ def test_step_fsdp_rows_are_refused_on_one_worker_before_any_worker_starts(no_wo
         main(["step", "--workers", "1", "--fsdp", "topk"])
     with pytest.raises(SystemExit, match="--fsdp: unknown method 'topkk'"):
         main(["step", "--fsdp", "topkk"])
+
+
+def _counted_steps(rank: int, world_size: int) -> dict[str, float]:
+    """One counted step of a small model without communication and through LGC-RAR's compressed stage."""
+    import math
+
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import lgc
+    from lgc.bench.step import _counted_flops
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    x, y = torch.randn(8, 256), torch.randint(10, (8,))
+    plain = DistributedDataParallel(torch.nn.Sequential(*(m for m in base)))
+    model = DistributedDataParallel(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = lgc.compress(
+        model, "lgc_rar", optimizer=opt, density=0.01, stages={"warmup_steps": 1, "ae_steps": 1},
+        training={"updates_per_step": 1, "autoencoder": {"width": 0.25}},
+    )  # fmt: skip
+    runs = {"plain": (plain, torch.optim.SGD(plain.parameters(), lr=0.01)), "lgc_rar": (model, opt)}
+
+    def step(label: str) -> None:
+        net, optimizer = runs[label]
+        optimizer.zero_grad()
+        if label == "plain":
+            with net.no_sync():
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+        else:
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+        optimizer.step()
+
+    for _ in range(state.steady_from() + 1):
+        step("lgc_rar")
+    assert state.metrics()["lgc/stage"] == 3.0  # the compressed stage
+    counted = {label: _counted_flops(step, label) for label in runs}
+    # The codec's arithmetic on its own: every worker encodes its chunks and decodes its own and the mean latent.
+    ae, chunk = state.autoencoder, state.leader_code.chunk
+    k = sum(math.ceil(0.01 * p.numel()) for p in base.parameters() if p.numel() >= state.min_numel)
+    rows = math.ceil(k / chunk)
+    with torch.no_grad(), FlopCounterMode(display=False) as codec:
+        ae.decode(torch.cat([ae.encode(torch.zeros(rows, chunk))] * 2))
+    return {**counted, "codec": float(codec.get_total_flops())}
+
+
+@pytest.mark.multiprocess
+def test_a_counted_step_holds_the_models_arithmetic_and_the_codecs_through_the_hook():
+    """``lgc-bench step``'s GFLOP column: the hook's codec work is counted, to the operation."""
+    for counted in run_workers(_counted_steps, 2):
+        assert counted["codec"] > counted["plain"] > 0
+        assert counted["lgc_rar"] == counted["plain"] + counted["codec"]
+
+
+def test_flop_rows_give_the_most_of_any_rank_over_no_communications():
+    from lgc.bench.step import flop_rows
+
+    rows = {"no_sync": {}, "topk": {}, "lgc_rar": {}}
+    flop_rows(rows, [{"no_sync": 2e9, "topk": 2e9, "lgc_rar": 5e9}, {"no_sync": 2e9, "topk": 2e9, "lgc_rar": 6e9}])
+    assert rows == {
+        "no_sync": {"gflop": 2.0, "gflop_x": 1.0},
+        "topk": {"gflop": 2.0, "gflop_x": 1.0},
+        "lgc_rar": {"gflop": 6.0, "gflop_x": 3.0},
+    }
