@@ -2,7 +2,10 @@
 
 Workers start from a fork server (Python's ``forkserver`` start method) that imports torch and lgc
 once for the whole session: a worker then starts in about 0.1 s instead of the 3-6 s a spawned
-interpreter takes to import them, which is most of a two-worker test's time. The server is a clean
+interpreter takes to import them, which is most of a two-worker test's time. The server also
+imports what workers would otherwise each import on first use: ``torch._dynamo``, which
+``DistributedDataParallel`` imports when it is built (about a second per worker), and the
+distributed checkpoint. The server is a clean
 single-threaded process, so forking it is as safe as spawning; what a spawned worker would inherit
 from the test process at the time of the call, its environment, is handed to each worker explicitly.
 """
@@ -22,7 +25,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 START_METHOD = "forkserver"
-mp.set_forkserver_preload(["torch", "torch.distributed", "lgc", "lgc.ddp", "lgc.compressors", "distributed"])
+mp.set_forkserver_preload(
+    [
+        "torch",
+        "torch._dynamo",
+        "torch.distributed",
+        "torch.distributed.checkpoint",
+        "lgc",
+        "lgc.ddp",
+        "lgc.compressors",
+        "distributed",
+    ]
+)
 
 
 def free_port() -> int:

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 from distributed import run_workers
-from test_train import _load, compose_cfg
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -266,6 +265,9 @@ def test_resume_in_the_middle_of_a_delay_period_is_exact(tmp_path, outer):
     # where every rank holds its own weights and momenta (and, with DiLoCo, the outer momentum).
     common = ["trainer.limit_train_batches=7", "trainer.limit_val_batches=1", "comm.delay=2", "scheduler.T_max=2"]
     common += outer
+    # Imported here: the workers other tests fork import this module, and need no training stack.
+    from test_train import _load, compose_cfg
+
     from lgc.train import train
 
     train(compose_cfg(tmp_path / "straight", "trainer.max_epochs=2", *common))
@@ -635,6 +637,8 @@ def test_streaming_diloco_matches_a_transcription_of_torchfts_fragment_sync(spli
 
 
 def test_too_many_fragments_are_refused_before_workers_start(tmp_path):
+    from test_train import compose_cfg
+
     from lgc.train import train
 
     cfg = compose_cfg(tmp_path, "comm=streaming_diloco", "comm.delay=100000", "comm.fragments=741")
@@ -799,6 +803,7 @@ def test_lgc_train_validates_the_global_model_mid_interval_without_changing_trai
     """experiment=streaming_diloco with H = 4: validating every 3 steps (between exchanges) evaluates the
     synchronized model and leaves every rank's training exactly as in a run that never validates."""
     from hydra import compose, initialize_config_module
+    from test_train import _load
 
     from lgc.train import train
 

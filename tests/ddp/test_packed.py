@@ -249,7 +249,8 @@ def _count(rank: int, world: int, names: list[str]) -> dict:
         model = DDP(_count_net(), bucket_cap_mb=0.03)
         needs_plain_sgd = METHODS[name].run_settings.get("optimizer", {}).get("momentum") == 0
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.0 if needs_plain_sgd else 0.9)
-        knobs: dict = {"steps_per_epoch": 100} if name == "dgc" else {}
+        # One step per epoch: DGC's density warm-up (epochs) is over in a few steps; its steady step is the same.
+        knobs: dict = {"steps_per_epoch": 1} if name == "dgc" else {}
         if name in LGC_FAMILY:  # short stages
             knobs = {"stages": {"warmup_steps": 2, "ae_steps": min(METHODS[name].cls.STAGES.ae_steps, 2)}}
         state = lgc.compress(model, name, optimizer=optimizer, **knobs)

@@ -151,20 +151,31 @@ def test_on_a_2x2_mesh_an_elementwise_exchange_is_the_ddp_run_of_the_replicas():
     assert any(numel == 0 for key, numel in results[1]["streaming/slices"]), "a piece outside the second shard's rows"
 
 
-def _sharded_sbc(rank: int, world: int, poison: int | None) -> tuple:
+def _sharded_sbc(rank: int, world: int, poisons: list[int | None]) -> list[tuple]:
+    """SBC every 2 steps on a 2 x 2 mesh, once per entry of ``poisons`` (the step rank 1's batch is NaN at, or none)."""
     mesh = _mesh(2, 2)
-    model = _shard(_net(), mesh["shard"])
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    state = lgc.compress(model, "sbc", optimizer=opt, replicate=mesh["replicate"], delay=2, density=0.05)
-    _run(model, opt, lambda step: _batch(rank, step), range(STEPS), poison=poison if rank == 1 else None)
-    shapes = {k: tuple(v.shape) for k, v in state.compressor.residual_store().items()}
-    return _full(model), shapes, state.stats.skipped_steps, state.local_steps
+    runs = []
+    for poison in poisons:
+        model = _shard(_net(), mesh["shard"])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        state = lgc.compress(model, "sbc", optimizer=opt, replicate=mesh["replicate"], delay=2, density=0.05)
+        _run(model, opt, lambda step: _batch(rank, step), range(STEPS), poison=poison if rank == 1 else None)
+        shapes = {k: tuple(v.shape) for k, v in state.compressor.residual_store().items()}
+        runs.append((_full(model), shapes, state.stats.skipped_steps, state.local_steps))
+    return runs
 
 
-def test_on_a_2x2_mesh_each_shard_is_coded_on_its_own_and_the_replicas_agree_after_an_exchange():
+@pytest.fixture(scope="module")
+def sharded_sbc() -> dict[str, list[tuple]]:
+    """Every rank's SBC runs: ``"clean"`` and ``"nan"`` (a NaN on rank 1 right before the last exchange)."""
+    per_rank = run_workers(_sharded_sbc, 4, [None, STEPS - 1])
+    return {name: [runs[i] for runs in per_rank] for i, name in enumerate(("clean", "nan"))}
+
+
+def test_on_a_2x2_mesh_each_shard_is_coded_on_its_own_and_the_replicas_agree_after_an_exchange(sharded_sbc):
     """SBC every 2 steps: residuals are the size of a rank's shard, and after the last exchange both replicas hold
     the same weights."""
-    results = run_workers(_sharded_sbc, 4, None)
+    results = sharded_sbc["clean"]
     for rank, (weights, shapes, skipped, steps) in enumerate(results):
         shard = rank % 2
         assert shapes == {
@@ -176,10 +187,10 @@ def test_on_a_2x2_mesh_each_shard_is_coded_on_its_own_and_the_replicas_agree_aft
             assert torch.equal(weight, results[0][0][name]), name
 
 
-def test_a_nan_on_one_rank_skips_that_exchange_on_every_rank():
+def test_a_nan_on_one_rank_skips_that_exchange_on_every_rank(sharded_sbc):
     """A NaN in one rank's batch right before an exchange: its replica's update is not finite, every rank of both
     replicas skips the exchange and returns to the synchronized weights, which stay finite and equal."""
-    results = run_workers(_sharded_sbc, 4, STEPS - 1)
+    results = sharded_sbc["nan"]
     for weights, _, skipped, steps in results:
         assert (skipped, steps) == (1, STEPS)
         for name, weight in weights.items():

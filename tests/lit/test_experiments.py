@@ -10,6 +10,7 @@ import pytest
 import torch
 from fixtures import CIFAR_NAMES, cifar_checksums, write_camvid, write_cifar10
 from hydra import compose, initialize_config_module
+from test_config_types import _check_all
 
 from lgc.methods import build_hook_state
 from lgc.train import _check_model_fits_task, train
@@ -78,11 +79,13 @@ def _compose(name: str, output_dir: Path, data_roots: dict, *overrides: str):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_builds_its_parts(name, tmp_path, data_roots):
-    """Compressor, data, model, optimizer and scheduler of every experiment instantiate and fit together.
+    """Every experiment's settings pass their types; its compressor, data, model, optimizer and scheduler
+    instantiate and fit together.
 
     No worker starts: this is what ``train`` checks in the launching process, for every file.
     """
     cfg = _compose(name, tmp_path, data_roots)
+    _check_all(cfg)
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
     world = cfg.trainer.devices if cfg.trainer.devices > 0 else 4
     datamodule = hydra.utils.instantiate(cfg.data)

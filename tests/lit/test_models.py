@@ -54,9 +54,9 @@ def test_cifar_resnet_parameter_counts_match_the_paper(depth, exact, paper_milli
     ("depth", "stem", "num_classes", "expected"),
     [
         (50, "imagenet", 1000, 25_557_032),  # torchvision's documented ResNet-50 size
-        (101, "imagenet", 1000, 44_549_160),  # torchvision's documented ResNet-101 size
+        pytest.param(101, "imagenet", 1000, 44_549_160, marks=pytest.mark.slow),  # torchvision's ResNet-101 size
         (50, "cifar", 10, 23_520_842),  # 7x7x3x64 stem -> 3x3x3x64, 2048 x 990 fewer classifier weights
-        (101, "cifar", 10, 42_512_970),
+        pytest.param(101, "cifar", 10, 42_512_970, marks=pytest.mark.slow),
     ],
 )
 def test_torchvision_resnet_parameter_counts(depth, stem, num_classes, expected):
@@ -167,7 +167,7 @@ def test_dilated_backbone_is_the_plain_backbone_without_subsampling(backbone):
     torch.testing.assert_close(dilated[..., ::4, ::4], expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("depth", [50, 101])
+@pytest.mark.parametrize("depth", [50, pytest.param(101, marks=pytest.mark.slow)])
 def test_dilate_stage_matches_torchvision_on_bottlenecks(depth):
     builder = getattr(models, f"resnet{depth}")
     theirs = builder(weights=None, replace_stride_with_dilation=[False, True, True])
