@@ -12,9 +12,12 @@ it with ``ConvTranspose1d`` layers (``4 -> 32 -> 64 -> 128 -> 32``), interpolate
 by a kernel-3 convolution instead (the usual remedy for checkerboard artifacts; twice the
 multiply-adds, measured by ``lgc-bench step`` and ``lgc-bench autoencoder``).
 
-The reference widths cost about 1.4 M multiply-adds per chunk to encode and 1.7 M to decode; at
-density 1 % on ResNet-50 (4,000 chunks of 64) that is several times the model's own step on a
-CPU. ``lgc-bench step`` and ``lgc-bench autoencoder`` compare them with narrower widths.
+The reference widths cost about 1.4 M multiply-adds per chunk of 64 to encode and 0.84 M to decode
+(twice both per chunk of 128); LGC-RAR encodes each chunk once and decodes it twice (its own latent
+and the mean), so at density 1 % on ResNet-50 (4,000 chunks of 64) that is about 12 G multiply-adds
+per step: more than the model's whole step at 8 images of 64x64, a few percent of it at 32 images of
+224x224. ``lgc-bench step`` counts it beside each step's time; ``lgc-bench autoencoder`` compares
+narrower widths.
 
 Unlike the reference, whose input length is the model's whole top-k vector, this autoencoder works
 on chunks of ``chunk`` values (:mod:`lgc.autoencoder.chunks`), so one autoencoder serves every
