@@ -8,14 +8,14 @@ method and of the no-communication step (``no_sync``: forward, backward and opti
 communicates nothing); ``ddp`` is DDP's own allreduce without a hook, beside which ``none`` shows
 what lgc's dense hook adds. Reported per method: median wall time, median CPU time summed over
 the workers' processes (all their threads), both as multiples of the no-communication step measured in
-the same rounds, the same as means over every timed step, and the load average. Beside the times, each method's
-arithmetic: the floating-point operations of one further step per worker (matrix products and
-convolutions, the model's and the method's codec's alike, counted by ``torch.utils.flop_counter``), and
-their multiple of the no-communication step's. Where a step is compute-bound (a CPU), that multiple
-is the floor under the CPU ratio that no implementation of the same arithmetic can pass; a
-learned codec's share of it falls as the model's work per step grows (``--batch-size``,
-``--image-size``). With ``--device
-cuda`` each worker is one GPU (NCCL; ``--workers`` at most the GPUs there are), every step is timed
+the same rounds, the same as means over every timed step, and the load average. Beside the times,
+each method's arithmetic: the floating-point operations of a further step per worker (averaged over
+a delay's worth of steps for a method with ``delay``): matrix products and convolutions, the
+model's and the method's codec's alike, counted by ``torch.utils.flop_counter``, and their multiple
+of the no-communication step's. Where a step is compute-bound (a CPU), that multiple is the floor
+under the CPU ratio that no implementation of the same arithmetic can pass; a learned codec's share
+of it falls as the model's work per step grows (``--batch-size``, ``--image-size``). With
+``--device cuda`` each worker is one GPU (NCCL; ``--workers`` at most the GPUs there are), every step is timed
 between two device synchronizations, and the CPU time is the host's. A method with
 ``delay`` (communication delay: local steps, then an exchange) is read by its mean, which counts its
 exchanges at their share when the timed steps (``--rounds`` x ``--steps``) are a multiple of the
@@ -142,19 +142,22 @@ def _worker(
         for label in runs:
             for _ in range(args.steps):
                 timings[label].append(step(label))
-    # One further step per method, its arithmetic counted (every rank runs it, in the same order).
-    flops = {label: _counted_flops(step, label) for label in runs}
+    # Further steps per method, their arithmetic counted (every rank runs them, in the same order): one,
+    # or a delay's worth, so that a method exchanging every few steps is counted at its exchanges' share.
+    delays = {spec.label: int(spec.knobs.get("delay") or 1) for spec in [*specs, *sharded]}
+    flops = {label: _counted_flops(step, label, delays.get(label, 1)) for label in runs}
     results[rank] = json.dumps({"timings": timings, "flops": flops})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _counted_flops(step: Any, label: str) -> float:
-    """The floating-point operations of one step of ``label`` on this worker (``torch.utils.flop_counter``)."""
+def _counted_flops(step: Any, label: str, steps: int = 1) -> float:
+    """Floating-point operations per step over ``steps`` steps of ``label`` on this worker (a flop counter)."""
     counter = FlopCounterMode(display=False)
     with counter:
-        step(label)
-    return float(counter.get_total_flops())
+        for _ in range(steps):
+            step(label)
+    return float(counter.get_total_flops()) / steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
