@@ -212,6 +212,18 @@ ALL_CASES = [Case(m, d, f) for m, d, f in itertools.product(METHODS, DTYPES, FEA
 REFUSED: dict[tuple[str, str], str] = {}
 
 
+def _injection_rows() -> set[str]:
+    """Rows that differ from another row only in the step an inf/NaN is injected at (LGC's stages)."""
+    steps: dict[tuple[str, tuple[str, ...]], set[int]] = {}
+    for method in METHODS:
+        steps.setdefault((method.config, method.overrides), set()).add(method.inject_step)
+    return {m.name for m in METHODS if len(steps[(m.config, m.overrides)]) > 1}
+
+
+#: Their cases in the sample inject an inf or a NaN: without one they would repeat another row.
+INJECTION_ROWS = _injection_rows()
+
+
 def _covering_sample(size: int, seed: int = 0) -> list[Case]:
     """A fixed sample in which every method, dtype and feature occurs, padded at random to ``size``."""
     rng = random.Random(seed)
@@ -220,6 +232,8 @@ def _covering_sample(size: int, seed: int = 0) -> list[Case]:
         # Rotate through dtypes and features so that each appears with several methods.
         dtype = DTYPES[i % len(DTYPES)]
         features = [f for f in FEATURES if _applicable(method, f)]
+        if method.name in INJECTION_ROWS:
+            features = ["inf", "nan"]
         feature = features[(i + i // len(DTYPES)) % len(features)]
         chosen.append(Case(method, dtype, feature))
     rest = [case for case in ALL_CASES if case not in chosen]
@@ -512,6 +526,9 @@ def test_the_matrix_covers_every_compressor_config():
     assert {m for m, _, _ in sampled} == {m.name for m in METHODS}
     # Every dtype meets every feature (an inf under autocast, a NaN in bf16, ...).
     assert {(d, f) for _, d, f in sampled} == set(itertools.product(DTYPES, FEATURES))
+    # Each of LGC's stages takes an inf or a NaN in the default suite.
+    assert INJECTION_ROWS >= {"lgc_rar_warmup", "lgc_rar_ae", "lgc_rar", "lgc_ps_ae", "lgc_ps"}
+    assert {m for m, _, f in sampled if f in ("inf", "nan")} >= INJECTION_ROWS
 
 
 def test_sampled_matrix():

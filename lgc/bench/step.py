@@ -14,7 +14,11 @@ a delay's worth of steps for a method with ``delay``): matrix products and convo
 model's and the method's codec's alike, counted by ``torch.utils.flop_counter``, and their multiple
 of the no-communication step's. Where a step is compute-bound (a CPU), that multiple is the floor
 under the CPU ratio that no implementation of the same arithmetic can pass; a learned codec's share
-of it falls as the model's work per step grows (``--batch-size``, ``--image-size``). With
+of it falls as the model's work per step grows (``--batch-size``, ``--image-size``). The count sees
+what runs on the worker's own thread (and, on a GPU, in autograd's device threads): work a hook
+leaves to a communication future's callback, which gloo may run on its own thread (PyTorch's
+PowerSGD hook: its second and third products), or to an overlapped exchange's thread, is missed,
+so such rows count the model's work and part of the method's, or none of it. With
 ``--device cuda`` each worker is one GPU (NCCL; ``--workers`` at most the GPUs there are), every step is timed
 between two device synchronizations, and the CPU time is the host's. A method with
 ``delay`` (communication delay: local steps, then an exchange) is read by its mean, which counts its
@@ -240,8 +244,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(
         "\nMedians are the step of a method that sends every step; with a delay most steps are local and "
         "only the mean (every step timed, the exchanges included) is its cost. GFLOP/worker: the matrix "
-        "products and convolutions of one further step (the model's and the codec's; the most of any "
-        "worker), the arithmetic floor of the CPU ratio where the step is compute-bound."
+        "products and convolutions of a further step (a delay's worth of steps, averaged, with a delay; the "
+        "model's and the codec's; the most of any worker), the arithmetic floor of the CPU ratio where the "
+        "step is compute-bound; work left to a communication callback on another thread (PyTorch's "
+        "PowerSGD hook on gloo) is not counted."
     )
     against = [(label, row["cpu_vs_ddp"]) for label, row in rows.items() if "cpu_vs_ddp" in row]
     if against:

@@ -168,6 +168,9 @@ def test_step_benchmark_times_lgc_past_its_stages_against_no_communication(tmp_p
     assert list(rows) == ["no_sync", "topk", narrow, "sbc:delay=2"]
     assert rows["no_sync"]["cpu_x"] == rows["no_sync"]["mean_cpu_x"] == 1.0
     assert all(row["cpu_s"] > 0 and row["wall_s"] > 0 and row["mean_cpu_s"] > 0 for row in rows.values())
+    # The arithmetic: top-k and SBC add none to the model's; LGC-RAR's codec adds its convolutions.
+    assert rows["topk"]["gflop"] == rows["sbc:delay=2"]["gflop"] == rows["no_sync"]["gflop"] > 0
+    assert rows[narrow]["gflop_x"] > 1.0
 
 
 def test_step_on_cuda_wants_one_gpu_per_worker_before_any_worker_starts(no_workers, monkeypatch):
@@ -322,3 +325,18 @@ def test_flop_rows_give_the_most_of_any_rank_over_no_communications():
         "topk": {"gflop": 2.0, "gflop_x": 1.0},
         "lgc_rar": {"gflop": 6.0, "gflop_x": 3.0},
     }
+
+
+def test_a_delay_is_counted_over_a_delays_worth_of_steps():
+    """A method that exchanges every fourth step: its exchange's arithmetic counts at a quarter per step."""
+    from lgc.bench.step import _counted_flops
+
+    calls = []
+
+    def step(label: str) -> None:
+        calls.append(label)
+        if len(calls) % 4 == 0:  # the exchange: one 8x8 by 8x8 product, 2 * 8**3 operations
+            torch.ones(8, 8) @ torch.ones(8, 8)
+
+    assert _counted_flops(step, "sbc:delay=4", 4) == 2 * 8**3 / 4
+    assert calls == ["sbc:delay=4"] * 4

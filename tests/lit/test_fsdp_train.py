@@ -105,7 +105,8 @@ LGC = ("compressor=lgc_rar", *LGC_STAGES)
 def test_lgc_under_hsdp_with_one_worker_per_replica_is_the_ddp_run(tmp_path):
     """LGC-RAR through its three stages on ResNet-8 with BatchNorm, 2 workers: HSDP with one worker per replica
     (LGC across the replicas, each shard the whole gradient) trains the DDP run's weights and buffers bit for bit,
-    sends the same payloads stage by stage and validates to the same accuracy."""
+    sends the same payloads stage by stage and validates to the same accuracy. One epoch: an epoch boundary and a
+    longer compressed stage are the slow resume test's."""
     # One epoch of 8 steps (compressed from step 6) and a narrow codec: the three stages, at a third of the cost.
     short = (
         *LGC, "trainer.max_epochs=1", "scheduler.T_max=1",
