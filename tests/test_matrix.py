@@ -231,9 +231,10 @@ def _covering_sample(size: int, seed: int = 0) -> list[Case]:
     for i, method in enumerate(METHODS):
         # Rotate through dtypes and features so that each appears with several methods.
         dtype = DTYPES[i % len(DTYPES)]
-        features = [f for f in FEATURES if _applicable(method, f)]
         if method.name in INJECTION_ROWS:
             features = ["inf", "nan"]
+        else:
+            features = [f for f in FEATURES if _applicable(method, f)]
         feature = features[(i + i // len(DTYPES)) % len(features)]
         chosen.append(Case(method, dtype, feature))
     rest = [case for case in ALL_CASES if case not in chosen]

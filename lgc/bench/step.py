@@ -148,11 +148,16 @@ def _worker(
                 timings[label].append(step(label))
     # Further steps per method, their arithmetic counted (every rank runs them, in the same order): one,
     # or a delay's worth, so that a method exchanging every few steps is counted at its exchanges' share.
-    delays = {spec.label: int(spec.knobs.get("delay") or 1) for spec in [*specs, *sharded]}
+    delays = {spec.label: _delay(spec) for spec in [*specs, *sharded]}
     flops = {label: _counted_flops(step, label, delays.get(label, 1)) for label in runs}
     results[rank] = json.dumps({"timings": timings, "flops": flops})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _delay(spec: MethodSpec) -> int:
+    """Steps between a method's exchanges (1: it sends every step)."""
+    return int(spec.knobs.get("delay") or 1)
 
 
 def _counted_flops(step: Any, label: str, steps: int = 1) -> float:
@@ -224,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     flop_rows(rows, [rank["flops"] for rank in per_rank])
     timed = args.rounds * args.steps
     where = "NCCL workers, one GPU each" if args.device == "cuda" else "gloo workers on this machine"
-    uneven = [spec.label for spec in specs if (spec.knobs.get("delay") or 1) > 1 and timed % spec.knobs["delay"]]
+    uneven = [spec.label for spec in specs if timed % _delay(spec)]
     print(
         f"# DDP step overhead: {args.model}, {args.workers} {where}, batch {args.batch_size} "
         f"of {args.image_size}x{args.image_size}, density {args.density}, {args.threads} thread(s) each, "

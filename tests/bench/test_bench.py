@@ -264,6 +264,7 @@ def test_step_fsdp_rows_are_refused_on_one_worker_before_any_worker_starts(no_wo
 
 def _counted_steps(rank: int, world_size: int) -> dict[str, float]:
     """One counted step of a small model without communication and through LGC-RAR's compressed stage."""
+    import copy
     import math
 
     from torch.nn.parallel import DistributedDataParallel
@@ -275,7 +276,7 @@ def _counted_steps(rank: int, world_size: int) -> dict[str, float]:
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     x, y = torch.randn(8, 256), torch.randint(10, (8,))
-    plain = DistributedDataParallel(torch.nn.Sequential(*(m for m in base)))
+    plain = DistributedDataParallel(copy.deepcopy(base))
     model = DistributedDataParallel(base)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = lgc.compress(
