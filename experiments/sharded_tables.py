@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from network_tables import EVIDENCE
 from one_message_tables import replace_in
 from scale_comparison import HERE, load_protocol
 from scale_tables import _fmt, _gap_text, _interval, _records
-from streaming_overlap_tables import EVIDENCE
 
 from lgc.report.bytes import run_bytes
 from lgc.report.marks import mark

@@ -1,18 +1,20 @@
 """The "Which method" table of ``docs/evidence.md``, generated from both Fashion-MNIST cells' over-seeds reports.
 
-    python experiments/which_method.py [RESULTS]            # print the table
-    python experiments/which_method.py [RESULTS] --write    # replace the table in docs/evidence.md
+    python experiments/which_method.py            # print the evidence page's tables
+    python experiments/which_method.py --write    # replace them in docs/evidence.md
+    python experiments/which_method.py RESULTS    # print the table of one comparison folder
 
-Reads ``RESULTS/CELL/report/seeds.json`` (``lgc-report``'s over-seeds table; RESULTS defaults to
-this folder's ``results/fashion_mnist``) and prints one row per method: per cell, accuracy (mean ±
+Reads ``RESULTS/CELL/report/seeds.json`` (``lgc-report``'s over-seeds table) for every cell that has
+one and prints one row per method: per cell, accuracy (mean ±
 half-width of the 95 % interval over seeds, Student t), the gap to dense paired by seed (points,
 mean ± half-width of its 95 % interval), its mark against the 1-point margin
 (:func:`lgc.report.marks.mark`: ``within``, the interval's lower end at most 1 point below 0;
 ``worse``, the whole interval further down; ``inconclusive``, it straddles that line, at the seeds
-the method has), and whole-run wire MB per worker. The evidence page holds the table between the markers
-``<!-- which-method:begin -->`` and ``<!-- which-method:end -->``; ``--write`` replaces what is
-between them, and a test checks that the page's table is this script's output for the committed
-results, so its numbers cannot drift from them.
+the method has), and whole-run wire MB per worker. The evidence page holds one table per folder of :data:`BLOCKS`
+(the CPU comparison ``results/fashion_mnist`` and its GPU runs ``results/fashion_mnist_gpu``), each
+between its markers ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``; ``--write`` replaces what is
+between them, and a test checks that the page's tables are this script's output for the committed
+results, so their numbers cannot drift from them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from lgc.report.seeds import Interval
 
 HERE = Path(__file__).parent
 README = HERE.parent / "docs" / "evidence.md"
-BEGIN, END = "<!-- which-method:begin -->", "<!-- which-method:end -->"
+#: Block name on the evidence page -> the comparison folder its table is generated from.
+BLOCKS = {
+    "which-method": HERE / "results" / "fashion_mnist",
+    "which-method-gpu": HERE / "results" / "fashion_mnist_gpu",
+}
 
 #: Row label in the comparison -> its name in the table, in the table's order (grouped, not ranked).
 ROWS = {
@@ -81,14 +87,17 @@ def _cells(entry: dict | None) -> list[str]:
         gap_text = f"{100 * gap['mean']:+.2f}" + (f" ± {100 * half:.2f}" if half is not None else "")
         judged = mark(Interval(gap["n"], gap["mean"], gap.get("sd"), half), MARGIN)
         gap_text += f" {judged}" if judged else ""
-    return [str(entry["n"]), accuracy, gap_text, f"{entry['wire_mb_per_worker']['mean']:.3g}"]
+    mb = entry["wire_mb_per_worker"]["mean"]
+    return [str(entry["n"]), accuracy, gap_text, f"{mb:,.0f}" if mb >= 100 else f"{mb:.3g}"]
 
 
 def table(results: Path) -> str:
-    """The markdown table (no trailing newline) from both cells' reports."""
-    cells = {cell: load_cell(results, cell) for cell in CELLS}
+    """The markdown table (no trailing newline) from the reports of the cells that have one."""
+    cells = {cell: entries for cell in CELLS if (entries := load_cell(results, cell))}
+    if not cells:
+        raise SystemExit(f"which_method.py: no cell of {', '.join(CELLS)} has a report under {results}")
     header = ["method"]
-    for cell in CELLS:
+    for cell in cells:
         header += [f"{cell}: n", f"{cell}: val/acc", f"{cell}: gap to dense, points", f"{cell}: MB/worker"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     unknown = sorted({label for entries in cells.values() for label in entries} - set(ROWS))
@@ -98,12 +107,12 @@ def table(results: Path) -> str:
         if not any(label in entries for entries in cells.values()):
             continue
         row = [name]
-        for cell in CELLS:
-            row += _cells(cells[cell].get(label))
+        for entries in cells.values():
+            row += _cells(entries.get(label))
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
-    for cell in CELLS:
-        lines.append(power_line(cell, cells[cell]))
+    for cell, entries in cells.items():
+        lines.append(power_line(cell, entries))
     return "\n".join(lines)
 
 
@@ -126,21 +135,37 @@ def power_line(cell: str, entries: dict[str, dict]) -> str:
     )
 
 
-def replace_in(readme: str, text: str) -> str:
-    """``readme`` with the text between the markers replaced by ``text``."""
-    start, end = readme.find(BEGIN), readme.find(END)
-    if start < 0 or end < start:
-        raise SystemExit(f"{README.name} has no {BEGIN} ... {END} block")
-    return readme[: start + len(BEGIN)] + "\n" + text + "\n" + readme[end:]
+def markers(name: str) -> tuple[str, str]:
+    """The begin and end markers of block ``name`` on the evidence page."""
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+BEGIN, END = markers("which-method")
+
+
+def replace_in(readme: str, text: str, name: str = "which-method") -> str:
+    """``readme`` with the text between block ``name``'s markers replaced by ``text``."""
+    begin, end = markers(name)
+    start, stop = readme.find(begin), readme.find(end)
+    if start < 0 or stop < start:
+        raise SystemExit(f"{README.name} has no {begin} ... {end} block")
+    return readme[: start + len(begin)] + "\n" + text + "\n" + readme[stop:]
 
 
 def main(argv: list[str]) -> str:
     args = [a for a in argv if a != "--write"]
-    results = Path(args[0] if args else HERE / "results" / "fashion_mnist")
-    text = table(results)
+    if args:
+        if "--write" in argv:
+            raise SystemExit("which_method.py: --write writes the evidence page's own folders; give no RESULTS")
+        return table(Path(args[0]))
+    page, texts = README.read_text(), []
+    for name, results in BLOCKS.items():
+        text = table(results)
+        page = replace_in(page, text, name)
+        texts.append(f"{name}:\n\n{text}")
     if "--write" in argv:
-        README.write_text(replace_in(README.read_text(), text))
-    return text
+        README.write_text(page)
+    return "\n\n".join(texts)
 
 
 if __name__ == "__main__":

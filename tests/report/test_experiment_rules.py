@@ -224,6 +224,20 @@ def test_the_readme_table_is_the_generated_one(monkeypatch):
     expected = which.table(EXPERIMENTS / "results" / "fashion_mnist")
     assert block == expected, "the evidence page's table drifted: python experiments/which_method.py --write"
     assert which.replace_in(readme, expected) == readme
+    begin, end = which.markers("which-method-gpu")
+    gpu = readme[readme.index(begin) + len(begin) : readme.index(end)].strip()
+    assert gpu == which.table(which.BLOCKS["which-method-gpu"]), "python experiments/which_method.py --write"
+    assert "dir8" not in gpu, "a cell without a report gets no columns"
+
+
+def test_the_table_refuses_a_folder_without_reports_and_writing_another_folder(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    sys.modules.pop("which_method", None)
+    which = importlib.import_module("which_method")
+    with pytest.raises(SystemExit, match="no cell of iid4, dir8 has a report"):
+        which.table(tmp_path)
+    with pytest.raises(SystemExit, match="give no RESULTS"):
+        which.main([str(tmp_path), "--write"])
 
 
 def test_the_table_marks_each_cell(scripts, tmp_path, monkeypatch):

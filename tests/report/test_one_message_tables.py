@@ -138,13 +138,16 @@ def test_the_evidence_page_holds_the_tables_the_committed_records_give(tables):
     assert block(tables.TIME_BEGIN, tables.TIME_END) == expected, "one_message_tables.py time --write"
 
 
-def test_the_evidence_page_holds_the_streaming_overlap_table_the_committed_record_gives(monkeypatch):
-    """docs/evidence.md's Streaming DiLoCo overlap block is generated from the committed shaped-network record."""
+def test_the_evidence_page_holds_the_network_tables_the_committed_records_give(monkeypatch):
+    """docs/evidence.md's time-to-accuracy and Streaming DiLoCo overlap blocks are generated from their records."""
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
-    sys.modules.pop("streaming_overlap_tables", None)
-    streaming = importlib.import_module("streaming_overlap_tables")
-    page = streaming.EVIDENCE.read_text()
-    block = page[page.index(streaming.BEGIN) + len(streaming.BEGIN) : page.index(streaming.END)].strip()
-    expected = streaming.block(streaming.read_record(streaming.RECORD))
-    assert block == expected, "python experiments/streaming_overlap_tables.py --write"
-    assert "x no-communication bound" in block and "overlap_steps=4" in block
+    sys.modules.pop("network_tables", None)
+    network = importlib.import_module("network_tables")
+    page = network.EVIDENCE.read_text()
+    for name, record in network.BLOCKS.items():
+        begin, end = network.markers(name)
+        block = page[page.index(begin) + len(begin) : page.index(end)].strip()
+        assert block == network.block(network.read_record(record)), "python experiments/network_tables.py --write"
+        assert "x no-communication bound" in block and "Mbit/s" in block, name
+    overlap = page[page.index(network.markers("streaming-overlap")[0]) :]
+    assert "overlap_steps=4" in overlap
