@@ -156,15 +156,18 @@ def _other_parts(runs: list[_Run]) -> list[list[str]]:
     return parts
 
 
-def labels(summaries: list[dict[str, Any]], folders: list[Path]) -> tuple[list[str], list[str]]:
-    """Each run's compressor option and its label (see the module docstring)."""
+def labels(summaries: list[dict[str, Any]], folders: list[Path]) -> tuple[list[str], list[str], list[str]]:
+    """Each run's compressor option, its label (see the module docstring) and its compressor as run: the
+    option with the compressor values of the label's second part (``lgc_rar_linear codec=autoencoder``),
+    which a label by folder leaves out."""
     runs = [_describe(summary) for summary in summaries]
     others = _other_parts(runs)
     names = [run.compressor for run in runs]
-    result = [
-        " ".join([run.compressor, *_compressor_parts(run, [p for p in runs if p.compressor == run.compressor]), *own])
-        for run, own in zip(runs, others, strict=True)
+    settings = [
+        " ".join([run.compressor, *_compressor_parts(run, [p for p in runs if p.compressor == run.compressor])])
+        for run in runs
     ]
+    result = [" ".join([setting, *own]) for setting, own in zip(settings, others, strict=True)]
     # Runs alike in every setting (repeats): add the folder, relative to the folders' common parent.
     repeated = {label for label in result if result.count(label) > 1}
     if repeated:
@@ -172,4 +175,4 @@ def labels(summaries: list[dict[str, Any]], folders: list[Path]) -> tuple[list[s
         for i, folder in enumerate(folders):
             if result[i] in repeated:
                 result[i] = f"{result[i]} ({folder.resolve().relative_to(common).as_posix()})"
-    return names, result
+    return names, result, settings

@@ -46,6 +46,10 @@ class RunRecord:
     compressor: str
     # summary.json as lgc.lit.RunSummary and lgc.train.train wrote it.
     summary: dict[str, Any] = field(repr=False, hash=False)
+    # The compressor as run, for the table when the label is the folder: its option and the compressor
+    # values overridden or differing between runs of that option ("lgc_rar_linear
+    # training.codec=autoencoder"); None: the option alone (a label by settings starts with this).
+    compressor_settings: str | None = None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -196,10 +200,12 @@ def load_runs(paths: Iterable[str | os.PathLike[str]], label_by: str = "settings
                 roots.append(root)
     summaries = [_read_summary(file) for file in files]
     folders = [file.parent for file in files]
-    names, run_labels = labels(summaries, folders)
+    names, run_labels, settings = labels(summaries, folders)
     if label_by == "folder":
         run_labels = [_folder_label(folder, root) for folder, root in zip(folders, roots, strict=True)]
+    else:  # the label starts with the compressor as run already
+        settings = [None] * len(settings)
     return [
-        RunRecord(path=folder, label=label, compressor=name, summary=summary)
-        for folder, label, name, summary in zip(folders, run_labels, names, summaries, strict=True)
+        RunRecord(path=folder, label=label, compressor=name, summary=summary, compressor_settings=setting)
+        for folder, label, name, summary, setting in zip(folders, run_labels, names, summaries, settings, strict=True)
     ]

@@ -69,7 +69,7 @@ def _cell_value(record: RunRecord, key: str, records: Sequence[RunRecord] = ()) 
     if key == "label":
         return record.label
     if key == "compressor":
-        return record.compressor
+        return record.compressor_settings or record.compressor
     if key == FEWER_BYTES_THAN_DGC:
         reference = _dgc_reference(record, records)
         own, theirs = record.wire_mb_per_worker, None if reference is None else reference.wire_mb_per_worker

@@ -303,6 +303,27 @@ def test_runs_alike_in_every_setting_are_told_apart_by_their_folders(tmp_path):
     assert [record.label for record in load_runs([tmp_path])] == ["topk (first/0)", "topk (second/0)"]
 
 
+def test_the_compressor_column_names_the_codec_a_run_overrode_under_a_folder_label(tmp_path):
+    for name, codec in (("linear", "linear"), ("ae", "autoencoder")):
+        overrides = ("compressor=lgc_rar_linear", f"compressor.training.codec={codec}")
+        _write_run(tmp_path / name / "seed0", overrides, "?", [_worker(STEP, 0)] * 2, {"val/acc": 0.5})
+    records = load_runs([tmp_path], label_by="folder")
+    assert [r.label for r in records] == ["ae seed=0", "linear seed=0"]
+    assert [r.compressor for r in records] == ["lgc_rar_linear", "lgc_rar_linear"]
+    rows = table_rows(records)
+    assert [row["compressor"] for row in rows] == [
+        "lgc_rar_linear training.codec=autoencoder",
+        "lgc_rar_linear training.codec=linear",
+    ]
+    # Labelled by settings, the label carries the codec and the column the option.
+    by_settings = load_runs([tmp_path])
+    assert [r.label for r in by_settings] == [
+        "lgc_rar_linear training.codec=autoencoder",
+        "lgc_rar_linear training.codec=linear",
+    ]
+    assert [row["compressor"] for row in table_rows(by_settings)] == ["lgc_rar_linear", "lgc_rar_linear"]
+
+
 def test_a_sweep_filed_by_method_and_seed_is_labelled_by_its_folders_on_request(tmp_path, capsys):
     cell = tmp_path / "iid4"
     for method, overrides in (("dense", ("compressor=none",)), ("default", ("compressor=shared_topk_int8",))):
