@@ -6,8 +6,9 @@ FSDP2 reduces each parameter group's gradients in one reduce-scatter and lets a 
 (:class:`~lgc.ddp.CompressionHookState`: compressor, step guard, statistics, checkpoints). For a
 parameter group:
 
-1. Parameters below ``min_numel`` (biases, norm layers) are reduce-scattered dense and unchanged,
-   as stock FSDP2 reduces them, with the op FSDP2 asks for (``AVG`` for fp32 and bf16 reductions).
+1. Parameters below ``min_numel`` (biases, norm layers) are summed dense in one all-reduce of their
+   concatenation, as the DDP hook sums them (divided by the world size; transformed first where the
+   compressor holds dense state, as DGC's momentum).
 2. Every other parameter's gradient is rebuilt whole from the reduce-scatter input
    (:class:`~lgc.fsdp.layout.GroupLayout`) and compressed on its own, keyed by the parameter's
    name, exactly as the DDP hook compresses it: the compressor selects on the full unsharded
@@ -22,7 +23,8 @@ parameter group:
    gradient, since they code every entry: each rank codes each chunk of the gradient on its own
    (keyed ``name@chunk``: its own scale, rounding and residual) and sends it only to the chunk's
    owner in one all-to-all, which decodes every rank's codes and sums them in fp32. A rank then
-   sends ``(P - 1) / P`` of its coded gradient, as a ring reduce-scatter does of a dense one.
+   sends ``(P - 1) / P`` of its coded gradient, as NCCL's ring reduce-scatter does of a dense one
+   (gloo runs a dense reduce-scatter as an all-reduce: twice that).
 3. The step guard decides each group before its state moves: one small allreduce says whether
    some rank has an inf or NaN in the group (then it is reduce-scattered dense and unchanged, as
    stock FSDP2 does), which parameters have a gradient on some rank, and whether the ranks carry

@@ -68,11 +68,16 @@ def _stock_and_none(rank: int, world: int) -> tuple[dict, dict, dict]:
 
 
 def test_none_is_stock_fsdp2_bit_for_bit_and_counts_its_reduce_scatters():
-    for stock, dense, stats in run_workers(_stock_and_none, 2):
+    world = 2
+    # Each parameter group's reduce-scatter input: its parameters padded on dim 0 to whole chunks of the world.
+    inputs = [sum(-(-p.shape[0] // world) * world * p[0].numel() for p in block.parameters()) for block in _net()[::2]]
+    for rank, (stock, dense, stats) in enumerate(run_workers(_stock_and_none, world)):
         for name in stock:
             assert torch.equal(stock[name], dense[name]), name
         assert stats["hook_calls"] == 3 * STEPS, "one reduce-scatter per parameter group per step"
-        assert stats["wire_bytes_sent"] == stats["wire_dense_equivalent_bytes"] > 0
+        # gloo runs a reduce-scatter as an allreduce of the whole input: a ring's 2 (P - 1) / P of it.
+        expected = STEPS * sum(wire.ring_allreduce(n, 4, world, rank).sent for n in inputs)
+        assert stats["wire_bytes_sent"] == stats["wire_dense_equivalent_bytes"] == expected
         assert stats["compression_ratio"] == 1.0
 
 
@@ -94,11 +99,20 @@ FOLLOWERS = {
 }
 
 
-#: The quantizers: under FSDP2 each rank codes every chunk of a gradient on its own and sends it to the rank that
-#: owns it (codes_shards), so their runs follow the transcription below, not the DDP hook's.
-QUANTIZERS = ("signsgd", "qsgd", "terngrad", "fp4", "fp16")
+#: The quantizers, by name: method and knobs. Under FSDP2 each rank codes every chunk of a gradient on its own and
+#: sends it to the rank that owns it (codes_shards), so their runs follow the transcription below, not the DDP
+#: hook's. int8 is QSGD at 127 levels (8-bit codes), bf16 lgc's fp16 hook in bfloat16.
+QUANTIZERS = {
+    "signsgd": ("signsgd", {}),
+    "qsgd": ("qsgd", {}),
+    "int8": ("qsgd", {"levels": 127}),
+    "terngrad": ("terngrad", {}),
+    "fp4": ("fp4", {}),
+    "fp16": ("fp16", {}),
+    "bf16": ("fp16", {"dtype": "bfloat16"}),
+}
 #: The methods whose FSDP2 run is the DDP hook's, bit for bit: each selects on (or codes) the whole gradient.
-SELECTORS = tuple(m for m in FOLLOWERS if m not in QUANTIZERS)
+SELECTORS = tuple(m for m in FOLLOWERS if m not in {method for method, _ in QUANTIZERS.values()})
 
 
 def ddp_and_sharded(rank: int, shard=None, methods=tuple(FOLLOWERS), **mesh: Any) -> dict[str, tuple]:
@@ -152,18 +166,34 @@ def _quantized(rank: int, world: int) -> dict[str, tuple]:
     """Each quantizer trained under FSDP2, and its transcription: every rank's compressor copied before the first
     step, each rank's gradient (all ranks' batches are known here) cut into the owners' dim-0 chunks, chunk ``j``
     coded by rank ``r``'s copy under ``name@j``, the codes of a chunk decoded and summed in fp32; parameters under
-    min_numel averaged dense; the first step (start_iter) dense."""
+    min_numel averaged dense; the first step (start_iter) dense. Beside them, the bytes this rank's payload
+    all-to-alls sent (the collectives' own booking) and the bytes of the transcription's codes of the chunks this
+    rank does not own."""
     import copy
 
+    from lgc.ddp import collectives
     from lgc.fsdp.reduce_scatter import codes_shards
 
+    booked = collectives.book_all_to_all
     runs = {}
-    for method in QUANTIZERS:
+    for label, (method, knobs) in QUANTIZERS.items():
         model = _shard(_net())
-        state = lgc.compress(model, method, **FOLLOWERS[method])
-        assert codes_shards(state.compressor), method
+        state = lgc.compress(model, method, **knobs)
+        assert codes_shards(state.compressor), label
         copies = [copy.deepcopy(state.compressor) for _ in range(world)]
-        _train(model, rank)
+        payload_sent = []
+
+        def book(stats, input, input_splits, output_splits, group, payload_sent=payload_sent):
+            if input.dtype == torch.uint8:  # the payloads (their sizes go first, in int64)
+                payload_sent.append(sum(n for i, n in enumerate(input_splits) if i != rank))
+            booked(stats, input, input_splits, output_splits, group)
+
+        collectives.book_all_to_all = book
+        try:
+            _train(model, rank)
+        finally:
+            collectives.book_all_to_all = booked
+        to_others = 0
         reference = _net()
         for step in range(STEPS):
             grads = []
@@ -186,12 +216,16 @@ def _quantized(rank: int, world: int) -> dict[str, tuple]:
                             compressor.set_world_size(world)
                             compressor.begin_step(step)
                             share = (grads[r][name] / world).reshape(-1)[lo:hi].contiguous()
-                            total[lo:hi] += compressor.decompress(compressor.compress(share, f"{name}@{j}"))
+                            payload = compressor.compress(share, f"{name}@{j}")
+                            if r == rank and j != rank:
+                                to_others += payload.to_wire().numel()
+                            total[lo:hi] += compressor.decompress(payload)
                     p -= 0.1 * total.view_as(p)
-        runs[method] = (
+        runs[label] = (
             _full(model),
             {n: p.detach().clone() for n, p in reference.named_parameters()},
             state.stats.as_dict(),
+            (sum(payload_sent), to_others),
         )
     return runs
 
@@ -201,15 +235,17 @@ def quantized() -> list[dict[str, tuple]]:
     return run_workers(_quantized, 2)
 
 
-@pytest.mark.parametrize("method", QUANTIZERS)
-def test_a_quantizer_codes_each_chunk_for_its_owner_as_the_transcription_does(quantized, method):
+@pytest.mark.parametrize("label", QUANTIZERS)
+def test_a_quantizer_codes_each_chunk_for_its_owner_as_the_transcription_does(quantized, label):
     """Each rank's chunk of a gradient is coded on its own (its own scale and rounding, its own residual) and goes
-    only to the rank that owns it: the weights are the transcription's, and the payloads travel in all-to-alls,
-    each rank sending the other its chunk's codes, less than a dense reduce-scatter."""
+    only to the rank that owns it: the weights are the transcription's, and the payload all-to-alls carry exactly
+    the codes of the chunks the rank does not own, ``(P - 1) / P`` of its coded gradient, less than a dense
+    reduce-scatter."""
     for runs in quantized:
-        weights, expected, stats = runs[method]
+        weights, expected, stats, (sent, to_others) = runs[label]
         for name in expected:
             torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=1e-6, msg=name)
+        assert sent == to_others > 0
         assert stats["wire_bytes_sent"] < stats["wire_dense_equivalent_bytes"]
 
 
@@ -264,7 +300,18 @@ def test_the_layout_rebuilds_each_gradient_from_fsdp2s_chunks():
         assert torch.equal(output, rows[rank])
 
 
-def test_a_reduce_scatter_is_booked_as_the_backend_runs_it():
+def test_a_reduce_scatter_is_booked_as_the_backend_runs_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from lgc.ddp import collectives
+
+    cpu, cuda = SimpleNamespace(is_cuda=False), SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(collectives, "_on_nccl", lambda group: False)
+    assert collectives._reduce_scatter_algorithm(cpu, None) is wire.ring_allreduce
+    assert collectives._reduce_scatter_algorithm(cuda, None) is wire.ring_allreduce
+    monkeypatch.setattr(collectives, "_on_nccl", lambda group: True)
+    assert collectives._reduce_scatter_algorithm(cuda, None) is wire.ring_reduce_scatter
+    assert collectives._reduce_scatter_algorithm(cpu, None) is wire.ring_allreduce
     assert wire.ring_reduce_scatter(12, 4, 3, 0) == wire.WireBytes(32, 32)
     assert sum(wire.ring_reduce_scatter(10, 4, 3, r).sent for r in range(3)) == 2 * 40
     assert wire.ring_reduce_scatter(10, 4, 1, 0) == wire.WireBytes(0, 0)
@@ -307,10 +354,11 @@ def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, ste
         opt.step()
 
 
-def _resumed(rank: int, world: int, path: str, hybrid: bool = False) -> tuple[dict, dict]:
+def _resumed(rank: int, world: int, path: str, hybrid: bool = False, method: str = "topk") -> tuple[dict, dict]:
     """Three steps, a DCP save, three more; then a fresh model loads the save and takes the three again.
 
-    ``hybrid``: a 2 x 2 mesh, sharded over its shard dimension, lgc's all-reduce across its replicas."""
+    ``hybrid``: a 2 x 2 mesh, sharded over its shard dimension, lgc's all-reduce across its replicas. ``method``: a
+    key of :data:`FOLLOWERS` (its knobs)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -330,8 +378,9 @@ def _resumed(rank: int, world: int, path: str, hybrid: bool = False) -> tuple[di
             replicate = {"replicate": mesh["replicate"]}
         else:
             model, replicate = _shard(_net()), {}
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        return model, opt, lgc.compress(model, "topk", optimizer=opt, density=0.05, **replicate)
+        # DGC applies the momentum itself (momentum correction).
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if method == "dgc" else 0.9)
+        return model, opt, lgc.compress(model, method, optimizer=opt, **FOLLOWERS[method], **replicate)
 
     model, opt, state = build()
     run(model, opt, range(3))
@@ -362,11 +411,21 @@ def assert_resumed_exactly(results: list) -> None:
             assert torch.equal(residuals[key], resumed_residuals[key]), key
 
 
-@pytest.mark.parametrize("hybrid", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fsdp", "hsdp"])
-def test_a_distributed_checkpoint_resumes_bit_for_bit(tmp_path, hybrid):
+@pytest.mark.parametrize(
+    ("hybrid", "method"),
+    [
+        (False, "topk"),
+        # DGC's momentum and accumulator; EF-signSGD's residual of each chunk it codes (name@chunk).
+        (False, "dgc"),
+        (False, "signsgd"),
+        pytest.param(True, "topk", marks=pytest.mark.slow),
+    ],
+    ids=["fsdp-topk", "fsdp-dgc", "fsdp-signsgd", "hsdp-topk"],
+)
+def test_a_distributed_checkpoint_resumes_bit_for_bit(tmp_path, hybrid, method):
     """DCP with the model, the optimizer and every rank's own residuals (PerRankState): the resumed run is the
     straight run's, bit for bit, though the ranks' residuals differ."""
-    results = run_workers(_resumed, 4 if hybrid else 2, str(tmp_path / "ckpt"), hybrid)
+    results = run_workers(_resumed, 4 if hybrid else 2, str(tmp_path / "ckpt"), hybrid, method)
     assert_resumed_exactly(results)
     first, second = results[0][0][1], results[1][0][1]
     assert any(not torch.equal(first[k], second[k]) for k in first), "each rank has residuals of its own"

@@ -60,16 +60,18 @@ def _node_and_comm(method: ddp_matrix.Method) -> tuple[dict, dict]:
 
 
 def _refusal(method: ddp_matrix.Method) -> str | None:
-    """Why FSDP2 refuses ``method`` (its message), or None where it runs it."""
+    """Why ``lgc-train strategy=fsdp`` refuses ``method`` before any worker starts (its message), or None where
+    it runs it: :func:`lgc.train.check_strategy`, the check every run takes."""
     from omegaconf import OmegaConf
 
     from lgc.methods import build_hook_state
+    from lgc.train import check_strategy
 
     node, comm = _node_and_comm(method)
-    if comm.get("delay") is not None or comm.get("overlap"):
-        return "a DDP setting (delay, overlap)"
+    run = {"strategy": {"name": "fsdp"}, "trainer": {"precision": 32}, "comm": comm, "compressor": node}
+    cfg = OmegaConf.create(run)
     try:
-        check_fsdp_state(build_hook_state(OmegaConf.create(node), OmegaConf.create(comm)), method.config)
+        check_strategy(cfg, build_hook_state(OmegaConf.create(node), OmegaConf.create(comm)), 2, 2, False)
     except ValueError as err:
         return str(err)
     return None
@@ -281,12 +283,22 @@ def _run_cases(cases: list[Case]) -> None:
 
 
 def test_what_fsdp2_refuses_is_refused_naming_it():
-    """Every method of the DDP matrix either runs under FSDP2 or is refused with a message that names why."""
-    refused = {m.name: _refusal(m) for m in ddp_matrix.METHODS if m not in FSDP_METHODS}
+    """Every method of the DDP matrix either runs under FSDP2 or is refused before any worker starts with a message
+    that names its setting: overlap, local steps, LGC's family (hybrid sharding only), PyTorch's DDP hooks."""
+    refused = {m: _refusal(m) for m in ddp_matrix.METHODS if m not in FSDP_METHODS}
     assert {"none", "topk", "dgc", "sbc", "qsgd", "fp16", "demo", "chunked_topk"} <= {m.name for m in FSDP_METHODS}
-    assert {"lgc_rar", "powersgd", "torch_fp16", "delay_sbc", "topk_overlap"} <= set(refused)
-    for name, why in refused.items():
-        assert why, name
+    assert {"lgc_rar", "powersgd", "torch_fp16", "delay_sbc", "topk_overlap"} <= {m.name for m in refused}
+    for method, why in refused.items():
+        _, comm = _node_and_comm(method)
+        if comm.get("overlap"):
+            assert "overlap=True is a DDP hook setting" in why, method.name
+        elif comm.get("delay") is not None:
+            assert f"comm.delay={comm['delay']}" in why and "strategy=hsdp" in why, method.name
+        elif method.config.startswith(("lgc_", "shared_topk", "leader_scaled")):
+            assert "codes the all-reduce across replicas" in why and "strategy=hsdp" in why, method.name
+        else:
+            assert method.config in ("torch_fp16", "torch_bf16", "powersgd", "batched_powersgd"), method.name
+            assert "runs an lgc compressor every step" in why, method.name
 
 
 def test_sampled_fsdp_matrix():

@@ -142,7 +142,15 @@ def test_a_missing_dataset_names_the_debian_package(tmp_path, monkeypatch):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "ddp",
+        pytest.param("fsdp", marks=pytest.mark.slow),
+        # 2 replicas of 2 workers: FSDP2 inside a replica, top-k across the replicas.
+        pytest.param("hsdp", marks=pytest.mark.slow),
+    ],
+)
 def test_pspnet_trains_on_the_scenes_and_a_run_stopped_mid_epoch_is_validated(tmp_path, monkeypatch, strategy):
     write_garments(tmp_path / "src", train=64, test=16)
     monkeypatch.setenv("FASHION_MNIST_ROOT", str(tmp_path / "src"))
@@ -157,7 +165,8 @@ def test_pspnet_trains_on_the_scenes_and_a_run_stopped_mid_epoch_is_validated(tm
                 "data.val_scenes=16",
                 "data.batch_size=4",
                 "model=pspnet_small",
-                "trainer.devices=2",
+                f"trainer.devices={4 if strategy == 'hsdp' else 2}",
+                *(["strategy.shard_size=2", "ddp.oversubscribe=true"] if strategy == "hsdp" else []),
                 f"trainer.max_steps={steps}",
                 "trainer.max_epochs=-1",
                 "scheduler=cosine_steps",
@@ -172,6 +181,7 @@ def test_pspnet_trains_on_the_scenes_and_a_run_stopped_mid_epoch_is_validated(tm
     summary = train(cfg)
     assert summary["steps"] == steps
     assert 0 <= summary["val/mIoU"] <= 1 and 0 <= summary["val/pixel_acc"] <= 1
+    assert summary["compression_ratio"] > 2, "top-k compressed what crossed the wire"
     assert summary == json.loads((tmp_path / "run" / "summary.json").read_text())
     metrics = (tmp_path / "run" / "csv" / "version_0" / "metrics.csv").read_text()
     assert "val/mIoU" in metrics.splitlines()[0]
