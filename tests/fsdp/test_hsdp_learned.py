@@ -36,13 +36,17 @@ LEARNED = {
     },
     "lgc_ps": {"density": 0.05, "innovation_density": 0.01, "stages": STAGES, "training": TRAINING},
     "shared_topk_int8": {"density": 0.05, "stages": {"warmup_steps": 2}},
+    "shared_topk": {"density": 0.05, "stages": {"warmup_steps": 2}},
+    "leader_scaled": {"density": 0.05, "stages": {"warmup_steps": 2}},
 }
+#: The shared-index codecs: no codec to train.
+SHARED_INDEX = ("shared_topk_int8", "shared_topk", "leader_scaled")
 
 
 #: Steps in each stage, per method (the shared-index codecs train no codec).
 STAGE_STEPS = {
     method: {"warmup": 2, "compressed": 6}
-    if method == "shared_topk_int8"
+    if method in SHARED_INDEX
     else {"warmup": 2, "autoencoder_training": 3, "compressed": 3}
     for method in LEARNED
 }
