@@ -27,7 +27,11 @@ delay (the report says when they are not); its median is a local step.
 
 ``--fsdp`` times methods on the same model sharded with FSDP2 (``fully_shard`` on every block:
 :func:`lgc.fsdp.shard_model`), in the same rounds, as rows ``fsdp/NAME`` beside ``fsdp``, FSDP2's
-own reduce-scatter; each gets its CPU ratio to DDP's step like every other row.
+own reduce-scatter; each gets its CPU ratio to DDP's step like every other row. ``--hsdp`` does the
+same hybrid-sharded: replicas of ``--shard-size`` workers (default half of them, so two replicas),
+FSDP2's exact reduce-scatter inside a replica and lgc's compressed all-reduce across replicas
+(``lgc.compress(..., replicate=mesh["replicate"])``), as rows ``hsdp/NAME`` beside ``hsdp``, FSDP2's
+own HSDP (a 2-D mesh, a dense all-reduce across replicas).
 
 A method is an ``lgc.compress`` name, optionally with knobs after a colon, ``;``-separated, dotted
 for nested knobs and YAML-valued; e.g. LGC-RAR with a narrower autoencoder::
@@ -70,11 +74,20 @@ METHODS = "ddp,none,torch_fp16,powersgd,topk,dgc,redsync,sbc,random_block,qsgd"
 PLAIN_DDP = "ddp"
 #: Stock FSDP2 (``fully_shard`` on every block, its own reduce-scatter): the ``--fsdp`` rows' yardstick.
 PLAIN_FSDP = "fsdp"
+#: Stock HSDP (``fully_shard`` on a 2-D mesh, a dense all-reduce across replicas): the ``--hsdp`` rows' yardstick.
+PLAIN_HSDP = "hsdp"
 
 
 def _worker(
-    rank: int, args: argparse.Namespace, specs: list[MethodSpec], sharded: list[MethodSpec], store: str, results: Any
+    rank: int,
+    args: argparse.Namespace,
+    specs: list[MethodSpec],
+    sharded: list[tuple[str, MethodSpec]],
+    store: str,
+    results: Any,
 ) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
     import lgc
     from lgc.fsdp import shard_model
     from lgc.models.torchvision_resnet import torchvision_resnet
@@ -111,13 +124,23 @@ def _worker(
             state.set_epoch(1000)  # DGC past its density warm-up
             warm = state.steady_from() + 2
         runs[spec.label] = (model, optimizer, warm, spec.name == NO_COMM)
-    for spec in sharded:  # the same model sharded with FSDP2, through lgc's reduce-scatter or FSDP2's own
-        model = shard_model(copy.deepcopy(base))
+    mesh = None
+    if any(kind == PLAIN_HSDP for kind, _ in sharded):  # built once, in the same order on every rank
+        shards = args.shard_size or args.workers // 2
+        mesh = init_device_mesh(device.type, (args.workers // shards, shards), mesh_dim_names=("replicate", "shard"))
+    # The same model sharded with FSDP2 (every worker a shard) or hybrid-sharded (replicas of shards), through
+    # lgc's collectives or FSDP2's own.
+    for kind, spec in sharded:
+        hybrid = {} if kind == PLAIN_FSDP else {"replicate": mesh["replicate"]}
+        if spec.name == kind:
+            model = shard_model(copy.deepcopy(base), **({} if mesh is None or kind == PLAIN_FSDP else {"mesh": mesh}))
+        else:
+            model = shard_model(copy.deepcopy(base), **({"mesh": mesh["shard"]} if hybrid else {}))
         optimizer = sgd_for(spec.name, model, lr=1e-3)
         warm = 2
-        if spec.name != PLAIN_FSDP:
+        if spec.name != kind:
             knobs = merge_knobs(profile_knobs(args.density).get(spec.name, {}), spec.knobs)
-            state = lgc.compress(model, spec.name, optimizer=optimizer, **knobs)
+            state = lgc.compress(model, spec.name, optimizer=optimizer, **hybrid, **knobs)
             state.set_epoch(1000)
             warm = state.steady_from() + 2
         runs[spec.label] = (model, optimizer, warm, False)
@@ -148,7 +171,7 @@ def _worker(
                 timings[label].append(step(label))
     # Further steps per method, their arithmetic counted (every rank runs them, in the same order): one,
     # or a delay's worth, so that a method exchanging every few steps is counted at its exchanges' share.
-    delays = {spec.label: _delay(spec) for spec in [*specs, *sharded]}
+    delays = {spec.label: _delay(spec) for spec in [*specs, *(spec for _, spec in sharded)]}
     flops = {label: _counted_flops(step, label, delays.get(label, 1)) for label in runs}
     results[rank] = json.dumps({"timings": timings, "flops": flops})
     dist.barrier()
@@ -177,6 +200,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="methods also timed on the model sharded with FSDP2 (fully_shard on every block), as rows fsdp/NAME; "
         "'fsdp' is FSDP2's own reduce-scatter (e.g. --fsdp fsdp,none,fp16,topk,qsgd)",
+    )
+    parser.add_argument(
+        "--hsdp",
+        default="",
+        help="methods also timed hybrid-sharded (replicas of --shard-size workers, lgc across the replicas), as rows "
+        "hsdp/NAME; 'hsdp' is FSDP2's own HSDP on a 2-D mesh (e.g. --hsdp hsdp,none,fp16,topk,qsgd,lgc_rar)",
+    )
+    parser.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help="workers per replica for --hsdp (default: half of --workers, two replicas)",
     )
     parser.add_argument("--density", type=float, default=0.001, help="the sparsifiers' and LGC's density")
     parser.add_argument("--workers", type=int, default=2)
@@ -211,15 +246,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         specs = parse_methods(args.methods, plain=(PLAIN_DDP,))
     except ValueError as error:
         raise SystemExit(f"--methods: {error}") from None
-    try:
-        sharded = [
-            spec if spec.name == PLAIN_FSDP else spec._replace(label=f"fsdp/{spec.label}")
-            for spec in parse_methods(args.fsdp, plain=(PLAIN_FSDP,))
-        ]
-    except ValueError as error:
-        raise SystemExit(f"--fsdp: {error}") from None
-    if sharded and args.workers < 2:
+    sharded: list[tuple[str, MethodSpec]] = []
+    for kind, given in ((PLAIN_FSDP, args.fsdp), (PLAIN_HSDP, args.hsdp)):
+        try:
+            sharded += [
+                (kind, spec if spec.name == kind else spec._replace(label=f"{kind}/{spec.label}"))
+                for spec in parse_methods(given, plain=(kind,))
+            ]
+        except ValueError as error:
+            raise SystemExit(f"--{kind}: {error}") from None
+    if args.fsdp and args.workers < 2:
         raise SystemExit("--fsdp shards the model over the workers: it needs --workers 2 or more")
+    shards = args.shard_size or args.workers // 2
+    if args.hsdp and (shards < 1 or args.workers % shards or args.workers // shards < 2):
+        raise SystemExit(
+            f"--hsdp with --shard-size {shards} on --workers {args.workers}: the workers must form two or more "
+            "replicas of --shard-size workers each"
+        )
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         results = mp.Manager().dict()

@@ -240,19 +240,21 @@ def test_step_rows_give_each_methods_cpu_over_ddps_round_by_round_with_an_interv
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_step_benchmark_times_the_model_sharded_with_fsdp2_beside_ddp(tmp_path):
-    """``--fsdp``: the same ResNet-18 sharded with FSDP2, its own reduce-scatter (``fsdp``) and lgc's, timed in the
-    same rounds as DDP's step, each with its CPU ratio to DDP's."""
+    """``--fsdp``: the same ResNet-18 sharded with FSDP2, its own reduce-scatter (``fsdp``) and lgc's; ``--hsdp``:
+    hybrid-sharded (two replicas of one worker here), FSDP2's own HSDP (``hsdp``) and lgc's all-reduce across the
+    replicas; all timed in the same rounds as DDP's step, each with its CPU ratio to DDP's."""
     out = tmp_path / "step.json"
     main(
         ["step", "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--steps", "1", "--rounds", "2",
-         "--methods", "ddp", "--fsdp", "fsdp,fp16,topk", "--json", str(out)]
+         "--methods", "ddp", "--fsdp", "fsdp,fp16,topk", "--hsdp", "hsdp,topk", "--json", str(out)]
     )  # fmt: skip
     table = json.loads(out.read_text())
     rows = table["rows"]
     assert table["provenance"]["commit"] and table["provenance"]["dirty"] in (True, False), "the commit it timed"
-    assert list(rows) == ["no_sync", "ddp", "fsdp", "fsdp/fp16", "fsdp/topk"]
+    sharded = ["fsdp", "fsdp/fp16", "fsdp/topk", "hsdp", "hsdp/topk"]
+    assert list(rows) == ["no_sync", "ddp", *sharded]
     assert all(row["cpu_s"] > 0 for row in rows.values())
-    assert all("cpu_vs_ddp" in rows[label] for label in ("fsdp", "fsdp/fp16", "fsdp/topk"))
+    assert all("cpu_vs_ddp" in rows[label] for label in sharded)
 
 
 def test_step_fsdp_rows_are_refused_on_one_worker_before_any_worker_starts(no_workers):
@@ -260,6 +262,12 @@ def test_step_fsdp_rows_are_refused_on_one_worker_before_any_worker_starts(no_wo
         main(["step", "--workers", "1", "--fsdp", "topk"])
     with pytest.raises(SystemExit, match="--fsdp: unknown method 'topkk'"):
         main(["step", "--fsdp", "topkk"])
+    with pytest.raises(SystemExit, match="--hsdp: unknown method 'topkk'"):
+        main(["step", "--hsdp", "topkk"])
+    for workers, shard_size in (("1", None), ("4", "3"), ("4", "4")):
+        argv = ["step", "--workers", workers, "--hsdp", "topk", *(["--shard-size", shard_size] if shard_size else [])]
+        with pytest.raises(SystemExit, match="must form two or more replicas"):
+            main(argv)
 
 
 def _counted_steps(rank: int, world_size: int) -> dict[str, float]:
