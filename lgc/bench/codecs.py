@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,8 @@ def plot_codecs(results: Sequence[dict[str, Any]], path: Path) -> None:
         axis.set_yscale("log")
         axis.set_xlabel("wire bits per value (payload + the leader's message)")
         axis.set_ylabel("delivered-sum error (relative, squared)")
-        axis.set_title(result["label"], fontsize=10)
+        # A recording's name lists the parameters it chose: wrapped to the panel's width.
+        axis.set_title(textwrap.fill(result["label"], 72), fontsize=7)
         axis.grid(alpha=0.3, which="both")
     for axis in axes.flat[len(results) :]:
         axis.set_visible(False)
@@ -257,6 +259,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     ae_updates=args.ae_updates, leaders=leaders, done_rows=(before or {}).get("rows", ()), on_row=save,
                 )  # fmt: skip
                 save(result)
+                if args.out is not None:  # the plot of every recording so far: a stopped run keeps it
+                    plot_codecs(results, args.out / "codecs.png")
                 print(format_table(results[-1]) + "\n", flush=True)
     if args.out is not None:
         _write(args.out, results)
