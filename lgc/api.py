@@ -23,6 +23,7 @@ core importing Hydra.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
+import dataclasses
 from typing import Any
 
 import torch
@@ -32,10 +33,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from lgc.compressors import Compressor
-from lgc.ddp.local_sgd import CommunicationDelayState
 from lgc.ddp.protocol import HookState
-from lgc.fsdp import check_fsdp_settings, check_fsdp_state, check_learned, register_sharded, replicate_group_of
-from lgc.learned.state import LGCHookState
+from lgc.fsdp import check_fsdp_settings, check_sharded, register_sharded, replicate_group_of
 from lgc.methods import METHODS, Comm, build_hook_state, check_error_feedback, optimizer_rules_owner
 
 __all__ = ["METHODS", "HookState", "compress"]
@@ -226,12 +225,8 @@ def compress(
         if sharded:
             check_fsdp_settings(comm_settings)
         state = _build(method, knobs, Comm(**comm_settings, prefix=""), error_feedback, error_decay, process_group)
-    local_steps = isinstance(state, CommunicationDelayState)
-    learned = isinstance(state, LGCHookState)
-    if sharded and learned:
-        check_learned(state, replicate_group)
-    elif sharded and not local_steps:
-        check_fsdp_state(state, method)
+    if sharded:
+        check_sharded(state, method, replicate_group is not None)
     check_error_feedback(state, method, error_feedback)
     _check_against_optimizer(state, optimizer, optimizer_momentum, optimizer_weight_decay)
     if grad_scaler is not None:
@@ -293,6 +288,22 @@ def _check_optimizer(
     params = {id(p) for p in model.parameters()}
     if not any(id(p) in params for group in optimizer.param_groups for p in group["params"]):
         raise ValueError("optimizer holds none of the model's parameters: pass the optimizer that steps this model")
+
+
+def check_sharded_method(method: str, *, hybrid: bool, **kwargs: Any) -> None:
+    """What :func:`compress` refuses for ``method`` on an FSDP2 model, checked without the model or a process group,
+    so that a launcher can refuse before any worker starts (``lgc-bench step --fsdp``/``--hsdp``).
+
+    ``hybrid``: the model is hybrid-sharded (``replicate=`` will be given). ``kwargs``: what ``compress`` would be
+    given besides the model, the optimizer and the groups: its settings (``delay``, ``min_numel``, ...,
+    ``error_feedback``) and the method's knobs. Raises the ValueError or TypeError ``compress`` raises.
+    """
+    comm_keys = [field.name for field in dataclasses.fields(Comm) if field.name != "prefix"]
+    comm = {key: kwargs.pop(key, None) for key in comm_keys}
+    error_feedback, error_decay = kwargs.pop("error_feedback", None), kwargs.pop("error_decay", None)
+    check_fsdp_settings(comm)
+    state = _build(method, kwargs, Comm(**comm, prefix=""), error_feedback, error_decay, None)
+    check_sharded(state, method, hybrid)
 
 
 def _build(

@@ -128,12 +128,13 @@ def plot_codecs(results: Sequence[dict[str, Any]], path: Path) -> None:
         axis.set_xlabel("wire bits per value (payload + the leader's message)")
         axis.set_ylabel("delivered-sum error (relative, squared)")
         # A recording's name lists the parameters it chose: wrapped to the panel's width.
-        axis.set_title(textwrap.fill(result["label"], 72), fontsize=7)
+        axis.set_title(textwrap.fill(result["label"].replace(",", ", "), 72), fontsize=7)
         axis.grid(alpha=0.3, which="both")
     for axis in axes.flat[len(results) :]:
         axis.set_visible(False)
     figure.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=5, fontsize=7)
     figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -126,7 +126,7 @@ def _worker(
         runs[spec.label] = (model, optimizer, warm, spec.name == NO_COMM)
     mesh = None
     if any(kind == PLAIN_HSDP for kind, _ in sharded):  # built once, in the same order on every rank
-        shards = args.shard_size or args.workers // 2
+        shards = args.workers // 2 if args.shard_size is None else args.shard_size
         mesh = init_device_mesh(device.type, (args.workers // shards, shards), mesh_dim_names=("replicate", "shard"))
     # The same model sharded with FSDP2 (every worker a shard) or hybrid-sharded (replicas of shards), through
     # lgc's collectives or FSDP2's own.
@@ -257,12 +257,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"--{kind}: {error}") from None
     if args.fsdp and args.workers < 2:
         raise SystemExit("--fsdp shards the model over the workers: it needs --workers 2 or more")
-    shards = args.shard_size or args.workers // 2
+    if args.shard_size is not None and not args.hsdp:
+        raise SystemExit(f"--shard-size {args.shard_size} sizes the replicas of --hsdp, which is not given")
+    shards = args.workers // 2 if args.shard_size is None else args.shard_size
     if args.hsdp and (shards < 1 or args.workers % shards or args.workers // shards < 2):
+        given = "" if args.shard_size is None else f" --shard-size {shards}"
         raise SystemExit(
-            f"--hsdp with --shard-size {shards} on --workers {args.workers}: the workers must form two or more "
-            "replicas of --shard-size workers each"
+            f"--hsdp{given} on --workers {args.workers}: the workers must form two or more replicas of "
+            f"--shard-size workers each (default: half of them, {shards})"
         )
+    from lgc.api import check_sharded_method
+
+    for kind, spec in sharded:  # what lgc.compress would refuse in every worker, refused here first
+        if spec.name != kind:
+            try:
+                knobs = merge_knobs(profile_knobs(args.density).get(spec.name, {}), spec.knobs)
+                check_sharded_method(spec.name, hybrid=kind == PLAIN_HSDP, **knobs)
+            except (ValueError, TypeError) as error:
+                raise SystemExit(f"--{kind} {spec.label}: {error}") from None
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         results = mp.Manager().dict()

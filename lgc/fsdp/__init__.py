@@ -16,7 +16,7 @@ from lgc.fsdp.layout import GroupLayout, ParamColumns
 from lgc.fsdp.learned import HybridLGC, check_learned
 from lgc.fsdp.local_steps import check_local_steps, register_local_steps, shard_rows
 from lgc.fsdp.reduce_scatter import CompressedReduceScatter, FSDPCompression, check_fsdp_state, fsdp_modules
-from lgc.fsdp.register import register_sharded
+from lgc.fsdp.register import check_sharded, register_sharded
 from lgc.fsdp.settings import check_fsdp_settings, replicate_group_of
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "check_fsdp_state",
     "check_learned",
     "check_local_steps",
+    "check_sharded",
     "fsdp_modules",
     "register_local_steps",
     "register_sharded",

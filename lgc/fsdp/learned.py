@@ -70,9 +70,10 @@ from lgc.learned.state import LGCHookState
 __all__ = ["HybridLGC", "check_learned"]
 
 
-def check_learned(state: LGCHookState, replicate: dist.ProcessGroup | None) -> None:
-    """Refuse LGC on an FSDP2 model without hybrid sharding's replicate dimension, naming the fix."""
-    if replicate is None:
+def check_learned(state: LGCHookState, hybrid: bool) -> None:
+    """Refuse LGC on an FSDP2 model without hybrid sharding's replicate dimension (``hybrid`` False), naming the
+    fix."""
+    if not hybrid:
         raise ValueError(
             f"{type(state).__name__} codes the all-reduce across replicas of a hybrid-sharded model: shard each "
             "replica over the mesh's shard dimension (fully_shard(module, mesh=mesh['shard'])) and pass "
@@ -102,7 +103,7 @@ class HybridLGC(FSDPCompression):
     """
 
     def __init__(self, state: LGCHookState, replicate: dist.ProcessGroup | None, buffers: str | None = None) -> None:
-        check_learned(state, replicate)
+        check_learned(state, replicate is not None)
         super().__init__(state, replicate, buffers)
         self.lgc = state
         #: The current backward pass's groups, in the order FSDP2 reduced them.

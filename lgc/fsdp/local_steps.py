@@ -72,13 +72,7 @@ def register_local_steps(
     which has nothing to step apart), an exchange of the LGC family (its codec and leader are built
     for whole parameters), and what :func:`~lgc.fsdp.reduce_scatter.param_groups` refuses.
     """
-    if replicate is None:
-        raise ValueError(
-            "communication delay under FSDP2 needs hybrid sharding: each replica steps on its own and the replicas "
-            "exchange (FSDP2 over every rank holds one model, with nothing to step apart): shard over "
-            "mesh['shard'] and pass replicate=mesh['replicate']"
-        )
-    exchange = check_local_steps(state)
+    exchange = check_local_steps(state, replicate is not None)
     _, shard_pg = param_groups(model)
     check_replicate(replicate, shard_pg)
     shards = shard_rows(model, shard_pg)
@@ -115,9 +109,15 @@ def register_local_steps(
         optimizer.register_step_post_hook(lambda *_: state.after_optimizer_step())
 
 
-def check_local_steps(state: CommunicationDelayState) -> CompressionHookState:
-    """Refuse an exchange of the LGC family (its codec and leader are built for whole parameters), naming it;
-    return the exchange state."""
+def check_local_steps(state: CommunicationDelayState, hybrid: bool = True) -> CompressionHookState:
+    """Refuse local steps without hybrid sharding's replicas (``hybrid`` False) and an exchange of the LGC family
+    (its codec and leader are built for whole parameters), naming the fix; return the exchange state."""
+    if not hybrid:
+        raise ValueError(
+            "communication delay under FSDP2 needs hybrid sharding: each replica steps on its own and the replicas "
+            "exchange (FSDP2 over every rank holds one model, with nothing to step apart): shard over "
+            "mesh['shard'] and pass replicate=mesh['replicate']"
+        )
     exchange = state.exchange_state
     if type(exchange) is not CompressionHookState:
         raise ValueError(

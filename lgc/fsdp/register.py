@@ -7,12 +7,25 @@ import torch.distributed as dist
 
 from lgc.ddp.hook import CompressionHookState
 from lgc.ddp.local_sgd import CommunicationDelayState
-from lgc.fsdp.learned import HybridLGC
-from lgc.fsdp.local_steps import register_local_steps
-from lgc.fsdp.reduce_scatter import FSDPCompression
+from lgc.fsdp.learned import HybridLGC, check_learned
+from lgc.fsdp.local_steps import check_local_steps, register_local_steps
+from lgc.fsdp.reduce_scatter import FSDPCompression, check_fsdp_state
 from lgc.learned.state import LGCHookState
 
-__all__ = ["register_sharded"]
+__all__ = ["check_sharded", "register_sharded"]
+
+
+def check_sharded(state: object, method: object, hybrid: bool) -> None:
+    """What an FSDP2 model refuses of ``state`` (built for ``method``) before anything is installed, whatever the
+    model: local steps and LGC's family without hybrid sharding's replicas (``hybrid`` False), local steps
+    exchanging through LGC's family, and a hook state that is not lgc's per-step compression (PyTorch's DDP hooks).
+    Each refusal is a ValueError naming the fix."""
+    if isinstance(state, CommunicationDelayState):
+        check_local_steps(state, hybrid)
+    elif isinstance(state, LGCHookState):
+        check_learned(state, hybrid)
+    else:
+        check_fsdp_state(state, method)
 
 
 def register_sharded(

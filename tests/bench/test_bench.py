@@ -264,10 +264,24 @@ def test_step_fsdp_rows_are_refused_on_one_worker_before_any_worker_starts(no_wo
         main(["step", "--fsdp", "topkk"])
     with pytest.raises(SystemExit, match="--hsdp: unknown method 'topkk'"):
         main(["step", "--hsdp", "topkk"])
-    for workers, shard_size in (("1", None), ("4", "3"), ("4", "4")):
+    for workers, shard_size in (("1", None), ("5", None), ("4", "3"), ("4", "4"), ("4", "0")):
         argv = ["step", "--workers", workers, "--hsdp", "topk", *(["--shard-size", shard_size] if shard_size else [])]
         with pytest.raises(SystemExit, match="must form two or more replicas"):
             main(argv)
+    with pytest.raises(SystemExit, match="--shard-size 2 sizes the replicas of --hsdp, which is not given"):
+        main(["step", "--workers", "4", "--shard-size", "2", "--fsdp", "topk"])
+    # What lgc.compress would refuse in every worker, refused before any starts, naming the row.
+    refused = {
+        ("--fsdp", "lgc_rar"): "codes the all-reduce across replicas",
+        ("--fsdp", "sbc:delay=4"): "communication delay under FSDP2 needs hybrid sharding",
+        ("--hsdp", "torch_fp16"): "runs an lgc compressor every step",
+        ("--hsdp", "topk:overlap=true"): "overlap",
+        ("--hsdp", "lgc_rar:delay=4"): "codes whole parameters",
+        ("--fsdp", "topk:densty=0.1"): "has no knob 'densty'",
+    }
+    for (flag, method), message in refused.items():
+        with pytest.raises(SystemExit, match=rf"{flag} .*{message}"):
+            main(["step", "--workers", "4", flag, method])
 
 
 def _counted_steps(rank: int, world_size: int) -> dict[str, float]:

@@ -155,7 +155,7 @@ def test_pspnet_trains_on_the_scenes_and_a_run_stopped_mid_epoch_is_validated(tm
     write_garments(tmp_path / "src", train=64, test=16)
     monkeypatch.setenv("FASHION_MNIST_ROOT", str(tmp_path / "src"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    steps = 5  # of an epoch of 8 batches per worker: stopped mid-epoch by max_steps
+    steps = 5  # of epochs of 8 batches per worker (4 under hsdp's 4 workers): stopped mid-epoch by max_steps
     with initialize_config_module("lgc.conf", version_base="1.3"):
         cfg = compose(
             "train",

@@ -226,7 +226,7 @@ def test_the_readme_table_is_the_generated_one(monkeypatch):
     assert which.replace_in(readme, expected) == readme
     begin, end = which.markers("which-method-gpu")
     gpu = readme[readme.index(begin) + len(begin) : readme.index(end)].strip()
-    assert gpu == which.table(which.BLOCKS["which-method-gpu"]), "python experiments/which_method.py --write"
+    assert gpu == which.table(*which.BLOCKS["which-method-gpu"]), "python experiments/which_method.py --write"
     assert "dir8" not in gpu, "a cell without a report gets no columns"
 
 
@@ -234,8 +234,12 @@ def test_the_table_refuses_a_folder_without_reports_and_writing_another_folder(t
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
     sys.modules.pop("which_method", None)
     which = importlib.import_module("which_method")
-    with pytest.raises(SystemExit, match="no cell of iid4, dir8 has a report"):
+    with pytest.raises(SystemExit, match="no report for iid4, dir8 under"):
         which.table(tmp_path)
+    write_cell(tmp_path, "iid4", [entry("dense", None, 800.0)])
+    assert "dir8" not in which.table(tmp_path)
+    with pytest.raises(SystemExit, match="no report for dir8 under"):
+        which.table(tmp_path, every_cell=True)
     with pytest.raises(SystemExit, match="give no RESULTS"):
         which.main([str(tmp_path), "--write"])
 

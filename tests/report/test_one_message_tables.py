@@ -149,5 +149,5 @@ def test_the_evidence_page_holds_the_network_tables_the_committed_records_give(m
         block = page[page.index(begin) + len(begin) : page.index(end)].strip()
         assert block == network.block(network.read_record(record)), "python experiments/network_tables.py --write"
         assert "x no-communication bound" in block and "Mbit/s" in block, name
-    overlap = page[page.index(network.markers("streaming-overlap")[0]) :]
-    assert "overlap_steps=4" in overlap
+    begin, end = network.markers("streaming-overlap")
+    assert "overlap_steps=4" in page[page.index(begin) : page.index(end)]
