@@ -37,7 +37,7 @@ from lgc.ddp.protocol import HookState
 from lgc.fsdp import check_fsdp_settings, check_sharded, register_sharded, replicate_group_of
 from lgc.methods import METHODS, Comm, build_hook_state, check_error_feedback, optimizer_rules_owner
 
-__all__ = ["METHODS", "HookState", "compress"]
+__all__ = ["METHODS", "HookState", "check_sharded_method", "compress"]
 
 
 def compress(
