@@ -119,7 +119,8 @@ def check_fsdp_state(state: Any, method: Any) -> CompressionHookState:
         raise ValueError(
             f"DGC's weight_decay={compressor.weight_decay:g} adds the decay of every parameter whole on every rank, "
             "which FSDP2 shards: give the decay to the optimizer under FSDP2 (lgc.compress(model, 'dgc', "
-            "weight_decay=0, ...) with torch.optim.SGD(..., weight_decay=wd))"
+            "weight_decay=0, ...) with torch.optim.SGD(..., weight_decay=wd); lgc-train: compressor.weight_decay=0 "
+            "optimizer.weight_decay=wd)"
         )
     if state.overlap:
         raise ValueError("overlap=True is a DDP hook setting: FSDP2 reduces each parameter group as it is ready")

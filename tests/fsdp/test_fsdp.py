@@ -328,7 +328,13 @@ def refusals(attempts: list) -> list[str]:
 
 
 def _refusals(rank: int, world: int) -> list[str]:
-    settings = [("topk", {"overlap": True}), ("topk", {"delay": 4}), ("powersgd", {}), ("lgc_rar", {})]
+    settings = [
+        ("topk", {"overlap": True}),
+        ("topk", {"delay": 4}),
+        ("powersgd", {}),
+        ("lgc_rar", {}),
+        ("dgc", {"steps_per_epoch": 2}),  # its own weight decay, 5e-4 by default
+    ]
     attempts = [
         lambda method=method, kwargs=kwargs: lgc.compress(_shard(_net()), method, **kwargs)
         for method, kwargs in settings
@@ -339,10 +345,11 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 def test_ddp_only_settings_and_methods_are_refused_naming_them():
     messages = run_workers(_refusals, 2)[0]
-    assert len(messages) == 5
+    assert len(messages) == 6
     assert "overlap" in messages[0] and "delay" in messages[1]
     assert "DistributedDataParallel" in messages[2] and "replicate=mesh['replicate']" in messages[3]
-    assert "mesh" in messages[4]
+    assert "weight_decay=0.0005" in messages[4] and "compressor.weight_decay=0 optimizer.weight_decay" in messages[4]
+    assert "mesh" in messages[5]
 
 
 def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
