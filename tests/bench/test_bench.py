@@ -257,6 +257,23 @@ def test_step_benchmark_times_the_model_sharded_with_fsdp2_beside_ddp(tmp_path):
     assert all("cpu_vs_ddp" in rows[label] for label in sharded)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_step_benchmark_times_hsdp_on_a_2x2_mesh(tmp_path):
+    """``--hsdp`` on 4 workers as 2 replicas of 2 (the sharded comparison's mesh): FSDP2's own HSDP and lgc's top-k
+    across the replicas, each with its CPU ratio to DDP's step, and the same arithmetic per worker (top-k adds
+    no matrix products)."""
+    out = tmp_path / "step.json"
+    main(
+        ["step", "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--steps", "1", "--rounds", "2",
+         "--workers", "4", "--shard-size", "2", "--methods", "ddp", "--hsdp", "hsdp,topk", "--json", str(out)]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["no_sync", "ddp", "hsdp", "hsdp/topk"]
+    assert all("cpu_vs_ddp" in rows[label] for label in ("hsdp", "hsdp/topk"))
+    assert rows["hsdp/topk"]["gflop"] == rows["hsdp"]["gflop"] == rows["ddp"]["gflop"] > 0
+
+
 def test_step_fsdp_rows_are_refused_on_one_worker_before_any_worker_starts(no_workers):
     with pytest.raises(SystemExit, match="--fsdp shards the model over the workers"):
         main(["step", "--workers", "1", "--fsdp", "topk"])
