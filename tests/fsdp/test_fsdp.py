@@ -53,6 +53,17 @@ def _train(model: torch.nn.Module, rank: int, steps: int | None = None, poison: 
         opt.step()
 
 
+def rank_grads(net: torch.nn.Module, world: int, step: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank's gradient of ``net`` on its batch of ``step``, computed in this process (for transcriptions)."""
+    grads = []
+    for r in range(world):
+        net.zero_grad()
+        x, y = _batch(r, step)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        grads.append({name: p.grad.clone() for name, p in net.named_parameters()})
+    return grads
+
+
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (allgathered from its shards), on every rank."""
     return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
@@ -196,12 +207,7 @@ def _quantized(rank: int, world: int) -> dict[str, tuple]:
         to_others = 0
         reference = _net()
         for step in range(STEPS):
-            grads = []
-            for r in range(world):
-                reference.zero_grad()
-                x, y = _batch(r, step)
-                torch.nn.functional.cross_entropy(reference(x), y).backward()
-                grads.append({n: p.grad.clone() for n, p in reference.named_parameters()})
+            grads = rank_grads(reference, world, step)
             with torch.no_grad():
                 for name, p in reference.named_parameters():
                     if step == 0 or p.numel() < state.min_numel:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_workers
-from test_fsdp import FOLLOWERS, STEPS, _batch, _full, _net, _train, ddp_and_sharded, refusals
+from test_fsdp import FOLLOWERS, STEPS, _full, _net, _train, ddp_and_sharded, rank_grads, refusals
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -87,12 +87,7 @@ def _reference_topk(replicas: int, shards: int) -> dict[str, torch.Tensor]:
     net = _net()
     residuals: dict[tuple[str, int, int], torch.Tensor] = {}
     for step in range(STEPS):
-        grads = []
-        for rank in range(replicas * shards):
-            net.zero_grad()
-            x, y = _batch(rank, step)
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            grads.append({name: p.grad.clone() for name, p in net.named_parameters()})
+        grads = rank_grads(net, replicas * shards, step)
         with torch.no_grad():
             for name, p in net.named_parameters():
                 replica_means = [
@@ -174,12 +169,7 @@ def _hybrid_quantized(rank: int, world: int) -> dict[str, tuple]:
         _train(model, rank)
         net = _net()
         for step in range(STEPS):
-            grads = []
-            for r in range(world):
-                net.zero_grad()
-                x, y = _batch(r, step)
-                torch.nn.functional.cross_entropy(net(x), y).backward()
-                grads.append({name: p.grad.clone() for name, p in net.named_parameters()})
+            grads = rank_grads(net, world, step)
             with torch.no_grad():
                 for name, p in net.named_parameters():
                     means = [sum(grads[r * shards + s][name] for s in range(shards)) / shards for r in range(replicas)]
