@@ -9,9 +9,11 @@
 interval) is what the rule bounds. Every worker keeps a ResNet-50 and its state per method, so the
 methods are timed in groups (all at once exceeds 24 GB at 1 %), each group with DDP's row again;
 each table is written as ``OUT/step_DENSITY[_GROUP].{md,json}`` (the first group without a suffix).
-The timed steps per method (rounds x steps) are a multiple of every delay in the rows (4 and 10),
-so a method with local steps is read by its mean. Needs a quiet machine: stop every other job first.
-A table already written is not timed again (delete it to repeat it).
+Each group's round is ``--steps`` steps, or the least multiple of every delay in the group above it
+(the group with SBC's delay of 4: 4; DiLoCo's and SparseLoCo's 10: 10): a method with local steps
+is read by its mean, and a round of whole delays is what makes its rounds' ratios draws of one
+quantity, so that their interval measures noise, not where the exchanges fell. Needs a quiet machine:
+stop every other job first. A table already written is not timed again (delete it to repeat it).
 """
 
 from __future__ import annotations
@@ -27,8 +29,18 @@ from scale_rule import STEP_ROWS
 
 #: Methods per ``lgc-bench step`` run (each worker holds one ResNet-50 and its state per method).
 GROUP_SIZE = 5
-#: Local-step delays among the rows: the timed steps must be a multiple of each.
-DELAYS = (4, 10)
+
+
+def delay(row: str) -> int:
+    """Steps between a row's exchanges (``lgc-bench step``'s ``delay`` knob; 1: every step)."""
+    knobs = dict(knob.split("=", 1) for knob in row.partition(":")[2].split(";") if "=" in knob)
+    return int(knobs.get("delay", 1))
+
+
+def round_steps(methods: list[str], steps: int) -> int:
+    """Steps per round for a group: the least multiple of every delay in it that is at least ``steps``."""
+    period = math.lcm(*(delay(row) for row in methods))
+    return period * math.ceil(steps / period)
 
 
 def groups() -> list[list[str]]:
@@ -44,10 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--densities", nargs="+", type=float)
     args = parser.parse_args(argv)
-    timed = args.rounds * args.steps
-    if args.rounds < 2 or timed % math.lcm(*DELAYS):
-        multiple = math.lcm(*DELAYS)
-        parser.error(f"--rounds >= 2 and rounds x steps a multiple of {multiple}, got {args.rounds} x {args.steps}")
+    if args.rounds < 2 or args.steps < 1:
+        parser.error(f"--rounds >= 2 (an interval over the rounds) and --steps >= 1, got {args.rounds}, {args.steps}")
     densities = args.densities or load_protocol()["default_rule"]["densities"]
     args.out.mkdir(parents=True, exist_ok=True)
     for density in densities:
@@ -56,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             if Path(f"{stem}.json").is_file():
                 print(f"{stem}.json: timed before")
                 continue
-            settings = ["--density", str(density), "--rounds", str(args.rounds), "--steps", str(args.steps)]
+            steps = round_steps(methods, args.steps)
+            settings = ["--density", str(density), "--rounds", str(args.rounds), "--steps", str(steps)]
             command = ["lgc-bench", "step", *settings, "--methods", ",".join(methods), "--json", f"{stem}.json"]
             print(" ".join(command), flush=True)
             result = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -23,7 +23,10 @@ so such rows count the model's work and part of the method's, or none of it. Wit
 between two device synchronizations, and the CPU time is the host's. A method with
 ``delay`` (communication delay: local steps, then an exchange) is read by its mean, which counts its
 exchanges at their share when the timed steps (``--rounds`` x ``--steps``) are a multiple of the
-delay (the report says when they are not); its median is a local step.
+delay (the report says when they are not); its median is a local step. Its CPU ratio to DDP's step
+gets an interval over the rounds only when each round holds whole delays (``--steps`` a multiple of
+the delay): otherwise a round's ratio depends on whether an exchange fell in it, and the spread
+over rounds measures where the exchanges fell, not the noise.
 
 ``--fsdp`` times methods on the same model sharded with FSDP2 (``fully_shard`` on every block:
 :func:`lgc.fsdp.shard_model`), in the same rounds, as rows ``fsdp/NAME`` beside ``fsdp``, FSDP2's
@@ -171,7 +174,7 @@ def _worker(
                 timings[label].append(step(label))
     # Further steps per method, their arithmetic counted (every rank runs them, in the same order): one,
     # or a delay's worth, so that a method exchanging every few steps is counted at its exchanges' share.
-    delays = {spec.label: _delay(spec) for spec in [*specs, *(spec for _, spec in sharded)]}
+    delays = _delays(specs, sharded)
     flops = {label: _counted_flops(step, label, delays.get(label, 1)) for label in runs}
     results[rank] = json.dumps({"timings": timings, "flops": flops})
     dist.barrier()
@@ -181,6 +184,11 @@ def _worker(
 def _delay(spec: MethodSpec) -> int:
     """Steps between a method's exchanges (1: it sends every step)."""
     return int(spec.knobs.get("delay") or 1)
+
+
+def _delays(specs: list[MethodSpec], sharded: list[tuple[str, MethodSpec]]) -> dict[str, int]:
+    """Every row's label -> steps between its exchanges, the sharded rows' included."""
+    return {spec.label: _delay(spec) for spec in [*specs, *(spec for _, spec in sharded)]}
 
 
 def _counted_flops(step: Any, label: str, steps: int = 1) -> float:
@@ -280,11 +288,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = mp.Manager().dict()
         mp.spawn(_worker, args=(args, specs, sharded, f"file://{scratch}/store", results), nprocs=args.workers)
         per_rank = [json.loads(results[rank]) for rank in range(args.workers)]
-    rows = step_rows([rank["timings"] for rank in per_rank], args.rounds)
+    delays = _delays(specs, sharded)
+    rows = step_rows([rank["timings"] for rank in per_rank], args.rounds, delays)
     flop_rows(rows, [rank["flops"] for rank in per_rank])
     timed = args.rounds * args.steps
     where = "NCCL workers, one GPU each" if args.device == "cuda" else "gloo workers on this machine"
     uneven = [spec.label for spec in specs if timed % _delay(spec)]
+    partial = [label for label, delay in delays.items() if args.rounds > 1 and args.steps % delay]
     print(
         f"# DDP step overhead: {args.model}, {args.workers} {where}, batch {args.batch_size} "
         f"of {args.image_size}x{args.image_size}, density {args.density}, {args.threads} thread(s) each, "
@@ -315,6 +325,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("\n| method | CPU x DDP |\n|---|---|")
         for label, ratio in against:
             print(f"| {label} | {ratio['mean']:.3f} ± {ratio['half_width']:.3f} |")
+    if partial:
+        print(
+            f"No interval for {', '.join(partial)}: a round of {args.steps} steps does not hold whole delays "
+            "(--steps a multiple of each delay gives one)."
+        )
     if uneven:
         print(
             f"The {timed} timed steps per method (--rounds x --steps) are not a multiple of the delay of "
@@ -339,7 +354,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return table
 
 
-def step_rows(per_rank: list[dict[str, list[list[float]]]], rounds: int | None = None) -> dict[str, dict[str, Any]]:
+def step_rows(
+    per_rank: list[dict[str, list[list[float]]]], rounds: int | None = None, delays: dict[str, int] | None = None
+) -> dict[str, dict[str, Any]]:
     """Each method's step from every rank's ``(wall, cpu)`` seconds per timed step, against ``no_sync``'s.
 
     ``wall_s``: the slowest rank's median step; ``cpu_s``: the median over steps of the CPU summed
@@ -347,7 +364,9 @@ def step_rows(per_rank: list[dict[str, list[list[float]]]], rounds: int | None =
     step (a delay's exchanges among its local steps); ``*_x``: each as a multiple of ``no_sync``'s.
     With ``rounds`` (the timed steps cut into that many interleaved rounds, in order) and DDP's own
     step among the methods: ``cpu_vs_ddp``, the mean CPU step over DDP's in the same round, its mean
-    over the rounds, the half-width of its 95 % Student-t interval and the per-round ratios.
+    over the rounds, the half-width of its 95 % Student-t interval and the per-round ratios; for a
+    method with a delay (``delays``: label -> steps between its exchanges) only when each round holds
+    whole delays, since the rounds' ratios are otherwise not draws of one quantity.
     """
     rows: dict[str, dict[str, float]] = {}
     for label in per_rank[0]:
@@ -364,6 +383,8 @@ def step_rows(per_rank: list[dict[str, list[list[float]]]], rounds: int | None =
         row.update({f"{name[:-2]}_x": row[name] / reference[name] for name in list(row)})
     if rounds and rounds > 1 and PLAIN_DDP in per_rank[0]:
         for label, row in rows.items():
+            if (len(per_rank[0][label]) // rounds) % (delays or {}).get(label, 1):
+                continue
             ratios = [_round_cpu(per_rank, label, r, rounds) / _round_cpu(per_rank, PLAIN_DDP, r, rounds)
                       for r in range(rounds)]  # fmt: skip
             mean = statistics.fmean(ratios)

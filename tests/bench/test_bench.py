@@ -237,6 +237,27 @@ def test_step_rows_give_each_methods_cpu_over_ddps_round_by_round_with_an_interv
     assert "cpu_vs_ddp" not in step_rows([{k: v for k, v in r.items() if k != "ddp"} for r in per_rank], 3)["topk"]
 
 
+def test_a_delayed_method_gets_an_interval_only_from_rounds_that_hold_whole_delays():
+    from lgc.bench.step import step_rows
+
+    # 2 rounds of 4 steps; DDP 1.0 CPU per step. Every 2nd step exchanges (delay 2: 3.0), so every round
+    # holds two exchanges; a delay of 8 exchanges once, in the second round only.
+    def timeline(steps: list[float]) -> list[list[float]]:
+        return [[0.1, cpu / 2] for cpu in steps]
+
+    local, every_2, every_8 = [1.0] * 8, [1.0, 3.0] * 4, [1.0] * 7 + [9.0]
+    per_rank = [
+        {"no_sync": timeline(local), "ddp": timeline(local), "a:delay=2": timeline(every_2),
+         "b:delay=8": timeline(every_8)}
+        for _ in range(2)
+    ]  # fmt: skip
+    rows = step_rows(per_rank, rounds=2, delays={"a:delay=2": 2, "b:delay=8": 8})
+    assert rows["a:delay=2"]["cpu_vs_ddp"]["rounds"] == pytest.approx([2.0, 2.0])
+    # Its rounds would read 1.0 and 3.0: where its one exchange fell, not noise. Its mean still counts it.
+    assert "cpu_vs_ddp" not in rows["b:delay=8"] and rows["b:delay=8"]["mean_cpu_x"] == pytest.approx(2.0)
+    assert "cpu_vs_ddp" in step_rows(per_rank, rounds=2)["b:delay=8"]  # without the delays, every row is paired
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_step_benchmark_times_the_model_sharded_with_fsdp2_beside_ddp(tmp_path):
