@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -34,15 +35,37 @@ from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord, load_runs
 from lgc.report.seeds import Interval
 
 
-def _records(folder: Path) -> dict[int, RunRecord]:
-    """Seed -> run record of one method's folder (``seedN/summary.json``)."""
-    if not folder.is_dir() or not any(folder.glob("seed*/summary.json")):
+def _records(folder: Path, seeds: list[int]) -> dict[int, RunRecord]:
+    """Seed -> run record of one method's folder (``seedN/summary.json``), each checked.
+
+    A table averages exactly the runs the protocol fixes, so a record that does not fit is refused,
+    naming its file, rather than counted or dropped: one outside a ``seedN`` folder, one whose folder's
+    N is not the seed it ran, a seed the protocol does not list (``seeds``), or a run without a finite
+    metric.
+    """
+    if not folder.is_dir() or not any(folder.rglob("summary.json")):
         return {}
-    return {int(r.config.get("seed")): r for r in load_runs([folder], label_by="folder")}
+    records: dict[int, RunRecord] = {}
+    for record in load_runs([folder], label_by="folder"):
+        file = record.path / "summary.json"
+        seed = record.config.get("seed")
+        if record.path.parent != folder or record.path.name != f"seed{seed}":
+            raise SystemExit(f"{file}: a run of seed {seed} belongs in {folder}/seed{seed}/summary.json")
+        if seed not in seeds:
+            raise SystemExit(f"{file}: seed {seed} is not among the protocol's seeds {seeds}")
+        metric = record.metric
+        if metric is None or not math.isfinite(metric):
+            raise SystemExit(f"{file}: no finite {record.metric_key} ({metric}); a table cannot mark this run")
+        records[seed] = record
+    return records
 
 
-def _mean(values: list[float | None]) -> float | None:
+def _mean(values: list[float | None], what: str) -> float | None:
+    """The mean over every seed's run, or None where no run books it; a column booked by some runs
+    and not others is refused (its mean would be over other seeds than the row's other columns)."""
     present = [v for v in values if v is not None]
+    if present and len(present) < len(values):
+        raise SystemExit(f"{what}: booked by {len(present)} of the {len(values)} runs")
     return sum(present) / len(present) if present else None
 
 
@@ -50,14 +73,14 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
     """The rows of one cell and what the cell can detect."""
     seeds = list(protocol["seeds"])
     margin, power = float(protocol["margin_points"]), float(protocol["power"])
-    reference = _records(results / cell / protocol["reference"])
+    reference = _records(results / cell / protocol["reference"], seeds)
     rows, spreads, commits = [], [], set()
     for method in protocol["order"]["methods"]:
-        runs = _records(results / cell / method)
+        runs = _records(results / cell / method, seeds)
         for record in runs.values():
             provenance = record.summary.get("provenance") or {}
             commits.add((provenance.get("commit") or "unknown")[:7] + ("+changes" if provenance.get("dirty") else ""))
-        metric = Interval.of([r.metric for r in runs.values() if r.metric is not None])
+        metric = Interval.of([r.metric for r in runs.values()])
         paired = [100 * (runs[s].metric - reference[s].metric) for s in seeds if s in runs and s in reference]
         gap = Interval.of(paired) if method != protocol["reference"] else None
         complete = all(s in runs for s in seeds) and all(s in reference for s in seeds)
@@ -73,7 +96,7 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
                 "gap_points": gap.as_dict() if gap else None,
                 "mark": mark(gap, margin) if complete and gap is not None else None,
                 **{
-                    name: _mean([p[key] for p in parts])
+                    name: _mean([p[key] for p in parts], f"{cell}/{method} {key}")
                     for name, key in (
                         ("wire_mb", WIRE_MB_PER_WORKER),
                         ("overhead_mb", "overhead_wire_mb_per_worker"),
@@ -87,6 +110,7 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
     n = len(seeds)
     power_line = {
         "median_sd_points": spread,
+        "sd_range_points": [min(spreads), max(spreads)] if spreads else None,
         "detectable_loss_points": detectable_loss(spread, n, margin, power) if spread else None,
         "within_probability_at_no_loss": within_probability(0.0, spread, n, margin) if spread else None,
         "commits": sorted(commits),
@@ -126,7 +150,9 @@ def cell_table(protocol: dict[str, Any], cell: str, rows: list[dict[str, Any]], 
     lines.append("")
     if power["median_sd_points"] is not None:
         lines.append(
-            f"Median spread of paired gaps {power['median_sd_points']:.2f} points: this cell marks a loss of "
+            f"Median spread of paired gaps {power['median_sd_points']:.2f} points "
+            f"({power['sd_range_points'][0]:.2f}-{power['sd_range_points'][1]:.2f} over its complete methods; "
+            "a noisier method detects less): at the median this cell marks a loss of "
             f"{power['detectable_loss_points']:.2f} points or more `worse` with probability {protocol['power']:g}, "
             f"and a method as good as dense `within` with probability {power['within_probability_at_no_loss']:.2f}."
         )

@@ -12,7 +12,8 @@ protocol's n); ``inconclusive`` is not within, and is named. The goal is checked
 * on **the bytes the codec carries** (whole wire minus the fixed overhead of module buffers and
   parameters sent dense: what a method does with the parameters it compresses; the LGC paper counts
   only these). PyTorch's own hooks book no per-parameter table, so they have no codec bytes and are
-  left out of this accounting (named).
+  left out of this accounting (named); where one of them is ``within``, LGC cannot be said to send
+  fewer than it there, so a goal met against every other method is ``undecided`` on this accounting.
 
 The **byte floor** of a cell: the fixed overhead under LGC's settings (the least of its rows), and what
 it allows: dense's bytes over it (the ceiling: the best ratio any codec could reach on that model), and
@@ -53,7 +54,9 @@ def cell_verdict(rows: list[dict[str, Any]], reference: str, key: str) -> dict[s
     """The goal in one cell on one accounting (``key``: ``wire_mb`` or ``codec_mb``).
 
     ``status``: ``"pending"`` (LGC, DGC or a method that could change the outcome lacks its mark),
-    ``"met"`` or ``"not met"``; with the best LGC setting within the margin, DGC's bytes over its,
+    ``"met"``, ``"not met"`` or ``"undecided"`` (met against every method whose bytes this accounting
+    books, while a method that books none, PyTorch's PowerSGD hook on the codec's bytes, is ``within``:
+    LGC cannot be said to send fewer than it); with the best LGC setting within the margin, DGC's bytes over its,
     the non-learned rival with the fewest bytes within the margin, and the rows left out (inconclusive
     ones, and those without bytes in this accounting).
     """
@@ -82,7 +85,9 @@ def cell_verdict(rows: list[dict[str, Any]], reference: str, key: str) -> dict[s
         return result
     vs_dgc = result["dgc_mb"] is not None and result["dgc_mb"] / result["best_mb"] >= GOAL_VS_DGC
     vs_rest = not rivals or result["best_mb"] < result["rival_mb"]
-    result.update(vs_dgc=vs_dgc, vs_rest=vs_rest, status="met" if vs_dgc and vs_rest else "not met")
+    unbooked_within = [row["method"] for row in compressing if row["mark"] == "within" and row[key] is None]
+    status = "not met" if not (vs_dgc and vs_rest) else "undecided" if unbooked_within else "met"
+    result.update(vs_dgc=vs_dgc, vs_rest=vs_rest, status=status, unbooked_within=unbooked_within)
     return result
 
 
@@ -130,6 +135,10 @@ def verdict_section(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
                 notes.append(f"inconclusive, not counted: {', '.join(result['inconclusive'])}")
             if result["unbooked"]:
                 notes.append(f"no codec bytes booked, left out: {', '.join(result['unbooked'])}")
+            if result["status"] == "undecided":
+                notes.append(
+                    f"undecided, as {', '.join(result['unbooked_within'])} is `within` and books no bytes here"
+                )
             note = f" ({'; '.join(notes)})" if notes else ""
             if result["best"] is None:
                 lines.append(f"- On {words}: not met, no LGC setting is `within`{note}.")

@@ -46,17 +46,17 @@ def rows(protocol: dict[str, Any], results: Path) -> tuple[list[dict[str, Any]],
     table, commits = [], set()
     for name in protocol["order"]["methods"]:
         spec = methods[name]
-        runs = _records(results / cell / name)
+        runs = _records(results / cell / name, seeds)
         for record in runs.values():
             provenance = record.summary.get("provenance") or {}
             commits.add((provenance.get("commit") or "unknown")[:7] + ("+changes" if provenance.get("dirty") else ""))
-        reference = _records(results / cell / ddp_of[spec["base"]]) if spec["strategy"] != "ddp" else {}
+        reference = _records(results / cell / ddp_of[spec["base"]], seeds) if spec["strategy"] != "ddp" else {}
         paired = [100 * (runs[s].metric - reference[s].metric) for s in seeds if s in runs and s in reference]
         gap = Interval.of(paired) if spec["strategy"] != "ddp" else None
         complete = all(s in runs for s in seeds) and all(s in reference for s in seeds)
         wire = [run_bytes(r)[WIRE_MB_PER_WORKER] for r in runs.values()]
         wire = [w for w in wire if w is not None]
-        metric = Interval.of([r.metric for r in runs.values() if r.metric is not None])
+        metric = Interval.of([r.metric for r in runs.values()])
         table.append(
             {
                 "method": name,

@@ -93,6 +93,47 @@ def test_tables_mark_only_complete_methods_and_split_the_bytes(scripts, tmp_path
     assert "| 3 of 5 |" in page and "not run yet" in page and "within" in page and "worse" in page
 
 
+@pytest.mark.parametrize(
+    ("folder", "seed", "metric", "refusal"),
+    [
+        ("seed1", 2, 0.9, "belongs in"),  # filed under another seed's folder
+        ("seed1/retry", 1, 0.9, "belongs in"),  # a copy below a seed's folder
+        ("seed7", 7, 0.9, "not among the protocol's seeds"),
+        ("seed1", 1, float("nan"), "no finite val/acc"),
+        ("seed1", 1, None, "no finite val/acc"),
+    ],
+)
+def test_a_record_that_does_not_fit_the_protocol_is_refused_naming_its_file(
+    scripts, tmp_path, folder, seed, metric, refusal
+):
+    _, tables = scripts
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    for name, value in (("seed0", 0), (folder, seed)):
+        summary = _summary(value, "val/acc", 0.9, 10_000_000)
+        if name == folder:
+            summary["val/acc"] = summary["metrics"]["val/acc"] = metric
+            if metric is None:
+                del summary["val/acc"], summary["metrics"]["val/acc"]
+        (tmp_path / "r20_iid4" / "fp16" / name).mkdir(parents=True)
+        (tmp_path / "r20_iid4" / "fp16" / name / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit, match=refusal) as refused:
+        tables.cell_rows(protocol, tmp_path, "r20_iid4")
+    assert f"fp16/{folder}/summary.json" in str(refused.value)
+
+
+def test_a_byte_column_booked_by_some_seeds_runs_only_is_refused(scripts, tmp_path):
+    _, tables = scripts
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    for seed in (0, 1):
+        summary = _summary(seed, "val/acc", 0.9, 10_000_000)
+        if seed:
+            del summary["layers"]  # no per-layer table: no codec bytes for this run
+        (tmp_path / "r20_iid4" / "fp16" / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / "r20_iid4" / "fp16" / f"seed{seed}" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit, match="r20_iid4/fp16 .*: booked by 1 of the 2 runs"):
+        tables.cell_rows(protocol, tmp_path, "r20_iid4")
+
+
 def test_extra_overrides_replace_the_protocols_for_the_same_key(scripts):
     sweep, _ = scripts
     protocol = sweep.load_protocol()
@@ -112,6 +153,11 @@ def test_the_committed_tables_are_the_generated_ones(scripts):
     readme = (EXPERIMENTS.parent / "docs" / "evidence.md").read_text()
     block = readme[readme.index(tables.BEGIN) + len(tables.BEGIN) : readme.index(tables.END)].strip()
     assert block == tables.readme_table(protocol, data), "docs/evidence.md drifted: scale_tables.py --write"
+    # The LGC study's tables, from the same records (the runs it shares with the comparison included).
+    study = importlib.import_module("scale_comparison").load_protocol(EXPERIMENTS / "lgc_loop_protocol.yaml")
+    text, data = tables.page(study, results)
+    assert (results / "lgc_loop.md").read_text() == text, "scale_tables.py --protocol lgc_loop_protocol.yaml --write"
+    assert json.loads((results / "lgc_loop.json").read_text()) == json.loads(json.dumps(data))
 
 
 def _data(protocol: dict, marks: dict[str, list[str]], mb: dict[str, float]) -> dict:
@@ -170,14 +216,20 @@ def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
     marks = {"fp16": "within", "dgc": "within", "lgc_rar": "within", "lgc_ps": "inconclusive", "powersgd": "within"}
     rows = _verdict_rows(marks, wire, {"powersgd": None})
     # Whole wire: LGC-RAR's 20 MB is 2x under DGC's 40 (goal 3x): not met; its codec bytes, 10 against
-    # DGC's 30, are 3x: met there, and fewer than any within (PowerSGD books no codec bytes: left out).
+    # DGC's 30, are 3x and fewer than any booked method within; PowerSGD, within, books no codec bytes,
+    # so LGC cannot be said to send fewer than it: undecided.
     whole = verdict.cell_verdict(rows, "dense", "wire_mb")
     assert (whole["status"], whole["best"], whole["rival"]) == ("not met", "lgc_rar", "powersgd")
     assert not whole["vs_dgc"] and whole["vs_rest"]
     assert whole["inconclusive"] == ["lgc_ps"]
     codec = verdict.cell_verdict(rows, "dense", "codec_mb")
-    assert (codec["status"], codec["best_mb"], codec["dgc_mb"], codec["rival"]) == ("met", 10.0, 30.0, "dgc")
-    assert codec["unbooked"] == ["powersgd"]
+    assert (codec["status"], codec["best_mb"], codec["dgc_mb"], codec["rival"]) == ("undecided", 10.0, 30.0, "dgc")
+    assert codec["unbooked"] == codec["unbooked_within"] == ["powersgd"]
+    # PowerSGD worse: nothing unbooked is within, and the goal is met on the codec's bytes.
+    booked = verdict.cell_verdict(
+        _verdict_rows({**marks, "powersgd": "worse"}, wire, {"powersgd": None}), "dense", "codec_mb"
+    )
+    assert (booked["status"], booked["unbooked"], booked["unbooked_within"]) == ("met", ["powersgd"], [])
     # The floor: 10 MB fixed under LGC; dense's 1000 over it is the ceiling, DGC's 40 allows at most 4x.
     assert verdict.floor(rows, "dense") == {"overhead_mb": 10.0, "ceiling": 100.0, "most_below_dgc": 4.0}
     # Any method unmarked keeps the cell pending; no LGC setting within: not met.
@@ -191,8 +243,10 @@ def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
     protocol = {**protocol, "methods": {**protocol["methods"], **{m: {"label": m} for m in wire}}}
     text = verdict.verdict_section(protocol, tables)
     assert "ceiling 100x over dense; at most 4.0x below DGC on whole-wire bytes." in text
-    assert "On bytes the codec carries: met. LGC's fewest within the margin: lgc_rar, 10 MB" in text
-    assert "no codec bytes booked, left out: powersgd" in text
+    assert "On bytes the codec carries: undecided. LGC's fewest within the margin: lgc_rar, 10 MB" in text
+    assert (
+        "no codec bytes booked, left out: powersgd; undecided, as powersgd is `within` and books no bytes here" in text
+    )
     low = _verdict_rows(marks, {**wire, "dgc": 25.0}, {})
     assert "the 3x goal is out of reach there by construction" in verdict.verdict_section(
         protocol, {cell: {"rows": low} for cell in protocol["order"]["cells"]}
