@@ -43,7 +43,7 @@ def step_uppers(step_cost: Path, densities: list[float]) -> dict[str, dict[float
     """Step-cost row -> density -> the upper end of its CPU-over-DDP interval.
 
     Raises SystemExit when a density has no ``step_DENSITY.json``, when a row carries no interval
-    (a table from before ``cpu_vs_ddp``) or when two tables time the same row: the rule never
+    (a table from before ``cpu_vs_ddp``, or a delayed row timed in rounds of part of its delay) or when two tables time the same row: the rule never
     decides on missing or ambiguous step costs.
     """
     out: dict[str, dict[float, float]] = {}
@@ -55,7 +55,10 @@ def step_uppers(step_cost: Path, densities: list[float]) -> dict[str, dict[float
                 if label in ("no_sync", "ddp"):  # the references: every group's table times DDP's own step again
                     continue
                 if "cpu_vs_ddp" not in row:
-                    raise SystemExit(f"{table}: row {label} has no cpu_vs_ddp interval (time it with --rounds > 1)")
+                    raise SystemExit(
+                        f"{table}: row {label} has no cpu_vs_ddp interval (time it with --rounds > 1, and with "
+                        "--steps a multiple of its delay: scale_step_cost.py does both)"
+                    )
                 if density in out.get(label, {}):
                     raise SystemExit(f"{table}: row {label} at density {density} is timed in another table too")
                 ratio = row["cpu_vs_ddp"]
