@@ -43,8 +43,8 @@ def step_uppers(step_cost: Path, densities: list[float]) -> dict[str, dict[float
     """Step-cost row -> density -> the upper end of its CPU-over-DDP interval.
 
     Raises SystemExit when a density has no ``step_DENSITY.json``, when a row carries no interval
-    (a table from before ``cpu_vs_ddp``, or a delayed row timed in rounds of part of its delay) or when two tables time the same row: the rule never
-    decides on missing or ambiguous step costs.
+    (a table from before ``cpu_vs_ddp``, or a delayed row timed in rounds of part of its delay) or
+    when two tables time the same row: the rule never decides on missing or ambiguous step costs.
     """
     out: dict[str, dict[float, float]] = {}
     for density in densities:

@@ -69,6 +69,35 @@ def _mean(values: list[float | None], what: str) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def _refreshes(summary: dict[str, Any]) -> Any:
+    """A run's codec refreshes; 0 for an LGC run without a refresh threshold (a record from before the
+    count was kept included), None where it is not known."""
+    if "lgc_refreshes" in summary:
+        return summary["lgc_refreshes"]
+    stages = ((summary.get("config") or {}).get("compressor") or {}).get("stages") or {}
+    return 0 if "lgc_stages" in summary and stages.get("refresh_threshold") is None else None
+
+
+#: LGC's measurements in the loop (``measure_error``), per run: tables.json key -> (reader, column, format).
+LGC_MEASURES: dict[str, tuple[Any, str, str]] = {
+    "lgc_error": (lambda summary: summary.get("lgc_true_error"), "delivered-sum error", ".4f"),
+    "premise_r": (lambda summary: (summary.get("lgc_premise") or {}).get("correlation"), "premise r", ".3f"),
+    "premise_share": (lambda summary: (summary.get("lgc_premise") or {}).get("energy_share"), "energy share", ".4f"),
+    "refreshes": (_refreshes, "refreshes", ".1f"),
+}
+
+
+def _measured(runs: dict[int, RunRecord], read: Any, what: str) -> dict[str, Any] | None:
+    """The interval over the seeds of one of LGC's measurements, None where no run has it."""
+    values = [read(record.summary) for record in runs.values()]
+    values = [None if value is None else float(value) for value in values]
+    present = [v for v in values if v is not None]
+    if present and len(present) < len(values):
+        raise SystemExit(f"{what}: measured by {len(present)} of the {len(values)} runs")
+    interval = Interval.of(present)
+    return interval.as_dict() if interval else None
+
+
 def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of one cell and what the cell can detect."""
     seeds = list(protocol["seeds"])
@@ -95,6 +124,10 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
                 "metric": metric.as_dict() if metric else None,
                 "gap_points": gap.as_dict() if gap else None,
                 "mark": mark(gap, margin) if complete and gap is not None else None,
+                **{
+                    name: _measured(runs, read, f"{cell}/{method} {name}")
+                    for name, (read, _, _) in LGC_MEASURES.items()
+                },
                 **{
                     name: _mean([p[key] for p in parts], f"{cell}/{method} {key}")
                     for name, key in (
@@ -158,8 +191,31 @@ def cell_table(protocol: dict[str, Any], cell: str, rows: list[dict[str, Any]], 
         )
     else:
         lines.append("No method has all its seeds paired with dense yet: the cell's power is not known.")
+    lines += _measures_table(rows, n)
     lines += ["", f"Runs from commits: {', '.join(power['commits']) or '-'}.", ""]
     return "\n".join(lines)
+
+
+def _measures_table(rows: list[dict[str, Any]], n: int) -> list[str]:
+    """LGC's measurements in the loop beside its rows' marks (the rows whose runs measured the error)."""
+    measured = [row for row in rows if row["lgc_error"] is not None]
+    if not measured:
+        return []
+    lines = [
+        "",
+        "LGC in the loop (runs with `measure_error`), mean ± 95 % interval over the seeds: the delivered sum's "
+        "relative error at the leader's positions over the compressed steps (1: what sending nothing scores), the "
+        "premise there (r: the workers' values' mean pairwise correlation; energy share: a non-leader's squared "
+        "gradient lying at the leader's positions, chance = the density), and the codec refreshes per run.",
+        "",
+        "| method | seeds | mark | " + " | ".join(what for _, what, _ in LGC_MEASURES.values()) + " |",
+        "|---|---|---|" + "---|" * len(LGC_MEASURES),
+    ]
+    for row in measured:
+        seeds = f"{len(row['seeds'])}" if len(row["seeds"]) == n else f"{len(row['seeds'])} of {n}"
+        cells = [_interval(row[name], fmt) if row[name] else "-" for name, (_, _, fmt) in LGC_MEASURES.items()]
+        lines.append(f"| {row['label']} | {seeds} | {row['mark'] or '-'} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def page(protocol: dict[str, Any], results: Path) -> tuple[str, dict[str, Any]]:

@@ -201,6 +201,7 @@ def test_an_lgc_run_saves_its_codec_and_another_run_starts_from_it(tmp_path):
     codec = tmp_path / "first" / "codec.pt"
     assert first["lgc_codec"] == str(codec) and codec.is_file()
     assert first["lgc_stages"]["autoencoder_training"]["bytes_sent"] > 0
+    assert first["lgc_refreshes"] == 0  # no refresh_threshold: the codec is never retrained
 
     second = train(
         compose_cfg(

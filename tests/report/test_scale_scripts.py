@@ -134,6 +134,43 @@ def test_a_byte_column_booked_by_some_seeds_runs_only_is_refused(scripts, tmp_pa
         tables.cell_rows(protocol, tmp_path, "r20_iid4")
 
 
+def test_lgcs_measurements_in_the_loop_stand_beside_its_mark(scripts, tmp_path):
+    _, tables = scripts
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    cell = "r20_iid4"
+    for seed in range(5):
+        for method, value in (("dense", 0.90), ("lgc_rar", 0.899 - 0.001 * seed), ("lgc_ps", 0.88)):
+            summary = _summary(seed, "val/acc", value, 10_000_000)
+            if method != "dense":
+                summary["lgc_stages"] = {"compressed": {"wire_bytes_sent": 1}}
+                summary["config"]["compressor"]["stages"] = {"refresh_threshold": None}
+            if method == "lgc_rar":  # measured, with a refresh on seed 4; LGC-PS measured nothing
+                summary["lgc_true_error"] = 0.2 + 0.01 * seed
+                summary["lgc_premise"] = {"correlation": 0.5, "energy_share": 0.02, "steps": 100.0}
+                summary["lgc_refreshes"] = int(seed == 4)
+            folder = tmp_path / cell / method / f"seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps(summary))
+    rows, power = tables.cell_rows(protocol, tmp_path, cell)
+    by = {row["method"]: row for row in rows}
+    assert by["lgc_rar"]["lgc_error"]["mean"] == pytest.approx(0.22)
+    assert by["lgc_rar"]["premise_r"]["mean"] == 0.5 and by["lgc_rar"]["refreshes"]["mean"] == pytest.approx(0.2)
+    # An LGC run from before the count, without a refresh threshold, refreshed nothing; no LGC: no count.
+    assert by["lgc_ps"]["lgc_error"] is None and by["lgc_ps"]["refreshes"]["mean"] == 0.0
+    assert by["fp16"]["refreshes"] is None
+    page = tables.cell_table(protocol, cell, rows, power)
+    assert "| method | seeds | mark | delivered-sum error | premise r | energy share | refreshes |" in page
+    measured = [line for line in page.splitlines() if line.startswith("| LGC-")]
+    assert any("| 0.2200 ± " in line and "| within |" in line for line in measured)
+    assert not any("LGC-PS" in line and "0.2200" in line for line in measured)
+    # Measured by some seeds' runs only: refused, naming the row.
+    (tmp_path / cell / "lgc_ps" / "seed0" / "summary.json").write_text(
+        json.dumps({**json.loads((tmp_path / cell / "lgc_rar" / "seed0" / "summary.json").read_text())})
+    )
+    with pytest.raises(SystemExit, match="r20_iid4/lgc_ps lgc_error: measured by 1 of the 5 runs"):
+        tables.cell_rows(protocol, tmp_path, cell)
+
+
 def test_extra_overrides_replace_the_protocols_for_the_same_key(scripts):
     sweep, _ = scripts
     protocol = sweep.load_protocol()
