@@ -37,8 +37,13 @@ def _learned(method: str) -> bool:
     return method.startswith(LEARNED_PREFIX)
 
 
-def floor(rows: list[dict[str, Any]], reference: str) -> dict[str, float | None]:
-    """The cell's fixed overhead under LGC's settings and the ratios it caps (None until they ran)."""
+def floor(rows: list[dict[str, Any]], reference: str, seeds: int | None = None) -> dict[str, float | None]:
+    """The cell's fixed overhead under LGC's settings and the ratios it caps (None until they ran).
+
+    With ``seeds`` (the protocol's n), a row counts only once all its seeds have run, so the floor
+    never rests on a part of a method's runs.
+    """
+    rows = [row for row in rows if seeds is None or len(row.get("seeds", ())) == seeds]
     by = {row["method"]: row for row in rows}
     overheads = [row["overhead_mb"] for row in rows if _learned(row["method"]) and row["overhead_mb"]]
     overhead = min(overheads) if overheads else None
@@ -110,10 +115,10 @@ def verdict_section(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
     ]
     for cell in protocol["order"]["cells"]:
         rows = tables[cell]["rows"]
-        bound = floor(rows, reference)
+        bound = floor(rows, reference, len(protocol["seeds"]))
         lines += [f"### {cell}", ""]
         if bound["overhead_mb"] is None:
-            lines.append("- Floor: not known until an LGC setting has run.")
+            lines.append("- Floor: not known until an LGC setting has run all its seeds.")
         else:
             reach = bound["most_below_dgc"]
             out_of_reach = reach is not None and reach < GOAL_VS_DGC

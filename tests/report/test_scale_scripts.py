@@ -240,7 +240,7 @@ def _verdict_rows(marks: dict[str, str], wire: dict[str, float], overhead: dict[
     for method, mb in wire.items():
         fixed = overhead.get(method, 10.0)
         rows.append({"method": method, "mark": marks.get(method), "wire_mb": mb, "overhead_mb": fixed,
-                     "codec_mb": None if fixed is None else mb - fixed})  # fmt: skip
+                     "codec_mb": None if fixed is None else mb - fixed, "seeds": [0, 1, 2, 3, 4]})  # fmt: skip
     return rows
 
 
@@ -269,6 +269,9 @@ def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
     assert (booked["status"], booked["unbooked"], booked["unbooked_within"]) == ("met", ["powersgd"], [])
     # The floor: 10 MB fixed under LGC; dense's 1000 over it is the ceiling, DGC's 40 allows at most 4x.
     assert verdict.floor(rows, "dense") == {"overhead_mb": 10.0, "ceiling": 100.0, "most_below_dgc": 4.0}
+    # Counted by the protocol's n, a row with seeds still to run is left out: DGC's 3 of 5 bound nothing yet.
+    counted = [{**row, "seeds": [0, 1, 2] if row["method"] == "dgc" else [0, 1, 2, 3, 4]} for row in rows]
+    assert verdict.floor(counted, "dense", 5) == {"overhead_mb": 10.0, "ceiling": 100.0, "most_below_dgc": None}
     # Any method unmarked keeps the cell pending; no LGC setting within: not met.
     assert verdict.cell_verdict(_verdict_rows({**marks, "dgc": None}, wire, {}), "dense", "wire_mb")["status"] == (
         "pending"
