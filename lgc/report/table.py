@@ -43,8 +43,16 @@ def _columns(records: Sequence[RunRecord]) -> list[_Column]:
     if any("lgc_premise" in record.summary for record in records):
         columns.append(_Column("lgc_premise.correlation", "premise r", ".3f"))
         columns.append(_Column("lgc_premise.energy_share", "premise energy share", ".3g"))
+    if any(_refreshing(record) for record in records):
+        columns.append(_Column("lgc_refreshes", "codec refreshes", "d"))
     columns.append(_Column("wall_time_s", "wall time (s)", ".1f"))
     return columns
+
+
+def _refreshing(record: RunRecord) -> bool:
+    """Whether the run could refresh its codec (a refresh threshold set) or did."""
+    threshold = lookup(record.config, "compressor.stages.refresh_threshold")
+    return bool(record.summary.get("lgc_refreshes")) or threshold not in (MISSING, None)
 
 
 def _density(record: RunRecord) -> Any:
@@ -112,8 +120,8 @@ def report_table(records: Sequence[RunRecord]) -> str:
     server sends), ``payload_compression_ratio`` (the compressor's own ratio on the tensors it
     compresses), LGC's compressed-stage ratio (when a run has ``lgc_stages``), how many times fewer
     whole-run wire bytes than the DGC run of the same world size and density (when one is loaded),
-    the relative error of the sums delivered at the leader's positions (runs with
-    ``measure_error``) and wall time.
+    the relative error of the sums delivered at the leader's positions and LGC's premise there (runs
+    with ``measure_error``), the codec refreshes (runs with a refresh threshold) and wall time.
     A null ratio reads ``n/a``, a value the run does not have ``-``.
     """
     columns = _columns(records)

@@ -628,3 +628,17 @@ def test_the_measured_premise_gets_its_columns_beside_the_error(tmp_path):
     assert [tuple(row[key] for key in keys) for row in premise] == [(0.4321, 0.0123, 0.25)]
     header = report_table(records).splitlines()[0]
     assert "| error at leader positions | premise r | premise energy share |" in header
+    assert "codec refreshes" not in header  # no run refreshes its codec or could
+
+
+def test_a_run_that_can_refresh_its_codec_gets_the_refresh_count(tmp_path):
+    folders = _classification_sweep(tmp_path)
+    path = folders[1] / "summary.json"  # the LGC-PS run, given a refresh threshold that fired twice
+    summary = json.loads(path.read_text())
+    summary["config"]["compressor"].setdefault("stages", {})["refresh_threshold"] = 0.5
+    summary["lgc_refreshes"] = 2
+    path.write_text(json.dumps(summary))
+    records = load_runs(folders)
+    counts = [(Path(row["path"]) == folders[1], row["lgc_refreshes"]) for row in table_rows(records)]
+    assert sorted(counts, key=lambda c: c[0]) == [(False, None)] * (len(counts) - 1) + [(True, 2)]  # only it books one
+    assert "| codec refreshes |" in report_table(records).splitlines()[0]
