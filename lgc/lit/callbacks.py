@@ -381,8 +381,7 @@ class RunSummary(pl.Callback):
             summary["earlier_segments"] = self.earlier_segments
         if all("lgc" in w for w in workers):
             summary["lgc_stages"] = _stage_totals([w["lgc"]["stages"] for w in workers])
-            # Codec refreshes (stages.refresh_threshold), decided alike on every rank; rank 0's count.
-            summary["lgc_refreshes"] = workers[0]["lgc"].get("refreshes", 0)
+            summary["lgc_refreshes"] = workers[0]["lgc"].get("refreshes", 0)  # decided alike on every rank
             if "true_error" in workers[0]["lgc"]:
                 # measure_error: delivered against exact sums at the leader's positions, the same on every rank.
                 summary["lgc_true_error"] = workers[0]["lgc"]["true_error"]

@@ -195,7 +195,7 @@ def test_step_benchmark_on_a_gpu_over_nccl(tmp_path):
 
 
 def test_step_rows_read_a_delayed_method_by_its_mean_and_every_step_method_by_its_median():
-    from lgc.bench.step import step_rows
+    from lgc.bench.step_rows import step_rows
 
     # Two ranks, four timed steps each: no_sync steps 1.0 s; a delay of 4 exchanges once (5.0 s).
     per_rank = [
@@ -216,7 +216,7 @@ def test_step_rows_read_a_delayed_method_by_its_mean_and_every_step_method_by_it
 def test_step_rows_give_each_methods_cpu_over_ddps_round_by_round_with_an_interval():
     from scipy.stats import t
 
-    from lgc.bench.step import step_rows
+    from lgc.bench.step_rows import step_rows
 
     # Two ranks, 3 rounds of 2 steps; DDP's CPU per step 1.0, 2.0, 1.0 by round; topk 1.2x, 2.6x, 1.1x it.
     def timeline(per_round: list[float]) -> list[list[float]]:
@@ -238,7 +238,7 @@ def test_step_rows_give_each_methods_cpu_over_ddps_round_by_round_with_an_interv
 
 
 def test_a_delayed_method_gets_an_interval_only_from_rounds_that_hold_whole_delays():
-    from lgc.bench.step import step_rows
+    from lgc.bench.step_rows import step_rows
 
     # 2 rounds of 4 steps; DDP 1.0 CPU per step. Every 2nd step exchanges (delay 2: 3.0), so every round
     # holds two exchanges; a delay of 8 exchanges once, in the second round only.
@@ -377,7 +377,7 @@ def test_a_counted_step_holds_the_models_arithmetic_and_the_codecs_through_the_h
 
 
 def test_flop_rows_give_the_most_of_any_rank_over_no_communications():
-    from lgc.bench.step import flop_rows
+    from lgc.bench.step_rows import flop_rows
 
     rows = {"no_sync": {}, "topk": {}, "lgc_rar": {}}
     flop_rows(rows, [{"no_sync": 2e9, "topk": 2e9, "lgc_rar": 5e9}, {"no_sync": 2e9, "topk": 2e9, "lgc_rar": 6e9}])
