@@ -27,20 +27,32 @@ from pathlib import Path
 from scale_comparison import HERE, load_protocol
 from scale_rule import STEP_ROWS
 
+from lgc.bench.methods import parse_methods
+from lgc.bench.step_rows import PLAIN_DDP
+
 #: Methods per ``lgc-bench step`` run (each worker holds one ResNet-50 and its state per method).
 GROUP_SIZE = 5
 
 
 def delay(row: str) -> int:
     """Steps between a row's exchanges (``lgc-bench step``'s ``delay`` knob; 1: every step)."""
-    knobs = dict(knob.split("=", 1) for knob in row.partition(":")[2].split(";") if "=" in knob)
-    return int(knobs.get("delay", 1))
+    (spec,) = parse_methods(row, plain=(PLAIN_DDP,))
+    return spec.delay
 
 
 def round_steps(methods: list[str], steps: int) -> int:
     """Steps per round for a group: the least multiple of every delay in it that is at least ``steps``."""
     period = math.lcm(*(delay(row) for row in methods))
     return period * math.ceil(steps / period)
+
+
+def _from_repository(path: Path) -> str:
+    """``path`` as a committed table names it: from the repository's root (its name alone outside it),
+    never an absolute path of this machine."""
+    try:
+        return path.resolve().relative_to(HERE.parent.resolve()).as_posix()
+    except ValueError:
+        return path.name
 
 
 def groups() -> list[list[str]]:
@@ -74,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             if result.returncode:
                 print(result.stdout + result.stderr, file=sys.stderr)
                 return result.returncode
-            Path(f"{stem}.md").write_text(f"{' '.join(command)}\n\n{result.stdout}")
+            shown = [*command[:-1], _from_repository(Path(f"{stem}.json"))]
+            Path(f"{stem}.md").write_text(f"{' '.join(shown)}\n\n{result.stdout}")
             print(result.stdout, flush=True)
     return 0
 

@@ -113,6 +113,11 @@ class MethodSpec(NamedTuple):
     #: Knobs over the benchmark's own (:func:`profile_knobs`).
     knobs: dict[str, Any]
 
+    @property
+    def delay(self) -> int:
+        """Steps between the method's exchanges (its ``delay`` knob; 1: it sends every step)."""
+        return int(self.knobs.get("delay") or 1)
+
 
 def parse_methods(text: str, plain: tuple[str, ...] = ()) -> list[MethodSpec]:
     """Comma-separated ``name[:knobs]`` entries (commas inside ``[...]`` belong to a value).

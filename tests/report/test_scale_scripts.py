@@ -416,6 +416,9 @@ def test_the_step_timings_cover_every_row_the_rule_reads_in_files_it_reads(monke
         assert steps >= 4 and all(steps % timing.delay(row) == 0 for row in rows)
         assert steps == (10 if "sparseloco:delay=10" in rows else 4)
     assert timing.delay("none:delay=10;outer=sgd") == 10 and timing.delay("topk") == 1
+    # Each table opens with its command, naming its output without a path of this machine.
+    for table in tmp_path.glob("step_*.md"):
+        assert table.read_text().splitlines()[0].endswith(f"--json {table.stem}.json")
     uppers = rule.step_uppers(tmp_path, [0.001, 0.01])
     assert set(uppers) == set(rule.STEP_ROWS.values()) and uppers["topk"] == pytest.approx({0.001: 1.15, 0.01: 1.15})
     # Written tables are not timed again; one round gives no interval and is refused.
