@@ -33,6 +33,7 @@ from lgc.report.bytes import run_bytes
 from lgc.report.marks import detectable_loss, mark, within_probability
 from lgc.report.records import WIRE_MB_PER_WORKER, RunRecord, load_runs
 from lgc.report.seeds import Interval
+from lgc.report.values import MISSING, lookup
 
 
 def _records(folder: Path, seeds: list[int]) -> dict[int, RunRecord]:
@@ -60,12 +61,18 @@ def _records(folder: Path, seeds: list[int]) -> dict[int, RunRecord]:
     return records
 
 
-def _mean(values: list[float | None], what: str) -> float | None:
-    """The mean over every seed's run, or None where no run books it; a column booked by some runs
-    and not others is refused (its mean would be over other seeds than the row's other columns)."""
-    present = [v for v in values if v is not None]
+def _every_run(values: list[Any], what: str, verb: str) -> list[float]:
+    """A column's values over a row's runs: all of them, or none where no run has it. A column some runs
+    have and others not is refused (its figure would be over other seeds than the row's other columns)."""
+    present = [float(v) for v in values if v is not None]
     if present and len(present) < len(values):
-        raise SystemExit(f"{what}: booked by {len(present)} of the {len(values)} runs")
+        raise SystemExit(f"{what}: {verb} by {len(present)} of the {len(values)} runs")
+    return present
+
+
+def _mean(values: list[float | None], what: str) -> float | None:
+    """The mean over every seed's run, or None where no run books it."""
+    present = _every_run(values, what, "booked")
     return sum(present) / len(present) if present else None
 
 
@@ -74,8 +81,8 @@ def _refreshes(summary: dict[str, Any]) -> Any:
     count was kept included), None where it is not known."""
     if "lgc_refreshes" in summary:
         return summary["lgc_refreshes"]
-    stages = ((summary.get("config") or {}).get("compressor") or {}).get("stages") or {}
-    return 0 if "lgc_stages" in summary and stages.get("refresh_threshold") is None else None
+    threshold = lookup(summary.get("config") or {}, "compressor.stages.refresh_threshold")
+    return 0 if "lgc_stages" in summary and threshold in (MISSING, None) else None
 
 
 #: LGC's measurements in the loop (``measure_error``), per run: tables.json key -> (reader, column, format).
@@ -89,12 +96,7 @@ LGC_MEASURES: dict[str, tuple[Any, str, str]] = {
 
 def _measured(runs: dict[int, RunRecord], read: Any, what: str) -> dict[str, Any] | None:
     """The interval over the seeds of one of LGC's measurements, None where no run has it."""
-    values = [read(record.summary) for record in runs.values()]
-    values = [None if value is None else float(value) for value in values]
-    present = [v for v in values if v is not None]
-    if present and len(present) < len(values):
-        raise SystemExit(f"{what}: measured by {len(present)} of the {len(values)} runs")
-    interval = Interval.of(present)
+    interval = Interval.of(_every_run([read(record.summary) for record in runs.values()], what, "measured"))
     return interval.as_dict() if interval else None
 
 
