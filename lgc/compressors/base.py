@@ -252,6 +252,17 @@ class Compressor(abc.ABC):
     def decompress(self, payload: Payload) -> Tensor:
         """Decode a payload (or, for :attr:`CombineMode.SUM`, a sum of payloads) to a flat tensor."""
 
+    def decompress_into(self, payload: Payload, out: Tensor) -> None:
+        """Write :meth:`decompress`'s result into ``out`` (flat, any floating dtype): what the hook calls.
+
+        The default decodes and copies, and copies nothing where the decoded tensor already is
+        ``out`` (``none``'s sum lies in the bucket). A compressor whose decoding is a cast (fp16)
+        overrides it with one casting copy, skipping the fp32 temporary.
+        """
+        decoded = self.decompress(payload).reshape(-1)
+        if decoded.data_ptr() != out.data_ptr():
+            out.copy_(decoded)
+
     @abc.abstractmethod
     def payload_from_wire(self, wire: Tensor, numel: int, *, key: str | None = None) -> Payload:
         """Rebuild a payload from the ``uint8`` buffer written by :meth:`Payload.to_wire`.

@@ -37,6 +37,7 @@ __all__ = [
     "Segment",
     "average_compressed",
     "encode_buffers",
+    "joined",
     "packed_payloads",
     "prepare_compressor",
     "sum_gathered",
@@ -219,7 +220,7 @@ class PayloadExchange:
             part = buffer[s.offset : s.offset + s.numel] if payload is None else payload.tensors()[0].reshape(-1)
             self.order.append((s, payload))
             self.groups.setdefault(part.dtype, []).append(part)
-        self.flats = {dtype: _joined(parts) for dtype, parts in self.groups.items()}
+        self.flats = {dtype: joined(parts) for dtype, parts in self.groups.items()}
         return [_allreduce(self.state, flat) for flat in self.flats.values()]
 
     def _issue_gather(self, world_size: int) -> list[torch.futures.Future]:
@@ -269,12 +270,12 @@ class PayloadExchange:
                 target = buffer[s.offset : s.offset + s.numel]
                 if payload is None:
                     decoded = next(pieces[buffer.dtype])
+                    if decoded.data_ptr() != target.data_ptr():
+                        target.copy_(decoded)
                 else:
                     (values,) = payload.tensors()
                     summed = next(pieces[values.dtype]).view_as(values)
-                    decoded = compressor.decompress(compressor.payload_from_sum(summed, payload)).reshape(-1)
-                if decoded.data_ptr() != target.data_ptr():
-                    target.copy_(decoded)
+                    compressor.decompress_into(compressor.payload_from_sum(summed, payload), target)
                 compressor.finish_aggregate(target, s.name)
             return buffer
         if self.dense_flat is not None:
@@ -347,7 +348,7 @@ def sum_gathered(
     return received
 
 
-def _joined(parts: list[Tensor]) -> Tensor:
+def joined(parts: list[Tensor]) -> Tensor:
     """``torch.cat(parts)``, or a view when the parts already lie back to back in one storage."""
     first = parts[0]
     end = first.data_ptr()

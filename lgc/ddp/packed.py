@@ -54,7 +54,7 @@ from torch import Tensor
 from lgc.compressors.base import CombineMode, Compressor, HoldsSteps, Payload, holds_steps
 from lgc.ddp import buffers as module_buffers
 from lgc.ddp import collectives as counted
-from lgc.ddp.exchange import Segment, packed_payloads, prepare_compressor, sum_gathered, wire_sizes
+from lgc.ddp.exchange import Segment, joined, packed_payloads, prepare_compressor, sum_gathered, wire_sizes
 from lgc.ddp.step_guard import PendingBucket, bucket_maxima, complete_dense
 
 if TYPE_CHECKING:
@@ -321,14 +321,14 @@ def _exchange_payloads(
         for payload in own:
             (values,) = payload.tensors()
             groups.setdefault(values.dtype, []).append(values.reshape(-1))
-        flats = {dtype: torch.cat(parts) for dtype, parts in groups.items()}
+        flats = {dtype: joined(parts) for dtype, parts in groups.items()}
         torch.futures.wait_all([counted.all_reduce(state.stats, flat, state.process_group) for flat in flats.values()])
         started = time.perf_counter()
         pieces = {dtype: iter(flat.split([p.numel() for p in groups[dtype]])) for dtype, flat in flats.items()}
         for (s, target), payload in zip(targets, own, strict=True):
             (values,) = payload.tensors()
             summed = next(pieces[values.dtype]).view_as(values)
-            target.copy_(compressor.decompress(compressor.payload_from_sum(summed, payload)).reshape(-1))
+            compressor.decompress_into(compressor.payload_from_sum(summed, payload), target)
             compressor.finish_aggregate(target, s.name)
         state.codec_seconds["decode"] += time.perf_counter() - started
         return

@@ -20,6 +20,7 @@ from lgc.compressors import (
     TopKCompressor,
 )
 from lgc.compressors.topk import num_selected
+from lgc.ddp.exchange import joined
 
 ALL = [
     NoneCompressor(),
@@ -50,6 +51,25 @@ def test_half_precision_rounds_once_and_sends_two_bytes(dtype):
     payload = compressor.compress(g, "w")
     assert payload.nbytes == 2 * 1001
     assert torch.equal(compressor.decompress(payload), g.to(dtype).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_half_precision_bucket_is_one_flat_of_back_to_back_views_decoding_as_per_tensor(dtype, out_dtype):
+    tensors = [_randn(n, seed=n).reshape(-1, 1) for n in (7, 1001, 64)]
+    compressor = FP16Compressor(dtype)
+    payloads = compressor.compress_many(tensors, ["a", "b", "c"])
+    parts = [p.values.reshape(-1) for p in payloads]
+    # The exchange's join is a view: no copy before the allreduce.
+    assert joined(parts).data_ptr() == parts[0].data_ptr()
+    assert joined(parts).numel() == sum(t.numel() for t in tensors)
+    for tensor, payload in zip(tensors, payloads, strict=True):
+        alone = compressor.compress(tensor, "x")
+        assert payload.nbytes == alone.nbytes and payload.numel == alone.numel
+        assert torch.equal(payload.values, alone.values)
+        out = torch.full((tensor.numel(),), float("nan"), dtype=out_dtype)
+        compressor.decompress_into(payload, out)
+        assert torch.equal(out, compressor.decompress(alone).reshape(-1).to(out_dtype))
 
 
 @pytest.mark.parametrize("numel,density", [(1, 0.5), (10, 0.1), (1000, 0.01), (12345, 0.001), (777, 1.0), (100, 0.999)])

@@ -99,6 +99,39 @@ def test_fp16_is_plain_ddp_to_half_precision():
         assert result["stats"]["bytes_sent"] == result["counted_sent"]
 
 
+class _PerTensorFP16(FP16Compressor):
+    """fp16 through the base class's per-tensor encode and decode-then-copy (the fast path's reference)."""
+
+    compress_many = Compressor.compress_many
+    decompress_into = Compressor.decompress_into
+
+
+def _fp16_paths(rank: int, world: int, steps: int) -> dict:
+    models = {name: DDP(_net(), bucket_cap_mb=0.01) for name in ("per_tensor", "bucket")}
+    states = {
+        "per_tensor": register_compression_hook(models["per_tensor"], _PerTensorFP16(), min_numel=MIN_NUMEL),
+        "bucket": register_compression_hook(models["bucket"], FP16Compressor(), min_numel=MIN_NUMEL),
+    }
+    grads: dict[str, list[list[torch.Tensor]]] = {name: [] for name in models}
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
+        for name, model in models.items():
+            model.zero_grad()
+            model(x).square().mean().backward()
+            grads[name].append([p.grad.clone() for p in model.parameters()])
+    return {"grads": grads, "stats": {name: state.stats.as_dict() for name, state in states.items()}}
+
+
+def test_fp16_bucket_path_equals_the_per_tensor_path_bit_for_bit():
+    # One cast into a flat half-precision buffer allreduced in place, and one casting copy back,
+    # against a cast per tensor, a cat, and a decode to fp32 then a copy: the same bits and bytes.
+    for result in run_workers(_fp16_paths, 2, 3):
+        for per_tensor, bucket in zip(result["grads"]["per_tensor"], result["grads"]["bucket"], strict=True):
+            for a, b in zip(per_tensor, bucket, strict=True):
+                assert torch.equal(a, b)
+        assert result["stats"]["per_tensor"] == result["stats"]["bucket"]
+
+
 def test_topk_statistics_equal_bytes_passed_to_collectives_and_the_formula():
     density, steps = 0.05, 4
     results = run_workers(_compare_with_plain_ddp, 2, ErrorFeedback(TopKCompressor(density)), steps)
