@@ -255,7 +255,7 @@ def replace_in(page: str, text: str, begin: str = BEGIN, end: str = END) -> str:
     """``page`` with the text between ``begin`` and ``end`` (the crossover block's markers) replaced by ``text``."""
     start, stop = page.find(begin), page.find(end)
     if start < 0 or stop < start:
-        raise SystemExit(f"{EVIDENCE.name} has no {begin} ... {end} block")
+        raise SystemExit(f"the page has no {begin} ... {end} block")
     return page[: start + len(begin)] + "\n" + text + "\n" + page[stop:]
 
 

@@ -26,8 +26,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from one_message_tables import replace_in
 from scale_comparison import HERE, PROTOCOL, load_protocol
-from scale_verdict import verdict_section
+from scale_verdict import lgc_block, verdict_section
 
 from lgc.report.bytes import run_bytes
 from lgc.report.marks import detectable_loss, mark, within_probability
@@ -234,6 +235,14 @@ def page(protocol: dict[str, Any], results: Path) -> tuple[str, dict[str, Any]]:
 #: The evidence page's block that holds :func:`readme_table` (``--write`` replaces what is between the markers).
 README = HERE.parent / "docs" / "evidence.md"
 BEGIN, END = "<!-- which-method-scale:begin -->", "<!-- which-method-scale:end -->"
+#: LGC's page, whose block per protocol (named by its tables) holds :func:`scale_verdict.lgc_block`.
+LGC_PAGE = HERE.parent / "docs" / "lgc.md"
+
+
+def lgc_markers(protocol: dict[str, Any]) -> tuple[str, str]:
+    """The markers of ``protocol``'s block on LGC's page."""
+    name = protocol.get("tables", "tables")
+    return f"<!-- lgc-verdict-{name}:begin -->", f"<!-- lgc-verdict-{name}:end -->"
 
 
 def _readme_cell(row: dict[str, Any], seeds: int) -> str:
@@ -283,14 +292,6 @@ def readme_table(protocol: dict[str, Any], data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def replace_in(readme: str, text: str) -> str:
-    """``readme`` with the text between :data:`BEGIN` and :data:`END` replaced by ``text``."""
-    start, end = readme.find(BEGIN), readme.find(END)
-    if start < 0 or end < start:
-        raise SystemExit(f"{README.name} has no {BEGIN} ... {END} block")
-    return readme[: start + len(BEGIN)] + "\n" + text + "\n" + readme[end:]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="?", type=Path, default=HERE / "results" / "scale")
@@ -305,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         args.results.mkdir(parents=True, exist_ok=True)
         (args.results / f"{name}.md").write_text(text)
         (args.results / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-        if args.results == HERE / "results" / "scale" and args.protocol.resolve() == PROTOCOL.resolve():
-            README.write_text(replace_in(README.read_text(), readme_table(protocol, data)))  # the comparison's records
+        if args.results == HERE / "results" / "scale":  # the committed records
+            if args.protocol.resolve() == PROTOCOL.resolve():
+                README.write_text(replace_in(README.read_text(), readme_table(protocol, data), BEGIN, END))
+            LGC_PAGE.write_text(replace_in(LGC_PAGE.read_text(), lgc_block(protocol, data), *lgc_markers(protocol)))
     return 0
 
 

@@ -100,9 +100,59 @@ def _mb(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g} MB"
 
 
+def cell_lines(protocol: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """One cell's verdict bullets: its byte floor, then the goal on each accounting."""
+    reference, labels = protocol["reference"], {name: m["label"] for name, m in protocol["methods"].items()}
+    bound = floor(rows, reference, len(protocol["seeds"]))
+    lines = []
+    if bound["overhead_mb"] is None:
+        lines.append("- Floor: not known until an LGC setting has run all its seeds.")
+    else:
+        reach = bound["most_below_dgc"]
+        out_of_reach = reach is not None and reach < GOAL_VS_DGC
+        lines.append(
+            f"- Floor: {_mb(bound['overhead_mb'])} fixed overhead per worker; ceiling "
+            + ("-" if bound["ceiling"] is None else f"{bound['ceiling']:.0f}x")
+            + " over dense; at most "
+            + ("-" if reach is None else f"{reach:.1f}x")
+            + " below DGC on whole-wire bytes"
+            + (f" (the {GOAL_VS_DGC:g}x goal is out of reach there by construction)." if out_of_reach else ".")
+        )
+    for key, words in ACCOUNTINGS.items():
+        result = cell_verdict(rows, reference, key)
+        if result["status"] == "pending":
+            lines.append(f"- On {words}: pending, not yet marked: {', '.join(result['pending'])}.")
+            continue
+        notes = []
+        if result["inconclusive"]:
+            notes.append(f"inconclusive, not counted: {', '.join(result['inconclusive'])}")
+        if result["unbooked"]:
+            notes.append(f"no codec bytes booked, left out: {', '.join(result['unbooked'])}")
+        if result["status"] == "undecided":
+            notes.append(f"undecided, as {', '.join(result['unbooked_within'])} is `within` and books no bytes here")
+        note = f" ({'; '.join(notes)})" if notes else ""
+        if result["best"] is None:
+            lines.append(f"- On {words}: not met, no LGC setting is `within`{note}.")
+            continue
+        dgc = (
+            "DGC books none"
+            if result["dgc_mb"] is None
+            else f"DGC's {_mb(result['dgc_mb'])} is {result['dgc_mb'] / result['best_mb']:.2f}x that"
+        )
+        rival = (
+            "no non-learned method is `within`"
+            if result["rival"] is None
+            else f"the non-learned method with the fewest, {labels[result['rival']]}, sends {_mb(result['rival_mb'])}"
+        )
+        lines.append(
+            f"- On {words}: {result['status']}. LGC's fewest within the margin: {labels[result['best']]}, "
+            f"{_mb(result['best_mb'])}; {dgc} (goal {GOAL_VS_DGC:g}x); {rival}{note}."
+        )
+    return lines
+
+
 def verdict_section(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
     """The verdict's text for every cell of ``tables`` (``scale_tables.page``'s data), in the protocol's order."""
-    reference, labels = protocol["reference"], {name: m["label"] for name, m in protocol["methods"].items()}
     lines = [
         "## LGC's verdict",
         "",
@@ -114,54 +164,38 @@ def verdict_section(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
         "",
     ]
     for cell in protocol["order"]["cells"]:
-        rows = tables[cell]["rows"]
-        bound = floor(rows, reference, len(protocol["seeds"]))
-        lines += [f"### {cell}", ""]
-        if bound["overhead_mb"] is None:
-            lines.append("- Floor: not known until an LGC setting has run all its seeds.")
-        else:
-            reach = bound["most_below_dgc"]
-            out_of_reach = reach is not None and reach < GOAL_VS_DGC
-            lines.append(
-                f"- Floor: {_mb(bound['overhead_mb'])} fixed overhead per worker; ceiling "
-                + ("-" if bound["ceiling"] is None else f"{bound['ceiling']:.0f}x")
-                + " over dense; at most "
-                + ("-" if reach is None else f"{reach:.1f}x")
-                + " below DGC on whole-wire bytes"
-                + (f" (the {GOAL_VS_DGC:g}x goal is out of reach there by construction)." if out_of_reach else ".")
-            )
-        for key, words in ACCOUNTINGS.items():
-            result = cell_verdict(rows, reference, key)
-            if result["status"] == "pending":
-                lines.append(f"- On {words}: pending, not yet marked: {', '.join(result['pending'])}.")
-                continue
-            notes = []
-            if result["inconclusive"]:
-                notes.append(f"inconclusive, not counted: {', '.join(result['inconclusive'])}")
-            if result["unbooked"]:
-                notes.append(f"no codec bytes booked, left out: {', '.join(result['unbooked'])}")
-            if result["status"] == "undecided":
-                notes.append(
-                    f"undecided, as {', '.join(result['unbooked_within'])} is `within` and books no bytes here"
-                )
-            note = f" ({'; '.join(notes)})" if notes else ""
-            if result["best"] is None:
-                lines.append(f"- On {words}: not met, no LGC setting is `within`{note}.")
-                continue
-            dgc = (
-                "DGC books none"
-                if result["dgc_mb"] is None
-                else f"DGC's {_mb(result['dgc_mb'])} is {result['dgc_mb'] / result['best_mb']:.2f}x that"
-            )
-            rival = (
-                "no non-learned method is `within`"
-                if result["rival"] is None
-                else f"the non-learned method with the fewest, {labels[result['rival']]}, "
-                f"sends {_mb(result['rival_mb'])}"
-            )
-            lines.append(
-                f"- On {words}: {result['status']}. LGC's fewest within the margin: {labels[result['best']]}, "
-                f"{_mb(result['best_mb'])}; {dgc} (goal {GOAL_VS_DGC:g}x); {rival}{note}."
-            )
-        lines.append("")
+        lines += [f"### {cell}", "", *cell_lines(protocol, tables[cell]["rows"]), ""]
     return "\n".join(lines)
+
+
+def _gap(row: dict[str, Any], seeds: int) -> tuple[str, str]:
+    """A row's gap to dense (points, mean ± 95 % half-width) and mark, or how far its seeds are."""
+    gap = row.get("gap_points")
+    if len(row.get("seeds", ())) < seeds or gap is None:
+        return f"{len(row.get('seeds', ()))} of {seeds} seeds", "-"
+    return f"{gap['mean']:+.2f} ± {gap['half_width']:.2f}", row["mark"] or "-"
+
+
+def lgc_block(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
+    """LGC's rows of every cell (DGC's beside them) with the cell's verdict bullets: ``docs/lgc.md``'s block."""
+    seeds = len(protocol["seeds"])
+    labels = {name: m["label"] for name, m in protocol["methods"].items()}
+    lines = []
+    for cell in protocol["order"]["cells"]:
+        rows = tables[cell]["rows"]
+        title = protocol["cells"][cell].get("title", cell)
+        lines += [
+            f"**{cell}**: {title}.",
+            "",
+            "| setting | gap to dense (points) | mark | whole wire (MB/worker) | codec's bytes (MB/worker) |",
+            "|---|---|---|---|---|",
+        ]
+        for row in rows:
+            if not (_learned(row["method"]) or row["method"] == "dgc"):
+                continue
+            gap, mark = _gap(row, seeds)
+            done = len(row.get("seeds", ())) == seeds
+            wire, codec = (_mb(row[k]).removesuffix(" MB") if done else "-" for k in ("wire_mb", "codec_mb"))
+            lines.append(f"| {labels[row['method']]} | {gap} | {mark} | {wire} | {codec} |")
+        lines += ["", *cell_lines(protocol, rows), ""]
+    return "\n".join(lines).rstrip()

@@ -195,6 +195,12 @@ def test_the_committed_tables_are_the_generated_ones(scripts):
     text, data = tables.page(study, results)
     assert (results / "lgc_loop.md").read_text() == text, "scale_tables.py --protocol lgc_loop_protocol.yaml --write"
     assert json.loads((results / "lgc_loop.json").read_text()) == json.loads(json.dumps(data))
+    # LGC's page holds each protocol's LGC rows and verdict, as generated.
+    page = tables.LGC_PAGE.read_text()
+    for plan in (protocol, study):
+        begin, end = tables.lgc_markers(plan)
+        block = page[page.index(begin) + len(begin) : page.index(end)].strip()
+        assert block == tables.lgc_block(plan, tables.page(plan, results)[1]), "docs/lgc.md drifted: --write"
 
 
 def _data(protocol: dict, marks: dict[str, list[str]], mb: dict[str, float]) -> dict:
@@ -287,6 +293,17 @@ def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
     assert (
         "no codec bytes booked, left out: powersgd; undecided, as powersgd is `within` and books no bytes here" in text
     )
+    # LGC's page: LGC's rows and DGC's with their gaps and marks, the other methods left to the tables;
+    # a row with seeds still to run shows how far it is, and nothing else.
+    gap = {"n": 5, "mean": -0.25, "sd": 0.3, "half_width": 0.37}
+    shown = [{**row, "gap_points": gap} for row in rows]
+    shown[-2] = {**shown[-2], "seeds": [0, 1, 2]}  # lgc_ps
+    block = verdict.lgc_block(protocol, {cell: {"rows": shown} for cell in protocol["order"]["cells"]})
+    assert "| lgc_rar | -0.25 ± 0.37 | within | 20 | 10 |" in block
+    assert "| dgc | -0.25 ± 0.37 | within | 40 | 30 |" in block
+    assert "| lgc_ps | 3 of 5 seeds | - | - | - |" in block
+    assert "| fp16 |" not in block and "| powersgd |" not in block
+    assert block.count("- On bytes the codec carries:") == len(protocol["order"]["cells"])
     low = _verdict_rows(marks, {**wire, "dgc": 25.0}, {})
     assert "the 3x goal is out of reach there by construction" in verdict.verdict_section(
         protocol, {cell: {"rows": low} for cell in protocol["order"]["cells"]}
