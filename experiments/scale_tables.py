@@ -28,7 +28,7 @@ from typing import Any
 
 from one_message_tables import replace_in
 from scale_comparison import HERE, PROTOCOL, load_protocol
-from scale_verdict import lgc_block, verdict_section
+from scale_verdict import floor, lgc_block, verdict_section
 
 from lgc.report.bytes import run_bytes
 from lgc.report.marks import detectable_loss, mark, within_probability
@@ -292,6 +292,48 @@ def readme_table(protocol: dict[str, Any], data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: The README's block that holds :func:`readme_summary`.
+SUMMARY_PAGE = HERE.parent / "README.md"
+SUMMARY_BEGIN, SUMMARY_END = "<!-- scale-summary:begin -->", "<!-- scale-summary:end -->"
+
+
+def _short(label: str) -> str:
+    """A method's label without its parenthesis (``fp16 (the gradients ...)`` -> ``fp16``)."""
+    return label.split(" (")[0]
+
+
+def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
+    """One line per cell for the README: the methods under each mark, what the cell detects, the byte floor."""
+    n, reference = len(protocol["seeds"]), protocol["reference"]
+    lines = []
+    for cell in protocol["order"]["cells"]:
+        rows, power = data[cell]["rows"], data[cell]["power"]
+        head = f"- **{cell}**, {protocol['cells'][cell]['title']}:"
+        others = [row for row in rows if row["method"] != reference]
+        if not any(row["seeds"] for row in rows):
+            lines.append(f"{head} not run yet.")
+            continue
+        marked = [row for row in others if row["mark"] is not None]
+        text = [head] if len(marked) == len(others) else [f"{head} {len(marked)} of {len(others)} methods marked;"]
+        for word in ("within", "inconclusive", "worse"):
+            names = [_short(row["label"]) for row in marked if row["mark"] == word]
+            if names:
+                text.append(f"`{word}`: {'; '.join(names)}.")
+        if power["detectable_loss_points"] is not None:
+            text.append(
+                f"A loss of {power['detectable_loss_points']:.2f} points or more is marked `worse` with probability "
+                f"{protocol['power']:g} (at the median spread)."
+            )
+        bound = floor(rows, reference, n)
+        if bound["overhead_mb"] is not None and bound["ceiling"] is not None:
+            text.append(
+                f"Fixed overhead under LGC's settings {bound['overhead_mb']:.4g} MB per worker: no codec can send "
+                f"more than {bound['ceiling']:.0f}x fewer bytes than dense there."
+            )
+        lines.append(" ".join(text))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="?", type=Path, default=HERE / "results" / "scale")
@@ -309,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.results == HERE / "results" / "scale":  # the committed records
             if args.protocol.resolve() == PROTOCOL.resolve():
                 README.write_text(replace_in(README.read_text(), readme_table(protocol, data), BEGIN, END))
+                summary = replace_in(
+                    SUMMARY_PAGE.read_text(), readme_summary(protocol, data), SUMMARY_BEGIN, SUMMARY_END
+                )
+                SUMMARY_PAGE.write_text(summary)
             LGC_PAGE.write_text(replace_in(LGC_PAGE.read_text(), lgc_block(protocol, data), *lgc_markers(protocol)))
     return 0
 

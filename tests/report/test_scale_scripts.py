@@ -91,6 +91,16 @@ def test_tables_mark_only_complete_methods_and_split_the_bytes(scripts, tmp_path
     assert power["commits"] == ["abcdef0"]
     page = tables.cell_table(protocol, cell, rows, power)
     assert "| 3 of 5 |" in page and "not run yet" in page and "within" in page and "worse" in page
+    # The README's line per cell: the marked methods by mark, how many are still open, what it detects.
+    empty = {"rows": [{**row, "seeds": [], "mark": None} for row in rows], "power": power}
+    data = {name: empty for name in protocol["order"]["cells"]}
+    data[cell] = {"rows": rows, "power": power}
+    summary = dict(zip(protocol["order"]["cells"], tables.readme_summary(protocol, data).splitlines(), strict=True))
+    others = len(protocol["order"]["methods"]) - 1
+    assert f"2 of {others} methods marked; `within`: fp16. `worse`: top-k 1 % with error feedback." in summary[cell]
+    assert f"A loss of {power['detectable_loss_points']:.2f} points or more is marked `worse`" in summary[cell]
+    assert "inconclusive" not in summary[cell] and "Fixed overhead" not in summary[cell]  # no LGC row ran
+    assert all(line.endswith(": not run yet.") for name, line in summary.items() if name != cell)
 
 
 @pytest.mark.parametrize(
@@ -190,6 +200,9 @@ def test_the_committed_tables_are_the_generated_ones(scripts):
     readme = (EXPERIMENTS.parent / "docs" / "evidence.md").read_text()
     block = readme[readme.index(tables.BEGIN) + len(tables.BEGIN) : readme.index(tables.END)].strip()
     assert block == tables.readme_table(protocol, data), "docs/evidence.md drifted: scale_tables.py --write"
+    summary = tables.SUMMARY_PAGE.read_text()
+    block = summary[summary.index(tables.SUMMARY_BEGIN) + len(tables.SUMMARY_BEGIN) : summary.index(tables.SUMMARY_END)]
+    assert block.strip() == tables.readme_summary(protocol, data), "README.md drifted: scale_tables.py --write"
     # The LGC study's tables, from the same records (the runs it shares with the comparison included).
     study = importlib.import_module("scale_comparison").load_protocol(EXPERIMENTS / "lgc_loop_protocol.yaml")
     text, data = tables.page(study, results)
