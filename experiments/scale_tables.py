@@ -189,7 +189,8 @@ def cell_table(protocol: dict[str, Any], cell: str, rows: list[dict[str, Any]], 
             f"Median spread of paired gaps {power['median_sd_points']:.2f} points "
             f"({power['sd_range_points'][0]:.2f}-{power['sd_range_points'][1]:.2f} over its complete methods; "
             "a noisier method detects less): at the median this cell marks a loss of "
-            f"{power['detectable_loss_points']:.2f} points or more `worse` with probability {protocol['power']:g}, "
+            f"{power['detectable_loss_points']:.2f} points or more `worse` with probability at least "
+            f"{protocol['power']:g}, "
             f"and a method as good as dense `within` with probability {power['within_probability_at_no_loss']:.2f}."
         )
     else:
@@ -322,13 +323,14 @@ def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
         if power["detectable_loss_points"] is not None:
             text.append(
                 f"A loss of {power['detectable_loss_points']:.2f} points or more is marked `worse` with probability "
-                f"{protocol['power']:g} (at the median spread)."
+                f"at least {protocol['power']:g} (at the median spread)."
             )
         bound = floor(rows, reference, n)
         if bound["overhead_mb"] is not None and bound["ceiling"] is not None:
             text.append(
-                f"Fixed overhead under LGC's settings {bound['overhead_mb']:.4g} MB per worker: no codec can send "
-                f"more than {bound['ceiling']:.0f}x fewer bytes than dense there."
+                f"Fixed overhead under LGC's settings (its tensors sent dense and module buffers, every step) "
+                f"{bound['overhead_mb']:.4g} MB per worker: no codec exchanging so can send more than "
+                f"{bound['ceiling']:.0f}x fewer bytes than dense there."
             )
         lines.append(" ".join(text))
     return "\n".join(lines)

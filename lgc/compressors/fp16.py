@@ -49,7 +49,9 @@ class FP16Compressor(Compressor):
         The exchange then allreduces the views, which lie back to back, in place (no ``cat``), as
         PyTorch's hook casts its bucket once.
         """
-        if len(tensors) < 2 or len({(t.device, t.dtype) for t in tensors}) > 1:
+        if len(tensors) < 2 or len({(t.device, t.dtype) for t in tensors}) > 1 or tensors[0].dtype == self.dtype:
+            # One tensor, mixed ones, or no cast at all (a half-precision model's payloads are the bucket's
+            # own slices, allreduced in place): tensor by tensor.
             return super().compress_many(tensors, keys)
         flat = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype, device=tensors[0].device)
         payloads: list[Payload] = []

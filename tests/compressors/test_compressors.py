@@ -70,6 +70,10 @@ def test_half_precision_bucket_is_one_flat_of_back_to_back_views_decoding_as_per
         out = torch.full((tensor.numel(),), float("nan"), dtype=out_dtype)
         compressor.decompress_into(payload, out)
         assert torch.equal(out, compressor.decompress(alone).reshape(-1).to(out_dtype))
+    # Gradients already in the wire's dtype are sent as they lie: each payload is its tensor, no copy.
+    halves = [t.to(dtype) for t in tensors]
+    for tensor, payload in zip(halves, compressor.compress_many(halves, ["a", "b", "c"]), strict=True):
+        assert payload.values.data_ptr() == tensor.data_ptr()
 
 
 @pytest.mark.parametrize("numel,density", [(1, 0.5), (10, 0.1), (1000, 0.01), (12345, 0.001), (777, 1.0), (100, 0.999)])
