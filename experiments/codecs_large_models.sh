@@ -17,6 +17,7 @@
 # the reference autoencoder's training (1500 updates per recording, density) dominate.
 #   experiments/codecs_large_models.sh [OUT]
 #   MODELS=resnet50 experiments/codecs_large_models.sh
+#   MODELS=resnet50 WORKERS=8 BATCH_SIZES=128 experiments/codecs_large_models.sh   (one recording; the others' results kept)
 # Needs the dataset: apt-get install dataset-fashion-mnist (or FASHION_MNIST_ROOT).
 set -euo pipefail
 out=${1:-experiments/results/codecs_large}

@@ -180,7 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         help="write codecs.md, codecs.json and codecs.png here (after every recording; a rerun with the same "
-        "settings skips the recordings measured there)",
+        "settings skips the recordings measured there, and the results of recordings a run does not measure are "
+        "kept)",
     )
 
 
@@ -233,6 +234,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "leaders": leaders,
     }
     earlier = _finished(args.out, settings)
+    others = _others(args.out)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) if args.keep_recordings is None else args.keep_recordings
@@ -253,7 +255,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 def save(partial: dict[str, Any], index: int = len(results) - 1, provenance: Any = provenance) -> None:
                     results[index] = {**partial, "settings": settings, "provenance": provenance}
                     if args.out is not None:  # after every row: a stopped run resumes from here
-                        _write(args.out, results)
+                        _write(args.out, results, others)
 
                 result = benchmark_codecs(
                     recording, codecs, density, args.chunk, args.train_fraction, label=name,
@@ -261,11 +263,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )  # fmt: skip
                 save(result)
                 if args.out is not None:  # the plot of every recording so far: a stopped run keeps it
-                    plot_codecs(results, args.out / "codecs.png")
+                    plot_codecs(_merged(results, others), args.out / "codecs.png")
                 print(format_table(results[-1]) + "\n", flush=True)
     if args.out is not None:
-        _write(args.out, results)
-        plot_codecs(results, args.out / "codecs.png")
+        _write(args.out, results, others)
+        plot_codecs(_merged(results, others), args.out / "codecs.png")
         print(f"wrote {args.out / 'codecs.md'}, codecs.json and codecs.png")
     return results
 
@@ -279,10 +281,26 @@ def _finished(out: Path | None, settings: dict[str, Any]) -> dict[str, dict[str,
     return {result["label"]: result for result in json.loads(path.read_text()) if result.get("settings") == settings}
 
 
-def _write(out: Path, results: list[dict[str, Any]]) -> None:
+def _others(out: Path | None) -> list[dict[str, Any]]:
+    """Every result already in ``out/codecs.json``, whatever its settings: a run of some recordings keeps the rest."""
+    path = None if out is None else out / "codecs.json"
+    return json.loads(path.read_text()) if path is not None and path.is_file() else []
+
+
+def _merged(results: list[dict[str, Any]], others: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This run's ``results``, each in the place of an earlier result of the same label (or after them), beside
+    the earlier results (``others``) of recordings this run did not measure."""
+    fresh = {result["label"]: result for result in results}
+    merged = [fresh.pop(other["label"], other) for other in others]
+    return [*merged, *(result for result in results if result["label"] in fresh)]
+
+
+def _write(out: Path, results: list[dict[str, Any]], others: Sequence[dict[str, Any]] = ()) -> None:
+    """``codecs.md`` and ``codecs.json``: :func:`_merged`."""
+    merged = _merged(results, others)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "codecs.md").write_text("\n\n".join(format_table(r) for r in results) + "\n")
-    (out / "codecs.json").write_text(json.dumps(results, indent=2))
+    (out / "codecs.md").write_text("\n\n".join(format_table(r) for r in merged) + "\n")
+    (out / "codecs.json").write_text(json.dumps(merged, indent=2))
 
 
 def _recordings(

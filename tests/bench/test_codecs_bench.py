@@ -248,6 +248,21 @@ def _write_recording(folder, gradients):
     return folder
 
 
+def test_a_run_of_some_recordings_keeps_the_others_results_in_their_places(tmp_path, monkeypatch):
+    monkeypatch.setattr(codecs, "format_table", lambda result: f"table of {result['label']}")
+    earlier = [{"label": "4 x 32", "rows": [1]}, {"label": "8 x 32", "rows": [2]}, {"label": "8 x 128", "rows": []}]
+    codecs._write(tmp_path, earlier)
+    # A run of 8 x 128 alone (its partial result first measured again) and a new recording.
+    run = [{"label": "8 x 128", "rows": [3]}, {"label": "16 x 32", "rows": [4]}]
+    codecs._write(tmp_path, run, codecs._others(tmp_path))
+    written = json.loads((tmp_path / "codecs.json").read_text())
+    assert written == [earlier[0], earlier[1], run[0], run[1]]
+    assert (tmp_path / "codecs.md").read_text() == "table of 4 x 32\n\ntable of 8 x 32\n\ntable of 8 x 128\n\n" + (
+        "table of 16 x 32\n"
+    )
+    assert codecs._others(tmp_path / "nothing") == []
+
+
 def test_a_stopped_benchmark_keeps_its_rows_and_measures_only_the_rest(tmp_path, monkeypatch):
     recording = _write_recording(tmp_path / "rec", _gradients())
     specs = leader_codecs.parse_codecs("fp32,int8,topk", 16)
