@@ -28,7 +28,7 @@ from typing import Any
 
 from one_message_tables import replace_in
 from scale_comparison import HERE, PROTOCOL, load_protocol
-from scale_verdict import floor, lgc_block, verdict_section
+from scale_verdict import _fmt, _interval, floor, lgc_block, verdict_section
 
 from lgc.report.bytes import run_bytes
 from lgc.report.marks import detectable_loss, mark, within_probability
@@ -154,10 +154,6 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
     return rows, power_line
 
 
-def _fmt(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def cell_table(protocol: dict[str, Any], cell: str, rows: list[dict[str, Any]], power: dict[str, Any]) -> str:
     spec = protocol["cells"][cell]
     n, margin = len(protocol["seeds"]), protocol["margin_points"]
@@ -234,7 +230,7 @@ def page(protocol: dict[str, Any], results: Path) -> tuple[str, dict[str, Any]]:
 
 
 #: The evidence page's block that holds :func:`readme_table` (``--write`` replaces what is between the markers).
-README = HERE.parent / "docs" / "evidence.md"
+EVIDENCE = HERE.parent / "docs" / "evidence.md"
 BEGIN, END = "<!-- which-method-scale:begin -->", "<!-- which-method-scale:end -->"
 #: LGC's page, whose block per protocol (named by its tables) holds :func:`scale_verdict.lgc_block`.
 LGC_PAGE = HERE.parent / "docs" / "lgc.md"
@@ -254,11 +250,6 @@ def _readme_cell(row: dict[str, Any], seeds: int) -> str:
         done = f"{len(row['seeds'])} of {seeds} seeds"
         return done if gap is None or len(row["seeds"]) < seeds else f"{done}, {_gap_text(gap)}"
     return f"{_gap_text(gap)} {row['mark']}; {_fmt(row['wire_mb'], '.4g')} MB"
-
-
-def _interval(stats: dict[str, Any], fmt: str) -> str:
-    """``mean ± half-width`` of a tables.json interval."""
-    return Interval(**{k: stats[k] for k in ("n", "mean", "sd", "half_width")}).text(fmt)
 
 
 def _gap_text(gap: dict[str, Any]) -> str:
@@ -352,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.results / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
         if args.results == HERE / "results" / "scale":  # the committed records
             if args.protocol.resolve() == PROTOCOL.resolve():
-                README.write_text(replace_in(README.read_text(), readme_table(protocol, data), BEGIN, END))
+                EVIDENCE.write_text(replace_in(EVIDENCE.read_text(), readme_table(protocol, data), BEGIN, END))
                 summary = replace_in(
                     SUMMARY_PAGE.read_text(), readme_summary(protocol, data), SUMMARY_BEGIN, SUMMARY_END
                 )

@@ -27,6 +27,8 @@ from typing import Any
 
 from lgc_verdict import GOAL_VS_DGC
 
+from lgc.report.seeds import Interval
+
 #: The learned methods (LGC's settings): the protocol's methods whose names start with this.
 LEARNED_PREFIX = "lgc_"
 #: The two accountings: tables.json's key and the words for it.
@@ -94,6 +96,15 @@ def cell_verdict(rows: list[dict[str, Any]], reference: str, key: str) -> dict[s
     status = "not met" if not (vs_dgc and vs_rest) else "undecided" if unbooked_within else "met"
     result.update(vs_dgc=vs_dgc, vs_rest=vs_rest, status=status, unbooked_within=unbooked_within)
     return result
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _interval(stats: dict[str, Any], fmt: str) -> str:
+    """``mean ± half-width`` of a tables.json interval."""
+    return Interval(**{k: stats[k] for k in ("n", "mean", "sd", "half_width")}).text(fmt)
 
 
 def _mb(value: float | None) -> str:
@@ -168,14 +179,6 @@ def verdict_section(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _gap(row: dict[str, Any], seeds: int) -> tuple[str, str]:
-    """A row's gap to dense (points, mean ± 95 % half-width) and mark, or how far its seeds are."""
-    gap = row.get("gap_points")
-    if len(row.get("seeds", ())) < seeds or gap is None:
-        return f"{len(row.get('seeds', ()))} of {seeds} seeds", "-"
-    return f"{gap['mean']:+.2f} ± {gap['half_width']:.2f}", row["mark"] or "-"
-
-
 def lgc_block(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
     """LGC's rows of every cell (DGC's beside them) with the cell's verdict bullets: ``docs/lgc.md``'s block."""
     seeds = len(protocol["seeds"])
@@ -183,9 +186,8 @@ def lgc_block(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
     lines = []
     for cell in protocol["order"]["cells"]:
         rows = tables[cell]["rows"]
-        title = protocol["cells"][cell].get("title", cell)
         lines += [
-            f"**{cell}**: {title}.",
+            f"**{cell}**: {protocol['cells'][cell]['title']}.",
             "",
             "| setting | gap to dense (points) | mark | whole wire (MB/worker) | codec's bytes (MB/worker) |",
             "|---|---|---|---|---|",
@@ -193,9 +195,14 @@ def lgc_block(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
         for row in rows:
             if not (_learned(row["method"]) or row["method"] == "dgc"):
                 continue
-            gap, mark = _gap(row, seeds)
-            done = len(row.get("seeds", ())) == seeds
-            wire, codec = (_mb(row[k]).removesuffix(" MB") if done else "-" for k in ("wire_mb", "codec_mb"))
-            lines.append(f"| {labels[row['method']]} | {gap} | {mark} | {wire} | {codec} |")
+            if len(row["seeds"]) < seeds or row["gap_points"] is None:
+                lines.append(f"| {labels[row['method']]} | {len(row['seeds'])} of {seeds} seeds | - | - | - |")
+                continue
+            gap, wire, codec = (
+                _interval(row["gap_points"], "+.2f"),
+                _fmt(row["wire_mb"], ".4g"),
+                _fmt(row["codec_mb"], ".4g"),
+            )
+            lines.append(f"| {labels[row['method']]} | {gap} | {row['mark'] or '-'} | {wire} | {codec} |")
         lines += ["", *cell_lines(protocol, rows), ""]
     return "\n".join(lines).rstrip()

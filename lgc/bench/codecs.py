@@ -233,8 +233,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "codecs": [spec.name for spec in codecs],
         "leaders": leaders,
     }
-    earlier = _finished(args.out, settings)
     others = _others(args.out)
+    earlier = _finished(others, settings)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) if args.keep_recordings is None else args.keep_recordings
@@ -272,13 +272,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def _finished(out: Path | None, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Results already in ``out/codecs.json`` measured with the same settings, by label (``complete``
+def _finished(others: Sequence[dict[str, Any]], settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The results already written (:func:`_others`) measured with the same settings, by label (``complete``
     False: stopped after some rows, which a rerun keeps)."""
-    path = None if out is None else out / "codecs.json"
-    if path is None or not path.is_file():
-        return {}
-    return {result["label"]: result for result in json.loads(path.read_text()) if result.get("settings") == settings}
+    return {result["label"]: result for result in others if result.get("settings") == settings}
 
 
 def _others(out: Path | None) -> list[dict[str, Any]]:

@@ -53,15 +53,11 @@ class FP16Compressor(Compressor):
             # One tensor, mixed ones, or no cast at all (a half-precision model's payloads are the bucket's
             # own slices, allreduced in place): tensor by tensor.
             return super().compress_many(tensors, keys)
-        flat = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype, device=tensors[0].device)
-        payloads: list[Payload] = []
-        offset = 0
-        for tensor in tensors:
-            piece = flat[offset : offset + tensor.numel()]
+        numels = [t.numel() for t in tensors]
+        pieces = torch.empty(sum(numels), dtype=self.dtype, device=tensors[0].device).split(numels)
+        for piece, tensor in zip(pieces, tensors, strict=True):
             piece.copy_(tensor.reshape(-1))
-            payloads.append(DensePayload(numel=tensor.numel(), values=piece.view(tensor.shape)))
-            offset += tensor.numel()
-        return payloads
+        return [DensePayload(numel=t.numel(), values=p.view(t.shape)) for p, t in zip(pieces, tensors, strict=True)]
 
     def decompress(self, payload: Payload) -> Tensor:
         assert isinstance(payload, DensePayload)
