@@ -28,7 +28,7 @@ from typing import Any
 
 from one_message_tables import replace_in
 from scale_comparison import HERE, PROTOCOL, load_protocol
-from scale_verdict import _fmt, _interval, floor, lgc_block, verdict_section
+from scale_verdict import _fmt, _interval, _short, floor, lgc_block, verdict_section
 
 from lgc.report.bytes import run_bytes
 from lgc.report.marks import detectable_loss, mark, within_probability
@@ -287,11 +287,6 @@ def readme_table(protocol: dict[str, Any], data: dict[str, Any]) -> str:
 #: The README's block that holds :func:`readme_summary`.
 SUMMARY_PAGE = HERE.parent / "README.md"
 SUMMARY_BEGIN, SUMMARY_END = "<!-- scale-summary:begin -->", "<!-- scale-summary:end -->"
-
-
-def _short(label: str) -> str:
-    """A method's label without its parenthesis (``fp16 (the gradients ...)`` -> ``fp16``)."""
-    return label.split(" (")[0]
 
 
 def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:

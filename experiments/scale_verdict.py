@@ -107,6 +107,11 @@ def _interval(stats: dict[str, Any], fmt: str) -> str:
     return Interval(**{k: stats[k] for k in ("n", "mean", "sd", "half_width")}).text(fmt)
 
 
+def _short(label: str) -> str:
+    """A method's label without its parenthesis (``fp16 (the gradients ...)`` -> ``fp16``)."""
+    return label.split(" (")[0]
+
+
 def _mb(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g} MB"
 
@@ -114,6 +119,10 @@ def _mb(value: float | None) -> str:
 def cell_lines(protocol: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """One cell's verdict bullets: its byte floor, then the goal on each accounting."""
     reference, labels = protocol["reference"], {name: m["label"] for name, m in protocol["methods"].items()}
+
+    def names(methods: list[str]) -> str:
+        return "; ".join(_short(labels[method]) for method in methods)
+
     bound = floor(rows, reference, len(protocol["seeds"]))
     lines = []
     if bound["overhead_mb"] is None:
@@ -132,18 +141,18 @@ def cell_lines(protocol: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
     for key, words in ACCOUNTINGS.items():
         result = cell_verdict(rows, reference, key)
         if result["status"] == "pending":
-            lines.append(f"- On {words}: pending, not yet marked: {', '.join(result['pending'])}.")
+            lines.append(f"- On {words}: pending, not yet marked: {names(result['pending'])}.")
             continue
         notes = []
         if result["inconclusive"]:
-            notes.append(f"inconclusive, not counted: {', '.join(result['inconclusive'])}")
+            notes.append(f"Inconclusive, not counted: {names(result['inconclusive'])}.")
         if result["unbooked"]:
-            notes.append(f"no codec bytes booked, left out: {', '.join(result['unbooked'])}")
+            notes.append(f"No codec bytes booked, left out: {names(result['unbooked'])}.")
         if result["status"] == "undecided":
-            notes.append(f"undecided, as {', '.join(result['unbooked_within'])} is `within` and books no bytes here")
-        note = f" ({'; '.join(notes)})" if notes else ""
+            notes.append(f"Undecided, as {names(result['unbooked_within'])} is `within` and books no bytes here.")
+        note = "".join(f" {sentence}" for sentence in notes)
         if result["best"] is None:
-            lines.append(f"- On {words}: not met, no LGC setting is `within`{note}.")
+            lines.append(f"- On {words}: not met, no LGC setting is `within`.{note}")
             continue
         dgc = (
             "DGC books none"
@@ -153,11 +162,11 @@ def cell_lines(protocol: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         rival = (
             "no non-learned method is `within`"
             if result["rival"] is None
-            else f"the non-learned method with the fewest, {labels[result['rival']]}, sends {_mb(result['rival_mb'])}"
+            else f"the non-learned method with the fewest, {names([result['rival']])}, sends {_mb(result['rival_mb'])}"
         )
         lines.append(
-            f"- On {words}: {result['status']}. LGC's fewest within the margin: {labels[result['best']]}, "
-            f"{_mb(result['best_mb'])}; {dgc} (goal {GOAL_VS_DGC:g}x); {rival}{note}."
+            f"- On {words}: {result['status']}. LGC's fewest within the margin: {names([result['best']])}, "
+            f"{_mb(result['best_mb'])}; {dgc} (goal {GOAL_VS_DGC:g}x); {rival}.{note}"
         )
     return lines
 

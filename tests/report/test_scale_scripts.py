@@ -299,12 +299,15 @@ def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
     assert (none_within["status"], none_within["best"]) == ("not met", None)
     protocol = importlib.import_module("scale_comparison").load_protocol()
     tables = {cell: {"rows": rows} for cell in protocol["order"]["cells"]}
-    protocol = {**protocol, "methods": {**protocol["methods"], **{m: {"label": m} for m in wire}}}
+    labels = {m: {"label": m} for m in wire} | {"powersgd": {"label": "powersgd (the hook, rank 2)"}}
+    protocol = {**protocol, "methods": {**protocol["methods"], **labels}}
     text = verdict.verdict_section(protocol, tables)
+    # The bullets name methods by their labels' short forms.
+    assert "(the hook" not in text
     assert "ceiling 100x over dense; at most 4.0x below DGC on whole-wire bytes." in text
     assert "On bytes the codec carries: undecided. LGC's fewest within the margin: lgc_rar, 10 MB" in text
     assert (
-        "no codec bytes booked, left out: powersgd; undecided, as powersgd is `within` and books no bytes here" in text
+        "No codec bytes booked, left out: powersgd. Undecided, as powersgd is `within` and books no bytes here." in text
     )
     # LGC's page: LGC's rows and DGC's with their gaps and marks, the other methods left to the tables;
     # a row with seeds still to run shows how far it is, and nothing else.
