@@ -73,6 +73,7 @@ from lgc.compressors.topk import (
     SparsePayload,
     check_aggregation,
     subtract_sent,
+    to_wire_float,
     wire_float_dtype,
 )
 from lgc.validation import PositiveInt
@@ -166,7 +167,7 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
         indices = layout.to_flat(layout.starts(flat.device).add_(local))
         return ChunkedSparsePayload(
             numel=flat.numel(),
-            values=flat[indices].to(self.value_dtype),  # a copy: error feedback updates ``tensor`` in place
+            values=to_wire_float(flat[indices], self.value_dtype),  # a copy: error feedback updates ``tensor`` in place
             indices=indices,
             positions=layout.pack(local),
         )
@@ -209,7 +210,7 @@ class ChunkedTopKCompressor(TiledCompressorMixin, SparseMeanAggregation, Compres
             local = torch.cat(parts) if len(parts) > 1 else parts[0]
             kept.append((layout.to_flat(layout.starts(flat.device).add_(local)), layout.pack(local)))
         everywhere = torch.cat([indices + offset for (indices, _), offset in zip(kept, offsets, strict=False)])
-        values = flat[everywhere].to(self.value_dtype)
+        values = to_wire_float(flat[everywhere], self.value_dtype)
         payloads = [
             ChunkedSparsePayload(numel=numel, values=part, indices=indices, positions=packed)
             for numel, (indices, packed), part in zip(

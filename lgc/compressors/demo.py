@@ -114,7 +114,13 @@ from lgc.compressors.base import OPTIMIZER_SOURCES, CombineMode, Compressor, Pay
 from lgc.compressors.dct import TiledDCT
 from lgc.compressors.segments import DecodesSegments, copy_segments_into
 from lgc.compressors.tiles import TileChunk, TiledCompressorMixin, TileLayout, rows_topk
-from lgc.compressors.topk import SparseMeanAggregation, SparsePayload, check_aggregation, wire_float_dtype
+from lgc.compressors.topk import (
+    SparseMeanAggregation,
+    SparsePayload,
+    check_aggregation,
+    to_wire_float,
+    wire_float_dtype,
+)
 from lgc.validation import PositiveInt
 
 __all__ = [
@@ -252,7 +258,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         indices = layout.starts(flat.device).add_(local)
         return DCTPayload(
             numel=flat.numel(),
-            values=coefficients[indices].to(self.value_dtype),
+            values=to_wire_float(coefficients[indices], self.value_dtype),
             positions=layout.pack(local),
             indices=indices,
             layout=layout,
@@ -307,7 +313,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
                 local = torch.arange(keep, device=flat.device).expand(rows.shape[0], keep)
             else:
                 local = rows_topk(rows, keep)
-            values = rows.gather(1, local).to(self.value_dtype)
+            values = to_wire_float(rows.gather(1, local), self.value_dtype)
             sent = torch.zeros_like(rows).scatter_(1, local, values.float())
             inverse = self._dct.tiles(sent.view(-1, h, w), inverse=True).view(-1)
             for i, part, kept, back in zip(

@@ -57,6 +57,23 @@ def wire_float_dtype(dtype: str | torch.dtype, name: str = "dtype") -> torch.dty
     return resolved
 
 
+def to_wire_float(values: Tensor, dtype: torch.dtype, terms: int = 1) -> Tensor:
+    """``values`` cast to the wire's ``dtype``, finite values beyond its range saturated.
+
+    A plain cast rounds a finite value above fp16's 65504 to inf; error feedback would then keep
+    ``value - inf = -inf`` in its residual and every later step of that entry would be NaN.
+    Saturated, the sent value is the largest the wire holds and the excess stays in the residual,
+    sent over the next steps (no step is lost and nothing is clipped away). ``terms``: how many
+    such values an allreduce in ``dtype`` adds (the world size), so that their sum stays in range
+    too: each is saturated at the largest value over ``terms``. An inf or NaN already in
+    ``values`` is cast as it is, so that the step guard's non-finite handling sees it.
+    """
+    if dtype == values.dtype or (terms == 1 and torch.finfo(dtype).max >= torch.finfo(values.dtype).max):
+        return values.to(dtype)
+    limit = torch.finfo(dtype).max / terms
+    return torch.where(values.isinf(), values, values.clamp(-limit, limit)).to(dtype)
+
+
 def index_dtype_for(numel: int) -> torch.dtype:
     """Smallest index dtype that addresses ``numel`` elements (int32 unless the tensor is huge)."""
     return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
@@ -276,7 +293,8 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
             feedback, 0.001 still trains ResNets on CIFAR-10 to dense accuracy (Lin et al. 2018).
         value_dtype: dtype of the values on the wire, whatever the gradient's dtype:
             ``"float32"`` (default, exact), ``"float16"`` or ``"bfloat16"`` (6 bytes per entry; with
-            error feedback the rounding stays in the residual and is sent later). Every worker
+            error feedback the rounding stays in the residual and is sent later; a value beyond
+            fp16's range is sent as its largest, the excess kept likewise: :func:`to_wire_float`). Every worker
             parses the others' payloads with it, so it is configuration, not per-tensor data.
 
     Example::
@@ -307,7 +325,7 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
         else:
             indices = topk_indices(tensor, k)
         # Always a copy in the configured dtype: the caller (error feedback) updates ``tensor`` in place.
-        values = tensor[indices].to(self.value_dtype)
+        values = to_wire_float(tensor[indices], self.value_dtype)
         return SparsePayload(numel=numel, values=values, indices=indices.to(index_dtype_for(numel)))
 
     def decompress(self, payload: Payload) -> Tensor:
@@ -327,7 +345,7 @@ class TopKCompressor(ScatterAddAggregation, Compressor):
         """
         ks = [self.selected_count(numel) for numel in numels]
         positions = segment_topk(flat, numels, ks)
-        values = flat[positions].to(self.value_dtype)
+        values = to_wire_float(flat[positions], self.value_dtype)
         local = (positions - segment_starts(numels, ks, flat.device)).to(torch.int32)
         payloads = [
             SparsePayload(numel=numel, values=v, indices=i)

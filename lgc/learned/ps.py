@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lgc.autoencoder import num_chunks
+from lgc.compressors.topk import to_wire_float
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.knobs import CodecTrainingKnobs, LeaderChoice, Stages, knob_group
@@ -114,7 +115,7 @@ class ParameterServerStage:
         code, plan = ctx.code, ctx.plan
         positions = code.in_wire_order(plan.top_positions(v), v)
         scales = code.chunk_scales(v[positions])
-        latent = ctx.codec.encode(code.scaled_chunks(v[positions], scales)).to(self.wire_dtype).reshape(-1)
+        latent = to_wire_float(ctx.codec.encode(code.scaled_chunks(v[positions], scales)), self.wire_dtype).reshape(-1)
         wire_positions = code.encode_positions(positions, plan.numel)
         return torch.cat([scales.view(torch.uint8), latent.view(torch.uint8), wire_positions])
 

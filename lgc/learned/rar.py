@@ -52,6 +52,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 
+from lgc.compressors.topk import to_wire_float
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.knobs import CodecTrainingKnobs, LeaderChoice, Stages, knob_group
@@ -124,7 +125,7 @@ class RingAllreduceStage:
             own_codes = latent.float().view(rows, -1) - levels
             own_latent = (own_codes / levels * latent_scales[:, None]).view(ae.latent_shape(rows))
         else:
-            latent = encoded.to(self.wire_dtype).reshape(-1)
+            latent = to_wire_float(encoded, self.wire_dtype, ctx.world_size).reshape(-1)
             ctx.count_payload(counted.nbytes(latent))
             own_latent = latent.float().view(ae.latent_shape(rows))
         # The worker's own reconstruction serves its residual and the refresh's error. The refresh's

@@ -47,6 +47,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from lgc.coding import pack_uint, unpack_uint
+from lgc.compressors.topk import to_wire_float
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.knobs import LeaderChoice, Stages, knob_group
@@ -183,7 +184,8 @@ class SharedIndexStage:
             wire = own.to(dtype)
             carried = wire.float()
         else:
-            wire = code.scaled_chunks(own, scales).to(dtype)
+            # Scaled by the leader's chunk RMS: another worker's chunk may exceed fp16's range there.
+            wire = to_wire_float(code.scaled_chunks(own, scales), dtype, ctx.world_size)
             carried = code.unscaled(wire.float(), scales, plan.k)
         ctx.count_payload(counted.nbytes(wire))
         if dtype == torch.float32:

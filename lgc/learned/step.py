@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lgc.autoencoder import num_chunks
+from lgc.compressors.topk import to_wire_float
 from lgc.ddp import collectives as counted
 from lgc.ddp.collectives import CommStats
 from lgc.learned.leader_code import LeaderIndexCodec
@@ -240,7 +241,7 @@ class StepContext:
             positions = code.in_wire_order(plan.top_positions(v), v)
             pieces = [code.chunk_scales(v[positions]).view(torch.uint8)] if scales else []
             if values is not None:
-                pieces.append(v[positions].to(values).view(torch.uint8))
+                pieces.append(to_wire_float(v[positions], values).view(torch.uint8))
             wire = torch.cat([*pieces, code.encode_positions(positions, plan.numel)])
         if code.index_coding == "golomb":
             wire = counted.broadcast_bytes(self.stats, wire, self.leader, self.group)

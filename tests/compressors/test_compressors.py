@@ -297,3 +297,54 @@ def test_aggregate_into_writes_what_aggregate_returns_over_whatever_the_bucket_h
     compressor.aggregate_into(payloads, out)
     expected = compressor.aggregate(payloads).to(out_dtype)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def _sixteen_bit_wires():
+    from lgc.compressors.chunked_topk import ChunkedTopKCompressor
+    from lgc.compressors.demo import DeMoCompressor
+
+    return {
+        "topk": lambda: TopKCompressor(0.25, "float16"),
+        "chunked_topk": lambda: ChunkedTopKCompressor(chunk=8, k=2, value_dtype="float16"),
+        "demo": lambda: DeMoCompressor(chunk=4, k=4, value_dtype="float16"),
+    }
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["per_tensor", "bucket"])
+@pytest.mark.parametrize("name", ["topk", "chunked_topk", "demo"])
+def test_a_value_beyond_a_half_precision_wire_is_sent_saturated_and_the_rest_kept(name, bucketed):
+    """A finite gradient entry above fp16's 65504: the wire carries at most that, the residual stays finite
+    and holds the excess, and the following steps send it (a plain cast would keep -inf in the residual)."""
+    ef = ErrorFeedback(_sixteen_bit_wires()[name](), bucketed=bucketed)
+    big = 1e6 if name == "demo" else 1e5  # DeMo's transform spreads an entry over its tile's coefficients
+    grads = [torch.zeros(64), torch.zeros(32)]
+    grads[0][5] = big
+    grads[1][:4] = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    keys = ["a", "b"]
+    sent_total = [torch.zeros_like(g) for g in grads]
+    for step in range(8):
+        inputs = grads if step == 0 else [torch.zeros_like(g) for g in grads]
+        payloads = ef.compress_many(inputs, keys)
+        for key, payload, total in zip(keys, payloads, sent_total, strict=True):
+            assert payload.values.dtype == torch.float16
+            assert bool(torch.isfinite(payload.values).all()), f"step {step}: {key} sent a non-finite value"
+            assert float(payload.values.float().abs().max()) <= torch.finfo(torch.float16).max
+            assert bool(torch.isfinite(ef.residuals[key]).all()), f"step {step}: {key}'s residual is not finite"
+            total += ef.compressor.decompress(payload).reshape(-1)
+    # Error feedback's invariant: what was sent plus what is held is what came in.
+    for grad, key, total in zip(grads, keys, sent_total, strict=True):
+        torch.testing.assert_close(total + ef.residuals[key], grad, rtol=1e-5, atol=1e-6 * big)
+    # The large entry went out over several steps: one step could not carry it.
+    assert float(sent_total[0][5]) > torch.finfo(torch.float16).max
+
+
+def test_a_plain_cast_to_a_half_precision_wire_keeps_inf_and_nan():
+    from lgc.compressors.topk import to_wire_float
+
+    values = torch.tensor([1e5, -1e5, float("inf"), float("-inf"), float("nan"), 1.5])
+    wire = to_wire_float(values, torch.float16)
+    assert wire[:2].tolist() == [65504.0, -65504.0]
+    assert wire[2:4].tolist() == [float("inf"), float("-inf")] and bool(wire[4].isnan()) and float(wire[5]) == 1.5
+    # bf16 holds fp32's range but for its last sliver; fp32 to fp32 is the values themselves.
+    assert to_wire_float(torch.tensor([3.4e38]), torch.bfloat16).item() == torch.finfo(torch.bfloat16).max
+    assert torch.equal(to_wire_float(values[:2], torch.float32), values[:2])
