@@ -19,8 +19,9 @@ What every case asserts (see :func:`_check`):
 * exact methods (``none``, top-k and random-block at density 1) equal plain DDP's gradients, the
   16-bit ones within their rounding.
 
-The default suite runs a fixed sample that holds every method once and every dtype with every
-feature (:data:`SAMPLE_SIZE` cases in one spawn of two workers); ``pytest -m slow`` runs the full product.
+The default suite runs a fixed sample (:data:`SAMPLE`, in one spawn of two workers) that holds every
+method once, every dtype with every feature, and every compressor config with a model in fp16 and in
+bf16, an injected inf or NaN, and a parameter unused on every rank; ``pytest -m slow`` runs the full product.
 """
 
 from __future__ import annotations
@@ -224,8 +225,39 @@ def _injection_rows() -> set[str]:
 INJECTION_ROWS = _injection_rows()
 
 
+#: What every compressor config meets in the default suite: a model in fp16 and in bf16, an injected
+#: inf or NaN, and a parameter unused on every rank.
+PER_CONFIG = ("fp16", "bf16", "inject", "unused_all")
+
+
+def _covered(cases: list[Case], config: str) -> set[str]:
+    """Which of :data:`PER_CONFIG` the cases of ``config`` cover."""
+    seen = set()
+    for case in (c for c in cases if c.method.config == config):
+        seen |= {case.dtype, "inject" if case.feature in ("inf", "nan") else case.feature}
+    return seen & set(PER_CONFIG)
+
+
+def _per_config(chosen: list[Case]) -> list[Case]:
+    """Cases that give every config what :data:`PER_CONFIG` asks and ``chosen`` lacks, paired two by two
+    (an fp16 model with an inf, a bf16 model with an unused parameter), on its first row without delay."""
+    added: list[Case] = []
+    configs = dict.fromkeys(m.config for m in METHODS)
+    for i, config in enumerate(configs):
+        method = next(m for m in METHODS if m.config == config and not m.delay)
+        missing = set(PER_CONFIG) - _covered(chosen, config)
+        dtypes = [d for d in ("fp16", "bf16") if d in missing]
+        features = [("inf", "nan")[i % 2] if f == "inject" else f for f in ("inject", "unused_all") if f in missing]
+        for j in range(max(len(dtypes), len(features))):
+            dtype = dtypes[j] if j < len(dtypes) else "fp32"
+            feature = features[j] if j < len(features) else "plain"
+            added.append(Case(method, dtype, feature))
+    return added
+
+
 def _covering_sample(size: int, seed: int = 0) -> list[Case]:
-    """A fixed sample in which every method, dtype and feature occurs, padded at random to ``size``."""
+    """A fixed sample in which every method, dtype and feature occurs, every config meets each of
+    :data:`PER_CONFIG`, padded at random to ``size``."""
     rng = random.Random(seed)
     chosen: list[Case] = []
     for i, method in enumerate(METHODS):
@@ -237,13 +269,13 @@ def _covering_sample(size: int, seed: int = 0) -> list[Case]:
             features = [f for f in FEATURES if _applicable(method, f)]
         feature = features[(i + i // len(DTYPES)) % len(features)]
         chosen.append(Case(method, dtype, feature))
+    chosen += _per_config(chosen)
     rest = [case for case in ALL_CASES if case not in chosen]
     chosen += rng.sample(rest, max(0, size - len(chosen)))
     return chosen
 
 
-SAMPLE_SIZE = len(METHODS)  # every method once; the rotation covers every dtype with every feature
-SAMPLE = _covering_sample(SAMPLE_SIZE)
+SAMPLE = _covering_sample(0)  # every method once (the rotation covers every dtype with every feature), then per config
 
 
 # -- the worker side --------------------------------------------------------------------------------
@@ -306,14 +338,16 @@ def _flat_state(state: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Bitwise the same value, a NaN equal to a NaN in the same place (and to nothing else)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a.nan_to_num(), b.nan_to_num())
-        )
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if not a.is_floating_point():
+            return torch.equal(a, b)
+        nan_a, nan_b = a.isnan(), b.isnan()
+        return torch.equal(nan_a, nan_b) and torch.equal(a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0))
     return a == b
 
 
@@ -474,7 +508,7 @@ def _check(case: Case, per_rank: list[dict]) -> None:
             # Delay: the exchange after the bad step is skipped, and the state stands as before it.
             step = method.guard_step
             before, after = run["states"][f"before{step}"], run["states"][f"after{step}"]
-            changed = [k for k in before if not _same(before[k], after.get(k))]
+            changed = [k for k in before.keys() | after.keys() if not _same(before.get(k), after.get(k))]
             if method.config in _STATELESS:
                 # Stateless methods run bucket by bucket without a guard; their step counter only
                 # drives the dense start (start_iter) and counts the step.
@@ -530,6 +564,9 @@ def test_the_matrix_covers_every_compressor_config():
     # Each of LGC's stages takes an inf or a NaN in the default suite.
     assert INJECTION_ROWS >= {"lgc_rar_warmup", "lgc_rar_ae", "lgc_rar", "lgc_ps_ae", "lgc_ps"}
     assert {m for m, _, f in sampled if f in ("inf", "nan")} >= INJECTION_ROWS
+    # Every config meets a model in fp16 and in bf16, an inf or a NaN, and a parameter unused everywhere.
+    lacking = {c: set(PER_CONFIG) - _covered(SAMPLE, c) for c in {m.config for m in METHODS}}
+    assert not any(lacking.values()), {c: sorted(v) for c, v in lacking.items() if v}
 
 
 def test_sampled_matrix():

@@ -254,7 +254,7 @@ def _check(case: Case, result: dict, rank: int) -> None:
     if case.injected:
         step = method.guard_step
         before, after = run["states"][f"before{step}"], run["states"][f"after{step}"]
-        changed = [k for k in before if not ddp_matrix._same(before[k], after.get(k))]
+        changed = [k for k in before.keys() | after.keys() if not ddp_matrix._same(before.get(k), after.get(k))]
         if method.config in ddp_matrix._STATELESS:
             changed = [k for k in changed if k != "/iteration"]
         assert not changed, f"{case.id}: rank {rank}: a skipped step changed state {changed[:5]}"
