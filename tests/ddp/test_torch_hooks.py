@@ -1,9 +1,11 @@
 """PyTorch's own hooks, wrapped with lgc statistics, on two gloo workers with several buckets."""
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_workers
 from test_hook import _count_collective_bytes, _net
 from torch import nn
@@ -70,6 +72,74 @@ def test_powersgd_runs_on_gloo_with_several_buckets_and_counts_its_bytes(batched
     for (_, g0), (_, g1) in zip(results[0]["grads"], results[1]["grads"], strict=True):
         for a, b in zip(g0, g1, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def _run_against_torch(rank: int, world: int, options: dict, batched: bool, steps: int) -> list[dict]:
+    """Train twice from the same weights: PyTorch's PowerSGD hook registered as PyTorch documents it, and
+    lgc's wrapper; every step's averaged gradients of both (each model stepping on its own)."""
+    models, optimizers = [], []
+    for _ in range(2):
+        model = DDP(_net(), bucket_cap_mb=0.01)
+        models.append(model)
+        optimizers.append(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    hook = powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
+
+    def serialized(state: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        # PyTorch's hook, each bucket finished before the next starts: its second allreduce, issued from
+        # a Future.then callback, would otherwise meet another bucket's first in a different order per
+        # rank over gloo. The values are the hook's own.
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        with _batch_of_one() if batched else contextlib.nullcontext():
+            done.set_result(hook(state, bucket).wait())
+        return done
+
+    models[0].register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, **options), serialized)
+    wrapped = PowerSGDHookState(batched=batched, **options)
+    wrapped.register(models[1])
+    grads = []
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
+        step_grads = []
+        for model, optimizer in zip(models, optimizers, strict=True):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            step_grads.append({name: p.grad.clone() for name, p in model.module.named_parameters()})
+            optimizer.step()
+        grads.append(step_grads)
+    return grads
+
+
+@contextlib.contextmanager
+def _batch_of_one():
+    """torch 2.14's ``batched_powerSGD_hook`` hands ``_orthogonalize`` a 2-D Q, which it refuses (a bare
+    AssertionError): viewed as a batch of one, nothing else changed, as lgc's wrapper does."""
+    original = powerSGD_hook._orthogonalize
+    powerSGD_hook._orthogonalize = lambda m, epsilon=0: original(m.unsqueeze(0) if m.dim() == 2 else m, epsilon)
+    try:
+        yield
+    finally:
+        powerSGD_hook._orthogonalize = original
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("batched", [False, True], ids=["per_tensor", "batched"])
+def test_powersgd_is_pytorchs_own_hook_step_for_step(batched):
+    """Where none of the wrapper's fixes applies (no all-zero matrix, fp32; the batched hook without the
+    epsilon it ignores), lgc's PowerSGD is PyTorch's hook bit for bit over several buckets and 8 training
+    steps: the dense start, then the compressed steps with error feedback and warm-started Q."""
+    options = dict(
+        matrix_approximation_rank=2,
+        start_powerSGD_iter=3,
+        min_compression_rate=1.1,
+        random_seed=7,
+        orthogonalization_epsilon=0.0 if batched else 1e-8,
+    )
+    for grads in run_workers(_run_against_torch, 2, options, batched, 8):
+        for step, (theirs, ours) in enumerate(grads):
+            for name, grad in theirs.items():
+                assert torch.equal(ours[name], grad), f"step {step}: {name} differs from PyTorch's hook"
+        # The compressed steps differ from the dense average: the comparison covers PowerSGD itself.
+        assert not torch.equal(grads[-1][0]["0.weight"], grads[2][0]["0.weight"])
 
 
 class _NetWithAuxiliaryBranch(nn.Module):
