@@ -1,4 +1,4 @@
-"""The comparison at the mission's scale, run exactly as ``scale_protocol.yaml`` fixes it.
+"""The comparison at scale, run exactly as ``scale_protocol.yaml`` fixes it.
 
     python experiments/scale_comparison.py [--out OUT] [--results RESULTS] [--cells C ...] [--methods M ...]
         [--extra OVERRIDE ...] [--dry-run]

@@ -315,7 +315,8 @@ def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
         if bound["overhead_mb"] is not None and bound["ceiling"] is not None:
             text.append(
                 f"Fixed overhead under LGC's settings (its tensors sent dense and module buffers, every step) "
-                f"{bound['overhead_mb']:.4g} MB per worker: no codec exchanging so can send more than "
+                f"{bound['overhead_mb']:.4g} MB per worker: no codec that sends every step with those settings "
+                "can send more than "
                 f"{bound['ceiling']:.0f}x fewer bytes than dense there."
             )
         lines.append(" ".join(text))

@@ -29,7 +29,8 @@ __all__ = [
     "short_run_knobs",
 ]
 
-#: The methods of the issue's comparison: dense, the 16-bit baseline, PowerSGD, lgc's baselines, LGC.
+#: The methods ``lgc-bench network`` and ``step`` run by default: dense, the 16-bit baseline,
+#: PowerSGD, lgc's baselines, LGC.
 DEFAULT_METHODS = (
     "none",
     "torch_fp16",
