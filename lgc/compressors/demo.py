@@ -86,8 +86,10 @@ Deviations from the reference, and what they mean for training:
 * **``sign=False``** returns the aggregate itself (for a plain SGD step): the sender mean of the
   workers' own momenta, the hook's division by the world size undone (:meth:`set_world_size`).
 
-Non-finite inputs are not special-cased: the hook skips such steps before compressing. An inf
-does not crash the compressor; it turns its tile's coefficients into inf/NaN, which pass through.
+Non-finite inputs are not special-cased: the hook skips such steps before compressing. Called
+directly, an inf turns its tile's coefficients into inf/NaN, which reach the aggregate: ``sign()``
+keeps a NaN as NaN (torch's maps it to 0, which would hide the bad input as a zero update; the
+reference's ``sign_()`` does that, lgc departs there only).
 Precision: the transform runs in fp32 (half-precision inputs are cast); with TF32 matmuls enabled
 on a GPU it keeps only about three significant digits, which error feedback absorbs (the residual
 is computed with the same decoder), but the round trip is then no longer exact to fp32.
@@ -127,6 +129,12 @@ __all__ = [
     "DCTPayload",
     "DeMoCompressor",
 ]
+
+
+def _sign_keeping_nan(tensor: Tensor) -> Tensor:
+    """``tensor.sign_()`` in place, a NaN left NaN (torch's ``sign`` maps it to 0)."""
+    nan = tensor.isnan()
+    return tensor.sign_().masked_fill_(nan, float("nan"))
 
 
 @dataclass
@@ -275,7 +283,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         first = payloads[0]
         assert isinstance(first, DCTPayload)
         decoded = self._dct.apply(self.sparse_mean(payloads), first.layout, inverse=True)
-        return decoded.sign_() if self.sign else decoded
+        return _sign_keeping_nan(decoded) if self.sign else decoded
 
     # -- a bucket at once ---------------------------------------------------------------------------
 
@@ -365,7 +373,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
             blocks = [segments[i].view(-1, h, w) for i in members]
             inverse = self._dct.tiles(torch.cat(blocks), inverse=True)
             if self.sign:
-                inverse.sign_()
+                _sign_keeping_nan(inverse)
             for i, back in zip(members, inverse.view(-1).split([numels[i] for i in members]), strict=True):
                 decoded[i] = layouts[i].unorder(back)
         copy_segments_into(torch.cat(decoded), outs)  # type: ignore[arg-type]

@@ -502,6 +502,46 @@ def test_dgc_over_a_bucket_is_the_per_tensor_loop(numels, knobs, seed):
     assert tuple(keys) in batched._buckets.flats and not loop._buckets.flats, "the bucket went as one flat"
 
 
+def test_a_selection_a_nan_threshold_leaves_empty_sends_an_exact_top_k():
+    """DGC's one departure from its authors' selection: nothing survives a NaN threshold (every comparison
+    is false, and lowering it by 0.8 keeps it NaN), so an exact top-k goes instead of an empty payload."""
+    from lgc.compressors.selection import exact_topk
+
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(3))
+    positions, info = sampled_topk(x, 20, density=0.001, threshold=float("nan"))
+    assert info.path == "exact" and positions.numel() == 20
+    assert torch.equal(positions.sort().values, exact_topk(x, 20).sort().values)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_dgc_with_a_non_finite_entry_sends_at_most_k_and_its_bucket_path_is_the_loop(bad):
+    """Called directly (the hook skips such steps before compressing), an inf or a NaN in a gradient: every
+    tensor still sends between 1 and k entries, and the bucket path (the sampled threshold's non-finite
+    branch) sends what the per-tensor loop sends, NaN for NaN, with the same state after."""
+    numels = [900, 12_000, 60_000]
+    keys = ["a", "b", "c"]
+    loop, batched = _dgc_pair(density=0.001, warmup_densities=[])
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        bucket = torch.randn(sum(numels), generator=gen)
+        if step == 1:
+            bucket[900 + 4321] = bad  # one entry of the second tensor
+        grads = list(bucket.split(numels))
+        for dgc in (loop, batched):
+            dgc.begin_step(step)
+        expected, got = loop.compress_many(grads, keys), batched.compress_many(grads, keys)
+        for numel, want, have in zip(numels, expected, got, strict=True):
+            assert 1 <= have.indices.numel() <= math.ceil(0.001 * numel)
+            (wi, wv), (hi, hv) = _sorted_pairs(want), _sorted_pairs(have)
+            assert torch.equal(hi, wi)
+            torch.testing.assert_close(hv, wv, rtol=0, atol=0, equal_nan=True)
+        for store in ("velocities", "momenta"):
+            for key in keys:
+                torch.testing.assert_close(
+                    getattr(batched, store)[key], getattr(loop, store)[key], rtol=0, atol=0, equal_nan=True
+                )
+
+
 def _run_held_schedule(loop, batched, numels: list[int], seed: int, check) -> None:
     """Steps held until the ranks agree, committed whole, in part (keys "a" and "b") or dropped, between plain
     bucket steps and another bucketing of two keys (DDP rebuilt its buckets): ``loop`` tensor by tensor,

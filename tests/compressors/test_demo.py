@@ -725,12 +725,22 @@ def test_knobs_repr_and_state():
     )
 
 
-def test_an_infinite_entry_does_not_crash():
+@pytest.mark.parametrize("sign", [True, False])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_entry_reaches_the_aggregate_and_only_its_tile(sign, bad):
+    """Called directly (the hook skips such steps first), an inf or NaN is not hidden: its tile's
+    aggregate is not finite, with or without the sign, and the other tiles are as without it."""
     x = _randn(300)
-    x[7] = float("inf")
-    compressor = DeMoCompressor(chunk=8, k=4)
+    clean = DeMoCompressor(chunk=8, k=4, sign=sign)
+    want = clean.aggregate([clean.payload_from_wire(clean.compress(x, "w").to_wire(), 300, key="w")])
+    x[7] = bad
+    compressor = DeMoCompressor(chunk=8, k=4, sign=sign)
     payload = compressor.compress(x, "w")
-    compressor.aggregate([compressor.payload_from_wire(payload.to_wire(), 300, key="w")])
+    got = compressor.aggregate([compressor.payload_from_wire(payload.to_wire(), 300, key="w")])
+    assert not bool(got.isfinite().all()), "the bad entry came out finite"
+    # The rest is as without it: only the bad entry's tile (the layout's, at most 8 x 8 entries) differs.
+    tile = compressor.layout("w", 300).groups[0].size
+    assert 0 < int((got != want).sum()) <= tile
 
 
 def test_momentum_in_the_optimizer_is_refused_through_every_wrapper():
