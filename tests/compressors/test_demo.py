@@ -406,17 +406,28 @@ def _reference_idct(x: torch.Tensor) -> torch.Tensor:
 
 
 class _ReferenceDeMo:
-    """bloc97/DeMo ``demo.py``: ``DeMo.step`` (``weight_decay=0``) for several workers in one process.
+    """bloc97/DeMo ``demo.py``: ``DeMo.step`` for several workers in one process.
 
     A transcription of ``DeMo.step``, ``TransformDCT`` and ``CompressDCT`` (einops patterns written
     as reshape/permute): every worker accumulates ``delta = decay * delta + lr * grad``, encodes it
     (each dimension cut by ``_get_smaller_split``, an FFT-built DCT basis applied by einsum), keeps
     the ``topk`` largest coefficients of every tile and subtracts their decoding; the gathered
     (index, value) pairs are decoded with ``scatter_reduce(reduce="mean", include_self=False)``,
-    and the parameter takes ``torch.optim.SGD``'s step with the sign.
+    and the parameter takes ``torch.optim.SGD``'s step with the sign, after its decoupled weight decay
+    (``p *= 1 - lr * weight_decay``, which the reference applies first and keeps out of the momentum).
     """
 
-    def __init__(self, params, workers: int, lr: float, decay: float = 0.999, chunk: int = 64, topk: int = 32):
+    def __init__(
+        self,
+        params,
+        workers: int,
+        lr: float,
+        decay: float = 0.999,
+        chunk: int = 64,
+        topk: int = 32,
+        weight_decay: float = 0.0,
+    ):
+        self.weight_decay = weight_decay
         self.params = {name: p.clone() for name, p in params.items()}
         self.deltas = [{name: torch.zeros_like(p) for name, p in params.items()} for _ in range(workers)]
         self.lr, self.decay, self.chunk, self.topk = lr, decay, chunk, topk
@@ -456,6 +467,8 @@ class _ReferenceDeMo:
 
     def step(self, grads: list[dict[str, torch.Tensor]]) -> None:
         for name, p in self.params.items():
+            if self.weight_decay:
+                p.mul_(1.0 - self.lr * self.weight_decay)
             indices, values = [], []
             for delta in (deltas[name] for deltas in self.deltas):
                 delta.mul_(self.decay).add_(grads[len(indices)][name], alpha=self.lr)
@@ -467,8 +480,9 @@ class _ReferenceDeMo:
             p.add_(update.sign_(), alpha=-self.lr)
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 5e-4])
 @pytest.mark.parametrize("workers", [2, 4])
-def test_demo_step_matches_a_transcription_of_the_reference(workers, reference_device):
+def test_demo_step_matches_a_transcription_of_the_reference(workers, weight_decay, reference_device):
     """lgc's DeMo step, as the DDP hook runs it, against bloc97/DeMo ``demo.py``'s ``DeMo.step``, transcribed.
 
     Per worker and parameter: ``ErrorFeedback(DeMoCompressor(), decay=0.999)`` compresses the
@@ -480,15 +494,17 @@ def test_demo_step_matches_a_transcription_of_the_reference(workers, reference_d
     The updates are signs, so the reference's ``lr`` inside the momentum and lgc's ``1 / P`` do
     not change them: the parameters agree bit for bit. The momenta agree to float rounding (the
     reference's FFT-built basis and einsums against lgc's closed-form basis and matmuls, and its
-    ``lr * P`` scale).
+    ``lr * P`` scale). With weight decay, lgc's config leaves it to ``torch.optim.SGD`` (``p -= lr * (sign +
+    wd * p)``) where the reference decays first (``p *= 1 - lr * wd``, then ``p -= lr * sign``): the same
+    step, equal to float rounding; neither puts the decay into the momentum.
     """
     device, lr, decay = reference_device, 0.01, 0.999
     generator = torch.Generator().manual_seed(workers)
     shapes = {"hidden.weight": (96, 40), "norm.weight": (64,), "fc.weight": (10, 64)}
     params = {name: torch.randn(shape, generator=generator).to(device) for name, shape in shapes.items()}
-    reference = _ReferenceDeMo(params, workers, lr=lr, decay=decay)
+    reference = _ReferenceDeMo(params, workers, lr=lr, decay=decay, weight_decay=weight_decay)
     model = {name: torch.nn.Parameter(p.clone()) for name, p in params.items()}
-    optimizer = torch.optim.SGD(model.values(), lr=lr)  # DeMo's base: no momentum, no weight decay
+    optimizer = torch.optim.SGD(model.values(), lr=lr, weight_decay=weight_decay)  # DeMo's base: no momentum
     ranks = [ErrorFeedback(DeMoCompressor(), decay=decay) for _ in range(workers)]
     for rank in ranks:
         rank.attach_parameters(model)
@@ -507,7 +523,10 @@ def test_demo_step_matches_a_transcription_of_the_reference(workers, reference_d
             p.grad = decoded[0].view_as(p)
         optimizer.step()
         for name, p in model.items():
-            assert torch.equal(p.detach(), reference.params[name]), name
+            if weight_decay:
+                torch.testing.assert_close(p.detach(), reference.params[name], rtol=1e-6, atol=1e-7, msg=name)
+            else:
+                assert torch.equal(p.detach(), reference.params[name]), name
             for rank, deltas in zip(ranks, reference.deltas, strict=True):
                 momentum = rank.residuals[name].view_as(p) * (lr * workers)
                 torch.testing.assert_close(momentum, deltas[name], rtol=1e-4, atol=1e-6)
