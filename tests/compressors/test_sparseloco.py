@@ -226,14 +226,19 @@ class _Templar:
         return x.reshape(-1)
 
     def compress(self, x: torch.Tensor):
+        idx, val, shape = self.select(x)
+        val, qparams = self.quantize(val)
+        return idx, val, shape, qparams
+
+    def select(self, x: torch.Tensor):
+        """``compress`` with ``use_quantization=False``: every tile's ``topk`` entries, values as they are."""
         shape = x.shape
         if x.dim() > 2:
             x = x.reshape(*shape[:2], -1)  # "y x h w -> y x (h w)"
         topk = max(min(self.topk, x.shape[-1]), 2)
         topk -= topk % 2  # even, for the 12-bit index pairs
         idx = torch.topk(x.abs(), k=topk, dim=-1, largest=True, sorted=False).indices
-        val, qparams = self.quantize(torch.gather(x, -1, idx))
-        return idx, val, shape, qparams
+        return idx, torch.gather(x, -1, idx), shape
 
     def quantize(self, val: torch.Tensor):
         offset, shift = self.bins // 2, val.mean()
@@ -386,6 +391,67 @@ def test_sparseloco_over_several_exchanges_follows_a_transcription_of_the_refere
                         p.copy_(sync)
         for rank, net in enumerate(nets):
             expected = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+            torch.testing.assert_close(results[rank][step], expected, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+
+
+def _chunked_topk_worker(rank: int, world: int, steps: int) -> list[torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_loco_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=_LOCO_LR)
+    lgc.compress(model, "chunked_topk", optimizer=optimizer, k=_LOCO_K)
+    weights = []
+    for step in range(steps):
+        x, y = _loco_batch(rank, step)
+        optimizer.zero_grad()
+        (model(x) - y).square().mean().backward()
+        optimizer.step()
+        weights.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+    return weights
+
+
+@pytest.mark.multiprocess
+def test_chunked_topk_every_step_through_the_hook_follows_the_references_selection_and_decode():
+    """``lgc.compress(model, "chunked_topk")`` on 2 DDP workers, every step, against tplr-ai/templar's
+    ``src/tplr/compress.py`` selection and decode (``compress`` without quantization, ``batch_decompress``)
+    with plain error feedback: every worker's ``e += g``, its tiles' ``k`` largest entries sent and
+    subtracted from ``e``, the entries averaged over their senders, an SGD step. After the method's one
+    plain allreduce (``start_iter``), four compressed steps, so the error buffers carry over; every
+    parameter (the biases too) goes through the codec."""
+    from distributed import run_workers
+
+    steps, workers = 5, 2
+    results = run_workers(_chunked_topk_worker, workers, steps)
+    reference = _Templar(topk=_LOCO_K)
+    net = _loco_net()
+    nets = [_loco_net() for _ in range(workers)]
+    errors = [[torch.zeros_like(p) for p in net.parameters()] for _ in range(workers)]
+    for step in range(steps):
+        grads = []
+        for rank, worker_net in enumerate(nets):
+            with torch.no_grad():
+                for p, q in zip(worker_net.parameters(), net.parameters(), strict=True):
+                    p.copy_(q)
+            x, y = _loco_batch(rank, step)
+            worker_net.zero_grad()
+            (worker_net(x) - y).square().mean().backward()
+            grads.append([p.grad.clone() for p in worker_net.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(net.parameters()):
+                if step == 0:  # the method's start_iter: one plain allreduce first
+                    p -= _LOCO_LR * sum(g[i] for g in grads) / workers
+                    continue
+                idx, val = [], []
+                for rank in range(workers):
+                    error = errors[rank][i]
+                    error += grads[rank][i]
+                    indices, values, shape = reference.select(reference.encode(error))
+                    error -= reference.decode(reference.batch_decompress([indices], [values], shape)).view_as(error)
+                    idx.append(indices)
+                    val.append(values)
+                p -= _LOCO_LR * reference.decode(reference.batch_decompress(idx, val, shape)).view_as(p)
+        expected = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        for rank in range(workers):
             torch.testing.assert_close(results[rank][step], expected, rtol=1e-5, atol=1e-6, msg=f"step {step}")
 
 
