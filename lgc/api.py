@@ -124,8 +124,9 @@ def compress(
             ``lerp(synchronized, local, alpha)`` (default 0, torchft's: the synchronized weights).
         min_numel: parameters with fewer elements go dense. ``None`` (default): the method's own,
             part of its definition (:attr:`~lgc.compressors.Compressor.default_min_numel`): 1 (every
-            parameter) for the methods whose reference sends every tensor, 1,024 for the others
-            (biases and norm layers dense).
+            parameter) for the methods defined on every tensor (DeMo, SparseLoCo, chunked top-k,
+            fp4), 1,024 for the others (biases and norm layers dense; ``docs/methods.md`` lists
+            where that departs from a reference's code).
         start_iter: plain-allreduce iterations before compressing (lgc compressors only; default: the
             method's own, 0 for DeMo as its reference, 1 otherwise).
         overlap: encode and send every bucket as soon as DDP hands it over, overlapping the
