@@ -22,8 +22,8 @@ What every case asserts:
 
 The methods FSDP2 refuses (hook states with collectives of their own, communication delay, overlap,
 state that cannot be held back) are refused before any worker starts, with a message naming them:
-:func:`test_what_fsdp2_refuses_is_refused_naming_it`. The default suite runs a covering sample; ``pytest
--m slow`` the full product.
+:func:`test_what_fsdp2_refuses_is_refused_naming_it`. The default suite runs a covering sample (every
+config with bf16 parameters, an inf or a NaN and an unused parameter); ``pytest -m slow`` the full product.
 """
 
 from __future__ import annotations
@@ -108,18 +108,41 @@ class Case(NamedTuple):
 ALL_CASES = [Case(m, p, f) for m, p, f in itertools.product(FSDP_METHODS, PRECISIONS, FEATURES)]
 
 
+#: What every compressor config FSDP2 runs meets in the default suite: bf16 parameters (either reduce
+#: dtype), an injected inf or NaN, and a parameter unused on every rank.
+PER_CONFIG = ("bf16", "inject", "unused_all")
+
+
+def _covered(cases: list[Case], config: str) -> set[str]:
+    """Which of :data:`PER_CONFIG` the cases of ``config`` cover."""
+    seen = set()
+    for case in (c for c in cases if c.method.config == config):
+        seen |= {"bf16" if case.precision != "fp32" else "fp32", "inject" if case.injected else case.feature}
+    return seen & set(PER_CONFIG)
+
+
 def _covering_sample(size: int, seed: int = 0) -> list[Case]:
-    """Every method once, features in turn and precisions rotated against them, padded at random to ``size``."""
+    """Every method once, features in turn and precisions rotated against them; then every config's missing
+    :data:`PER_CONFIG` (bf16 paired with an inf or a NaN, or an unused parameter) on its first row; padded at
+    random to ``size``."""
     rng = random.Random(seed)
     chosen = [
         Case(m, PRECISIONS[(i + i // len(FEATURES)) % len(PRECISIONS)], FEATURES[i % len(FEATURES)])
         for i, m in enumerate(FSDP_METHODS)
     ]
+    for i, config in enumerate(dict.fromkeys(m.config for m in FSDP_METHODS)):
+        method = next(m for m in FSDP_METHODS if m.config == config)
+        missing = set(PER_CONFIG) - _covered(chosen, config)
+        features = [("inf", "nan")[i % 2] if f == "inject" else f for f in ("inject", "unused_all") if f in missing]
+        precisions = [("bf16", "bf16_fp32")[i % 2]] if "bf16" in missing else []
+        for j in range(max(len(features), len(precisions))):
+            precision = precisions[j] if j < len(precisions) else "fp32"
+            chosen.append(Case(method, precision, features[j] if j < len(features) else "plain"))
     chosen += rng.sample([c for c in ALL_CASES if c not in chosen], max(0, size - len(chosen)))
     return chosen
 
 
-SAMPLE = _covering_sample(32)
+SAMPLE = _covering_sample(0)
 
 
 # -- the worker side --------------------------------------------------------------------------------
@@ -307,6 +330,8 @@ def test_sampled_fsdp_matrix():
     methods = {c.method.name for c in SAMPLE}
     assert methods == {m.name for m in FSDP_METHODS}
     assert {c.precision for c in SAMPLE} == set(PRECISIONS) and {c.feature for c in SAMPLE} == set(FEATURES)
+    lacking = {c: set(PER_CONFIG) - _covered(SAMPLE, c) for c in {m.config for m in FSDP_METHODS}}
+    assert not any(lacking.values()), {c: sorted(v) for c, v in lacking.items() if v}
     _run_cases(SAMPLE)
 
 
