@@ -28,7 +28,17 @@ from typing import Any
 
 from one_message_tables import replace_in
 from scale_comparison import HERE, PROTOCOL, load_protocol
-from scale_verdict import _fmt, _interval, _short, floor, lgc_block, verdict_section
+from scale_verdict import (
+    ACCOUNTINGS,
+    GOAL_VS_DGC,
+    _fmt,
+    _interval,
+    _short,
+    cell_verdict,
+    floor,
+    lgc_block,
+    verdict_section,
+)
 
 from lgc.report.bytes import run_bytes
 from lgc.report.marks import detectable_loss, mark, within_probability
@@ -290,7 +300,8 @@ SUMMARY_BEGIN, SUMMARY_END = "<!-- scale-summary:begin -->", "<!-- scale-summary
 
 
 def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
-    """One line per cell for the README: the methods under each mark, what the cell detects, the byte floor."""
+    """One line per cell for the README: the methods under each mark, what the cell detects, the byte floor and
+    LGC's goal on both accountings."""
     n, reference = len(protocol["seeds"]), protocol["reference"]
     lines = []
     for cell in protocol["order"]["cells"]:
@@ -319,6 +330,12 @@ def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
                 "can send more than "
                 f"{bound['ceiling']:.0f}x fewer bytes than dense there."
             )
+        goal = "; ".join(
+            f"{cell_verdict(rows, reference, key)['status']} on {words}" for key, words in ACCOUNTINGS.items()
+        )
+        text.append(
+            f"LGC's goal ({GOAL_VS_DGC:g}x fewer bytes than DGC within the margin, [verdict](docs/lgc.md)): {goal}."
+        )
         lines.append(" ".join(text))
     return "\n".join(lines)
 
