@@ -34,6 +34,9 @@ def save(delayed: CommunicationDelayState) -> dict[str, Any]:
     Inside ``global_model()`` the local weights and buffers are the ones held aside, not the module's
     (which then holds the synchronized model).
     """
+    # An exchange in flight (Streaming DiLoCo's overlap) runs the compressor on another thread: waited for
+    # first, so that the compressor state read below holds its step and no write races the read.
+    delayed.settle()
     module = delayed.module
     if delayed.view.held_local is not None:
         weights, buffers = delayed.view.held_local
@@ -55,7 +58,7 @@ def save(delayed: CommunicationDelayState) -> dict[str, Any]:
         "local_buffers": {name: t.detach().cpu().clone() for name, t in buffers.items()},
         "outer_optimizer": delayed.outer_step.state_dict(),
         "overlap_steps": delayed.overlap_steps,
-        # Waited for here, so the compressor state above already holds its step.
+        # Waited for above (settle), so the compressor state holds its step.
         "in_flight": None if delayed.in_flight is None else delayed.in_flight.state_dict(),
     }
 

@@ -1,6 +1,7 @@
 """Streaming DiLoCo's overlap (tau) and mixing (alpha): torchft's schedule and merge, a real overlap, exact resume."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lgc
-from lgc import NoneCompressor
+from lgc import ErrorFeedback, NoneCompressor, TopKCompressor
 from lgc.ddp import delay_checkpoint
 from lgc.ddp.fragments import FragmentSchedule
 
@@ -142,12 +143,22 @@ def test_the_exchange_runs_while_the_next_local_step_computes():
         assert result["waited"] and all(result["waited"])
 
 
-def _resumed(rank: int, world: int, stop: int, steps: int) -> dict:
+class _SlowTopK(TopKCompressor):
+    """Top-k that takes a while per tensor: an exchange on the runner's thread is still coding when the
+    training thread reaches the checkpoint."""
+
+    def compress(self, tensor: torch.Tensor, key: str):
+        time.sleep(0.05)
+        return super().compress(tensor, key)
+
+
+def _resumed(rank: int, world: int, stop: int, steps: int, compressor: str = "none") -> dict:
     """Weights after ``steps`` straight, and after a checkpoint at ``stop`` (an exchange in flight) and a resume."""
 
     def run(start: int, end: int, saved: dict | None = None) -> tuple[DDP, dict, bool]:
         model = DDP(_net())
-        state = _delayed(NoneCompressor(), min_numel=0, delay=4, fragments=2, overlap_steps=1, outer="sgd", mixing=0.5)
+        coder = NoneCompressor() if compressor == "none" else ErrorFeedback(_SlowTopK(0.1))
+        state = _delayed(coder, min_numel=0, delay=4, fragments=2, overlap_steps=1, outer="sgd", mixing=0.5)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         if saved is not None:
             state.load_state_dict(saved["delay"])
@@ -168,9 +179,12 @@ def _resumed(rank: int, world: int, stop: int, steps: int) -> dict:
     return {"straight": _flat(straight.module), "resumed": _flat(resumed.module), "held": held, "saved": saved}
 
 
-def test_a_checkpoint_with_an_exchange_in_flight_resumes_exactly():
-    """Saved one step after an exchange started (its result kept), resumed: bit for bit the straight run."""
-    results = run_workers(_resumed, 2, 5, 12)
+@pytest.mark.parametrize("compressor", ["none", "slow_topk"])
+def test_a_checkpoint_with_an_exchange_in_flight_resumes_exactly(compressor):
+    """Saved one step after an exchange started (its result kept), resumed: bit for bit the straight run. With
+    error feedback over a slow top-k the exchange is still coding when the checkpoint is taken: the saved
+    residuals are those after it (the checkpoint waits for it first)."""
+    results = run_workers(_resumed, 2, 5, 12, compressor)
     for result in results:
         assert result["held"] and result["saved"]["delay"]["in_flight"]["fragment"] == 0
         assert torch.equal(result["straight"], result["resumed"])
