@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from lgc.ddp.fragments import FRAGMENT_SPLITS
+from lgc.validation import NonNegativeInt, check
 
 __all__ = ["COMM_OPTIONS", "Comm", "DiLoCo", "EveryStep", "LocalSGD", "StreamingDiLoCo"]
 
@@ -78,6 +79,8 @@ class Comm:
         for field in dataclasses.fields(self):
             if field.name != "prefix" and getattr(self, field.name) is None and field.default is not None:
                 object.__setattr__(self, field.name, field.default)
+        for name in ("min_numel", "start_iter"):  # None: the method's own
+            check(f"{self.prefix}{name}", getattr(self, name), NonNegativeInt | None)
 
     def changed(self, *names: str) -> dict[str, Any]:
         """The fields among ``names`` that differ from their defaults."""

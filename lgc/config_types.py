@@ -16,6 +16,7 @@ the constructor stays the authority on consistency between knobs.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import inspect
 import sys
@@ -187,11 +188,19 @@ def _parameters(target: Callable[..., Any]) -> _Parameters | None:
     return _Parameters(tuple(names), annotations, takes_any)
 
 
+#: The names an annotation may use from ``typing`` and ``collections.abc`` without its module importing them.
+_TYPING_NAMES = {name: getattr(typing, name) for name in typing.__all__} | {
+    name: getattr(collections.abc, name) for name in collections.abc.__all__
+}
+
+
 def _hints(function: Any, signature: inspect.Signature, module: str | None = None) -> dict[str, Any]:
     """``typing.get_type_hints(function)``, plus each other annotation of ``signature`` that evaluates on its own.
 
     Where ``get_type_hints`` fails (a forward reference or a name imported only for type checkers),
-    every annotation is tried alone, so one that does not resolve leaves only its parameter unchecked.
+    every annotation is tried alone, so one that does not resolve leaves only its parameter unchecked;
+    the names of ``typing`` and ``collections.abc`` stand in for such imports (``MultiStepLR``'s
+    ``milestones: Iterable[int]``, imported by torch for type checkers only), the module's own first.
     """
     try:
         hints = {
@@ -206,6 +215,7 @@ def _hints(function: Any, signature: inspect.Signature, module: str | None = Non
     if globalns is None:
         found = sys.modules.get(module or getattr(function, "__module__", None) or "")
         globalns = vars(found) if found is not None else {}
+    globalns = {**_TYPING_NAMES, **globalns}
     for name, parameter in signature.parameters.items():
         if name in hints or parameter.annotation is inspect.Parameter.empty:
             continue

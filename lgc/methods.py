@@ -312,13 +312,15 @@ def build_compressor(
         prefix: how messages name the node's fields (``compressor.`` in a config, empty for keywords).
         name: the method's name, for messages.
     """
+    if error_feedback is not None:
+        check(f"{prefix}error_feedback", error_feedback, bool)
     if isinstance(node, Compressor):
         if error_feedback is False and isinstance(node, ErrorFeedback):
             raise ValueError(f"{prefix}error_feedback=False, but the compressor is wrapped in ErrorFeedback")
         built, wrap, decay = node, bool(error_feedback) and not isinstance(node, ErrorFeedback), error_decay
     else:
         kwargs = dict(node)
-        node_feedback = bool(kwargs.pop("error_feedback", False))
+        node_feedback = bool(check(f"{prefix}error_feedback", kwargs.pop("error_feedback", None), bool | None))
         node_decay = kwargs.pop("error_decay", None)
         wrap = node_feedback if error_feedback is None else error_feedback
         decay = node_decay if error_decay is None else error_decay
@@ -489,8 +491,11 @@ def compressor_chain(obj: Any) -> list[Any]:
     return chain
 
 
-def check_error_feedback(state: Any, method: Any, error_feedback: bool | None) -> None:
-    """Refuse a sparsifier (or EF-signSGD) built without error feedback unless ``error_feedback=False`` said so."""
+def check_error_feedback(state: Any, method: Any, error_feedback: bool | None, prefix: str | None = None) -> None:
+    """Refuse a sparsifier (or EF-signSGD) built without error feedback unless ``error_feedback=False`` said so.
+
+    ``prefix``: where a config gave the method (``compressor.``), so that the message names its field.
+    """
     chain = compressor_chain(state)
     if any(isinstance(c, ErrorFeedback) for c in chain):
         return
@@ -508,6 +513,11 @@ def check_error_feedback(state: Any, method: Any, error_feedback: bool | None) -
         loses = (
             "its scaled sign is biased, and without error feedback the difference is dropped at every step "
             "(EF-signSGD converges because error feedback sends it later)"
+        )
+    if prefix is not None:
+        raise ValueError(
+            f"{name} without error feedback ({prefix}error_feedback unset): {loses}; set "
+            f"{prefix}error_feedback=true, or {prefix}error_feedback=false to run it without, as asked"
         )
     fix = (
         f"wrap it: ErrorFeedback({name}(...)), or pass error_feedback=True"

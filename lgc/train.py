@@ -33,7 +33,7 @@ import lgc.conf  # noqa: F401  (registers the resolvers the configs use, e.g. th
 from lgc.config_types import check_node_types
 from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
 from lgc.lit.strategy import heartbeats, stalled_workers
-from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state
+from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state, check_error_feedback
 from lgc.provenance import run_provenance
 
 __all__ = [
@@ -431,6 +431,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
 
     _check_types(cfg)
     hook_state = build_hook_state(cfg.compressor, cfg.comm)
+    check_error_feedback(hook_state, cfg.compressor, cfg.compressor.get("error_feedback"), prefix="compressor.")
     hook_state.check_optimizer(cfg.optimizer.get("momentum", 0.0), cfg.optimizer.get("weight_decay", 0.0))
     devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
     num_nodes = int(cfg.trainer.get("num_nodes") or 1)

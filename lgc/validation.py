@@ -85,10 +85,18 @@ def check(name: str, value: _T, annotation: Any) -> _T:
     ValueError: density must be a number in (0, 1], got 1.5
     """
     try:
-        _adapter(annotation).validate_python(value, strict=True)
+        _consumed(_adapter(annotation).validate_python(value, strict=True))
     except ValidationError:
         raise ValueError(f"{name} must be {spell(annotation)}, got {value!r}") from None
     return value
+
+
+def _consumed(validated: Any) -> Any:
+    """pydantic checks an ``Iterable[...]`` lazily, item by item as its result is iterated: iterate it, so
+    that a bad item is refused here (``milestones=[abc]``) rather than wherever the value is later read."""
+    if isinstance(validated, abc.Iterator):
+        list(validated)
+    return validated
 
 
 def fits_json(value: Any, annotation: Any) -> bool:
@@ -116,7 +124,7 @@ def json_misfit(value: Any, annotation: Any) -> Literal["type", "value"] | None:
     except Exception:
         return None
     try:
-        adapter.validate_json(json.dumps(value), strict=True)
+        _consumed(adapter.validate_json(json.dumps(value), strict=True))
     except ValidationError as err:
         return "value" if any(error["type"] in _BOUND_ERRORS for error in err.errors()) else "type"
     except Exception:

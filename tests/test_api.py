@@ -267,6 +267,37 @@ def test_a_sparsifier_without_error_feedback_is_refused_unless_asked(group, comp
     assert isinstance(wrapped, ErrorFeedback) and wrapped.compressor is compressor
 
 
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"error_feedback": "no"}, "error_feedback must be a bool, got 'no'"),
+        ({"min_numel": 1.5}, "min_numel must be a non-negative integer or None, got 1.5"),
+        ({"min_numel": True}, "min_numel must be a non-negative integer or None, got True"),
+        ({"start_iter": 2.7}, "start_iter must be a non-negative integer or None, got 2.7"),
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused_not_converted(group, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        lgc.compress(DDP(_net()), "topk", **knobs)
+
+
+@pytest.mark.parametrize(
+    ("method", "knob"),
+    [
+        ("random_block", "shared"),
+        ("redsync", "quantize"),
+        ("redsync", "reuse_threshold"),
+        ("dgc", "nesterov"),
+        ("dgc", "momentum_masking"),
+        ("demo", "sign"),
+        ("shared_topk", "leader_only"),
+    ],
+)
+def test_a_switch_given_as_a_string_is_refused_not_read_as_true(group, method, knob):
+    with pytest.raises(ValueError, match=f"{knob} must be a bool, got 'no'"):
+        lgc.compress(DDP(_net()), method, **{knob: "no"})
+
+
 def test_signsgd_without_error_feedback_is_refused_unless_asked(group):
     with pytest.raises(ValueError, match=r"SignSGDCompressor without error feedback: its scaled sign is biased"):
         lgc.compress(DDP(_net()), SignSGDCompressor())

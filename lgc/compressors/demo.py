@@ -123,7 +123,7 @@ from lgc.compressors.topk import (
     to_wire_float,
     wire_float_dtype,
 )
-from lgc.validation import PositiveInt
+from lgc.validation import PositiveInt, check
 
 __all__ = [
     "DCTPayload",
@@ -212,7 +212,7 @@ class DeMoCompressor(DecodesSegments, TiledCompressorMixin, SparseMeanAggregatio
         value_dtype: str | torch.dtype = "float32",
     ):
         self._init_tiles(chunk, k, tiling)
-        self.sign = bool(sign)
+        self.sign = check("sign", sign, bool)
         self.aggregation = check_aggregation(aggregate)
         self.value_dtype = wire_float_dtype(value_dtype, "value_dtype")
         self._dct = TiledDCT(chunk)

@@ -98,6 +98,7 @@ from lgc.validation import (
     PositiveFloat,
     PositiveFraction,
     PositiveInt,
+    Seed,
     check,
 )
 
@@ -258,8 +259,8 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         check("steps_per_epoch", steps_per_epoch, StepsPerEpoch | None)
         self.density = float(density)
         self.momentum = float(momentum)
-        self.nesterov = bool(nesterov)
-        self.momentum_masking = bool(momentum_masking)
+        self.nesterov = check("nesterov", nesterov, bool)
+        self.momentum_masking = check("momentum_masking", momentum_masking, bool)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.weight_decay = float(weight_decay)
         self.world_size = int(world_size)
@@ -267,7 +268,7 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         self.steps_per_epoch = steps_per_epoch
         self.sample_fraction = float(sample_fraction)
         self.exact_below_numel = int(exact_below_numel)
-        self.seed = int(seed)
+        self.seed = check("seed", seed, Seed)
         #: Epoch of the schedule and its density (a warm-up value until the warm-up is over).
         self.epoch = 0
         self.current_density = self.density

@@ -173,7 +173,7 @@ class RandomBlockCompressor(HoldsSteps, Compressor):
         check("density", density, Density)
         check("seed", seed, Seed | None)
         self.density = float(density)
-        self.shared = bool(shared)
+        self.shared = check("shared", shared, bool)
         self.seed = seed
         self.combine = CombineMode.SUM if self.shared else CombineMode.GATHER
         # Both modes: rank 0's seed is everyone's (unshared offsets then differ by rank, not by a

@@ -207,9 +207,9 @@ class RedSyncCompressor(HoldsSteps, ScatterAddAggregation, Compressor):
         check("epsilon", epsilon, OpenFraction)
         self.density = float(density)
         self.method = method
-        self.reuse_threshold = bool(reuse_threshold)
+        self.reuse_threshold = check("reuse_threshold", reuse_threshold, bool)
         self.epsilon = float(epsilon)
-        self.quantize = bool(quantize)
+        self.quantize = check("quantize", quantize, bool)
         #: Per-key threshold to try first next step (only with ``reuse_threshold``); saved.
         self.thresholds: dict[str, float] = {}
         #: A step encoded ahead of the ranks' agreement (:meth:`compress_pending`): key -> the

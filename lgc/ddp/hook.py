@@ -57,6 +57,7 @@ from lgc.ddp.overlap import EncodeAhead
 from lgc.ddp.packed import StepBuffers, packing, run_packed_step
 from lgc.ddp.protocol import OPTIMIZER_SOURCES, HookState
 from lgc.ddp.step_guard import PendingBucket, SkipCounter, StepVerdict, agree_on_step, complete_dense, run_holding
+from lgc.validation import NonNegativeInt, check
 
 __all__ = ["CompressionHookState", "compression_hook", "register_compression_hook"]
 
@@ -152,12 +153,10 @@ class CompressionHookState(HookState):
             raise NotImplementedError(f"{compressor!r} combines via a server, which compression_hook does not run")
         if min_numel is None:
             min_numel = method_min_numel(compressor)
-        if int(min_numel) < 0:
-            raise ValueError(f"min_numel must be >= 0, got {min_numel!r}")
+        check("min_numel", min_numel, NonNegativeInt)
         if start_iter is None:
             start_iter = method_start_iter(compressor)
-        if int(start_iter) < 0:
-            raise ValueError(f"start_iter must be >= 0, got {start_iter!r}")
+        check("start_iter", start_iter, NonNegativeInt)
         self.compressor = compressor
         self.min_numel = int(min_numel)
         self.start_iter = int(start_iter)

@@ -123,7 +123,7 @@ class SharedIndexStage:
                 f"leader_only sends the leader's values as they are: values must be a float format, got {values!r}"
             )
         self.values = values
-        self.leader_only = bool(leader_only)
+        self.leader_only = check("leader_only", leader_only, bool)
         self.seed = int(seed)
 
     def check_world(self, world_size: int) -> None:

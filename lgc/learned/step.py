@@ -92,7 +92,7 @@ class DeliveredError:
     __slots__ = ("enabled", "premise", "sums")
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled = bool(enabled)
+        self.enabled = check("measure_error", enabled, bool)
         #: [sum of squared errors, sum of squared exact sums] over the measured steps.
         self.sums = [0.0, 0.0]
         #: [sum of r, sum of the energy share, steps] over the measured steps with 2 workers or more.

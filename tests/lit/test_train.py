@@ -261,13 +261,18 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
     [
         (["compressor.density=1.5"], ValueError, r"compressor.density=1.5 must be a number in \(0, 1\] \(a param"),
         (["compressor.density=0"], ValueError, r"compressor.density=0 must be a number in \(0, 1\]"),
-        (["comm.min_numel=-1"], ValueError, "min_numel must be >= 0, got -1"),
+        (["comm.min_numel=-1"], ValueError, "comm.min_numel must be a non-negative integer or None, got -1"),
         (["trainer.devices=4096"], ValueError, "trainer.devices=4096"),
         (["trainer.accelerator=gpu", "trainer.devices=64"], ValueError, "trainer.devices=64 but this machine has"),
         (["data=cifar10", "data.root=/no/such/folder"], FileNotFoundError, "'/no/such/folder' does not exist"),
         (["ckpt_path=/no/such.ckpt"], FileNotFoundError, "ckpt_path='/no/such.ckpt'"),
         (["compressor=dgc", "optimizer.momentum=0.9"], ValueError, r"applies momentum too \(optimizer.momentum=0.9\)"),
         (["compressor=dgc", "compressor.error_feedback=true"], ValueError, "DGC keeps its own error feedback"),
+        # A sparsifier's error feedback is on or off as said, never by omission or a stray string.
+        (["compressor.error_feedback=null"], ValueError, r"without error feedback \(compressor.error_feedback unset\)"),
+        (["~compressor.error_feedback"], ValueError, r"set compressor.error_feedback=true, or compressor.error_feedba"),
+        (["compressor.error_feedback=no"], ValueError, "compressor.error_feedback must be a bool or None, got 'no'"),
+        (["scheduler=multistep", "scheduler.milestones=[82.5,123]"], TypeError, r"scheduler.milestones=\[82.5, 123\]"),
         # Wrong types name the field.
         (["compressor.density=abc"], TypeError, r"compressor.density='abc' must be a number in \(0, 1\]"),
         (["compressor.density=[0.1]"], TypeError, r"compressor.density=\[0.1\] must be a number in \(0, 1\]"),
