@@ -160,6 +160,9 @@ class PowerSGDHookState(TorchHookState):
         # total_numel_after_compression before it did (see _book_bucket).
         self._compressed = False
         self._numel_after_before = 0
+        # PowerSGD's iteration when its state was restored (None: never): DDP's first iteration after it
+        # runs on other buckets, and only that one may (see _powersgd_hook).
+        self._restored_iter: int | None = None
         self._reset_step()
 
     def register(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -189,6 +192,15 @@ class PowerSGDHookState(TorchHookState):
         self._numel_after_before = state.total_numel_after_compression
         self._compressed = state.iter >= state.start_powerSGD_iter
         if self._compressed and held is not None and held != shapes:
+            if self._restored_iter is None or state.iter > self._restored_iter:
+                # Past DDP's first iteration after the restart, its buckets are the ones it keeps: another
+                # layout (another ddp.bucket_cap_mb, another model) would leave this bucket dense for good.
+                raise ValueError(
+                    f"PowerSGD's state holds bucket {bucket.index()} as {len(held)} gradients of shapes "
+                    f"{list(held)[:4]}..., DDP's bucket {bucket.index()} now holds {len(shapes)} of shapes "
+                    f"{list(shapes)[:4]}...: resume with the DDP settings (ddp.bucket_cap_mb) and model the "
+                    "checkpoint was written with"
+                )
             self._compressed = False
             state.maybe_increase_iter(bucket)
             group = state.process_group if state.process_group is not None else dist.group.WORLD
@@ -326,6 +338,7 @@ class PowerSGDHookState(TorchHookState):
             if slot in self._HYPERPARAMETERS or slot == "process_group":
                 continue
             setattr(self.powersgd, slot, _rng_from_state_dict(value) if slot == "rng" else copy.deepcopy(value))
+        self._restored_iter = int(self.powersgd.iter)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "process_group": None, "powersgd": None}

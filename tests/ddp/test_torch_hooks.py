@@ -290,6 +290,42 @@ def test_powersgd_resumes_when_ddp_rebuilds_its_buckets_after_the_restart(batche
                 assert any(not torch.allclose(g, d) for g, d in zip(later, dense, strict=True))  # compressed
 
 
+def _resume_with_other_buckets(rank: int, world: int, folder: str) -> dict:
+    """Four steps with 10 kB buckets, saved; resumed with DDP's default 25 MB (one bucket): each resumed
+    step's outcome (None, or the error)."""
+
+    def step(model: DDP, i: int) -> str | None:
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * i + rank))
+        model.zero_grad()
+        try:
+            model(x).square().mean().backward()
+        except Exception as err:  # noqa: BLE001 - the hook's refusal, as DDP hands it on
+            return str(err)
+        return None
+
+    state = PowerSGDHookState(start_powerSGD_iter=2, min_compression_rate=1.1)
+    model = DDP(_net(), bucket_cap_mb=0.01)
+    state.register(model)
+    for i in range(4):
+        assert step(model, i) is None
+    saved = state.state_dict()
+    resumed = PowerSGDHookState(start_powerSGD_iter=2, min_compression_rate=1.1)
+    resumed.load_state_dict(saved)
+    other = DDP(_net(), bucket_cap_mb=25)
+    resumed.register(other)
+    first = step(other, 4)
+    return {"first": first, "second": step(other, 5)}
+
+
+@pytest.mark.multiprocess
+def test_powersgd_resumed_with_other_buckets_is_refused_at_its_second_step_not_left_dense(tmp_path):
+    # The first step after a restart is dense in any case (DDP's first buckets); from the second on, a
+    # bucket whose gradients are not those its state holds would have stayed dense for the rest of the run.
+    for result in run_workers(_resume_with_other_buckets, 2, str(tmp_path)):
+        assert result["first"] is None
+        assert result["second"] is not None and "resume with the DDP settings (ddp.bucket_cap_mb)" in result["second"]
+
+
 def test_state_dict_restores_the_rng_and_refuses_a_checkpoint_of_another_layout():
     state = PowerSGDHookState(start_powerSGD_iter=2)
     state.powersgd = powerSGD_hook.PowerSGDState(process_group=None, **state.options)
