@@ -34,9 +34,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lgc.validation import FiniteFloat, PositiveInt, Seed, check
+
 __all__ = ["AutoencoderConfig", "GradientAutoencoder"]
 
 _DECODERS = ("transposed", "upsample")
+
+
+#: Every :class:`AutoencoderConfig` field's type and bounds, checked (by name) when one is built.
+_FIELD_CHECKS: dict[str, object] = {
+    "chunk": PositiveInt,
+    "encoder_channels": tuple[PositiveInt, ...],
+    "latent_channels": PositiveInt,
+    "decoder_channels": tuple[PositiveInt, ...],
+    "decoder": str,
+    "negative_slope": FiniteFloat,
+    "num_decoders": PositiveInt,
+    "innovation": bool,
+    "seed": Seed,
+}
 
 
 @dataclass(frozen=True)
@@ -68,19 +84,13 @@ class AutoencoderConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name, annotation in _FIELD_CHECKS.items():
+            check(f"autoencoder {name}", getattr(self, name), annotation)
         depth = len(self.encoder_channels)
         if depth < 1 or not self.decoder_channels:
             raise ValueError("encoder_channels and decoder_channels must each name at least one layer")
-        for name in ("encoder_channels", "decoder_channels"):
-            widths = getattr(self, name)
-            if any(int(c) < 1 for c in widths):
-                raise ValueError(f"{name} must be positive, got {list(widths)}")
-        if self.latent_channels < 1:
-            raise ValueError(f"latent_channels must be >= 1, got {self.latent_channels}")
         if self.decoder not in _DECODERS:
             raise ValueError(f"autoencoder decoder must be one of {_DECODERS}, got {self.decoder!r}")
-        if self.num_decoders < 1:
-            raise ValueError(f"num_decoders must be >= 1, got {self.num_decoders}")
         stride = 2**depth
         if self.chunk < self.receptive_field:
             raise ValueError(
@@ -116,9 +126,9 @@ class AutoencoderConfig:
         if isinstance(width, bool) or not isinstance(width, int | float) or not 0 < width <= 16:
             raise ValueError(f"autoencoder width must be a number in (0, 16], got {width!r}")
         for name in ("encoder_channels", "decoder_channels"):
-            channels = kwargs.get(name, getattr(cls, name))
-            if isinstance(channels, Sequence):
-                kwargs[name] = tuple(max(1, round(int(c) * width)) for c in channels)
+            # Checked as given, before the width scales them (which keeps each at least 1).
+            channels = check(f"autoencoder {name}", kwargs.get(name, getattr(cls, name)), Sequence[PositiveInt])
+            kwargs[name] = tuple(max(1, round(c * width)) for c in channels)
         return cls(**kwargs)  # type: ignore[arg-type]
 
 

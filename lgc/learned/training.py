@@ -34,6 +34,7 @@ sample buffer and one trainer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -54,8 +55,24 @@ from lgc.learned.knobs import CodecTrainingKnobs
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.samples import Sample, gather_leader_samples, gather_samples, mean_pairwise_correlation
 from lgc.learned.step import StepContext
+from lgc.validation import NonNegativeFloat, check
 
 __all__ = ["ChunkCodec", "CodecTrainer", "CodecTraining"]
+
+
+def _loss_weights(given: Mapping[str, Any]) -> LossWeights:
+    """``training.loss_weights`` as :class:`LossWeights`: each a non-negative finite number, not all zero."""
+    unknown = sorted(set(given) - set(LossWeights._fields))
+    if unknown:
+        raise ValueError(
+            f"training.loss_weights.{unknown[0]} is not a loss term; they are {', '.join(LossWeights._fields)}"
+        )
+    for name, value in given.items():
+        check(f"training.loss_weights.{name}", value, NonNegativeFloat)
+    weights = LossWeights(**given)
+    if not any(weights):
+        raise ValueError(f"training.loss_weights are all 0 ({dict(given)}): the codec would learn nothing")
+    return weights
 
 
 @runtime_checkable
@@ -178,7 +195,7 @@ class CodecTraining:
             lr=knobs.lr,
             batch_size=knobs.batch_size,
             buffer_size=knobs.buffer_size,
-            weights=LossWeights(**knobs.loss_weights),
+            weights=_loss_weights(knobs.loss_weights),
             seed=self.config.seed,
         )
         self.frozen = False

@@ -273,6 +273,16 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (["~compressor.error_feedback"], ValueError, r"set compressor.error_feedback=true, or compressor.error_feedba"),
         (["compressor.error_feedback=no"], ValueError, "compressor.error_feedback must be a bool or None, got 'no'"),
         (["scheduler=multistep", "scheduler.milestones=[82.5,123]"], TypeError, r"scheduler.milestones=\[82.5, 123\]"),
+        (
+            ["compressor=lgc_rar", "compressor.training.autoencoder.encoder_channels=[0,-1]"],
+            ValueError,
+            r"autoencoder encoder_channels must be a list of positive integer, got \[0, -1\]",
+        ),
+        (
+            ["compressor=lgc_rar", "compressor.training.loss_weights.mean=-1"],
+            ValueError,
+            "training.loss_weights.mean must be a non-negative finite number, got -1",
+        ),
         # Wrong types name the field.
         (["compressor.density=abc"], TypeError, r"compressor.density='abc' must be a number in \(0, 1\]"),
         (["compressor.density=[0.1]"], TypeError, r"compressor.density=\[0.1\] must be a number in \(0, 1\]"),
