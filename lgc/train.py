@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import hydra
 import torch
@@ -35,6 +35,7 @@ from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_chec
 from lgc.lit.strategy import heartbeats, stalled_workers
 from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state, check_error_feedback
 from lgc.provenance import run_provenance
+from lgc.validation import PositiveFloat, RunSeed, check
 
 __all__ = [
     "check_devices",
@@ -159,12 +160,21 @@ def _check_model_fits_task(model: torch.nn.Module, datamodule: Any, task: str) -
         )
 
 
-def _check_optimizer(module: Any) -> None:
-    """Build the optimizer and its schedule once on the model, so bad values fail here, not in a worker."""
+def _check_optimizer(module: Any, hook_state: Any) -> None:
+    """Build the optimizer and its schedule once on the model, so bad values fail here, not in a worker; then
+    the method's optimizer rules (DGC's, DeMo's) on what that optimizer applies, whatever its class (Adam's
+    betas are momentum), as ``lgc.compress`` checks them."""
+    from lgc.api import _check_against_optimizer
+
     try:
-        module.configure_optimizers()
+        configured = module.configure_optimizers()
     except (ValueError, TypeError) as err:
         raise type(err)(f"optimizer/scheduler: {err}") from err
+    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    if isinstance(optimizer, list | tuple):
+        optimizer = optimizer[0]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _check_against_optimizer(hook_state, optimizer, None, None)
 
 
 def _task_module(cfg: DictConfig, model: torch.nn.Module, datamodule: Any) -> Any:
@@ -308,11 +318,32 @@ class _PreparedRun(NamedTuple):
     timeout_s: float
 
 
+#: The ``ddp`` node's settings and their types (``timeout``: :func:`_check_timeout`).
+_DDP_SETTINGS: dict[str, Any] = {
+    "start_method": Literal["spawn", "fork", "forkserver", "popen"],
+    "process_group_backend": Literal["gloo", "nccl"] | None,
+    "bucket_cap_mb": PositiveFloat,
+    "oversubscribe": bool,
+    "timeout": Any,
+}
+
+
+def _check_settings(cfg: DictConfig) -> None:
+    """The settings no ``_target_`` checks: the ``ddp`` node's (no unknown key, each of its type) and the seed."""
+    ddp = cfg.get("ddp") or {}
+    for key in ddp:
+        if key not in _DDP_SETTINGS:
+            raise ValueError(f"ddp.{key} is not a DDP setting; they are {', '.join(_DDP_SETTINGS)}")
+        check(f"ddp.{key}", ddp[key], _DDP_SETTINGS[key])
+    check("seed", cfg.get("seed"), RunSeed)
+
+
 def _check_types(cfg: DictConfig) -> None:
     """Every instantiated node's values against its ``_target_``'s annotations (errors name the field).
 
     ``comm`` is a structured config (:mod:`lgc.comm`): Hydra has checked its keys and types already.
     """
+    _check_settings(cfg)
     groups = {name: cfg.get(name) for name in ("compressor", "model", "data", "optimizer", "scheduler", "trainer")}
     groups |= {f"logger.{name}": node for name, node in (cfg.get("logger") or {}).items()}
     groups |= {f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()}
@@ -348,6 +379,11 @@ def check_strategy(cfg: DictConfig, hook_state: Any, devices: int, world_size: i
     name = node.get("name")
     if name not in STRATEGIES:
         raise ValueError(f"strategy.name must be one of {', '.join(STRATEGIES)}, got {name!r}")
+    if getattr(hook_state, "takes_local_steps", False) and cfg.trainer.get("accumulate_grad_batches", 1) != 1:
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}: communication delay "
+            f"(comm.delay={cfg.comm.get('delay')}) counts optimizer steps; train with 1 here"
+        )
     if name == "ddp":
         return None
     if isinstance(hook_state, LGCHookState):
@@ -446,14 +482,22 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = _instantiate(cfg.data, "data")
     # The run's length, for the checks that need it (LGC's stages, a checkpoint with steps left).
+    for name in ("max_steps", "max_epochs"):
+        if cfg.trainer.get(name) == 0:
+            raise ValueError(f"trainer.{name}=0: the run would take no optimizer step and write no summary")
     total_steps = (
         expected_optimizer_steps(cfg.trainer, datamodule, world_size)
         if hook_state.needs_total_steps or ckpt_path is not None
         else None
     )
+    if total_steps == 0:
+        raise ValueError(
+            f"the run takes no optimizer step: each of its {world_size} workers' shard holds fewer than one batch "
+            f"of data.batch_size={cfg.data.get('batch_size')} (or trainer.limit_train_batches leaves none)"
+        )
     model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
     module = _task_module(cfg, model, datamodule)
-    _check_optimizer(module)
+    _check_optimizer(module, hook_state)
     # The method's workers: under HSDP the replicas (LGC's leader and codecs, the local steps' outer workers).
     hook_state.check_run(model, world_size if shard_size is None else world_size // shard_size, total_steps)
     resolved = OmegaConf.to_container(cfg, resolve=True)

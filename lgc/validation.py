@@ -57,6 +57,9 @@ NonNegativeInt = Annotated[int, Field(ge=0, description="a non-negative integer"
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False, description="a positive finite number")]
 #: A finite number that may be zero (a weight decay, a tolerance).
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False, description="a non-negative finite number")]
+#: A run's seed (Lightning's ``seed_everything`` seeds numpy, which takes ``[0, 2**32)``; beyond it
+#: Lightning would pick a random seed instead).
+RunSeed = Annotated[int, Field(ge=0, lt=2**32, description="an integer in [0, 2**32)")]
 #: Any finite number.
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False, description="a finite number")]
 #: A seed of a random generator (torch's generators take ``[0, 2**63)``).

@@ -279,6 +279,22 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
             r"autoencoder encoder_channels must be a list of positive integer, got \[0, -1\]",
         ),
         (
+            ["compressor=dgc", "optimizer._target_=torch.optim.Adam", "~optimizer.momentum", "~optimizer.nesterov"],
+            ValueError,
+            r"the optimizer applies momentum too \(Adam param_groups\[0\]\['betas'\]=0.9\)",
+        ),
+        (["trainer.max_steps=0"], ValueError, "trainer.max_steps=0: the run would take no optimizer step"),
+        (["ddp.oversubscribe=no"], ValueError, "ddp.oversubscribe must be a bool, got 'no'"),
+        (["ddp.bucket_cap_mb=-5"], ValueError, "ddp.bucket_cap_mb must be a positive finite number, got -5"),
+        (["ddp.process_group_backend=foo"], ValueError, "ddp.process_group_backend must be one of 'gloo', 'nccl'"),
+        (["+ddp.foo=1"], ValueError, "ddp.foo is not a DDP setting; they are start_method"),
+        (["seed=-1"], ValueError, r"seed must be an integer in \[0, 2\*\*32\), got -1"),
+        (
+            ["comm=local_sgd", "comm.delay=4", "+trainer.accumulate_grad_batches=2"],
+            ValueError,
+            r"trainer.accumulate_grad_batches=2: communication delay \(comm.delay=4\) counts optimizer steps",
+        ),
+        (
             ["compressor=lgc_rar", "compressor.training.loss_weights.mean=-1"],
             ValueError,
             "training.loss_weights.mean must be a non-negative finite number, got -1",
