@@ -4,8 +4,9 @@ Every comparison is bit for bit: parameters, optimizer and LR-scheduler state, a
 compressor state (residuals, momenta, LGC's autoencoder and buffers, step counters, byte counts,
 random generators). Stop points: mid-epoch through ``trainer.max_steps`` (the stop users hit) and
 through step checkpoints kept by a second ``ModelCheckpoint``, at epoch ends, and in each of LGC's
-stages. The whole matrix is ``-m slow``; the default suite runs one mid-epoch ``max_steps`` stop in
-LGC-RAR's compressed stage.
+stages. The whole matrix is ``-m slow``; the default suite runs one mid-epoch ``max_steps`` stop of
+shared-index int8 in its compressed stage end to end, and ``tests/ddp/test_devices.py`` resumes every
+method's hook state mid-run.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def check_resume_matrix(tmp_path: Path, method: str, stops: tuple[tuple[str, int
 
 @pytest.mark.slow
 def test_lgc_rar_stopped_by_max_steps_in_its_compressed_stage_resumes_bit_identically(tmp_path):
-    """The default suite's resume check (every method and stage: the slow matrix below)."""
+    """LGC-RAR stopped mid-epoch in its compressed stage: the checkpoint's loop and loader position, and the
+    resumed run's summary naming the segment before it (every method and stage: the slow matrix below)."""
     check_resume_matrix(tmp_path, "lgc_rar", (("max_steps", 13),))
     # The stop was saved at step 13 itself, with the epoch unfinished and the loader's position.
     checkpoint = load(tmp_path / "max_steps13" / "first" / "checkpoints" / "last.ckpt")
