@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from lgc.ddp.fragments import FRAGMENT_SPLITS
-from lgc.validation import NonNegativeInt, check
+from lgc.validation import NonNegativeInt, PositiveInt, check
 
 __all__ = ["COMM_OPTIONS", "Comm", "DiLoCo", "EveryStep", "LocalSGD", "StreamingDiLoCo"]
 
@@ -81,6 +81,7 @@ class Comm:
                 object.__setattr__(self, field.name, field.default)
         for name in ("min_numel", "start_iter"):  # None: the method's own
             check(f"{self.prefix}{name}", getattr(self, name), NonNegativeInt | None)
+        check(f"{self.prefix}delay", self.delay, PositiveInt | None)
 
     def changed(self, *names: str) -> dict[str, Any]:
         """The fields among ``names`` that differ from their defaults."""

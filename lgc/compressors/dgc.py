@@ -248,12 +248,11 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         check("clip_norm", clip_norm, PositiveFloat | None)
         check("weight_decay", weight_decay, NonNegativeFloat)
         check("world_size", world_size, PositiveInt)
-        if isinstance(warmup_densities, (str, bytes)) or not isinstance(warmup_densities, Sequence):
-            # Hydra hands over a ListConfig, which is a Sequence; anything else is a mistake.
-            warmup_densities = list(warmup_densities)  # type: ignore[arg-type]
-        for value in warmup_densities:
-            if not 0.0 < float(value) <= 1.0:
-                raise ValueError(f"warmup_densities must lie in (0, 1], got {value!r} in {list(warmup_densities)!r}")
+        # Hydra hands over a ListConfig, a Sequence of plain values: checked as the list it is.
+        listed = isinstance(warmup_densities, Sequence) and not isinstance(warmup_densities, str)
+        given = list(warmup_densities) if listed else warmup_densities
+        check("warmup_densities", given, list[Density])
+        warmup_densities = given
         check("sample_fraction", sample_fraction, PositiveFraction)
         check("exact_below_numel", exact_below_numel, NonNegativeInt)
         check("steps_per_epoch", steps_per_epoch, StepsPerEpoch | None)

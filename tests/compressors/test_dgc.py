@@ -1068,7 +1068,11 @@ def test_check_optimizer_refuses_double_momentum_and_double_error_feedback():
         ({"world_size": 0}, r"world_size must be a positive integer, got 0"),
         ({"weight_decay": -1e-4}, r"weight_decay must be a non-negative finite number, got -0.0001"),
         ({"weight_decay": math.inf}, r"weight_decay must be a non-negative finite number, got inf"),
-        ({"warmup_densities": [0.25, 2.0]}, r"warmup_densities must lie in \(0, 1\], got 2.0"),
+        (
+            {"warmup_densities": [0.25, 2.0]},
+            r"warmup_densities must be a list of number in \(0, 1\], got \[0.25, 2.0\]",
+        ),
+        ({"warmup_densities": "abc"}, r"warmup_densities must be a list of number in \(0, 1\], got 'abc'"),
         ({"sample_fraction": 0.0}, r"sample_fraction must be a number in \(0, 1\], got 0.0"),
         ({"exact_below_numel": -1}, r"exact_below_numel must be a non-negative integer, got -1"),
         ({"steps_per_epoch": 0}, r"steps_per_epoch must be a positive integer .*len\(train_loader\).* got 0"),

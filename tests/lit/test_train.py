@@ -320,6 +320,7 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
             "fragment_split must be one of \\('strided', 'contiguous'\\), got 'layers'",
         ),
         (["comm=local_sgd"], ValueError, r"comm=local_sgd needs comm.delay \(e.g. comm.delay=4\)"),
+        (["comm=local_sgd", "comm.delay=0"], ValueError, "comm.delay must be a positive integer or None, got 0"),
         (
             ["+comm.delay=4"],
             ValueError,
