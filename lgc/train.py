@@ -31,7 +31,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import lgc.conf  # noqa: F401  (registers the resolvers the configs use, e.g. the run folder's lgc_run_id)
 from lgc.config_types import check_node_types
-from lgc.lit.checkpoint import CheckpointRecord, ResumableCheckpoint, check_checkpoint, resolve_checkpoint_path
+from lgc.lit.checkpoint import (
+    CheckpointRecord,
+    ResumableCheckpoint,
+    check_checkpoint,
+    resolve_checkpoint_path,
+    run_settings,
+)
 from lgc.lit.strategy import heartbeats, stalled_workers
 from lgc.methods import ERROR_FEEDBACK_KEYS, build_hook_state, check_error_feedback
 from lgc.provenance import run_provenance
@@ -517,6 +523,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
             model_state=module.state_dict(),
             total_steps=total_steps,
             strategy=resolved["strategy"],
+            run=run_settings(resolved),
         )
     heartbeat_dir = output_dir / ".workers"
     start_method = "popen" if launched_externally() else cfg.ddp.start_method
@@ -547,7 +554,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
         RunSummary(str(output_dir), resolved, hydra=hydra_run, provenance=run_provenance()),
         ValidateAtMaxSteps(),
         ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=checkpoint_node.get("every_n_train_steps")),
-        CheckpointRecord(resolved["compressor"], resolved["comm"], resolved["strategy"]),
+        CheckpointRecord(resolved["compressor"], resolved["comm"], resolved["strategy"], run_settings(resolved)),
     ]
     # Extra callbacks by name (null drops one), e.g. lgc.analysis.GradientRecorder.
     callbacks += [

@@ -38,6 +38,7 @@ __all__ = [
     "load_own_optimizer_state",
     "own_optimizer_state",
     "resolve_checkpoint_path",
+    "run_settings",
     "rng_state",
     "set_rng_state",
 ]
@@ -184,14 +185,20 @@ class CheckpointRecord(pl.Callback):
         compressor: the resolved ``compressor`` config node.
         comm: the resolved ``comm`` config node.
         strategy: the resolved ``strategy`` config node (DDP, FSDP2 or HSDP); None: DDP.
+        run: the settings that fix the run's course besides those (:func:`run_settings`); None: not recorded.
     """
 
     def __init__(
-        self, compressor: dict[str, Any], comm: dict[str, Any], strategy: dict[str, Any] | None = None
+        self,
+        compressor: dict[str, Any],
+        comm: dict[str, Any],
+        strategy: dict[str, Any] | None = None,
+        run: dict[str, Any] | None = None,
     ) -> None:
         self.compressor = compressor
         self.comm = comm
         self.strategy = DDP_STRATEGY if strategy is None else strategy
+        self.run = run
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -205,7 +212,26 @@ class CheckpointRecord(pl.Callback):
             "compressor": self.compressor,
             "comm": self.comm,
             "strategy": self.strategy,
+            **({} if self.run is None else {"run": self.run}),
         }
+
+
+#: Data settings that name where the data is or how it is read, not which data: they may change on a resume.
+_DATA_LOCATION = ("root", "download", "num_workers")
+
+
+def run_settings(resolved: dict[str, Any]) -> dict[str, Any]:
+    """What a resumed run must keep, from the resolved config, besides the compressor, ``comm`` and strategy:
+    the data (which images, in which shards and batches; not where they lie), the seed, the optimizer
+    (whose state the checkpoint restores over any new setting) and DDP's buckets (PowerSGD's state is
+    laid out by them). The run's length and its schedule may change (a run is resumed to go on)."""
+    data = {key: value for key, value in (resolved.get("data") or {}).items() if key not in _DATA_LOCATION}
+    return {
+        "data": data,
+        "seed": resolved.get("seed"),
+        "optimizer": resolved.get("optimizer"),
+        "ddp": {"bucket_cap_mb": (resolved.get("ddp") or {}).get("bucket_cap_mb")},
+    }
 
 
 def resolve_checkpoint_path(value: str | Path | None, output_dir: str | Path) -> Path | None:
@@ -284,6 +310,7 @@ def check_checkpoint(
     model_state: dict[str, torch.Tensor],
     total_steps: int | None = None,
     strategy: dict[str, Any] | None = None,
+    run: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load ``path`` safely and check that this run can resume from it; returns the checkpoint.
 
@@ -301,6 +328,7 @@ def check_checkpoint(
         model_state: this run's LightningModule ``state_dict()`` (names and shapes are compared).
         total_steps: the optimizer steps this run would end at, when known.
         strategy: this run's resolved ``strategy`` config node; None: DDP (a checkpoint without one is DDP's).
+        run: this run's :func:`run_settings`, compared with the checkpoint's where it recorded them.
     """
     checkpoint = load_checkpoint(path)
     name = f"ckpt_path={str(path)!r}"
@@ -327,6 +355,13 @@ def check_checkpoint(
     )
     if differences:
         raise ValueError(f"{name} was written with another compressor configuration: " + "; ".join(differences))
+    if run is not None and isinstance(record.get("run"), dict):
+        changed = [line for key in sorted(run) for line in _differences(record["run"].get(key), run[key], key)]
+        if changed:
+            raise ValueError(
+                f"{name} was written with other run settings: {'; '.join(changed)}; a resume takes the steps of "
+                "the run that stopped, so resume with its settings (or start a new run)"
+            )
     saved_shapes = {key: tuple(value.shape) for key, value in checkpoint.get("state_dict", {}).items()}
     current_shapes = {key: tuple(value.shape) for key, value in model_state.items()}
     if saved_shapes != current_shapes:

@@ -149,6 +149,14 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
     train(compose_cfg(tmp_path / "straight", "trainer.max_epochs=2", *common))
     train(compose_cfg(tmp_path / "first", "trainer.max_epochs=1", *common))
     stopped = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    # Other data, another seed or another optimizer setting would make another run: refused, named.
+    for changed, named in (
+        ("data.batch_size=16", "data.batch_size: checkpoint 32, this run 16"),
+        ("seed=1", "seed: checkpoint 0, this run 1"),
+        ("optimizer.lr=0.05", "optimizer.lr: checkpoint 0.1, this run 0.05"),
+    ):
+        with pytest.raises(ValueError, match=f"was written with other run settings: {re.escape(named)}"):
+            train(compose_cfg(tmp_path / "refused", "trainer.max_epochs=2", f"ckpt_path={stopped}", changed, *common))
     train(compose_cfg(tmp_path / "resumed", "trainer.max_epochs=2", f"ckpt_path={stopped}", *common))
 
     # Resumed into its own folder (as a sweep resumes a stopped run): it goes on writing last.ckpt.
