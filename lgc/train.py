@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -143,7 +144,8 @@ def expected_optimizer_steps(trainer_node: DictConfig, datamodule: Any, world_si
         batches = min(batches, limit)
     elif isinstance(limit, float):
         batches = int(batches * limit)
-    return batches // int(trainer_node.get("accumulate_grad_batches") or 1) * int(trainer_node.max_epochs)
+    # Lightning also steps on an epoch's last, partial accumulation.
+    return math.ceil(batches / int(trainer_node.get("accumulate_grad_batches") or 1)) * int(trainer_node.max_epochs)
 
 
 def _check_model_fits_task(model: torch.nn.Module, datamodule: Any, task: str) -> None:
@@ -177,7 +179,8 @@ def _check_optimizer(module: Any, hook_state: Any) -> None:
     except (ValueError, TypeError) as err:
         raise type(err)(f"optimizer/scheduler: {err}") from err
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
-    if isinstance(optimizer, list | tuple):
+    # ``([optimizer], [scheduler])`` where the schedule is a list of configs (warm-ups, per-step cosine).
+    while isinstance(optimizer, list | tuple) and optimizer:
         optimizer = optimizer[0]
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_against_optimizer(hook_state, optimizer, None, None)
@@ -327,7 +330,7 @@ class _PreparedRun(NamedTuple):
 #: The ``ddp`` node's settings and their types (``timeout``: :func:`_check_timeout`).
 _DDP_SETTINGS: dict[str, Any] = {
     "start_method": Literal["spawn", "fork", "forkserver", "popen"],
-    "process_group_backend": Literal["gloo", "nccl"] | None,
+    "process_group_backend": str | None,
     "bucket_cap_mb": PositiveFloat,
     "oversubscribe": bool,
     "timeout": Any,

@@ -84,6 +84,9 @@ class AutoencoderConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("encoder_channels", "decoder_channels"):  # a list given in Python is the same layers
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         for name, annotation in _FIELD_CHECKS.items():
             check(f"autoencoder {name}", getattr(self, name), annotation)
         depth = len(self.encoder_channels)

@@ -68,10 +68,12 @@ def to_wire_float(values: Tensor, dtype: torch.dtype, terms: int = 1) -> Tensor:
     too: each is saturated at the largest value over ``terms``. An inf or NaN already in
     ``values`` is cast as it is, so that the step guard's non-finite handling sees it.
     """
-    if dtype == values.dtype or (terms == 1 and torch.finfo(dtype).max >= torch.finfo(values.dtype).max):
+    if terms == 1 and (dtype == values.dtype or torch.finfo(dtype).max >= torch.finfo(values.dtype).max):
         return values.to(dtype)
     limit = torch.finfo(dtype).max / terms
-    return torch.where(values.isinf(), values, values.clamp(-limit, limit)).to(dtype)
+    # Clamped in fp32: fp16's largest value rounds up to 65536 in bf16, which fp16 holds as inf.
+    wide = values if values.dtype in (torch.float32, torch.float64) else values.float()
+    return torch.where(wide.isinf(), wide, wide.clamp(-limit, limit)).to(dtype)
 
 
 def index_dtype_for(numel: int) -> torch.dtype:

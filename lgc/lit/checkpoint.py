@@ -217,19 +217,21 @@ class CheckpointRecord(pl.Callback):
 
 
 #: Data settings that name where the data is or how it is read, not which data: they may change on a resume.
-_DATA_LOCATION = ("root", "download", "num_workers")
+_DATA_LOCATION = ("root", "download", "num_workers", "cache")
 
 
 def run_settings(resolved: dict[str, Any]) -> dict[str, Any]:
     """What a resumed run must keep, from the resolved config, besides the compressor, ``comm`` and strategy:
     the data (which images, in which shards and batches; not where they lie), the seed, the optimizer
-    (whose state the checkpoint restores over any new setting) and DDP's buckets (PowerSGD's state is
-    laid out by them). The run's length and its schedule may change (a run is resumed to go on)."""
+    and the learning-rate schedule (the checkpoint restores their state over any new setting: a
+    cosine schedule keeps its length) and DDP's buckets (PowerSGD's state is laid out by them). The
+    run's length may change where the schedule does not follow it."""
     data = {key: value for key, value in (resolved.get("data") or {}).items() if key not in _DATA_LOCATION}
     return {
         "data": data,
         "seed": resolved.get("seed"),
         "optimizer": resolved.get("optimizer"),
+        "scheduler": resolved.get("scheduler"),
         "ddp": {"bucket_cap_mb": (resolved.get("ddp") or {}).get("bucket_cap_mb")},
     }
 
@@ -384,6 +386,7 @@ def check_checkpoint(
     if total_steps is not None and step >= total_steps:
         raise ValueError(
             f"{name} is at step {step}, and this run ends at step {total_steps}: nothing is left to train; "
-            "raise trainer.max_steps or trainer.max_epochs to go on"
+            "raise trainer.max_steps or trainer.max_epochs to go on, where the learning-rate schedule does not "
+            "follow them (the checkpoint's schedule would be kept)"
         )
     return checkpoint

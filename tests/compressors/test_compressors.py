@@ -348,3 +348,12 @@ def test_a_plain_cast_to_a_half_precision_wire_keeps_inf_and_nan():
     # bf16 holds fp32's range but for its last sliver; fp32 to fp32 is the values themselves.
     assert to_wire_float(torch.tensor([3.4e38]), torch.bfloat16).item() == torch.finfo(torch.bfloat16).max
     assert torch.equal(to_wire_float(values[:2], torch.float32), values[:2])
+    # bf16 values clamped in fp32: fp16's largest rounds to 65536 in bf16, which is inf in fp16.
+    assert to_wire_float(torch.tensor([1e5, -7e4, 65504.0], dtype=torch.bfloat16), torch.float16).tolist() == [
+        65504.0,
+        -65504.0,
+        65504.0,
+    ]
+    # Values an fp16 allreduce of 4 adds are saturated at a quarter of the largest, fp16 values too.
+    summed = to_wire_float(torch.tensor([6e4, -3e4], dtype=torch.float16), torch.float16, terms=4)
+    assert summed.tolist() == [16376.0, -16376.0] and bool(torch.isfinite(summed * 4).all())

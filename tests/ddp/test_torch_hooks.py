@@ -75,10 +75,11 @@ def test_powersgd_runs_on_gloo_with_several_buckets_and_counts_its_bytes(batched
 
 
 def _run_against_torch(rank: int, world: int, options: dict, batched: bool, steps: int) -> list[dict]:
-    """Train twice from the same weights: PyTorch's PowerSGD hook registered as PyTorch documents it, and
-    lgc's wrapper; every step's averaged gradients of both (each model stepping on its own)."""
+    """Train twice from the same weights, PyTorch's PowerSGD hook registered as PyTorch documents it and lgc's
+    wrapper (each model stepping on its own), with plain DDP's average at the hook's weights beside them:
+    every step's averaged gradients of the three."""
     models, optimizers = [], []
-    for _ in range(2):
+    for _ in range(3):  # PyTorch's hook, lgc's wrapper, plain DDP
         model = DDP(_net(), bucket_cap_mb=0.01)
         models.append(model)
         optimizers.append(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -105,6 +106,9 @@ def _run_against_torch(rank: int, world: int, options: dict, batched: bool, step
             model(x).square().mean().backward()
             step_grads.append({name: p.grad.clone() for name, p in model.module.named_parameters()})
             optimizer.step()
+        with torch.no_grad():  # plain DDP's average at the hooks' weights, not its own trajectory
+            for p, q in zip(models[2].parameters(), models[0].parameters(), strict=True):
+                p.copy_(q)
         grads.append(step_grads)
     return grads
 
@@ -135,11 +139,12 @@ def test_powersgd_is_pytorchs_own_hook_step_for_step(batched):
         orthogonalization_epsilon=0.0 if batched else 1e-8,
     )
     for grads in run_workers(_run_against_torch, 2, options, batched, 8):
-        for step, (theirs, ours) in enumerate(grads):
+        for step, (theirs, ours, _) in enumerate(grads):
             for name, grad in theirs.items():
                 assert torch.equal(ours[name], grad), f"step {step}: {name} differs from PyTorch's hook"
-        # The compressed steps differ from the dense average: the comparison covers PowerSGD itself.
-        assert not torch.equal(grads[-1][0]["0.weight"], grads[2][0]["0.weight"])
+        # From start_powerSGD_iter on, the steps are PowerSGD's, not the dense average a plain DDP takes.
+        for step, (theirs, _, dense) in enumerate(grads):
+            assert torch.equal(theirs["0.weight"], dense["0.weight"]) == (step < options["start_powerSGD_iter"])
 
 
 class _NetWithAuxiliaryBranch(nn.Module):

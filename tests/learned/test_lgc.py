@@ -40,6 +40,17 @@ def test_latent_is_a_quarter_of_the_chunk_and_receptive_field_is_checked():
         AutoencoderConfig(chunk=16)
     with pytest.raises(ValueError, match=r"chunk=40 must be a multiple of 2\*\*4 = 16"):
         AutoencoderConfig(chunk=40)
+    # Every field checked by name; channels given as a list are the same layers as a tuple.
+    listed = AutoencoderConfig(chunk=64, encoder_channels=[8, 16, 32, 8], decoder_channels=[4, 8, 16, 4])
+    assert listed.encoder_channels == (8, 16, 32, 8) and listed.decoder_channels == (4, 8, 16, 4)
+    for bad, named in (
+        ({"encoder_channels": [0, -1]}, "autoencoder encoder_channels must be"),
+        ({"latent_channels": 2.5}, "autoencoder latent_channels must be a positive integer, got 2.5"),
+        ({"negative_slope": "x"}, "autoencoder negative_slope must be a finite number, got 'x'"),
+        ({"seed": -1}, "autoencoder seed must be an integer in"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            AutoencoderConfig(chunk=64, **bad)
     # Same seed, same weights on every worker; the global generator is left alone.
     state = torch.random.get_rng_state()
     twin = GradientAutoencoder(config)

@@ -154,9 +154,10 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
         ("data.batch_size=16", "data.batch_size: checkpoint 32, this run 16"),
         ("seed=1", "seed: checkpoint 0, this run 1"),
         ("optimizer.lr=0.05", "optimizer.lr: checkpoint 0.1, this run 0.05"),
+        ("scheduler.T_max=3", "scheduler.T_max: checkpoint 2, this run 3"),
     ):
         with pytest.raises(ValueError, match=f"was written with other run settings: {re.escape(named)}"):
-            train(compose_cfg(tmp_path / "refused", "trainer.max_epochs=2", f"ckpt_path={stopped}", changed, *common))
+            train(compose_cfg(tmp_path / "refused", "trainer.max_epochs=2", f"ckpt_path={stopped}", *common, changed))
     train(compose_cfg(tmp_path / "resumed", "trainer.max_epochs=2", f"ckpt_path={stopped}", *common))
 
     # Resumed into its own folder (as a sweep resumes a stopped run): it goes on writing last.ckpt.
@@ -291,10 +292,22 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
             ValueError,
             r"the optimizer applies momentum too \(Adam param_groups\[0\]\['betas'\]=0.9\)",
         ),
+        (  # a schedule of several configs: the optimizer comes back in a list of its own
+            [
+                "compressor=dgc",
+                "optimizer._target_=torch.optim.Adam",
+                "~optimizer.momentum",
+                "~optimizer.nesterov",
+                "scheduler=warmup_multistep",
+                "scheduler.warmup_steps=2",
+            ],
+            ValueError,
+            r"the optimizer applies momentum too \(Adam param_groups\[0\]\['betas'\]=0.9\)",
+        ),
         (["trainer.max_steps=0"], ValueError, "trainer.max_steps=0: the run would take no optimizer step"),
         (["ddp.oversubscribe=no"], ValueError, "ddp.oversubscribe must be a bool, got 'no'"),
         (["ddp.bucket_cap_mb=-5"], ValueError, "ddp.bucket_cap_mb must be a positive finite number, got -5"),
-        (["ddp.process_group_backend=foo"], ValueError, "ddp.process_group_backend must be one of 'gloo', 'nccl'"),
+        (["ddp.process_group_backend=5"], ValueError, "ddp.process_group_backend must be a str or None, got 5"),
         (["+ddp.foo=1"], ValueError, "ddp.foo is not a DDP setting; they are start_method"),
         (["seed=-1"], ValueError, r"seed must be an integer in \[0, 2\*\*32\), got -1"),
         (
