@@ -94,6 +94,11 @@ Precision: the transform runs in fp32 (half-precision inputs are cast); with TF3
 on a GPU it keeps only about three significant digits, which error feedback absorbs (the residual
 is computed with the same decoder), but the round trip is then no longer exact to fp32.
 
+Why one module: DeMo's transform of the reference's tiles, its per-tile selection, the payload those
+fix (positions at the tile's bit width) and the sender-mean aggregate with its sign are one algorithm
+whose per-tensor path and bucket path must give the same bits; the transform itself is
+:mod:`lgc.compressors.dct`, the tiling :mod:`lgc.compressors.tiles`.
+
 Example::
 
     >>> compressor = ErrorFeedback(DeMoCompressor(chunk=64, k=32), decay=0.999)
