@@ -148,6 +148,7 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
                         ("overhead_mb", "overhead_wire_mb_per_worker"),
                         ("codec_mb", "codec_wire_mb_per_worker"),
                         ("ceiling", "ceiling"),
+                        ("warmup_mb", "warmup_wire_mb_per_worker"),
                     )
                 },
             }

@@ -198,20 +198,22 @@ def lgc_block(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
         lines += [
             f"**{cell}**: {protocol['cells'][cell]['title']}.",
             "",
-            "| setting | gap to dense (points) | mark | whole wire (MB/worker) | codec's bytes (MB/worker) |",
-            "|---|---|---|---|---|",
+            "| setting | gap to dense (points) | mark | whole wire (MB/worker) | codec's bytes (MB/worker) "
+            "| its dense warm-up's part of the whole wire (MB/worker) |",
+            "|---|---|---|---|---|---|",
         ]
         for row in rows:
             if not (_learned(row["method"]) or row["method"] == "dgc"):
                 continue
             if len(row["seeds"]) < seeds or row["gap_points"] is None:
-                lines.append(f"| {labels[row['method']]} | {len(row['seeds'])} of {seeds} seeds | - | - | - |")
+                lines.append(f"| {labels[row['method']]} | {len(row['seeds'])} of {seeds} seeds | - | - | - | - |")
                 continue
-            gap, wire, codec = (
+            gap, wire, codec, warmup = (
                 _interval(row["gap_points"], "+.2f"),
                 _fmt(row["wire_mb"], ".4g"),
                 _fmt(row["codec_mb"], ".4g"),
+                _fmt(row.get("warmup_mb"), ".4g"),
             )
-            lines.append(f"| {labels[row['method']]} | {gap} | {row['mark'] or '-'} | {wire} | {codec} |")
+            lines.append(f"| {labels[row['method']]} | {gap} | {row['mark'] or '-'} | {wire} | {codec} | {warmup} |")
         lines += ["", *cell_lines(protocol, rows), ""]
     return "\n".join(lines).rstrip()

@@ -316,12 +316,12 @@ def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
     # LGC's page: LGC's rows and DGC's with their gaps and marks, the other methods left to the tables;
     # a row with seeds still to run shows how far it is, and nothing else.
     gap = {"n": 5, "mean": -0.25, "sd": 0.3, "half_width": 0.37}
-    shown = [{**row, "gap_points": gap} for row in rows]
+    shown = [{**row, "gap_points": gap, "warmup_mb": 8.0 if row["method"] == "lgc_rar" else None} for row in rows]
     shown[-2] = {**shown[-2], "seeds": [0, 1, 2]}  # lgc_ps
     block = verdict.lgc_block(protocol, {cell: {"rows": shown} for cell in protocol["order"]["cells"]})
-    assert "| lgc_rar | -0.25 ± 0.37 | within | 20 | 10 |" in block
-    assert "| dgc | -0.25 ± 0.37 | within | 40 | 30 |" in block
-    assert "| lgc_ps | 3 of 5 seeds | - | - | - |" in block
+    assert "| lgc_rar | -0.25 ± 0.37 | within | 20 | 10 | 8 |" in block  # 8 of its 20 MB in the dense warm-up
+    assert "| dgc | -0.25 ± 0.37 | within | 40 | 30 | - |" in block  # no stages of LGC's
+    assert "| lgc_ps | 3 of 5 seeds | - | - | - | - |" in block
     assert "| fp16 |" not in block and "| powersgd |" not in block
     assert block.count("- On bytes the codec carries:") == len(protocol["order"]["cells"])
     low = _verdict_rows(marks, {**wire, "dgc": 25.0}, {})
