@@ -1,7 +1,6 @@
 """Streaming DiLoCo's overlap (tau) and mixing (alpha): torchft's schedule and merge, a real overlap, exact resume."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -143,12 +142,17 @@ def test_the_exchange_runs_while_the_next_local_step_computes():
         assert result["waited"] and all(result["waited"])
 
 
-class _SlowTopK(TopKCompressor):
-    """Top-k that takes a while per tensor: an exchange on the runner's thread is still coding when the
-    training thread reaches the checkpoint."""
+#: Open except around the checkpoint of :func:`_resumed`: the exchange started at the last step before it
+#: codes only once the checkpoint has begun (a timer opens it), so it is in flight whatever the timing.
+_GATE = threading.Event()
+_GATE.set()
+
+
+class _GatedTopK(TopKCompressor):
+    """Top-k that codes only while :data:`_GATE` is open."""
 
     def compress(self, tensor: torch.Tensor, key: str):
-        time.sleep(0.05)
+        assert _GATE.wait(timeout=30), "the gate never opened"
         return super().compress(tensor, key)
 
 
@@ -157,7 +161,7 @@ def _resumed(rank: int, world: int, stop: int, steps: int, compressor: str = "no
 
     def run(start: int, end: int, saved: dict | None = None) -> tuple[DDP, dict, bool]:
         model = DDP(_net())
-        coder = NoneCompressor() if compressor == "none" else ErrorFeedback(_SlowTopK(0.1))
+        coder = NoneCompressor() if compressor == "none" else ErrorFeedback(_GatedTopK(0.1))
         state = _delayed(coder, min_numel=0, delay=4, fragments=2, overlap_steps=1, outer="sgd", mixing=0.5)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         if saved is not None:
@@ -169,8 +173,12 @@ def _resumed(rank: int, world: int, stop: int, steps: int, compressor: str = "no
             optimizer.zero_grad()
             (model(x) - y).square().mean().backward()
             optimizer.step()
+            if saved is None and end < steps and step == end - 1:
+                _GATE.clear()  # the exchange this step starts waits for the checkpoint below
             state.after_optimizer_step()
         held = state.in_flight is not None
+        if not _GATE.is_set():
+            threading.Timer(0.2, _GATE.set).start()
         return model, {"delay": state.state_dict(), "optimizer": optimizer.state_dict()}, held
 
     straight, _, _ = run(0, steps)
@@ -179,11 +187,11 @@ def _resumed(rank: int, world: int, stop: int, steps: int, compressor: str = "no
     return {"straight": _flat(straight.module), "resumed": _flat(resumed.module), "held": held, "saved": saved}
 
 
-@pytest.mark.parametrize("compressor", ["none", "slow_topk"])
+@pytest.mark.parametrize("compressor", ["none", "gated_topk"])
 def test_a_checkpoint_with_an_exchange_in_flight_resumes_exactly(compressor):
     """Saved one step after an exchange started (its result kept), resumed: bit for bit the straight run. With
-    error feedback over a slow top-k the exchange is still coding when the checkpoint is taken: the saved
-    residuals are those after it (the checkpoint waits for it first)."""
+    error feedback over a top-k held until the checkpoint has begun, the exchange is still coding when the
+    checkpoint is taken: the saved residuals are those after it (the checkpoint waits for it first)."""
     results = run_workers(_resumed, 2, 5, 12, compressor)
     for result in results:
         assert result["held"] and result["saved"]["delay"]["in_flight"]["fragment"] == 0
