@@ -210,15 +210,20 @@ def _hints(function: Any, signature: inspect.Signature, module: str | None = Non
         }
     except Exception:
         hints = {}
+    left = [
+        (name, parameter)
+        for name, parameter in signature.parameters.items()
+        if name not in hints and parameter.annotation is not inspect.Parameter.empty
+    ]
+    if not left:
+        return hints
     unwrapped = inspect.unwrap(function) if callable(function) else function
     globalns = getattr(unwrapped, "__globals__", None)
     if globalns is None:
         found = sys.modules.get(module or getattr(function, "__module__", None) or "")
         globalns = vars(found) if found is not None else {}
     globalns = {**_TYPING_NAMES, **globalns}
-    for name, parameter in signature.parameters.items():
-        if name in hints or parameter.annotation is inspect.Parameter.empty:
-            continue
+    for name, parameter in left:
         try:
             holder = types.SimpleNamespace(__annotations__={name: parameter.annotation})
             hints[name] = typing.get_type_hints(holder, globalns=globalns, include_extras=True)[name]

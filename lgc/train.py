@@ -510,6 +510,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     # The method's workers: under HSDP the replicas (LGC's leader and codecs, the local steps' outer workers).
     hook_state.check_run(model, world_size if shard_size is None else world_size // shard_size, total_steps)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    run = run_settings(resolved)  # what a checkpoint records and a resume must keep
     # comm.min_numel: null follows the method; the summary and the checkpoint record the number it is.
     effective_min_numel = hook_state.dense_below()
     if resolved["comm"].get("min_numel") is None and effective_min_numel is not None:
@@ -526,7 +527,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
             model_state=module.state_dict(),
             total_steps=total_steps,
             strategy=resolved["strategy"],
-            run=run_settings(resolved),
+            run=run,
         )
     heartbeat_dir = output_dir / ".workers"
     start_method = "popen" if launched_externally() else cfg.ddp.start_method
@@ -557,7 +558,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
         RunSummary(str(output_dir), resolved, hydra=hydra_run, provenance=run_provenance()),
         ValidateAtMaxSteps(),
         ResumableCheckpoint(output_dir / "checkpoints", every_n_train_steps=checkpoint_node.get("every_n_train_steps")),
-        CheckpointRecord(resolved["compressor"], resolved["comm"], resolved["strategy"], run_settings(resolved)),
+        CheckpointRecord(resolved["compressor"], resolved["comm"], resolved["strategy"], run),
     ]
     # Extra callbacks by name (null drops one), e.g. lgc.analysis.GradientRecorder.
     callbacks += [

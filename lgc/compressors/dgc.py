@@ -249,10 +249,9 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         check("weight_decay", weight_decay, NonNegativeFloat)
         check("world_size", world_size, PositiveInt)
         # Hydra hands over a ListConfig, a Sequence of plain values: checked as the list it is.
-        listed = isinstance(warmup_densities, Sequence) and not isinstance(warmup_densities, str)
-        given = list(warmup_densities) if listed else warmup_densities
-        check("warmup_densities", given, list[Density])
-        warmup_densities = given
+        if isinstance(warmup_densities, Sequence) and not isinstance(warmup_densities, str):
+            warmup_densities = list(warmup_densities)
+        check("warmup_densities", warmup_densities, list[Density])
         check("sample_fraction", sample_fraction, PositiveFraction)
         check("exact_below_numel", exact_below_numel, NonNegativeInt)
         check("steps_per_epoch", steps_per_epoch, StepsPerEpoch | None)

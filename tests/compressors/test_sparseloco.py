@@ -323,18 +323,19 @@ def _loco_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 _LOCO_LR, _LOCO_K = 0.2, 16
 
 
-def _sparseloco_worker(rank: int, world: int, delay: int, steps: int) -> list[torch.Tensor]:
+def _loco_worker(rank: int, world: int, method: str, knobs: dict, steps: int) -> list[torch.Tensor]:
+    """``lgc.compress(model, method, **knobs)`` on :func:`_loco_net` with SGD: the flat weights after every step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(_loco_net())
     optimizer = torch.optim.SGD(model.parameters(), lr=_LOCO_LR)
-    lgc.compress(model, "sparseloco", delay=delay, optimizer=optimizer, sparsifier={"k": _LOCO_K})
+    lgc.compress(model, method, optimizer=optimizer, **knobs)
     weights = []
     for step in range(steps):
         x, y = _loco_batch(rank, step)
         optimizer.zero_grad()
         (model(x) - y).square().mean().backward()
-        optimizer.step()  # lgc.compress wraps it: the exchange follows every delay-th step
+        optimizer.step()  # lgc.compress wraps it: with a delay, the exchange follows every delay-th step
         weights.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
     return weights
 
@@ -359,7 +360,8 @@ def test_sparseloco_over_several_exchanges_follows_a_transcription_of_the_refere
     from distributed import run_workers
 
     delay, exchanges, workers = 2, 3, 2
-    results = run_workers(_sparseloco_worker, workers, delay, delay * exchanges)
+    knobs = {"delay": delay, "sparsifier": {"k": _LOCO_K}}
+    results = run_workers(_loco_worker, workers, "sparseloco", knobs, delay * exchanges)
 
     reference = _Templar(topk=_LOCO_K)
     nets = [_loco_net() for _ in range(workers)]
@@ -394,22 +396,6 @@ def test_sparseloco_over_several_exchanges_follows_a_transcription_of_the_refere
             torch.testing.assert_close(results[rank][step], expected, rtol=1e-5, atol=1e-6, msg=f"step {step}")
 
 
-def _chunked_topk_worker(rank: int, world: int, steps: int) -> list[torch.Tensor]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(_loco_net())
-    optimizer = torch.optim.SGD(model.parameters(), lr=_LOCO_LR)
-    lgc.compress(model, "chunked_topk", optimizer=optimizer, k=_LOCO_K)
-    weights = []
-    for step in range(steps):
-        x, y = _loco_batch(rank, step)
-        optimizer.zero_grad()
-        (model(x) - y).square().mean().backward()
-        optimizer.step()
-        weights.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
-    return weights
-
-
 @pytest.mark.multiprocess
 def test_chunked_topk_every_step_through_the_hook_follows_the_references_selection_and_decode():
     """``lgc.compress(model, "chunked_topk")`` on 2 DDP workers, every step, against tplr-ai/templar's
@@ -421,7 +407,7 @@ def test_chunked_topk_every_step_through_the_hook_follows_the_references_selecti
     from distributed import run_workers
 
     steps, workers = 5, 2
-    results = run_workers(_chunked_topk_worker, workers, steps)
+    results = run_workers(_loco_worker, workers, "chunked_topk", {"k": _LOCO_K}, steps)
     reference = _Templar(topk=_LOCO_K)
     net = _loco_net()
     nets = [_loco_net() for _ in range(workers)]
