@@ -89,11 +89,21 @@ def check(name: str, value: _T, annotation: Any) -> _T:
     ...
     ValueError: density must be a number in (0, 1], got 1.5
     """
+    if _numpy_scalar(value):
+        hint = f" (a numpy scalar: pass {type(value.item()).__name__}(x), {value.item()!r})"
+        raise ValueError(f"{name} must be {spell(annotation)}, got {value!r}{hint}")
     try:
         _consumed(_adapter(annotation).validate_python(value, strict=True))
     except ValidationError:
         raise ValueError(f"{name} must be {spell(annotation)}, got {value!r}") from None
     return value
+
+
+def _numpy_scalar(value: Any) -> bool:
+    """A numpy scalar that is not a Python number (``np.int64``, ``np.float32``, ``np.bool_``; ``np.float64``
+    is a float): refused, consistently, since pydantic would take some as numbers (``np.bool_`` among them),
+    and they would reach configs, checkpoints and JSON records as numpy's types."""
+    return type(value).__module__ == "numpy" and hasattr(value, "item") and not isinstance(value, (int, float))
 
 
 def _consumed(validated: Any) -> Any:

@@ -74,6 +74,23 @@ def test_check_returns_the_very_object_it_was_given(value, annotation):
     assert check("knob", value, annotation) is value
 
 
+def test_a_numpy_scalar_that_is_not_a_python_number_is_refused_with_how_to_pass_it():
+    # np.float64 is a float; np.int64 and np.float32 are not Python numbers and would reach records as numpy's.
+    with pytest.raises(
+        ValueError,
+        match=r"^min_numel must be a positive integer, got np.int64\(1024\) \(a numpy "
+        r"scalar: pass int\(x\), 1024\)$",
+    ):
+        check("min_numel", np.int64(1024), PositiveInt)
+    with pytest.raises(ValueError, match=r"got np.float32\(0.5\) \(a numpy scalar: pass float\(x\), 0.5\)$"):
+        check("density", np.float32(0.5), Density)
+    with pytest.raises(ValueError, match=r"got np.True_ \(a numpy scalar: pass bool\(x\), True\)$"):
+        check("lr", np.bool_(True), PositiveFloat)  # a bool is not a number
+    assert check("density", np.float64(0.5), Density) == 0.5  # a float
+    with pytest.raises(ValueError, match=r"^density must be a number in \(0, 1\], got 1.5$"):
+        check("density", 1.5, Density)  # no hint for a Python value
+
+
 def test_an_int_is_a_float_but_a_float_is_not_an_int():
     assert check("x", 3, PositiveFloat) == 3 and type(check("x", 3, PositiveFloat)) is int
     with pytest.raises(ValueError, match="x must be a positive integer, got 3.0"):

@@ -60,8 +60,9 @@ from lgc.validation import NonNegativeFloat, check
 __all__ = ["ChunkCodec", "CodecTrainer", "CodecTraining"]
 
 
-def _loss_weights(given: Mapping[str, Any]) -> LossWeights:
-    """``training.loss_weights`` as :class:`LossWeights`: each a non-negative finite number, not all zero."""
+def _loss_weights(given: Mapping[str, Any], *, ps: bool = False) -> LossWeights:
+    """``training.loss_weights`` as :class:`LossWeights`: each a non-negative finite number, not all zero
+    (for LGC-PS, ``ps``, not all zero among the terms it trains on: the ``mean`` term is LGC-RAR's)."""
     unknown = sorted(set(given) - set(LossWeights._fields))
     if unknown:
         raise ValueError(
@@ -72,6 +73,11 @@ def _loss_weights(given: Mapping[str, Any]) -> LossWeights:
     weights = LossWeights(**given)
     if not any(weights):
         raise ValueError(f"training.loss_weights are all 0 ({dict(given)}): the codec would learn nothing")
+    if ps and not (weights.reconstruction or weights.similarity):
+        raise ValueError(
+            f"training.loss_weights={dict(given)}: LGC-PS trains on reconstruction and similarity only (the "
+            "mean term is LGC-RAR's), and both are 0: the codec would learn nothing"
+        )
     return weights
 
 
@@ -195,7 +201,7 @@ class CodecTraining:
             lr=knobs.lr,
             batch_size=knobs.batch_size,
             buffer_size=knobs.buffer_size,
-            weights=_loss_weights(knobs.loss_weights),
+            weights=_loss_weights(knobs.loss_weights, ps=innovation_density is not None),
             seed=self.config.seed,
         )
         self.frozen = False

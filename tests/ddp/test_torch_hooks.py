@@ -53,6 +53,63 @@ def test_torch_fp16_hook_is_wrapped_with_exact_byte_counts():
         assert stats["compression_ratio"] == pytest.approx(2.0)
 
 
+def _fp16_against_torch(rank: int, world: int, steps: int) -> list[dict]:
+    """PyTorch's ``fp16_compress_hook`` and lgc's ``fp16`` (every tensor, from the first step) from the same
+    weights at every step of a training run (the reference's): both averages, and every worker's local
+    fp32 gradient of that step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from lgc import FP16Compressor, register_compression_hook
+
+    theirs, ours, local = DDP(_net(), bucket_cap_mb=0.01), DDP(_net(), bucket_cap_mb=0.01), _net()
+    theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    register_compression_hook(ours, FP16Compressor(), min_numel=1, start_iter=0)
+    optimizer = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
+    records = []
+    for step in range(steps):
+        with torch.no_grad():
+            for model in (ours.module, local):
+                for p, q in zip(model.parameters(), theirs.module.parameters(), strict=True):
+                    p.copy_(q)
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
+        grads = {}
+        for name, model in (("theirs", theirs), ("ours", ours), ("local", local)):
+            model.zero_grad()
+            model(x).square().mean().backward()
+            grads[name] = [p.grad.clone() for p in model.parameters()]
+        gathered = []
+        for g in grads["local"]:
+            parts = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(parts, g)
+            gathered.append(torch.stack(parts))
+        grads["every_worker"] = gathered
+        records.append(grads)
+        optimizer.step()
+    return records
+
+
+@pytest.mark.multiprocess
+def test_fp16_is_pytorchs_hook_bit_for_bit_where_every_quotient_is_normal():
+    """lgc's fp16 divides by the world size in fp32 and casts (one rounding); PyTorch's hook casts, then
+    divides in fp16 (two). With a power-of-two world the two agree bit for bit wherever every worker's
+    quotient is 0 or a normal fp16 number; where one is subnormal, each worker's half-precision value
+    differs by at most one subnormal step (lgc's is the correctly rounded one), and the sum by that or by
+    one fp16 step of the sum."""
+    world, smallest_normal, subnormal_step = 2, 2.0**-14, 2.0**-24
+    subnormal_entries = 0
+    for records in run_workers(_fp16_against_torch, world, 4):
+        for step, grads in enumerate(records):
+            for theirs, ours, every in zip(grads["theirs"], grads["ours"], grads["every_worker"], strict=True):
+                quotients = (every / world).abs()
+                normal = ((quotients >= smallest_normal) | (quotients == 0)).all(dim=0)
+                assert torch.equal(ours[normal], theirs[normal]), f"step {step}"
+                # One subnormal step per worker, or one fp16 step of the sum where the sum rounds it.
+                bound = torch.clamp(theirs.abs() * 2.0**-10, min=world * subnormal_step)
+                assert ((ours - theirs).abs() <= bound).all(), f"step {step}"
+                subnormal_entries += int((~normal).sum())
+    assert subnormal_entries > 0  # the test sees both cases
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("batched", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_powersgd_runs_on_gloo_with_several_buckets_and_counts_its_bytes(batched):

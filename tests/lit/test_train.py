@@ -320,6 +320,15 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
             ValueError,
             "training.loss_weights.mean must be a non-negative finite number, got -1",
         ),
+        (
+            [
+                "compressor=lgc_ps",
+                "compressor.training.loss_weights.reconstruction=0",
+                "compressor.training.loss_weights.similarity=0",
+            ],
+            ValueError,
+            r"LGC-PS trains on reconstruction and similarity only \(the mean term is LGC-RAR's\), and both are 0",
+        ),
         # Wrong types name the field.
         (["compressor.density=abc"], TypeError, r"compressor.density='abc' must be a number in \(0, 1\]"),
         (["compressor.density=[0.1]"], TypeError, r"compressor.density=\[0.1\] must be a number in \(0, 1\]"),
