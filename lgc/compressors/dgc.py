@@ -190,7 +190,8 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
             ``torch.optim.SGD(weight_decay=...)``, which must then be 0. Needs
             :meth:`attach_parameters`. ``0`` (the default) adds none.
         world_size: number of workers ``N`` the hook divides the gradient by: scales ``clip_norm``.
-            :meth:`set_world_size` overrides it.
+            ``None`` (the default): the hook's process group sets it (:meth:`set_world_size`), 1 outside
+            a hook; a number given must be the process group's size (else refused at registration).
         warmup_densities: density per warm-up epoch; from epoch ``len(warmup_densities)`` on,
             ``density`` is used (a warm-up value below ``density`` counts as ``density``). The
             default is the paper's ``[0.25, 0.0625, 0.015625, 0.00390625]`` (4 epochs); ``[]`` disables
@@ -236,7 +237,7 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         momentum_masking: bool = True,
         clip_norm: PositiveFloat | None = None,
         weight_decay: NonNegativeFloat = 0.0,
-        world_size: PositiveInt = 1,
+        world_size: PositiveInt | None = None,
         warmup_densities: Sequence[float] = PAPER_WARMUP_DENSITIES,
         steps_per_epoch: StepsPerEpoch | None = None,
         sample_fraction: PositiveFraction = 0.01,
@@ -247,7 +248,7 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         check("momentum", momentum, Momentum)
         check("clip_norm", clip_norm, PositiveFloat | None)
         check("weight_decay", weight_decay, NonNegativeFloat)
-        check("world_size", world_size, PositiveInt)
+        check("world_size", world_size, PositiveInt | None)
         # Hydra hands over a ListConfig, a Sequence of plain values: checked as the list it is.
         if isinstance(warmup_densities, Sequence) and not isinstance(warmup_densities, str):
             warmup_densities = list(warmup_densities)
@@ -261,7 +262,9 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         self.momentum_masking = check("momentum_masking", momentum_masking, bool)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.weight_decay = float(weight_decay)
-        self.world_size = int(world_size)
+        #: The world size given to the constructor (None: the hook's).
+        self.given_world_size = world_size
+        self.world_size = 1 if world_size is None else int(world_size)
         self.warmup_densities = tuple(float(d) for d in warmup_densities)
         self.steps_per_epoch = steps_per_epoch
         self.sample_fraction = float(sample_fraction)
@@ -355,8 +358,14 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
         self._parameters = parameters
 
     def set_world_size(self, world_size: PositiveInt) -> None:
-        """Number of workers the hook divides gradients by (scales ``clip_norm``)."""
+        """Number of workers the hook divides gradients by (scales ``clip_norm``); a ``world_size`` given to the
+        constructor must be this one."""
         check("world_size", world_size, PositiveInt)
+        if self.given_world_size is not None and self.given_world_size != world_size:
+            raise ValueError(
+                f"DGC world_size={self.given_world_size}, but the hook's process group has {world_size} workers: "
+                "leave world_size unset under a hook (it is the process group's)"
+            )
         self.world_size = int(world_size)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -371,7 +380,15 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(
-            {"_pending": {}, "_dense_pending": {}, "_spares": {}, "draws": {}, "_before_step": None, **state}
+            {
+                "_pending": {},
+                "_dense_pending": {},
+                "_spares": {},
+                "draws": {},
+                "_before_step": None,
+                "given_world_size": None,
+                **state,
+            }
         )
         self._buckets = BucketFlats()
 

@@ -756,6 +756,17 @@ def test_local_clipping_scales_by_inverse_sqrt_world_size():
     assert torch.equal(DGCCompressor(1.0, momentum=0.0, clip_norm=2.0, world_size=4).compress(small, "w").values, small)
 
 
+def test_a_world_size_given_must_be_the_hooks():
+    hooked = DGCCompressor(0.01)
+    assert hooked.world_size == 1  # outside a hook
+    hooked.set_world_size(2)  # what the hook does at registration
+    assert hooked.world_size == 2
+    given = DGCCompressor(0.01, world_size=4)
+    given.set_world_size(4)
+    with pytest.raises(ValueError, match="DGC world_size=4, but the hook's process group has 2 workers"):
+        given.set_world_size(2)
+
+
 # -- (4) the sampled threshold -----------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("numel", "density"),
@@ -1065,7 +1076,7 @@ def test_check_optimizer_refuses_double_momentum_and_double_error_feedback():
         ({"density": 1.5}, r"density must be a number in \(0, 1\], got 1.5"),
         ({"momentum": 1.0}, r"momentum must be a number in \[0, 1\), got 1.0"),
         ({"clip_norm": -1.0}, r"clip_norm must be a positive finite number or None, got -1.0"),
-        ({"world_size": 0}, r"world_size must be a positive integer, got 0"),
+        ({"world_size": 0}, r"world_size must be a positive integer or None, got 0"),
         ({"weight_decay": -1e-4}, r"weight_decay must be a non-negative finite number, got -0.0001"),
         ({"weight_decay": math.inf}, r"weight_decay must be a non-negative finite number, got inf"),
         (

@@ -514,7 +514,6 @@ def curves() -> dict[str, list[float]]:
     "name,fraction,max_slowdown,final",
     [("qsgd", 1e-6, 2.0, 1e-9), ("terngrad", 1e-6, 2.0, 1e-8), ("signsgd", 1e-4, 5.0, 1e-4)],
 )
-@pytest.mark.slow
 def test_two_process_training_converges_close_to_dense(curves, name, fraction, max_slowdown, final):
     """Reach ``fraction`` of the initial loss in at most ``max_slowdown`` times dense's steps.
 
@@ -532,7 +531,6 @@ def test_two_process_training_converges_close_to_dense(curves, name, fraction, m
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_error_feedback_is_what_makes_the_scaled_sign_converge(curves):
     with_feedback, without = curves["signsgd"], curves["sign_without_feedback"]
     assert with_feedback[-1] < 0.1 * without[-1], (with_feedback[-1], without[-1])

@@ -298,7 +298,6 @@ def _train_least_squares(rank: int, world: int, configs: list, steps: int) -> li
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_two_workers_send_different_lengths_and_converge():
     configs = [
         None,

@@ -407,7 +407,6 @@ def _steps_to_reach(losses: list[float], fraction: float) -> float:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_two_workers_with_different_payload_sizes_converge_within_a_factor_of_dense():
     steps, density = 300, 0.05  # k = 26 of 512 weights, one shared magnitude per step
     dense = run_workers(_train_least_squares, 2, None, steps)[0]["losses"]

@@ -178,7 +178,6 @@ def _train_least_squares(rank: int, world: int, compressor, steps: int) -> list[
     return losses
 
 
-@pytest.mark.slow
 def test_topk_with_error_feedback_converges_like_dense():
     steps = 300
     dense = run_workers(_train_least_squares, 2, None, steps)[0]
