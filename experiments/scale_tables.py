@@ -33,6 +33,7 @@ from scale_verdict import (
     GOAL_VS_DGC,
     _fmt,
     _interval,
+    _learned,
     _short,
     cell_verdict,
     floor,
@@ -111,11 +112,37 @@ def _measured(runs: dict[int, RunRecord], read: Any, what: str) -> dict[str, Any
     return interval.as_dict() if interval else None
 
 
+#: The sparsifier LGC's codec carries the values of: LGC's rows at its density are paired with it too.
+SPARSIFIER = "topk"
+
+
+def _density(runs: dict[int, RunRecord]) -> float | None:
+    """The ``compressor.density`` every run of a row ran at (None where they differ or do not set one)."""
+    found = {lookup(record.config, "compressor.density") for record in runs.values()}
+    value = found.pop() if len(found) == 1 else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _gap_to_sparsifier(
+    method: str, runs: dict[int, RunRecord], sparsifier: dict[int, RunRecord], seeds: list[int]
+) -> dict[str, Any] | None:
+    """An LGC row's gap to top-k with error feedback at the same density, paired by seed, in points, once both
+    rows have every seed: what the codec costs over the sparsification it rides on. None otherwise."""
+    if not _learned(method) or not all(s in runs and s in sparsifier for s in seeds):
+        return None
+    density = _density(runs)
+    if density is None or density != _density(sparsifier):
+        return None
+    gap = Interval.of([100 * (runs[s].metric - sparsifier[s].metric) for s in seeds])
+    return gap.as_dict() if gap else None
+
+
 def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of one cell and what the cell can detect."""
     seeds = list(protocol["seeds"])
     margin, power = float(protocol["margin_points"]), float(protocol["power"])
     reference = _records(results / cell / protocol["reference"], seeds)
+    sparsifier = _records(results / cell / SPARSIFIER, seeds)
     rows, spreads, commits = [], [], set()
     for method in protocol["order"]["methods"]:
         runs = _records(results / cell / method, seeds)
@@ -137,6 +164,7 @@ def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[
                 "metric": metric.as_dict() if metric else None,
                 "gap_points": gap.as_dict() if gap else None,
                 "mark": mark(gap, margin) if complete and gap is not None else None,
+                "gap_to_sparsifier_points": _gap_to_sparsifier(method, runs, sparsifier, seeds),
                 **{
                     name: _measured(runs, read, f"{cell}/{method} {name}")
                     for name, (read, _, _) in LGC_MEASURES.items()

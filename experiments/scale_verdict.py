@@ -198,22 +198,26 @@ def lgc_block(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
         lines += [
             f"**{cell}**: {protocol['cells'][cell]['title']}.",
             "",
-            "| setting | gap to dense (points) | mark | whole wire (MB/worker) | codec's bytes (MB/worker) "
-            "| its dense warm-up's part of the whole wire (MB/worker) |",
-            "|---|---|---|---|---|---|",
+            "| setting | gap to dense (points) | mark | gap to top-k at its density (points) | whole wire (MB/worker) "
+            "| codec's bytes (MB/worker) | its dense warm-up's part of the whole wire (MB/worker) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in rows:
             if not (_learned(row["method"]) or row["method"] == "dgc"):
                 continue
             if len(row["seeds"]) < seeds or row["gap_points"] is None:
-                lines.append(f"| {labels[row['method']]} | {len(row['seeds'])} of {seeds} seeds | - | - | - | - |")
+                lines.append(f"| {labels[row['method']]} | {len(row['seeds'])} of {seeds} seeds | - | - | - | - | - |")
                 continue
-            gap, wire, codec, warmup = (
+            sparsifier = row.get("gap_to_sparsifier_points")
+            gap, vs_topk, wire, codec, warmup = (
                 _interval(row["gap_points"], "+.2f"),
+                "-" if sparsifier is None else _interval(sparsifier, "+.2f"),
                 _fmt(row["wire_mb"], ".4g"),
                 _fmt(row["codec_mb"], ".4g"),
                 _fmt(row.get("warmup_mb"), ".4g"),
             )
-            lines.append(f"| {labels[row['method']]} | {gap} | {row['mark'] or '-'} | {wire} | {codec} | {warmup} |")
+            lines.append(
+                f"| {labels[row['method']]} | {gap} | {row['mark'] or '-'} | {vs_topk} | {wire} | {codec} | {warmup} |"
+            )
         lines += ["", *cell_lines(protocol, rows), ""]
     return "\n".join(lines).rstrip()

@@ -107,6 +107,32 @@ def test_tables_mark_only_complete_methods_and_split_the_bytes(scripts, tmp_path
     assert all(line.endswith(": not run yet.") for name, line in summary.items() if name != cell)
 
 
+def test_lgc_rows_at_top_ks_density_are_paired_with_it_once_both_ran_every_seed(scripts, tmp_path):
+    _, tables = scripts
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    cell = "r20_iid4"
+    topk = [0.88, 0.89, 0.885, 0.875, 0.88]
+    runs = {
+        "dense": (topk, None),
+        "topk": (topk, 0.01),
+        "lgc_rar": ([t + 0.001 * (k + 1) for k, t in enumerate(topk)], 0.01),  # 0.1 ... 0.5 points above
+        "lgc_ps": (topk[:4], 0.01),  # 4 of 5 seeds: not yet
+        "lgc_rar_linear": (topk, 0.001),  # another density: no top-k row to pair with
+    }
+    for method, (values, density) in runs.items():
+        for seed, value in enumerate(values):
+            summary = _summary(seed, "val/acc", value, 10_000_000)
+            if density is not None:
+                summary["config"]["compressor"]["density"] = density
+            folder = tmp_path / cell / method / f"seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps(summary))
+    by = {row["method"]: row for row in tables.cell_rows(protocol, tmp_path, cell)[0]}
+    assert by["lgc_rar"]["gap_to_sparsifier_points"]["mean"] == pytest.approx(0.3)
+    assert by["lgc_ps"]["gap_to_sparsifier_points"] is None and by["lgc_rar_linear"]["gap_to_sparsifier_points"] is None
+    assert by["topk"]["gap_to_sparsifier_points"] is None  # only LGC's rows
+
+
 @pytest.mark.parametrize(
     ("folder", "seed", "metric", "refusal"),
     [
@@ -168,6 +194,7 @@ def test_lgcs_measurements_in_the_loop_stand_beside_its_mark(scripts, tmp_path):
     rows, power = tables.cell_rows(protocol, tmp_path, cell)
     by = {row["method"]: row for row in rows}
     assert by["lgc_rar"]["lgc_error"]["mean"] == pytest.approx(0.22)
+    assert by["lgc_rar"]["gap_to_sparsifier_points"] is None  # no top-k row ran
     assert by["lgc_rar"]["premise_r"]["mean"] == 0.5 and by["lgc_rar"]["refreshes"]["mean"] == pytest.approx(0.2)
     # An LGC run from before the count, without a refresh threshold, refreshed nothing; no LGC: no count.
     assert by["lgc_ps"]["lgc_error"] is None and by["lgc_ps"]["refreshes"]["mean"] == 0.0
@@ -319,9 +346,12 @@ def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
     shown = [{**row, "gap_points": gap, "warmup_mb": 8.0 if row["method"] == "lgc_rar" else None} for row in rows]
     shown[-2] = {**shown[-2], "seeds": [0, 1, 2]}  # lgc_ps
     block = verdict.lgc_block(protocol, {cell: {"rows": shown} for cell in protocol["order"]["cells"]})
-    assert "| lgc_rar | -0.25 ± 0.37 | within | 20 | 10 | 8 |" in block  # 8 of its 20 MB in the dense warm-up
-    assert "| dgc | -0.25 ± 0.37 | within | 40 | 30 | - |" in block  # no stages of LGC's
-    assert "| lgc_ps | 3 of 5 seeds | - | - | - | - |" in block
+    assert "| lgc_rar | -0.25 ± 0.37 | within | - | 20 | 10 | 8 |" in block  # 8 of its 20 MB in the dense warm-up
+    assert "| dgc | -0.25 ± 0.37 | within | - | 40 | 30 | - |" in block  # no stages of LGC's
+    assert "| lgc_ps | 3 of 5 seeds | - | - | - | - | - |" in block
+    paired = [{**row, "gap_to_sparsifier_points": gap if row["method"] == "lgc_rar" else None} for row in shown]
+    block = verdict.lgc_block(protocol, {cell: {"rows": paired} for cell in protocol["order"]["cells"]})
+    assert "| lgc_rar | -0.25 ± 0.37 | within | -0.25 ± 0.37 | 20 | 10 | 8 |" in block
     assert "| fp16 |" not in block and "| powersgd |" not in block
     assert block.count("- On bytes the codec carries:") == len(protocol["order"]["cells"])
     low = _verdict_rows(marks, {**wire, "dgc": 25.0}, {})
