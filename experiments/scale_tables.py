@@ -369,6 +369,41 @@ def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def study_markers(protocol: dict[str, Any]) -> tuple[str, str]:
+    """The markers of a study protocol's line in the README (named by its tables)."""
+    name = protocol.get("tables", "tables")
+    return f"<!-- {name}-summary:begin -->", f"<!-- {name}-summary:end -->"
+
+
+def readme_study_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
+    """One line per cell of an LGC study for the README: LGC's settings under each mark, each one's gap to top-k at
+    its density where it has one, and LGC's goal on both accountings."""
+    n, reference = len(protocol["seeds"]), protocol["reference"]
+    lines = []
+    for cell in protocol["order"]["cells"]:
+        rows = data[cell]["rows"]
+        learned = [row for row in rows if _learned(row["method"])]
+        marked = [row for row in learned if row["mark"] is not None]
+        text = [f"- **{cell}**, {len(marked)} of {len(learned)} of LGC's settings marked ({n} seeds each):"]
+        for word in ("within", "inconclusive", "worse"):
+            names = [_short(row["label"]) for row in marked if row["mark"] == word]
+            if names:
+                text.append(f"`{word}`: {'; '.join(names)}.")
+        paired = [row for row in marked if row.get("gap_to_sparsifier_points")]
+        if paired:
+            text.append(
+                f"Against {_short(protocol['methods'][SPARSIFIER]['label'])} at the same density, paired by seed: "
+                + "; ".join(f"{_short(row['label'])} {_gap_text(row['gap_to_sparsifier_points'])}" for row in paired)
+                + " points."
+            )
+        goal = "; ".join(
+            f"{cell_verdict(rows, reference, key)['status']} on {words}" for key, words in ACCOUNTINGS.items()
+        )
+        text.append(f"LGC's goal: {goal}.")
+        lines.append(" ".join(text))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="?", type=Path, default=HERE / "results" / "scale")
@@ -390,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                     SUMMARY_PAGE.read_text(), readme_summary(protocol, data), SUMMARY_BEGIN, SUMMARY_END
                 )
                 SUMMARY_PAGE.write_text(summary)
+            else:
+                study = readme_study_summary(protocol, data)
+                SUMMARY_PAGE.write_text(replace_in(SUMMARY_PAGE.read_text(), study, *study_markers(protocol)))
             LGC_PAGE.write_text(replace_in(LGC_PAGE.read_text(), lgc_block(protocol, data), *lgc_markers(protocol)))
     return 0
 

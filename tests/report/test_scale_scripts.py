@@ -131,6 +131,13 @@ def test_lgc_rows_at_top_ks_density_are_paired_with_it_once_both_ran_every_seed(
     assert by["lgc_rar"]["gap_to_sparsifier_points"]["mean"] == pytest.approx(0.3)
     assert by["lgc_ps"]["gap_to_sparsifier_points"] is None and by["lgc_rar_linear"]["gap_to_sparsifier_points"] is None
     assert by["topk"]["gap_to_sparsifier_points"] is None  # only LGC's rows
+    # The README's line of the LGC study: LGC's settings by mark, and each one paired with top-k.
+    study = importlib.import_module("scale_comparison").load_protocol(EXPERIMENTS / "lgc_loop_protocol.yaml")
+    rows, power = tables.cell_rows(study, tmp_path, cell)
+    line = tables.readme_study_summary(study, {cell: {"rows": rows, "power": power}})
+    assert line.startswith(f"- **{cell}**, 2 of 8 of LGC's settings marked (5 seeds each): `within`: LGC-RAR; ")
+    assert "paired by seed: LGC-RAR +0.30 ± " in line and "LGC-PS" not in line.split("paired by seed")[1]
+    assert line.endswith("LGC's goal: pending on whole-wire bytes; pending on bytes the codec carries.")
 
 
 @pytest.mark.parametrize(
