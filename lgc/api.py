@@ -157,8 +157,9 @@ def compress(
             (:mod:`lgc.fsdp.reduce_scatter`).
         optimizer_momentum / optimizer_weight_decay: what the optimizer will apply, for DGC when the
             optimizer is not built yet (one or the other: ``optimizer`` is checked directly).
-        grad_scaler: AMP's ``GradScaler`` when training with fp16 loss scaling: compressors then see
-            unscaled gradients (residuals and momenta must not mix scales; see
+        grad_scaler: AMP's ``GradScaler`` when training with fp16 loss scaling: compressors with state then
+            see unscaled gradients (residuals and momenta must not mix scales), stateless ones the scaled
+            gradients, as PyTorch's hooks do (see
             :meth:`lgc.ddp.CompressionHookState.unscale`). Refused for PyTorch's own hooks, which
             cannot be unscaled, and for communication delay, whose exchanges carry weight updates.
         **knobs: the method's own keyword arguments, overriding its defaults, e.g. ``density=0.001``
@@ -233,8 +234,9 @@ def compress(
     if grad_scaler is not None:
         if not state.unscales_gradients:
             raise ValueError(
-                f"grad_scaler= unscales the gradients an lgc compressor sees; {type(state).__name__} does not take "
-                "it (PyTorch's hooks compress scaled gradients; communication delay exchanges weight updates)"
+                "grad_scaler= unscales the gradients an lgc compressor with state sees; "
+                f"{type(state).__name__} does not take it (PyTorch's hooks compress scaled gradients; "
+                "communication delay exchanges weight updates)"
             )
         state.loss_scale = grad_scaler.get_scale
     if sharded:

@@ -498,6 +498,10 @@ def check_error_feedback(state: Any, method: Any, error_feedback: bool | None, p
     """
     chain = compressor_chain(state)
     if any(isinstance(c, ErrorFeedback) for c in chain):
+        diverges = getattr(chain[-1], "error_feedback_diverges", lambda: None)()
+        if diverges:
+            where = f"{prefix}error_feedback=true" if prefix is not None else "error feedback"
+            raise ValueError(f"{type(chain[-1]).__name__} under {where}: {diverges}")
         return
     core = chain[-1]
     if not getattr(core, "needs_error_feedback", False) or error_feedback is False:

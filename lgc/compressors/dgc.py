@@ -10,7 +10,9 @@ of 0.1 % (the paper: 270x-600x compression, ResNet-50's gradient from 97 MB to 0
    apart from the gradient as in the authors' code (synxlin/deep-gradient-compression,
    ``dgc/optim/sgd.py``: ``DGCSGD``): a dense momentum of its own, ``d = m*d + wd*w``, that is
    never masked and never sent (every worker computes the same ``d`` from the same weights) and
-   is added to every parameter's averaged update (:meth:`DGCCompressor.finish_aggregate`).
+   is added to every parameter's averaged update (:meth:`DGCCompressor.finish_aggregate`) at every
+   compressed step; not at the hook's plain-allreduce steps (``start_iter``, one by default), nor to a
+   parameter whose gradient is zero on every rank that step (the step guard leaves it out as unused).
 2. **Momentum factor masking.** After sending, ``u`` and ``v`` are zeroed at the sent positions,
    so stale momentum does not keep pushing coordinates that were just updated.
 3. **Local gradient clipping** (for RNNs; off by default): each worker clips its own gradient
@@ -185,8 +187,8 @@ class DGCCompressor(HoldsSteps, CodesBuckets, ScatterAddAggregation, Compressor)
             paper's default except for RNNs). Each worker clips the tensor it is given (already
             divided by the world size) to ``clip_norm * world_size**-0.5``. Clipping is per tensor,
             because a compressor sees one tensor at a time.
-        weight_decay: L2 weight decay ``wd >= 0`` with a momentum of its own, added to every
-            parameter's averaged update (see above); the value you would give
+        weight_decay: L2 weight decay ``wd >= 0`` with a momentum of its own, added to every used
+            parameter's averaged update at every compressed step (see above); the value you would give
             ``torch.optim.SGD(weight_decay=...)``, which must then be 0. Needs
             :meth:`attach_parameters`. ``0`` (the default) adds none.
         world_size: number of workers ``N`` the hook divides the gradient by: scales ``clip_norm``.

@@ -509,5 +509,26 @@ class QSGDCompressor(StochasticQuantizer):
             total += factor * float(rows.double().square().sum())
         return total
 
+    def error_feedback_diverges(self) -> str | None:
+        """Why error feedback around this quantizer grows without bound, or None where it is a contraction.
+
+        Error feedback keeps ``g - Q(g)`` and adds it to the next gradient; it stays bounded only when
+        ``E ||Q(g) - g||^2 < ||g||^2``. QSGD's bound (Lemma 3.1) is ``min(d / s^2, sqrt(d) / s)`` times
+        ``||g||^2`` per bucket of ``d`` entries, below 1 only for ``s > sqrt(d)``.
+        """
+        if self.bucket_size is None:
+            return (
+                "with one bucket per tensor (bucket_size=None) its error can exceed the gradient on any tensor of "
+                "more than levels**2 entries"
+            )
+        if self.levels**2 > self.bucket_size:
+            return None
+        return (
+            f"with levels={self.levels} and bucket_size={self.bucket_size} its error can exceed the gradient "
+            f"(variance bound {min(self.bucket_size / self.levels**2, math.sqrt(self.bucket_size) / self.levels):.3g} "
+            "x ||g||^2, Lemma 3.1), so the residual grows without bound: error feedback needs levels > "
+            "sqrt(bucket_size)"
+        )
+
     def __repr__(self) -> str:
         return f"QSGDCompressor(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"

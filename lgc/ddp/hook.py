@@ -87,7 +87,7 @@ class CompressionHookState(HookState):
             not with ``overlap``); ``True``: required; ``False``: bucket by bucket.
 
     With AMP's loss scaling, set ``state.loss_scale = scaler.get_scale`` (``lgc.lit``'s callback
-    does): compressors then see unscaled gradients (see :meth:`unscale`).
+    does): compressors with state then see unscaled gradients (see :meth:`unscale`).
     """
 
     unscales_gradients = True
@@ -236,6 +236,9 @@ class CompressionHookState(HookState):
         ``buffers="average"`` (:func:`lgc.ddp.buffers.register_comm_hook`).
         """
         self.attach(model)
+        # What the compressor learns of the world is checked now, not at its first compressed step (DGC's
+        # world_size, given, must be the group's).
+        self.compressor.set_world_size(dist.get_world_size(self.process_group))
         self.buffer_sync = module_buffers.register_comm_hook(model, self, compression_hook, self.buffers)
 
     def segments(self, names_and_numels: list[tuple[str, int]]) -> tuple[Segment, ...]:
@@ -324,11 +327,14 @@ class CompressionHookState(HookState):
         With AMP's GradScaler the gradients arrive multiplied by a scale that changes during
         training (halved at every overflow, doubled every ``growth_interval`` steps). Compressor
         state accumulated at one scale and added to gradients at another (residuals, DGC's momentum
-        and its weight decay) would be weighed wrongly, so compressors see unscaled gradients and
-        the result is scaled back (:meth:`run_step`). Powers of two, as GradScaler's scales are,
-        divide and multiply exactly.
+        and its weight decay) would be weighed wrongly, so compressors with state see unscaled
+        gradients and the result is scaled back (:meth:`run_step`). Powers of two, as GradScaler's
+        scales are, divide and multiply exactly. A stateless compressor (fp16, the unbiased
+        quantizers) codes the loss-scaled gradient, as PyTorch's hooks do: the scale is what keeps
+        small gradients within half precision's range, and nothing of one step carries to the next.
         """
-        self.step_scale = float(self.loss_scale()) if self.loss_scale is not None else 1.0
+        scaled = self.loss_scale is not None and self.guards_steps
+        self.step_scale = float(self.loss_scale()) if scaled else 1.0
         buffer.div_(world_size * self.step_scale if self.step_scale != 1.0 else world_size)
 
     def compress_step(self, pending: list[PendingBucket], used: frozenset[str], step: int) -> None:
@@ -381,7 +387,10 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
             state.iteration += 1
         for segment in segments:
             state.layer_stats.book(segment.name, segment.numel, False, segment.numel * buffer.element_size())
-        return counted.all_reduce(state.stats, buffer, state.process_group).then(lambda fut: fut.value()[0])
+        # A non-finite step counts as skipped here as in a stateless method's steps (GradScaler skips it).
+        return counted.all_reduce(state.stats, buffer, state.process_group).then(
+            lambda fut: state.skips.note(state.stats, iteration, fut.value()[0])
+        )
 
     state.unscale(buffer, world_size)
     if state.guards_steps:

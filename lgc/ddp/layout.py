@@ -18,10 +18,11 @@ __all__ = ["BucketLayouts", "split_segments"]
 
 
 def split_segments(names_and_numels: list[tuple[str, int]], min_numel: int) -> tuple[Segment, ...]:
-    """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed."""
+    """Consecutive segments of a flat buffer; those with at least ``min_numel`` elements are compressed (an
+    empty one never: it has nothing to code)."""
     segments, offset = [], 0
     for name, numel in names_and_numels:
-        segments.append(Segment(name, offset, numel, numel >= min_numel))
+        segments.append(Segment(name, offset, numel, numel >= max(min_numel, 1)))
         offset += numel
     return tuple(segments)
 
@@ -33,19 +34,23 @@ class _Layout(NamedTuple):
 
 
 class BucketLayouts:
-    """The segments of every bucket of one DDP model (per process: parameter addresses are not saved)."""
+    """The segments of every bucket of one DDP model (per process: parameter identities are not saved).
+
+    Parameters are told apart by identity, not by address: distinct parameters may share storage (two
+    ``nn.Parameter`` s over one tensor) and every empty one has address 0.
+    """
 
     __slots__ = ("cached", "names")
 
     def __init__(self) -> None:
-        #: ``data_ptr`` -> parameter name, filled by :meth:`attach`.
+        #: ``id`` of the parameter -> its name, filled by :meth:`attach`.
         self.names: dict[int, str] = {}
         #: Bucket index -> its last layout.
         self.cached: dict[int, _Layout] = {}
 
     def attach(self, module: nn.Module) -> None:
         """Learn the parameter names of ``module`` (the model inside DDP)."""
-        self.names = {p.data_ptr(): name for name, p in module.named_parameters()}
+        self.names = {id(p): name for name, p in module.named_parameters()}
 
     def __len__(self) -> int:
         return len(self.cached)
@@ -53,13 +58,17 @@ class BucketLayouts:
     def segments(self, bucket: dist.GradBucket, min_numel: int) -> tuple[Segment, ...]:
         """The bucket's segments, cached per bucket index and rebuilt when the bucket changes."""
         params = bucket.parameters()
-        signature = (bucket.buffer().numel(), *(p.data_ptr() for p in params))
+        signature = (bucket.buffer().numel(), *(id(p) for p in params))
         cached = self.cached.get(bucket.index())
         if cached is not None and cached.signature == signature:
             return cached.segments
-        names = [self.names.get(param.data_ptr()) for param in params]
+        names = [self.names.get(id(param)) for param in params]
         if None in names:
-            raise RuntimeError("a bucket holds a parameter the hook state does not know; call attach(model)")
+            raise RuntimeError(
+                "a bucket holds a parameter the hook state does not know: the state was attached to another model "
+                "since (one hook state per model: build one for each), or the model's parameters were replaced "
+                "after it was registered"
+            )
         segments = split_segments([(name, param.numel()) for name, param in zip(names, params, strict=True)], min_numel)
         total = sum(s.numel for s in segments)
         if total != bucket.buffer().numel():

@@ -6,7 +6,10 @@ step, whose error-feedback buffer is still zero: the NaN reaches the gradients o
 The wrapper therefore sets PyTorch's ``orthogonalization_epsilon`` by default, makes the batched hook
 (which ignores it) and half precision (where 1e-8 rounds to 0) honour it, and re-draws a warm-started
 ``Q`` column that such a step left at zero (it would otherwise stay zero, and the layer untrained, for
-the rest of the run).
+the rest of the run). The per-tensor hook views every gradient as a matrix of ``shape[0]`` rows, which
+fails on a 0-dim gradient (a learnable scalar) and on an empty one: the wrapper hands it such a bucket's
+scalars as vectors of one (sent uncompressed, as the hook sends every vector) and leaves the empty ones
+out.
 
 The wrapper's byte counts, fixed collective order and step guard are :mod:`lgc.ddp.torch_hooks`'s;
 this module adds PowerSGD's checkpoints (its error, ``P``, ``Q`` and random generator) and the
@@ -70,6 +73,24 @@ def _orthogonalize_with_epsilon(epsilon: float) -> Iterator[None]:
         yield
     finally:
         powerSGD_hook._orthogonalize = original
+
+
+class _MatrixViews:
+    """A DDP bucket whose ``gradients()`` PyTorch's per-tensor hook can view as matrices: a 0-dim gradient (a
+    learnable scalar) as a vector of one, which the hook then allreduces uncompressed, and empty ones left out
+    (they hold nothing). The hook views every gradient as ``(shape[0], -1)``, which fails on both; the views
+    share the bucket's memory, so what the hook writes lands there."""
+
+    __slots__ = ("_bucket",)
+
+    def __init__(self, bucket: dist.GradBucket) -> None:
+        self._bucket = bucket
+
+    def gradients(self) -> list[torch.Tensor]:
+        return _matrix_gradients(self._bucket)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bucket, name)
 
 
 class PowerSGDHookState(TorchHookState):
@@ -205,8 +226,10 @@ class PowerSGDHookState(TorchHookState):
             state.maybe_increase_iter(bucket)
             group = state.process_group if state.process_group is not None else dist.group.WORLD
             return default_hooks._allreduce_fut(group, bucket.buffer())
-        hook = powerSGD_hook.batched_powerSGD_hook if self.batched else powerSGD_hook.powerSGD_hook
-        return hook(state, bucket)
+        if self.batched:
+            return powerSGD_hook.batched_powerSGD_hook(state, bucket)
+        odd = any(g.dim() == 0 or not g.numel() for g in bucket.gradients())
+        return powerSGD_hook.powerSGD_hook(state, _MatrixViews(bucket) if odd else bucket)  # type: ignore[arg-type]
 
     def _hook_context(self) -> contextlib.AbstractContextManager[None]:
         return _orthogonalize_with_epsilon(self.options["orthogonalization_epsilon"])
@@ -265,7 +288,7 @@ class PowerSGDHookState(TorchHookState):
         if self.batched:
             return [memory]
         by_shape: dict[tuple[int, int], list[int]] = {}
-        for tensor in bucket.gradients():
+        for tensor in _matrix_gradients(bucket):
             n = tensor.shape[0]
             m = tensor.numel() // n
             rank = min(n, m, state.matrix_approximation_rank)
@@ -342,6 +365,11 @@ class PowerSGDHookState(TorchHookState):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "process_group": None, "powersgd": None}
+
+
+def _matrix_gradients(bucket: dist.GradBucket) -> list[Tensor]:
+    """The bucket's gradients as the per-tensor hook is handed them (:class:`_MatrixViews`)."""
+    return [g.view(1) if g.dim() == 0 else g for g in bucket.gradients() if g.numel()]
 
 
 def _gradient_shapes(bucket: dist.GradBucket) -> tuple[tuple[int, ...], ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -420,6 +421,19 @@ def test_error_feedback_residual_grows_when_the_quantizer_is_not_a_contraction()
     for step in range(40):
         ef.compress(_randn(1000, seed=step), "w")
     assert ef.residual_norm() > 100 * math.sqrt(1000)
+
+
+def test_error_feedback_around_a_quantizer_that_is_not_a_contraction_is_refused():
+    from lgc.methods import check_error_feedback
+
+    for qsgd, words in (
+        (QSGDCompressor(), "with levels=4 and bucket_size=512 its error can exceed the gradient"),
+        (QSGDCompressor(bucket_size=None), "one bucket per tensor (bucket_size=None) its error can exceed"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            check_error_feedback(ErrorFeedback(qsgd), "qsgd", True, prefix="compressor.")
+    check_error_feedback(ErrorFeedback(QSGDCompressor(levels=127, bucket_size=64)), "qsgd", True)  # a contraction
+    check_error_feedback(QSGDCompressor(), "qsgd", None)  # without error feedback, as its yaml has it
 
 
 # --- configuration -------------------------------------------------------------------------

@@ -230,6 +230,119 @@ def test_loss_scaled_gradients_are_compressed_unscaled():
         )
 
 
+def _fp16_under_loss_scaling(rank: int, world: int, attach_scale: bool) -> dict:
+    """fp16 of gradients about 1e-9 (a loss far below 1) under a loss scale of 2**16, against plain DDP."""
+    reference, hooked = DDP(_net(), bucket_cap_mb=0.01), DDP(_net(), bucket_cap_mb=0.01)
+    state = register_compression_hook(hooked, FP16Compressor(), min_numel=MIN_NUMEL, start_iter=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    if attach_scale:
+        state.loss_scale = scaler.get_scale
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+    for model in (reference, hooked):
+        scaler.scale(model(x).square().mean() * 1e-6).backward()
+    return {"reference": [p.grad for p in reference.parameters()], "hooked": [p.grad for p in hooked.parameters()]}
+
+
+@pytest.mark.parametrize("attach_scale", [False, True])
+def test_fp16_casts_the_loss_scaled_gradient_whether_or_not_the_scale_is_attached(attach_scale):
+    # Unscaled first, gradients of about 1e-9 would underflow fp16 (its smallest subnormal is 6e-8): the
+    # loss scale is what keeps them in range, and a stateless compressor has no residual to keep in one unit.
+    for result in run_workers(_fp16_under_loss_scaling, 2, attach_scale):
+        for a, b in zip(result["reference"], result["hooked"], strict=True):
+            assert ((b == 0) & (a != 0)).float().mean() < 0.01  # (the ReLU's dead units are 0 in both)
+            torch.testing.assert_close(b, a, rtol=2e-3, atol=1e-3 * float(a.abs().max()))
+
+
+class _OddParameters(nn.Module):
+    """Two distinct parameters over one tensor (same address) and two empty ones (address 0 both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        base = torch.randn(40, 40) * 0.1
+        self.w1, self.w2 = nn.Parameter(base), nn.Parameter(base)
+        self.empty1, self.empty2 = nn.Parameter(torch.zeros(0)), nn.Parameter(torch.zeros(0, 7))
+        self.inp, self.out = nn.Linear(64, 40), nn.Linear(40, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.out(torch.relu(h @ self.w1) @ self.w2.t()) + self.empty1.sum() + self.empty2.sum()
+
+
+def _odd_parameters(rank: int, world: int, compressor: Compressor, min_numel: int) -> dict:
+    reference, hooked = DDP(_OddParameters()), DDP(_OddParameters())
+    state = register_compression_hook(hooked, compressor, min_numel=min_numel)
+    steps = []
+    for step in range(3):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+        for model in (reference, hooked):
+            model.zero_grad()
+            model(x).square().mean().backward()
+        steps.append(
+            {
+                name: (p.grad.clone(), q.grad.clone())
+                for (name, p), q in zip(reference.module.named_parameters(), hooked.module.parameters(), strict=True)
+            }
+        )
+    return {"steps": steps, "layers": {row["layer"]: row["steps"] for row in state.summary_extras()["layers"]}}
+
+
+@pytest.mark.parametrize(
+    ("compressor", "min_numel"), [(ErrorFeedback(TopKCompressor(1.0)), 1), (SBCCompressor(0.1), 0)], ids=["topk", "sbc"]
+)
+def test_parameters_sharing_an_address_are_told_apart(compressor, min_numel):
+    # Parameters were named by address: the second over a shared tensor took the first's name, state and
+    # gradient, and every empty parameter the last one's (SBC then tried to code an empty tensor).
+    for result in run_workers(_odd_parameters, 2, compressor, min_numel):
+        names = ["w1", "w2", "empty1", "empty2", "inp.weight", "inp.bias", "out.weight", "out.bias"]
+        assert sorted(result["layers"]) == sorted(names)
+        assert result["layers"]["w1"] == result["layers"]["w2"] == 3
+        if isinstance(compressor, ErrorFeedback):  # lossless: plain DDP's gradients
+            for step in result["steps"]:
+                for name, (theirs, ours) in step.items():
+                    assert torch.equal(ours, theirs), name
+
+
+def _inf_at_the_plain_step(rank: int, world: int) -> int:
+    model = DDP(_net(), bucket_cap_mb=0.01)
+    state = register_compression_hook(model, ErrorFeedback(TopKCompressor(0.1)), min_numel=MIN_NUMEL, start_iter=1)
+    for step in range(3):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+        if step == 0 and rank == 1:
+            x[0, 0] = float("inf")
+        model.zero_grad()
+        model(x).square().mean().backward()
+    return state.stats.skipped_steps
+
+
+def test_a_non_finite_step_among_the_plain_allreduce_steps_counts_as_skipped():
+    assert run_workers(_inf_at_the_plain_step, 2) == [1, 1]
+
+
+def _misuses(rank: int, world: int) -> dict:
+    """A DGC told another world size; a hook state registered on a second model."""
+    found = {}
+    try:
+        register_compression_hook(DDP(_net()), DGCCompressor(0.01, world_size=4, steps_per_epoch=10))
+    except ValueError as err:
+        found["world_size"] = str(err)
+    first, second = DDP(_net()), DDP(_net())
+    state = register_compression_hook(first, ErrorFeedback(TopKCompressor(0.1)), min_numel=MIN_NUMEL)
+    register_compression_hook(second, state.compressor, min_numel=MIN_NUMEL)
+    state.attach(second)  # the same state now knows the second model's parameters only
+    try:
+        first(torch.randn(4, 32)).square().mean().backward()
+    except RuntimeError as err:
+        found["reused"] = str(err)
+    return found
+
+
+def test_a_wrong_world_size_and_a_state_moved_to_another_model_are_named():
+    for found in run_workers(_misuses, 2):
+        assert "DGC world_size=4, but the hook's process group has 2 workers" in found["world_size"]
+        assert "the state was attached to another model since (one hook state per model" in found["reused"]
+
+
 def _dense_in_dtype(rank: int, world: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     reference = DDP(_net().to(dtype), bucket_cap_mb=0.01)

@@ -18,9 +18,9 @@ from lgc.ddp.torch_hooks import TorchHookState
 CONF = Path(__file__).resolve().parents[2] / "lgc" / "conf" / "compressor"
 
 
-def _run_wrapped(rank: int, world: int, state, steps: int) -> dict:
-    reference = DDP(_net(), bucket_cap_mb=0.01)
-    hooked = DDP(_net(), bucket_cap_mb=0.01)
+def _run_wrapped(rank: int, world: int, state, steps: int, make=_net) -> dict:
+    reference = DDP(make(), bucket_cap_mb=0.01)
+    hooked = DDP(make(), bucket_cap_mb=0.01)
     state.register(hooked)
     log: list[tuple[str, int]] = []
     _count_collective_bytes(log)
@@ -251,6 +251,35 @@ def test_powersgd_stays_finite_when_a_layer_is_unused_at_the_first_compressed_st
         for step in range(3, steps, 2):
             for name in ("aux.0.weight", "aux.0.bias", "aux.2.weight", "aux.2.bias"):
                 assert grads[step][name].norm() > 1e-3, f"step {step}: {name} gets no gradient"
+
+
+class _NetWithScalars(nn.Module):
+    """A learnable scalar (a temperature) and an empty parameter beside ordinary layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 4)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.temperature + self.empty.sum()
+
+
+@pytest.mark.multiprocess
+def test_per_tensor_powersgd_takes_a_learnable_scalar_and_an_empty_parameter():
+    # PyTorch's per-tensor hook views each gradient as (shape[0], -1): IndexError on the scalar, a reshape
+    # error on the empty one, at the first compressed step. The scalar goes uncompressed: plain DDP's average.
+    names = [name for name, _ in _NetWithScalars().named_parameters()]
+    temperature = names.index("temperature")
+    state = PowerSGDHookState(start_powerSGD_iter=2, min_compression_rate=1.1)
+    for result in run_workers(_run_wrapped, 2, state, 5, _NetWithScalars):
+        for step, (theirs, ours) in enumerate(result["grads"]):
+            torch.testing.assert_close(ours[temperature], theirs[temperature], rtol=1e-6, atol=0, msg=f"step {step}")
+            assert all(bool(torch.isfinite(g).all()) for g in ours)
+        theirs, ours = result["grads"][-1]
+        assert not torch.allclose(ours[names.index("a.weight")], theirs[names.index("a.weight")])  # compressed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
