@@ -19,7 +19,8 @@ codec never saw):
 Codecs (``--codecs``, comma-separated):
 
 * ``fp32``, ``fp16``, ``bf16``: shared-index values (fp16 and bf16 per chunk divided by the
-  leader's chunk scale), :class:`lgc.learned.shared_index.SharedIndexStage`;
+  leader's chunk scale, saturated as lgc's 16-bit wires saturate them),
+  :class:`lgc.learned.shared_index.SharedIndexStage`;
 * ``int8``, ``int4``: unbiased stochastic rounding to ``2m + 1`` levels of a per-chunk scale
   shared by every worker, summed in ``bits``-wide lanes (``m = (2^bits - 1) // (2P)``; a row says
   so where the lanes cannot hold ``P`` workers' sum, int4 beyond 7 workers);
@@ -83,6 +84,7 @@ from torch import Tensor
 from lgc.autoencoder import chunk_scales, from_chunks, num_chunks, to_chunks
 from lgc.bench.autoencoder import leader_positions
 from lgc.coding import golomb_encode
+from lgc.compressors.topk import to_wire_float
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.shared_index import quantization_levels, round_to_levels
 
@@ -399,7 +401,7 @@ class _Coder:
             if dtype == torch.float32:
                 return step.values.sum(dim=0), {"payload": 32.0 * k, "leader": float(position_bits)}
             chunks, scales = self._scaled_chunks(step)
-            delivered = from_chunks(_wire_sum(chunks.to(dtype)) * scales[:, None], k)
+            delivered = from_chunks(_wire_sum(to_wire_float(chunks, dtype, world)) * scales[:, None], k)
             return delivered, {"payload": 16.0 * self.chunk * rows, "leader": 32.0 * rows + position_bits}
         if spec.kind == "levels":
             levels = spec.levels if spec.levels is not None else quantization_levels(spec.bits, world)  # type: ignore[arg-type]
@@ -426,7 +428,7 @@ class _Coder:
             payload = 8.0 * latent * rows + 32.0 * rows
         else:
             dtype = _FLOATS[spec.dtype]  # type: ignore[index]
-            summed = _wire_sum(codes.to(dtype))
+            summed = _wire_sum(to_wire_float(codes, dtype, world))
             payload = 8.0 * dtype.itemsize * latent * rows
         delivered = from_chunks((summed @ self.basis.T) * scales[:, None], k)
         return delivered, {"payload": payload, "leader": 32.0 * rows + position_bits}
@@ -436,7 +438,7 @@ class _Coder:
         ae, dtype = self.autoencoder, _FLOATS[self.spec.dtype]  # type: ignore[index]
         assert ae is not None, "fit() first"
         chunks, scales = self._scaled_chunks(step)
-        codes = torch.stack([ae.encode(c).to(dtype) for c in chunks])
+        codes = torch.stack([to_wire_float(ae.encode(c), dtype, self.world) for c in chunks])
         mean = ae.decode(_wire_sum(codes) / self.world)
         delivered = from_chunks(self.world * mean * scales[:, None], step.values.shape[1])
         payload = 8.0 * dtype.itemsize * ae.config.latent_numel * rows

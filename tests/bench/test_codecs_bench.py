@@ -56,6 +56,20 @@ def test_fp32_delivers_the_exact_sum_and_counts_32_bits_a_value_and_the_golomb_p
     assert ordered.numel() * 8 >= golomb.numel() * 8 + k * 7  # K = 96: 7 bits a position
 
 
+def test_a_16_bit_wire_saturates_a_value_beyond_its_range_as_lgcs_wire_does():
+    # A non-leader's value far above the leader's chunk scale: a plain cast sent inf (the benchmark's fp16 row
+    # read "inf" on ResNet-50's gradients); lgc's wire saturates it, and so does the benchmark's.
+    gradients = _gradients()
+    gradients[0][1] *= 1e6  # worker 1 of the first parameter, every step
+    step = leader_codecs.leader_steps(gradients, 0.05, rotating=False)[1]  # worker 0 leads
+    for name in ("fp16", "pca:16:fp16"):
+        coder = _coder(name)
+        if coder.spec.kind == "pca":
+            coder.fit(leader_codecs.leader_steps(gradients, 0.05, rotating=False)[:1])
+        delivered, _ = coder.run(step)
+        assert torch.isfinite(delivered).all(), name
+
+
 def test_the_momentum_order_needs_no_permutation_and_reads_only_what_was_delivered():
     gradients = _gradients()
     steps = leader_codecs.leader_steps(gradients, 0.05, rotating=False)
