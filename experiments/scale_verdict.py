@@ -219,5 +219,43 @@ def lgc_block(protocol: dict[str, Any], tables: dict[str, Any]) -> str:
             lines.append(
                 f"| {labels[row['method']]} | {gap} | {row['mark'] or '-'} | {vs_topk} | {wire} | {codec} | {warmup} |"
             )
-        lines += ["", *cell_lines(protocol, rows), ""]
+        lines += ["", *cell_lines(protocol, rows), *reading_lines(protocol, rows), ""]
     return "\n".join(lines).rstrip()
+
+
+def reading_lines(protocol: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """What a cell's complete LGC rows say beyond their marks: where each lies against top-k at its density
+    (the paired interval above 0, holding 0, or below it), and the dense warm-up's share of LGC's whole wire
+    beside DGC's whole run."""
+    seeds = len(protocol["seeds"])
+    complete = [row for row in rows if _learned(row["method"]) and len(row["seeds"]) == seeds]
+    lines = []
+    sides: dict[str, list[str]] = {"above it": [], "not told apart from it (the interval holds 0)": [], "below it": []}
+    for row in complete:
+        gap = row.get("gap_to_sparsifier_points")
+        if gap:
+            low, high = gap["mean"] - gap["half_width"], gap["mean"] + gap["half_width"]
+            side = (
+                "above it" if low > 0 else "below it" if high < 0 else "not told apart from it (the interval holds 0)"
+            )
+            sides[side].append(_short(protocol["methods"][row["method"]]["label"]))
+    if any(sides.values()):
+        lines.append(
+            "- Against top-k at the same density, paired by seed: "
+            + " ".join(f"{side[0].upper()}{side[1:]}: {'; '.join(names)}." for side, names in sides.items() if names)
+        )
+    shares = [row["warmup_mb"] / row["wire_mb"] for row in complete if row.get("warmup_mb") and row.get("wire_mb")]
+    dgc = next((row for row in rows if row["method"] == "dgc" and len(row["seeds"]) == seeds), None)
+    if shares:
+        warmup = min(row["warmup_mb"] for row in complete if row.get("warmup_mb"))
+        beside = (
+            ""
+            if dgc is None or not dgc.get("wire_mb")
+            else f"; DGC's whole run sends {dgc['wire_mb'] / warmup:.2f}x that warm-up"
+        )
+        low, high = f"{100 * min(shares):.0f}", f"{100 * max(shares):.0f}"
+        lines.append(
+            f"- The dense warm-up is {low if low == high else f'{low}-{high}'} % of every complete LGC row's "
+            f"whole wire{beside}."
+        )
+    return lines

@@ -359,6 +359,17 @@ def test_lgcs_verdict_weighs_both_accountings_and_states_the_floor(monkeypatch):
     paired = [{**row, "gap_to_sparsifier_points": gap if row["method"] == "lgc_rar" else None} for row in shown]
     block = verdict.lgc_block(protocol, {cell: {"rows": paired} for cell in protocol["order"]["cells"]})
     assert "| lgc_rar | -0.25 ± 0.37 | within | -0.25 ± 0.37 | 20 | 10 | 8 |" in block
+    # What the complete rows say: -0.25 ± 0.37 holds 0; LGC-RAR's 8 MB warm-up is 40 % of its 20; DGC's 40 is 5x it.
+    assert (
+        "- Against top-k at the same density, paired by seed: Not told apart from it (the interval holds 0): lgc_rar."
+        in block
+    )
+    assert (
+        "- The dense warm-up is 40 % of every complete LGC row's whole wire; DGC's whole run sends 5.00x that warm-up."
+        in block
+    )
+    below = [{**row, "gap_to_sparsifier_points": {**gap, "mean": -1.0}} for row in paired if row["method"] == "lgc_rar"]
+    assert verdict.reading_lines(protocol, below)[0].endswith("Below it: lgc_rar.")
     assert "| fp16 |" not in block and "| powersgd |" not in block
     assert block.count("- On bytes the codec carries:") == len(protocol["order"]["cells"])
     low = _verdict_rows(marks, {**wire, "dgc": 25.0}, {})
