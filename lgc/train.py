@@ -614,6 +614,10 @@ def _fit(run: _PreparedRun, start: float) -> dict[str, Any]:
         raise
     if not launched_externally():
         shutil.rmtree(run.heartbeat_dir, ignore_errors=True)
+    elif run.trainer.global_rank != 0:
+        # Under torchrun or SLURM every worker returns here; rank 0 writes the summary (on its own node, with
+        # no shared file system on the others), and only rank 0 reads it and reports.
+        return {}
 
     summary_path = run.output_dir / "summary.json"
     if not summary_path.is_file():
@@ -628,7 +632,8 @@ def _fit(run: _PreparedRun, start: float) -> dict[str, Any]:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says and return the run summary (also written to ``output_dir/summary.json``).
+    """Train as ``cfg`` says and return the run summary (also written to ``output_dir/summary.json``; under
+    torchrun or SLURM, rank 0 returns it and the other workers an empty dict).
 
     Every value is checked, and the model, data and trainer built, before anything is written or a
     worker starts: a refused config leaves no trace. A config composed with
@@ -728,7 +733,9 @@ def main(cfg: DictConfig) -> None:
     except Exception:
         _remove_refused_run_folder()
         raise
-    print(_result_line(_fit(run, start), cfg.output_dir))
+    summary = _fit(run, start)
+    if summary:  # rank 0's (the other workers of a torchrun or SLURM launch have none)
+        print(_result_line(summary, cfg.output_dir))
 
 
 if __name__ == "__main__":

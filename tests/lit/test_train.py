@@ -559,3 +559,30 @@ def test_known_third_party_noise_is_left_out_in_the_workers_too(monkeypatch):
 
     assert not _drop_lightning_tips(record("💡 Tip: For seamless cloud logging, try installing litlogger"))
     assert _drop_lightning_tips(record("GPU available: False, used: False"))
+
+
+@pytest.mark.multiprocess
+def test_under_torchrun_rank_0_alone_reads_the_summary_and_reports(tmp_path):
+    # Every worker of a torchrun launch returns from fit; the summary is rank 0's (written on its node), so the
+    # others neither read it (a race here, a failure on nodes without a shared file system) nor print a result.
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "lgc.train",
+    ]
+    overrides = ["trainer.devices=2", "trainer.max_steps=3", "logger=csv", "trainer.enable_progress_bar=false"]
+    result = subprocess.run(
+        [*command, *overrides, f"output_dir={out}", f"hydra.run.dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (result.stdout + result.stderr).count("overall_compression_ratio=") == 1
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
