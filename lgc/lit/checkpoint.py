@@ -216,7 +216,8 @@ class CheckpointRecord(pl.Callback):
         }
 
 
-#: Data settings that name where the data is or how it is read, not which data: they may change on a resume.
+#: Data settings that name where the data is or how it is read, not which data: they may change on a resume
+#: (``num_workers`` is compared apart, as the loader's: its saved position is laid out by its worker processes).
 _DATA_LOCATION = ("root", "download", "num_workers", "cache")
 
 
@@ -225,15 +226,32 @@ def run_settings(resolved: dict[str, Any]) -> dict[str, Any]:
     the data (which images, in which shards and batches; not where they lie), the seed, the optimizer
     and the learning-rate schedule (the checkpoint restores their state over any new setting: a
     cosine schedule keeps its length) and DDP's buckets (PowerSGD's state is laid out by them). The
-    run's length may change where the schedule does not follow it."""
+    run's length may change where the schedule does not follow it. Also what else changes the steps: the
+    model's config, the loss, the trainer's precision, gradient clipping, accumulation and epoch length,
+    and whether the training loader reads in worker processes (its saved position is laid out by them)."""
     data = {key: value for key, value in (resolved.get("data") or {}).items() if key not in _DATA_LOCATION}
+    trainer = resolved.get("trainer") or {}
     return {
         "data": data,
         "seed": resolved.get("seed"),
         "optimizer": resolved.get("optimizer"),
         "scheduler": resolved.get("scheduler"),
         "ddp": {"bucket_cap_mb": (resolved.get("ddp") or {}).get("bucket_cap_mb")},
+        "model": resolved.get("model"),
+        "loss": resolved.get("loss"),
+        "trainer": {key: trainer.get(key) for key in _TRAINER_STEP_SETTINGS},
+        "loader": {"num_workers": (resolved.get("data") or {}).get("num_workers")},
     }
+
+
+#: The trainer's settings that change what a step computes or which batches an epoch holds.
+_TRAINER_STEP_SETTINGS = (
+    "precision",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "accumulate_grad_batches",
+    "limit_train_batches",
+)
 
 
 def resolve_checkpoint_path(value: str | Path | None, output_dir: str | Path) -> Path | None:
@@ -358,7 +376,9 @@ def check_checkpoint(
     if differences:
         raise ValueError(f"{name} was written with another compressor configuration: " + "; ".join(differences))
     if run is not None and isinstance(record.get("run"), dict):
-        changed = [line for key in sorted(run) for line in _differences(record["run"].get(key), run[key], key)]
+        # The settings the checkpoint recorded (one written before a setting was recorded is compared on the rest).
+        recorded = [key for key in sorted(run) if key in record["run"]]
+        changed = [line for key in recorded for line in _differences(record["run"][key], run[key], key)]
         if changed:
             raise ValueError(
                 f"{name} was written with other run settings: {'; '.join(changed)}; a resume takes the steps of "

@@ -155,6 +155,10 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
         ("seed=1", "seed: checkpoint 0, this run 1"),
         ("optimizer.lr=0.05", "optimizer.lr: checkpoint 0.1, this run 0.05"),
         ("scheduler.T_max=3", "scheduler.T_max: checkpoint 2, this run 3"),
+        # What a step computes, and the loader's layout of its saved position.
+        ("+trainer.gradient_clip_val=0.01", "trainer.gradient_clip_val: checkpoint None, this run 0.01"),
+        ("loss.aux_weight=0", "loss.aux_weight: checkpoint 0.4, this run 0"),
+        ("data.num_workers=1", "loader.num_workers: checkpoint 0, this run 1"),
     ):
         with pytest.raises(ValueError, match=f"was written with other run settings: {re.escape(named)}"):
             train(compose_cfg(tmp_path / "refused", "trainer.max_epochs=2", f"ckpt_path={stopped}", *common, changed))
