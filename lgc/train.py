@@ -130,10 +130,19 @@ def shared_gpus(accelerator: str, devices: int, backend: str | None, num_nodes: 
 
 
 def expected_optimizer_steps(trainer_node: DictConfig, datamodule: Any, world_size: int) -> int | None:
-    """Optimizer steps the run will take (for checks made before workers start), or None if unknown."""
+    """Optimizer steps the run will take (for checks made before workers start), or None if unknown: the
+    fewer of ``max_steps`` and ``max_epochs``' steps where both are set (Lightning stops at the first)."""
     max_steps = trainer_node.get("max_steps")
-    if max_steps is not None and max_steps >= 0:
-        return int(max_steps)
+    by_steps = int(max_steps) if max_steps is not None and max_steps >= 0 else None
+    max_epochs = trainer_node.get("max_epochs")
+    if by_steps is not None and (max_epochs is None or max_epochs < 0):
+        return by_steps
+    by_epochs = _epoch_steps(trainer_node, datamodule, world_size)
+    return by_epochs if by_steps is None or by_epochs is None else min(by_steps, by_epochs)
+
+
+def _epoch_steps(trainer_node: DictConfig, datamodule: Any, world_size: int) -> int | None:
+    """The optimizer steps of ``max_epochs`` epochs, or None if unknown."""
     sampler_of = getattr(datamodule, "train_sampler", None)
     if sampler_of is None or trainer_node.get("max_epochs") is None:
         return None
@@ -178,12 +187,29 @@ def _check_optimizer(module: Any, hook_state: Any) -> None:
         configured = module.configure_optimizers()
     except (ValueError, TypeError) as err:
         raise type(err)(f"optimizer/scheduler: {err}") from err
+    for schedule in _schedulers(configured):
+        if isinstance(schedule, torch.optim.lr_scheduler.CosineAnnealingLR) and schedule.T_max <= 0:
+            raise ValueError(
+                f"scheduler.T_max={schedule.T_max} (scheduler=cosine follows trainer.max_epochs): a cosine over "
+                "epochs needs trainer.max_epochs > 0; for a run by steps use scheduler=cosine_steps"
+            )
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
     # ``([optimizer], [scheduler])`` where the schedule is a list of configs (warm-ups, per-step cosine).
     while isinstance(optimizer, list | tuple) and optimizer:
         optimizer = optimizer[0]
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_against_optimizer(hook_state, optimizer, None, None)
+
+
+def _schedulers(configured: Any) -> list[Any]:
+    """Every learning-rate scheduler in what ``configure_optimizers`` returned (lists, tuples, Lightning's dicts)."""
+    if isinstance(configured, torch.optim.lr_scheduler.LRScheduler):
+        return [configured]
+    if isinstance(configured, dict):
+        return [found for value in configured.values() for found in _schedulers(value)]
+    if isinstance(configured, list | tuple):
+        return [found for value in configured for found in _schedulers(value)]
+    return []
 
 
 def _task_module(cfg: DictConfig, model: torch.nn.Module, datamodule: Any) -> Any:
@@ -494,15 +520,24 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     for name in ("max_steps", "max_epochs"):
         if cfg.trainer.get(name) == 0:
             raise ValueError(f"trainer.{name}=0: the run would take no optimizer step and write no summary")
+    max_steps, max_epochs = cfg.trainer.get("max_steps"), cfg.trainer.get("max_epochs")
+    both_limits = max_steps is not None and max_steps > 0 and max_epochs is not None and max_epochs > 0
     total_steps = (
         expected_optimizer_steps(cfg.trainer, datamodule, world_size)
-        if hook_state.needs_total_steps or ckpt_path is not None
+        if hook_state.needs_total_steps or ckpt_path is not None or both_limits
         else None
     )
     if total_steps == 0:
         raise ValueError(
             f"the run takes no optimizer step: each of its {world_size} workers' shard holds fewer than one batch "
             f"of data.batch_size={cfg.data.get('batch_size')} (or trainer.limit_train_batches leaves none)"
+        )
+    steps_schedule = str((cfg.get("scheduler") or {}).get("_target_", "")).endswith("StepCosine")
+    if both_limits and steps_schedule and total_steps is not None and total_steps < max_steps:
+        raise ValueError(
+            f"trainer.max_epochs={max_epochs} stops the run at step {total_steps}, before trainer.max_steps="
+            f"{max_steps}, where scheduler=cosine_steps reaches 0: set trainer.max_epochs=-1 (or "
+            f"trainer.max_steps={total_steps})"
         )
     model = _instantiate(cfg.model, "model", num_classes=datamodule.num_classes, in_channels=datamodule.in_channels)
     module = _task_module(cfg, model, datamodule)

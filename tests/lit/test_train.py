@@ -309,6 +309,16 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
             r"the optimizer applies momentum too \(Adam param_groups\[0\]\['betas'\]=0.9\)",
         ),
         (["trainer.max_steps=0"], ValueError, "trainer.max_steps=0: the run would take no optimizer step"),
+        (
+            ["trainer.max_steps=50", "trainer.max_epochs=-1"],
+            ValueError,
+            r"scheduler.T_max=-1 \(scheduler=cosine follows trainer.max_epochs\)",
+        ),
+        (
+            ["scheduler=cosine_steps", "trainer.max_steps=30", "trainer.max_epochs=1"],
+            ValueError,
+            r"trainer.max_epochs=1 stops the run at step \d+, before trainer.max_steps=30, where scheduler=cosine",
+        ),
         (["ddp.oversubscribe=no"], ValueError, "ddp.oversubscribe must be a bool, got 'no'"),
         (["ddp.bucket_cap_mb=-5"], ValueError, "ddp.bucket_cap_mb must be a positive finite number, got -5"),
         (["ddp.process_group_backend=5"], ValueError, "ddp.process_group_backend must be a str or None, got 5"),
