@@ -11,7 +11,10 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["load_digits_split"]
+__all__ = ["DIGITS_CLASSES", "DIGITS_IMAGES", "load_digits_split"]
+
+#: Images and classes of the set.
+DIGITS_IMAGES, DIGITS_CLASSES = 1797, 10
 
 #: Pixel statistics of the digits after scaling to [0, 1] (the whole set; fixed, not refit).
 _MEAN, _STD = 0.3046, 0.3776

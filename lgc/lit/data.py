@@ -23,6 +23,7 @@ each is short, and they are read side by side.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ from lgc.data.camvid import (
     camvid_train_transform,
 )
 from lgc.data.cifar10 import check_cifar10_folder, cifar10_transform
-from lgc.data.digits import load_digits_split
+from lgc.data.digits import DIGITS_CLASSES, DIGITS_IMAGES, load_digits_split
 from lgc.data.fashion_mnist import fashion_mnist_cache, fashion_mnist_transform, prepare_fashion_mnist
 from lgc.data.fashion_scenes import FASHION_SCENE_CLASSES, FashionScenes, check_scene_settings
 from lgc.data.folders import require_folder
@@ -51,7 +52,7 @@ from lgc.data.imagenet import imagenet_classes, imagenet_eval_transform, imagene
 from lgc.data.partition import check_partition, dataset_labels
 from lgc.data.sampler import PartitionSampler
 from lgc.data.seeded import EpochSeededDataset
-from lgc.validation import NonNegativeInt, OpenFraction, PositiveFloat, PositiveInt, check
+from lgc.validation import NonNegativeInt, OpenFraction, PositiveFloat, PositiveInt, RunSeed, check
 
 __all__ = [
     "CIFAR10DataModule",
@@ -112,11 +113,12 @@ class _ClassificationDataModule(pl.LightningDataModule):
         num_workers: NonNegativeInt,
         partition: str = "iid",
         alpha: PositiveFloat = 1.0,
-        partition_seed: int = 0,
+        partition_seed: RunSeed = 0,
     ) -> None:
         super().__init__()
         check("batch_size", batch_size, PositiveInt)
         check("num_workers", num_workers, NonNegativeInt)
+        check("partition_seed", partition_seed, RunSeed)
         check_partition(partition, alpha)
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -189,6 +191,13 @@ class DigitsDataModule(_ClassificationDataModule):
     ) -> None:
         super().__init__(batch_size, num_workers, partition, alpha, partition_seed)
         check("val_fraction", val_fraction, OpenFraction)
+        check("split_seed", split_seed, RunSeed)
+        held_out = math.ceil(val_fraction * DIGITS_IMAGES)  # as scikit-learn's split counts it
+        if min(held_out, DIGITS_IMAGES - held_out) < DIGITS_CLASSES:
+            raise ValueError(
+                f"val_fraction={val_fraction} holds out {held_out} of the {DIGITS_IMAGES:,} images: the stratified "
+                f"split needs each part to hold at least one image of each of the {DIGITS_CLASSES} classes"
+            )
         self.val_fraction = val_fraction
         self.split_seed = split_seed
 
