@@ -363,8 +363,34 @@ _DDP_SETTINGS: dict[str, Any] = {
 }
 
 
+#: The run's top-level settings (the config groups' nodes and train.yaml's own; ``hydra`` where composed with it).
+_TOP_LEVEL = frozenset(
+    {
+        "compressor", "comm", "strategy", "model", "data", "trainer", "logger", "scheduler", "optimizer", "seed",
+        "output_dir", "ckpt_path", "checkpoint", "ddp", "callbacks", "loss", "regularization", "hydra",
+    }
+)  # fmt: skip
+#: The keys of the plain nodes no ``_target_`` checks (a misspelt one would otherwise change nothing, unseen).
+_PLAIN_NODES: dict[str, frozenset[str]] = {
+    "checkpoint": frozenset({"every_n_train_steps"}),
+    "loss": frozenset({"aux_weight"}),
+    "regularization": frozenset({"weight_decay"}),
+    "strategy": frozenset({"name", "shard_size"}),
+}
+
+
 def _check_settings(cfg: DictConfig) -> None:
-    """The settings no ``_target_`` checks: the ``ddp`` node's (no unknown key, each of its type) and the seed."""
+    """The settings no ``_target_`` checks: no unknown top-level key, nor in the plain nodes (``checkpoint``,
+    ``loss``, ``regularization``, ``strategy``); the ``ddp`` node's (no unknown key, each of its type); the seed."""
+    for key in cfg:
+        if key not in _TOP_LEVEL:
+            raise ValueError(
+                f"{key} is not a setting of lgc-train; they are {', '.join(sorted(_TOP_LEVEL - {'hydra'}))}"
+            )
+    for node, known in _PLAIN_NODES.items():
+        for key in cfg.get(node) or {}:
+            if key not in known:
+                raise ValueError(f"{node}.{key} is not a {node} setting; they are {', '.join(sorted(known))}")
     ddp = cfg.get("ddp") or {}
     for key in ddp:
         if key not in _DDP_SETTINGS:

@@ -31,13 +31,18 @@ def compose_recording_config(
 
     Starts from the default run (digits, ResNet-8, 2 CPU workers) with ``compressor=none``, so the
     gradients are those of plain data-parallel SGD, and ``logger=none``. ``overrides`` are Hydra
-    overrides applied last (``"compressor=topk"``, ``"trainer.devices=4"``, ...).
+    overrides applied last (``"compressor=topk"``, ``"trainer.devices=4"``, ...). A recording by steps
+    (``max_epochs`` below 0) trains at a constant rate unless ``overrides`` pick a scheduler (the default
+    cosine follows ``max_epochs``).
     """
     from hydra import compose, initialize_config_module
 
     output_dir = Path(output_dir)
     base = ["compressor=none", "logger=none", f"output_dir={output_dir}"]
     run = [f"trainer.max_epochs={max_epochs}", "trainer.enable_progress_bar=false", *overrides]
+    if max_epochs < 0 and not any(o.lstrip("+~").startswith("scheduler") for o in overrides):
+        # A recording by steps: the default cosine follows max_epochs, so a constant rate instead.
+        run.append("~scheduler")
     with initialize_config_module("lgc.conf", version_base="1.3"):
         # Tasks with dense labels (segmentation) have no partition option: their shards are IID.
         if "partition" in compose("train", overrides=[*base, *run]).data:

@@ -326,6 +326,14 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (["ddp.bucket_cap_mb=-5"], ValueError, "ddp.bucket_cap_mb must be a positive finite number, got -5"),
         (["ddp.process_group_backend=5"], ValueError, "ddp.process_group_backend must be a str or None, got 5"),
         (["+ddp.foo=1"], ValueError, "ddp.foo is not a DDP setting; they are start_method"),
+        (["+lr=0.5"], ValueError, "lr is not a setting of lgc-train; they are callbacks, checkpoint"),
+        (["+checkpoint.every_n_steps=5"], ValueError, "checkpoint.every_n_steps is not a checkpoint setting"),
+        (["+loss.aux_wieght=1"], ValueError, "loss.aux_wieght is not a loss setting; they are aux_weight"),
+        (
+            ["+strategy.shard_sz=2"],
+            ValueError,
+            "strategy.shard_sz is not a strategy setting; they are name, shard_size",
+        ),
         (["seed=-1"], ValueError, r"seed must be an integer in \[0, 2\*\*32\), got -1"),
         (
             ["comm=local_sgd", "comm.delay=4", "+trainer.accumulate_grad_batches=2"],
