@@ -13,7 +13,14 @@
 
 Together with the stateful training loaders of :mod:`lgc.lit.data` (data position) and
 :class:`lgc.lit.CompressionCallback` (every rank's compressor state), a run resumed from any
-``last.ckpt``, at an epoch's end or in its middle, takes bit-identical steps to one never stopped.
+``last.ckpt``, at an epoch's end or in its middle, takes bit-identical steps to one never stopped;
+one exception is known: a checkpoint written at an epoch's end in a run with ``trainer.max_steps`` set,
+which Lightning restarts as if in the middle of that epoch (the run keeps its steps and schedule, and
+its later epochs come one number, and one shuffle, later).
+
+Why one module: what a checkpoint holds (the saving callback, the record it carries, the random
+generators) and what a resume checks against it (:func:`check_checkpoint`, :func:`run_settings`) are
+one contract; split, a setting recorded on one side could go unchecked on the other.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_mismatched_checkpoints_are_refused_naming_the_mismatch(tmp_path, stoppe
         ([f"ckpt_path={last}", "compressor.density=0.5"], r"compressor\.density: checkpoint 0\.01, this run 0\.5"),
         ([f"ckpt_path={last}", "comm.min_numel=10"], r"comm\.min_numel: checkpoint 1024, this run 10"),
         ([f"ckpt_path={last}", "trainer.devices=1"], "written by 2 workers, this run has 1"),
-        ([f"ckpt_path={last}", "model=resnet20"], "holds another model"),
+        ([f"ckpt_path={last}", "model=resnet20"], r"other run settings: model\.depth: checkpoint 8, this run 20"),
         ([f"ckpt_path={last}", "trainer.max_steps=2"], "is at step 2, and this run ends at step 2: nothing is left"),
         (["optimizer.lr=-1"], "optimizer/scheduler: Invalid learning rate: -1"),
         (["ckpt_path=last"], "ckpt_path=last: no checkpoint in"),
