@@ -328,6 +328,16 @@ SUMMARY_PAGE = HERE.parent / "README.md"
 SUMMARY_BEGIN, SUMMARY_END = "<!-- scale-summary:begin -->", "<!-- scale-summary:end -->"
 
 
+def _by_mark(marked: list[dict[str, Any]]) -> list[str]:
+    """The marked rows named under each mark that has any (`` `within`: fp16; ... ``)."""
+    sentences = []
+    for word in ("within", "inconclusive", "worse"):
+        names = [_short(row["label"]) for row in marked if row["mark"] == word]
+        if names:
+            sentences.append(f"`{word}`: {'; '.join(names)}.")
+    return sentences
+
+
 def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
     """One line per cell for the README: the methods under each mark, what the cell detects, the byte floor and
     LGC's goal on both accountings."""
@@ -342,10 +352,7 @@ def readme_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
             continue
         marked = [row for row in others if row["mark"] is not None]
         text = [head] if len(marked) == len(others) else [f"{head} {len(marked)} of {len(others)} methods marked;"]
-        for word in ("within", "inconclusive", "worse"):
-            names = [_short(row["label"]) for row in marked if row["mark"] == word]
-            if names:
-                text.append(f"`{word}`: {'; '.join(names)}.")
+        text += _by_mark(marked)
         if power["detectable_loss_points"] is not None:
             text.append(
                 f"A loss of {power['detectable_loss_points']:.2f} points or more is marked `worse` with probability "
@@ -385,10 +392,7 @@ def readme_study_summary(protocol: dict[str, Any], data: dict[str, Any]) -> str:
         learned = [row for row in rows if _learned(row["method"])]
         marked = [row for row in learned if row["mark"] is not None]
         text = [f"- **{cell}**, {len(marked)} of {len(learned)} of LGC's settings marked ({n} seeds each):"]
-        for word in ("within", "inconclusive", "worse"):
-            names = [_short(row["label"]) for row in marked if row["mark"] == word]
-            if names:
-                text.append(f"`{word}`: {'; '.join(names)}.")
+        text += _by_mark(marked)
         paired = [row for row in marked if row.get("gap_to_sparsifier_points")]
         if paired:
             text.append(

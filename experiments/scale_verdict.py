@@ -230,15 +230,15 @@ def reading_lines(protocol: dict[str, Any], rows: list[dict[str, Any]]) -> list[
     seeds = len(protocol["seeds"])
     complete = [row for row in rows if _learned(row["method"]) and len(row["seeds"]) == seeds]
     lines = []
-    sides: dict[str, list[str]] = {"above it": [], "not told apart from it (the interval holds 0)": [], "below it": []}
+    above, apart, below = "above it", "not told apart from it (the interval holds 0)", "below it"
+    sides: dict[str, list[str]] = {above: [], apart: [], below: []}
     for row in complete:
         gap = row.get("gap_to_sparsifier_points")
         if gap:
             low, high = gap["mean"] - gap["half_width"], gap["mean"] + gap["half_width"]
-            side = (
-                "above it" if low > 0 else "below it" if high < 0 else "not told apart from it (the interval holds 0)"
+            sides[above if low > 0 else below if high < 0 else apart].append(
+                _short(protocol["methods"][row["method"]]["label"])
             )
-            sides[side].append(_short(protocol["methods"][row["method"]]["label"]))
     if any(sides.values()):
         lines.append(
             "- Against top-k at the same density, paired by seed: "

@@ -12,6 +12,7 @@ against the task, the optimizer), the launch environment, the fit, and the run f
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -363,31 +364,40 @@ _DDP_SETTINGS: dict[str, Any] = {
 }
 
 
-#: The run's top-level settings (the config groups' nodes and train.yaml's own; ``hydra`` where composed with it).
-_TOP_LEVEL = frozenset(
-    {
-        "compressor", "comm", "strategy", "model", "data", "trainer", "logger", "scheduler", "optimizer", "seed",
-        "output_dir", "ckpt_path", "checkpoint", "ddp", "callbacks", "loss", "regularization", "hydra",
-    }
-)  # fmt: skip
-#: The keys of the plain nodes no ``_target_`` checks (a misspelt one would otherwise change nothing, unseen).
-_PLAIN_NODES: dict[str, frozenset[str]] = {
-    "checkpoint": frozenset({"every_n_train_steps"}),
-    "loss": frozenset({"aux_weight"}),
-    "regularization": frozenset({"weight_decay"}),
-    "strategy": frozenset({"name", "shard_size"}),
-}
+#: The plain nodes no ``_target_`` checks (a misspelt key there would otherwise change nothing, unseen).
+_PLAIN_NODES = ("checkpoint", "loss", "regularization", "strategy")
+
+
+@functools.cache
+def _known_settings() -> tuple[frozenset[str], dict[str, frozenset[str]]]:
+    """The run's top-level settings and the keys of each plain node, as ``lgc/conf`` declares them: train.yaml's
+    own nodes and the config groups its defaults pick (a group defaulting to null, ``experiment``, adds none);
+    a group's node (``strategy``) holds the keys of any of its options."""
+    conf = Path(lgc.conf.__file__).parent
+    train = OmegaConf.to_container(OmegaConf.load(conf / "train.yaml"))
+    assert isinstance(train, dict)
+    picked = [entry for entry in train.pop("defaults") if isinstance(entry, dict)]  # "_self_" is a string
+    groups = {name for entry in picked for name, option in entry.items() if option is not None}
+    nodes = {}
+    for node in _PLAIN_NODES:
+        if node in groups:
+            options = [OmegaConf.load(path) for path in sorted((conf / node).glob("*.yaml"))]
+            nodes[node] = frozenset(key for option in options for key in option)
+        else:
+            nodes[node] = frozenset(train[node])
+    return frozenset(train) | groups, nodes
 
 
 def _check_settings(cfg: DictConfig) -> None:
     """The settings no ``_target_`` checks: no unknown top-level key, nor in the plain nodes (``checkpoint``,
     ``loss``, ``regularization``, ``strategy``); the ``ddp`` node's (no unknown key, each of its type); the seed."""
+    top_level, plain_nodes = _known_settings()
     for key in cfg:
-        if key not in _TOP_LEVEL:
+        if key not in top_level:
             raise ValueError(
-                f"{key} is not a setting of lgc-train; they are {', '.join(sorted(_TOP_LEVEL - {'hydra'}))}"
+                f"{key} is not a setting of lgc-train; they are {', '.join(sorted(top_level - {'hydra'}))}"
             )
-    for node, known in _PLAIN_NODES.items():
+    for node, known in plain_nodes.items():
         for key in cfg.get(node) or {}:
             if key not in known:
                 raise ValueError(f"{node}.{key} is not a {node} setting; they are {', '.join(sorted(known))}")

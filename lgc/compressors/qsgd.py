@@ -504,10 +504,13 @@ class QSGDCompressor(StochasticQuantizer):
         buckets = Buckets(flat.numel(), self.bucket_size)
         total = 0.0
         for rows in buckets.views(flat):
-            d, s = rows.shape[1], self.levels
-            factor = min(d / s**2, math.sqrt(d) / s)
-            total += factor * float(rows.double().square().sum())
+            total += self._variance_factor(rows.shape[1]) * float(rows.double().square().sum())
         return total
+
+    def _variance_factor(self, d: int) -> float:
+        """Lemma 3.1's bound on ``E ||Q(v) - v||^2 / ||v||^2`` for a bucket of ``d`` entries."""
+        s = self.levels
+        return min(d / s**2, math.sqrt(d) / s)
 
     def error_feedback_diverges(self) -> str | None:
         """Why error feedback around this quantizer grows without bound, or None where it is a contraction.
@@ -525,7 +528,7 @@ class QSGDCompressor(StochasticQuantizer):
             return None
         return (
             f"with levels={self.levels} and bucket_size={self.bucket_size} its error can exceed the gradient "
-            f"(variance bound {min(self.bucket_size / self.levels**2, math.sqrt(self.bucket_size) / self.levels):.3g} "
+            f"(variance bound {self._variance_factor(self.bucket_size):.3g} "
             "x ||g||^2, Lemma 3.1), so the residual grows without bound: error feedback needs levels > "
             "sqrt(bucket_size)"
         )

@@ -228,7 +228,7 @@ class PowerSGDHookState(TorchHookState):
             return default_hooks._allreduce_fut(group, bucket.buffer())
         if self.batched:
             return powerSGD_hook.batched_powerSGD_hook(state, bucket)
-        odd = any(g.dim() == 0 or not g.numel() for g in bucket.gradients())
+        odd = any(not shape or 0 in shape for shape in shapes)  # a 0-dim or an empty gradient
         return powerSGD_hook.powerSGD_hook(state, _MatrixViews(bucket) if odd else bucket)  # type: ignore[arg-type]
 
     def _hook_context(self) -> contextlib.AbstractContextManager[None]:
