@@ -13,10 +13,9 @@
 
 Together with the stateful training loaders of :mod:`lgc.lit.data` (data position) and
 :class:`lgc.lit.CompressionCallback` (every rank's compressor state), a run resumed from any
-``last.ckpt``, at an epoch's end or in its middle, takes bit-identical steps to one never stopped;
-one exception is known: a checkpoint written at an epoch's end in a run with ``trainer.max_steps`` set,
-which Lightning restarts as if in the middle of that epoch (the run keeps its steps and schedule, and
-its later epochs come one number, and one shuffle, later).
+``last.ckpt``, at an epoch's end or in its middle, takes bit-identical steps to one never stopped,
+also where Lightning alone would not: an epoch-end checkpoint of a run with ``trainer.max_steps``
+(:meth:`ResumableCheckpoint.on_load_checkpoint`).
 
 Why one module: what a checkpoint holds (the saving callback, the record it carries, the random
 generators) and what a resume checks against it (:func:`check_checkpoint`, :func:`run_settings`) are
@@ -178,11 +177,49 @@ class ResumableCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pass  # no metric-based checkpoints: every save is above
 
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Runs before Lightning restores its loops from ``checkpoint["loops"]``.
+        self._resumes_finished_epoch = trainer.max_steps != -1 and _finish_saved_epoch(checkpoint)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if getattr(self, "_resumes_finished_epoch", False):
+            # The epoch loop starts its next epoch as a fresh one (counters, validation) would.
+            trainer.fit_loop.epoch_loop.restarting = False
+            self._resumes_finished_epoch = False
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning's version restores the best/last paths of the stopped run and warns when a
         # resumed run writes to a new folder, as lgc-train's always do; with save_top_k=0 there is
         # nothing to restore.
         pass
+
+
+def _finish_saved_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Rewrite the loop state of a checkpoint saved at an epoch's end as that of a finished epoch.
+
+    Lightning saves ``on_train_epoch_end`` checkpoints before it counts the epoch completed. A run
+    without ``max_steps`` resumes them as finished epochs; with ``max_steps`` (iteration-based
+    training) Lightning restarts them as unfinished: the resumed run passes through an empty epoch
+    and numbers, and shuffles, every later epoch one higher. Here the epoch is counted completed and
+    the training loader's saved position (the end of that epoch) dropped, so the next epoch begins as
+    in a run never stopped. Returns whether the checkpoint was such an epoch-end save.
+    """
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not fit_loop or "epoch_progress" not in fit_loop:
+        return False
+    epochs = fit_loop["epoch_progress"]["total"]
+    batches = fit_loop["epoch_loop.batch_progress"]["total"]
+    saved_at_epoch_end = (
+        epochs["ready"] == epochs["started"] == epochs["processed"] == epochs["completed"] + 1
+        and batches["ready"] == batches["started"] == batches["processed"] == batches["completed"]
+    )
+    if saved_at_epoch_end:
+        for counts in fit_loop["epoch_progress"].values():
+            counts["completed"] = counts["processed"]
+        fit_loop.get("state_dict", {}).pop("combined_loader", None)
+    return saved_at_epoch_end
 
 
 class CheckpointRecord(pl.Callback):

@@ -11,6 +11,7 @@ method's hook state mid-run.
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,46 @@ def test_lgc_rar_stopped_by_max_steps_in_its_compressed_stage_resumes_bit_identi
     assert earlier["provenance"] == first["provenance"] and earlier["step"] == 13
     assert 0 < earlier["fit_time_s"] <= first["fit_time_s"]
     assert "earlier_segments" not in first
+
+
+def validation_rows(run: Path) -> list[dict[str, str]]:
+    """The CSV logger's validation rows: epoch, logged step and every validation metric."""
+    with (run / "csv" / "version_0" / "metrics.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    return [
+        {key: value for key, value in row.items() if key in ("epoch", "step") or key.startswith("val/")}
+        for row in rows
+        if row.get("val/loss")
+    ]
+
+
+def test_max_steps_run_resumed_from_an_epoch_end_checkpoint_takes_the_same_epochs(tmp_path):
+    """A run with ``trainer.max_steps`` resumed from a checkpoint saved at an epoch's end (where
+    Lightning counts the epoch unfinished): the next epoch is the same epoch, with the same shuffle,
+    steps, learning rates, logged steps and validation as in the run never stopped."""
+    overrides = (*METHODS["topk"], f"trainer.max_steps={STEPS_PER_EPOCH * EPOCHS}")
+    kept = tmp_path / "kept"
+    every_epoch = (
+        "+callbacks.every_epoch._target_=pytorch_lightning.callbacks.ModelCheckpoint",
+        f"+callbacks.every_epoch.dirpath={kept}",
+        "+callbacks.every_epoch.every_n_epochs=1",
+        "+callbacks.every_epoch.save_on_train_epoch_end=true",
+        "+callbacks.every_epoch.save_top_k=-1",
+        "+callbacks.every_epoch.filename='e{step}'",
+        "+callbacks.every_epoch.auto_insert_metric_name=false",
+    )
+    train(compose_cfg(tmp_path / "straight", *overrides, *every_epoch))
+    stopped = kept / f"e{STEPS_PER_EPOCH}.ckpt"
+    saved = load(stopped)["loops"]["fit_loop"]["epoch_progress"]["total"]
+    assert saved["processed"] == 1 and saved["completed"] == 0  # as Lightning saves an epoch's end
+    train(compose_cfg(tmp_path / "resumed", *overrides, f"ckpt_path={stopped}"))
+    straight = load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    resumed = load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    assert_same_training(straight, resumed)
+    assert resumed["epoch"] == straight["epoch"] == EPOCHS - 1
+    epochs = [run["loops"]["fit_loop"]["epoch_progress"] for run in (straight, resumed)]
+    assert_identical(*epochs, "epoch_progress")
+    assert validation_rows(tmp_path / "resumed") == validation_rows(tmp_path / "straight")[1:]
 
 
 def test_shared_index_int8_stopped_in_its_compressed_stage_resumes_bit_identically(tmp_path):
