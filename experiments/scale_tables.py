@@ -48,8 +48,9 @@ from lgc.report.seeds import Interval
 from lgc.report.values import MISSING, lookup
 
 
-def _records(folder: Path, seeds: list[int]) -> dict[int, RunRecord]:
-    """Seed -> run record of one method's folder (``seedN/summary.json``), each checked.
+def _records(folder: Path, seeds: list[int], earlier: Path | None = None) -> dict[int, RunRecord]:
+    """Seed -> run record of one method's folder (``seedN/summary.json``), each checked; with
+    ``earlier``, the superseded records found there take the place of the runs that replaced them.
 
     A table averages exactly the runs the protocol fixes, so a record that does not fit is refused,
     naming its file, rather than counted or dropped: one outside a ``seedN`` folder, one whose folder's
@@ -70,6 +71,8 @@ def _records(folder: Path, seeds: list[int]) -> dict[int, RunRecord]:
         if metric is None or not math.isfinite(metric):
             raise SystemExit(f"{file}: no finite {record.metric_key} ({metric}); a table cannot mark this run")
         records[seed] = record
+    if earlier is not None:
+        records.update(_records(earlier, seeds))
     return records
 
 
@@ -137,15 +140,22 @@ def _gap_to_sparsifier(
     return gap.as_dict() if gap else None
 
 
-def cell_rows(protocol: dict[str, Any], results: Path, cell: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The rows of one cell and what the cell can detect."""
+def cell_rows(
+    protocol: dict[str, Any], results: Path, cell: str, superseded: Path | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of one cell and what the cell can detect (read as it was before the runs that replaced
+    the records in ``superseded``, when given)."""
     seeds = list(protocol["seeds"])
     margin, power = float(protocol["margin_points"]), float(protocol["power"])
-    reference = _records(results / cell / protocol["reference"], seeds)
-    sparsifier = _records(results / cell / SPARSIFIER, seeds)
+
+    def records(method: str) -> dict[int, RunRecord]:
+        return _records(results / cell / method, seeds, superseded and superseded / cell / method)
+
+    reference = records(protocol["reference"])
+    sparsifier = records(SPARSIFIER)
     rows, spreads, commits = [], [], set()
     for method in protocol["order"]["methods"]:
-        runs = _records(results / cell / method, seeds)
+        runs = records(method)
         for record in runs.values():
             provenance = record.summary.get("provenance") or {}
             commits.add((provenance.get("commit") or "unknown")[:7] + ("+changes" if provenance.get("dirty") else ""))
@@ -257,11 +267,11 @@ def _measures_table(rows: list[dict[str, Any]], n: int) -> list[str]:
     return lines
 
 
-def page(protocol: dict[str, Any], results: Path) -> tuple[str, dict[str, Any]]:
+def page(protocol: dict[str, Any], results: Path, superseded: Path | None = None) -> tuple[str, dict[str, Any]]:
     """``tables.md``'s text and ``tables.json``'s data: every cell of the protocol, in its order."""
     pages, data = ["# The comparison at scale", ""], {}
     for cell in protocol["order"]["cells"]:
-        rows, power = cell_rows(protocol, results, cell)
+        rows, power = cell_rows(protocol, results, cell, superseded)
         data[cell] = {"rows": rows, "power": power}
         pages.append(cell_table(protocol, cell, rows, power))
     pages.append(verdict_section(protocol, data))
@@ -413,9 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="?", type=Path, default=HERE / "results" / "scale")
     parser.add_argument("--protocol", type=Path, default=PROTOCOL)
     parser.add_argument("--write", action="store_true")
+    parser.add_argument(
+        "--superseded",
+        action="store_true",
+        help="print the tables as they read before the runs that replaced the records kept in RESULTS/superseded",
+    )
     args = parser.parse_args(argv)
+    if args.superseded and args.write:
+        parser.error("--superseded prints an earlier reading; the written tables are the current one")
     protocol = load_protocol(args.protocol)
-    text, data = page(protocol, args.results)
+    text, data = page(protocol, args.results, args.results / "superseded" if args.superseded else None)
     print(text)
     if args.write:
         name = protocol.get("tables", "tables")  # a study's tables beside the comparison's

@@ -107,6 +107,29 @@ def test_tables_mark_only_complete_methods_and_split_the_bytes(scripts, tmp_path
     assert all(line.endswith(": not run yet.") for name, line in summary.items() if name != cell)
 
 
+def test_a_superseded_record_gives_the_earlier_reading_in_place_of_the_run_that_replaced_it(scripts, tmp_path):
+    _, tables = scripts
+    protocol = importlib.import_module("scale_comparison").load_protocol()
+    cell = "r20_iid4"
+    dense = [0.90, 0.91, 0.905, 0.895, 0.90]
+    for method, values in (("dense", dense), ("topk", [d - 0.005 for d in dense])):
+        for seed, value in enumerate(values):
+            folder = tmp_path / cell / method / f"seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps(_summary(seed, "val/acc", value, 10_000_000)))
+    earlier = tmp_path / "superseded" / cell / "topk" / "seed2"
+    earlier.mkdir(parents=True)
+    (earlier / "summary.json").write_text(json.dumps(_summary(2, "val/acc", 0.805, 10_000_000)))
+    now = {row["method"]: row for row in tables.cell_rows(protocol, tmp_path, cell)[0]}
+    before = {row["method"]: row for row in tables.cell_rows(protocol, tmp_path, cell, tmp_path / "superseded")[0]}
+    assert now["topk"]["gap_points"]["mean"] == pytest.approx(-0.5) and now["topk"]["mark"] == "within"
+    assert before["topk"]["gap_points"]["mean"] == pytest.approx((4 * -0.5 - 10) / 5)  # seed 2 ten points lower
+    assert before["topk"]["mark"] != "within" and before["topk"]["seeds"] == [0, 1, 2, 3, 4]
+    assert before["dense"]["metric"] == now["dense"]["metric"]
+    with pytest.raises(SystemExit):  # the earlier reading is printed, never written over the tables
+        tables.main([str(tmp_path), "--superseded", "--write"])
+
+
 def test_lgc_rows_at_top_ks_density_are_paired_with_it_once_both_ran_every_seed(scripts, tmp_path):
     _, tables = scripts
     protocol = importlib.import_module("scale_comparison").load_protocol()
