@@ -67,6 +67,9 @@ def _records(folder: Path, seeds: list[int], earlier: Path | None = None) -> dic
             raise SystemExit(f"{file}: a run of seed {seed} belongs in {folder}/seed{seed}/summary.json")
         if seed not in seeds:
             raise SystemExit(f"{file}: seed {seed} is not among the protocol's seeds {seeds}")
+        if not record.metric_is_final:
+            steps, validated = record.summary.get("steps"), record.summary.get("validated_step")
+            raise SystemExit(f"{file}: its metrics are of step {validated}, not of its last step {steps}")
         metric = record.metric
         if metric is None or not math.isfinite(metric):
             raise SystemExit(f"{file}: no finite {record.metric_key} ({metric}); a table cannot mark this run")

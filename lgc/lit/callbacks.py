@@ -15,6 +15,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.utilities import rank_zero_warn
 
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.protocol import HookState
@@ -257,7 +258,10 @@ def _environment(world_size: int) -> dict[str, Any]:
 class RunSummary(pl.Callback):
     """Writes ``summary.json`` (rank 0) at the end of training.
 
-    Fields: final metrics (``val/acc``, ...), ``steps``, per-worker wire bytes (``wire_*``: what
+    Fields: final metrics (``val/acc``, ...) with ``validated_step`` (the step of the validation they
+    come from: ``steps`` unless ``trainer.check_val_every_n_epoch`` or ``val_check_interval`` skipped
+    the last one, which is warned of; None where this segment never validated), ``steps``, ``epochs``
+    (epochs begun, one stopped in its middle by ``trainer.max_steps`` included), per-worker wire bytes (``wire_*``: what
     the collectives' algorithms put on the network, :mod:`lgc.ddp.wire`) and logical bytes (the
     tensors handed to them) sent/received, their dense equivalents, ``compression_ratio`` (wire
     bytes of a dense ring allreduce over wire bytes sent), ``logical_compression_ratio``,
@@ -302,6 +306,8 @@ class RunSummary(pl.Callback):
         #: What the checkpoint this run resumed from recorded of the run's earlier segments.
         self.earlier_segments: list[dict[str, Any]] = []
         self._step = 0
+        #: The step of this segment's last validation (not the sanity check), None before any.
+        self._validated_step: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """In every checkpoint: the segments so far, this one as of the checkpoint's step."""
@@ -331,6 +337,10 @@ class RunSummary(pl.Callback):
             self._batch_cpu = None
         self._step = trainer.global_step
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validated_step = trainer.global_step
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step_cpu_ms = 1000 * self._step_cpu_s / self._timed_steps if self._timed_steps else None
         state = _hook_state(trainer)
@@ -346,6 +356,7 @@ class RunSummary(pl.Callback):
                 k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, (torch.Tensor, float))
             },
             "steps": trainer.global_step,
+            "validated_step": self._validated_step,
             "epochs": trainer.current_epoch,
             "world_size": trainer.world_size,
             "compressor": _hook_state(trainer).describe(),
@@ -390,6 +401,12 @@ class RunSummary(pl.Callback):
                 summary["lgc_premise"] = workers[0]["lgc"]["premise"]
         top_level = ("val/acc", "val/loss", "val/mIoU", "val/pixel_acc")
         summary.update({k: summary["metrics"][k] for k in top_level if k in summary["metrics"]})
+        if any(k in summary for k in top_level) and self._validated_step != trainer.global_step:
+            rank_zero_warn(
+                f"summary.json's validation metrics are those of step {self._validated_step}, not of the final "
+                f"model (step {trainer.global_step}): trainer.check_val_every_n_epoch or val_check_interval "
+                "skipped the last validation"
+            )
         summary["layers"] = layers
         self.output_dir.mkdir(parents=True, exist_ok=True)
         state = _hook_state(trainer)

@@ -75,10 +75,16 @@ class RunRecord:
         return self.summary.get("metrics") or {}
 
     @property
+    def metric_is_final(self) -> bool:
+        """Whether the metrics are the final model's (``validated_step`` is ``steps``; a summary without
+        ``validated_step``, written before it was recorded, is taken as final)."""
+        return self.summary.get("validated_step", self.summary.get("steps")) == self.summary.get("steps")
+
+    @property
     def metric(self) -> float | None:
-        """The final ``val/acc`` (or ``val/mIoU``); None if the run has none."""
+        """The final model's ``val/acc`` (or ``val/mIoU``); None if the run has none, or only an earlier model's."""
         value = self.summary.get(self.metric_key, self.metrics.get(self.metric_key))
-        return None if value is None else float(value)
+        return None if value is None or not self.metric_is_final else float(value)
 
     @property
     def counts_wire_bytes(self) -> bool:

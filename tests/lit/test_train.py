@@ -20,6 +20,7 @@ from lgc.compressors.topk import num_selected
 from lgc.ddp.hook import CompressionHookState
 from lgc.lit import CompressedDDPStrategy, CompressionCallback, DigitsDataModule, ImageClassifier
 from lgc.models import resnet8
+from lgc.report.records import load_runs
 from lgc.train import _drop_lightning_tips, _launch_environment, _remove_unused_run_folder, _result_line, train
 
 pytestmark = pytest.mark.multiprocess
@@ -63,7 +64,7 @@ def test_tiny_run_writes_a_summary_with_the_expected_compression_ratio(tmp_path)
     )
 
     steps = cfg.trainer.limit_train_batches
-    assert summary["steps"] == steps and summary["world_size"] == 2
+    assert summary["steps"] == steps == summary["validated_step"] and summary["world_size"] == 2
     assert 0.0 <= summary["val/acc"] <= 1.0
     assert summary["hook_calls"] > 0 and summary["skipped_steps"] == 0
     assert summary["config"]["compressor"]["density"] == density
@@ -206,6 +207,18 @@ _TINY_LGC = (
     "compressor.training.autoencoder.encoder_channels=[4,4,4,4]",
     "compressor.training.autoencoder.decoder_channels=[4,4,4,4]",
 )
+
+
+def test_metrics_of_an_earlier_model_are_named_with_their_step_and_warned_of(tmp_path):
+    """Validation every 2 epochs of a 3-epoch run: the summary's metrics are the second epoch's."""
+    overrides = ("trainer.max_epochs=3", "trainer.limit_train_batches=2", "+trainer.check_val_every_n_epoch=2")
+    command = [sys.executable, "-m", "lgc.train", "experiment=smoke", "logger=csv", FORK, f"output_dir={tmp_path}"]
+    done = subprocess.run([*command, *overrides], capture_output=True, text=True, timeout=600, check=True)
+    assert "validation metrics are those of step 4, not of the final model (step 6)" in done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["validated_step"] == 4 and "val/acc" in summary
+    (record,) = load_runs([tmp_path])
+    assert not record.metric_is_final and record.metric is None
 
 
 def test_an_lgc_run_saves_its_codec_and_another_run_starts_from_it(tmp_path):

@@ -171,6 +171,7 @@ def test_lgc_rows_at_top_ks_density_are_paired_with_it_once_both_ran_every_seed(
         ("seed7", 7, 0.9, "not among the protocol's seeds"),
         ("seed1", 1, float("nan"), "no finite val/acc"),
         ("seed1", 1, None, "no finite val/acc"),
+        ("seed1", 1, "validated at step 3", "metrics are of step 3, not of its last step 10"),
     ],
 )
 def test_a_record_that_does_not_fit_the_protocol_is_refused_naming_its_file(
@@ -181,7 +182,10 @@ def test_a_record_that_does_not_fit_the_protocol_is_refused_naming_its_file(
     for name, value in (("seed0", 0), (folder, seed)):
         summary = _summary(value, "val/acc", 0.9, 10_000_000)
         if name == folder:
-            summary["val/acc"] = summary["metrics"]["val/acc"] = metric
+            if isinstance(metric, str):  # an earlier model's metrics
+                summary.update(steps=10, validated_step=3)
+            else:
+                summary["val/acc"] = summary["metrics"]["val/acc"] = metric
             if metric is None:
                 del summary["val/acc"], summary["metrics"]["val/acc"]
         (tmp_path / "r20_iid4" / "fp16" / name).mkdir(parents=True)
