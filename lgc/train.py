@@ -103,6 +103,18 @@ def check_devices(accelerator: str, devices: Any, oversubscribe: bool) -> int:
     return devices
 
 
+def check_backend(accelerator: str, backend: str | None) -> None:
+    """Refuse a ``ddp.process_group_backend`` the workers could not start: one other than gloo or NCCL,
+    or NCCL without GPUs (None takes Lightning's choice: gloo on the CPU, NCCL on GPUs)."""
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"ddp.process_group_backend={backend!r} must be null, 'gloo' or 'nccl'")
+    if backend == "nccl" and accelerator not in ("gpu", "cuda"):
+        raise ValueError(
+            f"ddp.process_group_backend='nccl' needs GPUs (trainer.accelerator={accelerator!r}): leave it null "
+            "or set gloo"
+        )
+
+
 def shared_gpus(accelerator: str, devices: int, backend: str | None, num_nodes: int = 1) -> list[torch.device] | None:
     """Each worker's GPU where more workers than GPUs share them (``ddp.oversubscribe=true``), else None.
 
@@ -142,10 +154,10 @@ def expected_optimizer_steps(trainer_node: DictConfig, datamodule: Any, world_si
     return by_epochs if by_steps is None or by_epochs is None else min(by_steps, by_epochs)
 
 
-def _epoch_steps(trainer_node: DictConfig, datamodule: Any, world_size: int) -> int | None:
-    """The optimizer steps of ``max_epochs`` epochs, or None if unknown."""
+def _epoch_batches(trainer_node: DictConfig, datamodule: Any, world_size: int) -> int | None:
+    """Each worker's training batches per epoch (``trainer.limit_train_batches`` applied), None if unknown."""
     sampler_of = getattr(datamodule, "train_sampler", None)
-    if sampler_of is None or trainer_node.get("max_epochs") is None:
+    if sampler_of is None:
         return None
     datamodule.setup("fit")
     batches = len(sampler_of(num_replicas=world_size, rank=0)) // datamodule.batch_size
@@ -154,6 +166,14 @@ def _epoch_steps(trainer_node: DictConfig, datamodule: Any, world_size: int) -> 
         batches = min(batches, limit)
     elif isinstance(limit, float):
         batches = int(batches * limit)
+    return batches
+
+
+def _epoch_steps(trainer_node: DictConfig, datamodule: Any, world_size: int) -> int | None:
+    """The optimizer steps of ``max_epochs`` epochs, or None if unknown."""
+    batches = _epoch_batches(trainer_node, datamodule, world_size)
+    if batches is None or trainer_node.get("max_epochs") is None:
+        return None
     # Lightning also steps on an epoch's last, partial accumulation.
     return math.ceil(batches / int(trainer_node.get("accumulate_grad_batches") or 1)) * int(trainer_node.max_epochs)
 
@@ -541,6 +561,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
     check_error_feedback(hook_state, cfg.compressor, cfg.compressor.get("error_feedback"), prefix="compressor.")
     hook_state.check_optimizer(cfg.optimizer.get("momentum", 0.0), cfg.optimizer.get("weight_decay", 0.0))
     devices = check_devices(cfg.trainer.accelerator, cfg.trainer.devices, cfg.ddp.oversubscribe)
+    check_backend(cfg.trainer.accelerator, cfg.ddp.process_group_backend)
     num_nodes = int(cfg.trainer.get("num_nodes") or 1)
     world_size = devices * num_nodes
     # Workers sharing GPUs: Lightning takes their devices from the strategy; the Trainer gets the GPUs' count.
@@ -563,7 +584,7 @@ def _prepare(cfg: DictConfig, hydra_run: dict[str, Any] | None = None) -> _Prepa
         if hook_state.needs_total_steps or ckpt_path is not None or both_limits
         else None
     )
-    if total_steps == 0:
+    if total_steps == 0 or _epoch_batches(cfg.trainer, datamodule, world_size) == 0:
         raise ValueError(
             f"the run takes no optimizer step: each of its {world_size} workers' shard holds fewer than one batch "
             f"of data.batch_size={cfg.data.get('batch_size')} (or trainer.limit_train_batches leaves none)"

@@ -50,8 +50,9 @@ def gather_worker_stats(state: HookState, **extra: Any) -> list[dict[str, Any]]:
 
 
 def _ratio(dense_bytes: float, sent_bytes: float) -> float | None:
-    """Dense over sent bytes; None (null in JSON) when nothing was sent that way."""
-    return dense_bytes / sent_bytes if sent_bytes else None
+    """Dense over sent bytes; None (null in JSON) when nothing was sent that way, or when what was sent
+    carried no gradient (LGC's ``autoencoder_weights`` stage: the codec's weights)."""
+    return dense_bytes / sent_bytes if sent_bytes and dense_bytes else None
 
 
 #: Columns of the per-layer table (``summary.json``'s ``layers`` and wandb's ``comm/layers``).

@@ -269,13 +269,13 @@ def run_settings(resolved: dict[str, Any]) -> dict[str, Any]:
     """What a resumed run must keep, from the resolved config, besides the compressor, ``comm`` and strategy:
     the data (which images, in which shards and batches; not where they lie), the seed, the optimizer
     and the learning-rate schedule (the checkpoint restores their state over any new setting: a
-    cosine schedule keeps its length) and DDP's buckets (PowerSGD's state is laid out by them). The
+    cosine schedule keeps its length) and, under DDP, its buckets (PowerSGD's state is laid out by them). The
     run's length may change where the schedule does not follow it. Also what else changes the steps: the
     model's config, the loss, the trainer's precision, gradient clipping, accumulation and epoch length,
     and whether the training loader reads in worker processes (its saved position is laid out by them)."""
     data = {key: value for key, value in (resolved.get("data") or {}).items() if key not in _DATA_LOCATION}
     trainer = resolved.get("trainer") or {}
-    return {
+    settings = {
         "data": data,
         "seed": resolved.get("seed"),
         "optimizer": resolved.get("optimizer"),
@@ -286,6 +286,9 @@ def run_settings(resolved: dict[str, Any]) -> dict[str, Any]:
         "trainer": {key: trainer.get(key) for key in _TRAINER_STEP_SETTINGS},
         "loader": {"num_workers": (resolved.get("data") or {}).get("num_workers")},
     }
+    if (resolved.get("strategy") or DDP_STRATEGY).get("name", "ddp") != "ddp":
+        del settings["ddp"]  # FSDP2 and HSDP code every parameter's gradient whole, in no DDP bucket
+    return settings
 
 
 #: The trainer's settings that change what a step computes or which batches an epoch holds.

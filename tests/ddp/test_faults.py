@@ -189,6 +189,17 @@ def test_mismatched_checkpoints_are_refused_naming_the_mismatch(tmp_path, stoppe
         assert not (tmp_path / "run").exists()
 
 
+def test_ddps_bucket_size_is_kept_on_resume_under_ddp_only():
+    from lgc.lit.checkpoint import run_settings
+
+    def settings(strategy: str, cap: float) -> dict:
+        return run_settings({"strategy": {"name": strategy}, "ddp": {"bucket_cap_mb": cap}})
+
+    assert settings("ddp", 25)["ddp"] == {"bucket_cap_mb": 25} != settings("ddp", 5)["ddp"]
+    # Under FSDP2 and HSDP no DDP bucket lays out any state: not compared (nor read from older checkpoints).
+    assert "ddp" not in settings("fsdp", 25) and settings("hsdp", 25) == settings("hsdp", 5)
+
+
 def test_a_run_folder_or_last_names_its_newest_checkpoint(tmp_path, stopped_run):
     from lgc.lit.checkpoint import resolve_checkpoint_path
 

@@ -373,6 +373,15 @@ def test_strategy_refuses_to_train_without_the_checkpoint_callback(tmp_path):
         (["trainer.max_steps=abc"], TypeError, "trainer.max_steps='abc' must be an int"),
         (["data.batch_size=abc"], TypeError, "data.batch_size='abc' must be a positive integer"),
         (["data.batch_size=0"], ValueError, "data.batch_size=0 must be a positive integer"),
+        # A shard smaller than one batch, in a run by epochs and in one by steps.
+        (["data.batch_size=5000"], ValueError, r"each of its 2 workers' shard holds fewer than one batch"),
+        (
+            ["data.batch_size=5000", "trainer.max_steps=10", "trainer.max_epochs=-1"],
+            ValueError,
+            r"each of its 2 workers' shard holds fewer than one batch of data.batch_size=5000",
+        ),
+        (["ddp.process_group_backend=nccl"], ValueError, r"'nccl' needs GPUs \(trainer.accelerator='cpu'\)"),
+        (["ddp.process_group_backend=mpi"], ValueError, r"process_group_backend='mpi' must be null, 'gloo' or"),
         (["optimizer.lr=-1"], ValueError, "optimizer/scheduler: Invalid learning rate: -1"),
         (["ddp.timeout=0"], ValueError, "ddp.timeout must be a positive number of seconds, got 0"),
         (["ddp.timeout=abc"], ValueError, "ddp.timeout must be a positive number of seconds, got 'abc'"),
@@ -529,6 +538,25 @@ def test_only_a_run_folder_holding_nothing_but_hydras_files_is_removed(tmp_path)
     for folder in kept:
         assert not _remove_unused_run_folder(folder, "train.log", stop_at=cwd)
         assert (folder / ".hydra" / "config.yaml").is_file()
+
+
+def test_a_stage_that_carries_no_gradient_has_no_compression_ratio():
+    from lgc.lit.callbacks import _stage_totals
+
+    # LGC's autoencoder_weights stage sends the codec's weights: bytes, but no gradient's dense equivalent.
+    weights = {"bytes_sent": 4000, "wire_bytes_sent": 4000, "payload_bytes": 4000}
+    compressed = {
+        "bytes_sent": 100,
+        "wire_bytes_sent": 100,
+        "dense_equivalent_bytes": 1000,
+        "wire_dense_equivalent_bytes": 1500,
+    }
+    stages = [{"autoencoder_weights": weights, "compressed": compressed}] * 2
+    totals = _stage_totals(stages)
+    assert totals["autoencoder_weights"]["bytes_sent"] == 8000
+    assert totals["autoencoder_weights"]["compression_ratio"] is None
+    assert totals["autoencoder_weights"]["payload_compression_ratio"] is None
+    assert totals["compressed"]["compression_ratio"] == 15 and totals["compressed"]["logical_compression_ratio"] == 10
 
 
 def test_the_final_line_names_the_overall_ratio_and_lgcs_compressed_stage():
