@@ -194,17 +194,22 @@ def test_max_steps_run_resumed_from_an_epoch_end_checkpoint_takes_the_same_epoch
         "+callbacks.every_epoch.auto_insert_metric_name=false",
     )
     train(compose_cfg(tmp_path / "straight", *overrides, *every_epoch))
-    stopped = kept / f"e{STEPS_PER_EPOCH}.ckpt"
-    saved = load(stopped)["loops"]["fit_loop"]["epoch_progress"]["total"]
-    assert saved["processed"] == 1 and saved["completed"] == 0  # as Lightning saves an epoch's end
-    train(compose_cfg(tmp_path / "resumed", *overrides, f"ckpt_path={stopped}"))
     straight = load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
-    resumed = load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
-    assert_same_training(straight, resumed)
-    assert resumed["epoch"] == straight["epoch"] == EPOCHS - 1
-    epochs = [run["loops"]["fit_loop"]["epoch_progress"] for run in (straight, resumed)]
-    assert_identical(*epochs, "epoch_progress")
-    assert validation_rows(tmp_path / "resumed") == validation_rows(tmp_path / "straight")[1:]
+    # Kept by Lightning's ModelCheckpoint after epoch 0, and lgc-train's own last.ckpt of a run whose
+    # max_steps ends epoch 1.
+    train(compose_cfg(tmp_path / "first", *overrides, f"trainer.max_steps={2 * STEPS_PER_EPOCH}"))
+    stops = {1: kept / f"e{STEPS_PER_EPOCH}.ckpt", 2: tmp_path / "first" / "checkpoints" / "last.ckpt"}
+    for epochs_done, stopped in stops.items():
+        saved = load(stopped)["loops"]["fit_loop"]["epoch_progress"]["total"]
+        assert saved["processed"] == epochs_done == saved["completed"] + 1  # as Lightning saves an epoch's end
+        run = tmp_path / f"resumed{epochs_done}"
+        train(compose_cfg(run, *overrides, f"ckpt_path={stopped}"))
+        resumed = load(run / "checkpoints" / "last.ckpt")
+        assert_same_training(straight, resumed)
+        assert resumed["epoch"] == straight["epoch"] == EPOCHS - 1
+        epochs = [checkpoint["loops"]["fit_loop"]["epoch_progress"] for checkpoint in (straight, resumed)]
+        assert_identical(*epochs, "epoch_progress")
+        assert validation_rows(run) == validation_rows(tmp_path / "straight")[epochs_done:]
 
 
 def test_shared_index_int8_stopped_in_its_compressed_stage_resumes_bit_identically(tmp_path):
