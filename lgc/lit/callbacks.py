@@ -1,4 +1,9 @@
-"""Lightning callbacks: communication metrics, compressor state in checkpoints, the run summary."""
+"""Lightning callbacks: communication metrics, compressor state in checkpoints, the run summary.
+
+Why one module: the metrics logged during a run and the summary written at its end read one
+accounting of the wire (the same per-worker counters gathered the same way, the same ratios), so a
+byte logged and a byte summarised cannot drift apart.
+"""
 
 from __future__ import annotations
 
