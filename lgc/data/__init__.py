@@ -3,6 +3,7 @@
 from lgc.data.camvid import CAMVID_CLASSES, CAMVID_IGNORE_INDEX, CamVidDataset, camvid_pairs
 from lgc.data.cifar10 import check_cifar10_folder
 from lgc.data.digits import load_digits_split
+from lgc.data.eval_shard import CLASS_IGNORE_INDEX, EvalShardSampler, PaddedEvalDataset
 from lgc.data.fashion_scenes import FASHION_SCENE_CLASSES, FashionScenes
 from lgc.data.folders import require_files, require_folder
 from lgc.data.imagenet import imagenet_classes
@@ -21,11 +22,14 @@ from lgc.data.seeded import EpochSeededDataset
 __all__ = [
     "CAMVID_CLASSES",
     "CAMVID_IGNORE_INDEX",
+    "CLASS_IGNORE_INDEX",
     "PARTITIONS",
     "CamVidDataset",
     "FASHION_SCENE_CLASSES",
     "FashionScenes",
     "EpochSeededDataset",
+    "EvalShardSampler",
+    "PaddedEvalDataset",
     "PartitionSampler",
     "camvid_pairs",
     "check_cifar10_folder",

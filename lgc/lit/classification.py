@@ -10,8 +10,10 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from lgc.data.eval_shard import CLASS_IGNORE_INDEX
 from lgc.lit.fsdp_strategy import shard_for_strategy
 from lgc.validation import NonNegativeInt, PositiveFraction, check
 
@@ -171,6 +173,11 @@ def optimizer_with_epoch_scheduler(
 class ImageClassifier(pl.LightningModule):
     """Cross-entropy training of ``model``; logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``.
 
+    ``val/acc`` and ``val/loss`` are the accuracy and the mean cross-entropy over every sample of the
+    validation set, each counted once across all workers (torchmetrics sums the workers' counts);
+    samples labelled :data:`lgc.data.eval_shard.CLASS_IGNORE_INDEX` (the positions that pad the
+    workers' shards to as many batches) count nowhere.
+
     Args:
         model: any ``nn.Module`` mapping images to logits.
         num_classes: number of classes (for the accuracy metric).
@@ -191,7 +198,8 @@ class ImageClassifier(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=CLASS_IGNORE_INDEX)
+        self.val_loss = MeanMetric()
 
     def configure_model(self) -> None:
         """Under lgc's FSDP2 strategy, shard the network and install the compressed reduction; else nothing."""
@@ -212,8 +220,12 @@ class ImageClassifier(pl.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch
         logits = self(images)
-        self.val_acc(logits, labels)
-        self.log("val/loss", F.cross_entropy(logits, labels), sync_dist=True)
+        kept = labels != CLASS_IGNORE_INDEX
+        self.val_acc.update(logits, labels)
+        self.val_loss.update(F.cross_entropy(logits[kept], labels[kept], reduction="none"))
+        # Metric objects: Lightning calls compute() at the epoch's end, after torchmetrics has
+        # summed every worker's counts, so the means are over the whole set.
+        self.log("val/loss", self.val_loss)
         self.log("val/acc", self.val_acc, prog_bar=True)
 
     def configure_optimizers(self) -> Any:

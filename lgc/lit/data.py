@@ -9,8 +9,9 @@ before any worker process starts.
 Training data of the classification modules is split among the data-parallel workers by
 :class:`lgc.data.PartitionSampler`: ``partition="iid"`` (default; a fresh disjoint random shard
 per rank every epoch, like Lightning's ``DistributedSampler``) or ``partition="dirichlet"``
-(non-IID label skew with concentration ``alpha``). Validation and test data keep Lightning's
-default: the whole set, sharded across ranks by its ``DistributedSampler``.
+(non-IID label skew with concentration ``alpha``). Validation and test data: the whole set in
+order, sharded across ranks so that every sample is scored exactly once
+(:mod:`lgc.data.eval_shard`; Lightning's own sharding scores some samples twice).
 
 Training loaders are torchdata's ``StatefulDataLoader`` over a stateful
 :class:`~lgc.data.PartitionSampler`: Lightning saves their position in every checkpoint, so a run
@@ -45,6 +46,7 @@ from lgc.data.camvid import (
 )
 from lgc.data.cifar10 import check_cifar10_folder, cifar10_transform
 from lgc.data.digits import DIGITS_CLASSES, DIGITS_IMAGES, load_digits_split
+from lgc.data.eval_shard import CLASS_IGNORE_INDEX, EvalShardSampler, PaddedEvalDataset
 from lgc.data.fashion_mnist import fashion_mnist_cache, fashion_mnist_transform, prepare_fashion_mnist
 from lgc.data.fashion_scenes import FASHION_SCENE_CLASSES, FashionScenes, check_scene_settings
 from lgc.data.folders import require_folder
@@ -89,9 +91,19 @@ def _resumable_loader(
     )
 
 
-def _eval_loader(dataset: Dataset[Any] | None, batch_size: int, num_workers: int) -> DataLoader:
-    """A validation or test loader: the whole set in order (Lightning shards it across workers)."""
-    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0)
+def _eval_loader(dataset: Dataset[Any] | None, batch_size: int, num_workers: int, ignore_index: int) -> DataLoader:
+    """A validation or test loader: this rank's shard of the whole set in order, every sample scored
+    once over all ranks (:mod:`lgc.data.eval_shard`: the positions that pad the ranks to as many
+    batches carry ``ignore_index`` as target). Built after the process group exists (Lightning asks
+    for it on every rank), so that the sampler sees the real rank."""
+    assert dataset is not None, "call setup() first"
+    return DataLoader(
+        PaddedEvalDataset(dataset, ignore_index),
+        batch_size=batch_size,
+        sampler=EvalShardSampler(dataset),
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
 
 
 class _ClassificationDataModule(pl.LightningDataModule):
@@ -160,7 +172,7 @@ class _ClassificationDataModule(pl.LightningDataModule):
         return _resumable_loader(self.train_set, self.train_sampler(), self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return _eval_loader(self.val_set, self.batch_size, self.num_workers)
+        return _eval_loader(self.val_set, self.batch_size, self.num_workers, CLASS_IGNORE_INDEX)
 
 
 class DigitsDataModule(_ClassificationDataModule):
@@ -461,7 +473,7 @@ class CamVidDataModule(pl.LightningDataModule):
             self.test_set = CamVidDataset(self.root, "test", self.eval_transform)
 
     def _loader(self, dataset: Dataset[Any] | None) -> DataLoader:
-        return _eval_loader(dataset, self.batch_size, self.num_workers)
+        return _eval_loader(dataset, self.batch_size, self.num_workers, self.ignore_index)
 
     def train_dataloader(self) -> StatefulDataLoader:
         # Built after the process group exists, so that the sampler sees the real rank.
@@ -561,4 +573,4 @@ class FashionScenesDataModule(pl.LightningDataModule):
         return _resumable_loader(self.train_set, sampler, self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return _eval_loader(self.val_set, self.batch_size, self.num_workers)
+        return _eval_loader(self.val_set, self.batch_size, self.num_workers, self.ignore_index)

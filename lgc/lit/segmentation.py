@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
 from lgc.lit.classification import optimizer_with_epoch_scheduler
@@ -64,7 +65,10 @@ class SemanticSegmenter(pl.LightningModule):
       set is left out of the mean (torchmetrics' rule, tested), a class predicted but never labelled
       counts with IoU 0. An ``ignore_index`` inside ``[0, num_classes)`` also drops that class.
     * ``val/pixel_acc``: correctly labelled pixels / labelled pixels.
-    * ``val/loss``: the main head's cross-entropy, averaged over batches and workers.
+    * ``val/loss``: the main head's cross-entropy, averaged over every labelled pixel of the set.
+
+    Every image of the set counts once: the images that pad the workers' shards to as many batches
+    come with every pixel ``ignore_index`` (:mod:`lgc.data.eval_shard`).
 
     Args:
         model: ``nn.Module`` mapping images to per-pixel logits at the label size.
@@ -99,6 +103,7 @@ class SemanticSegmenter(pl.LightningModule):
         self.aux_weight = aux_weight
         self.val_miou = MulticlassJaccardIndex(num_classes, average="macro", ignore_index=ignore_index)
         self.val_pixel_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=ignore_index)
+        self.val_loss = MeanMetric()
 
     def configure_model(self) -> None:
         """Under lgc's FSDP2 strategy, shard the network and install the compressed reduction; else nothing."""
@@ -126,9 +131,11 @@ class SemanticSegmenter(pl.LightningModule):
         preds = logits.argmax(dim=1)
         self.val_miou.update(preds, masks)
         self.val_pixel_acc.update(preds, masks)
-        self.log("val/loss", pixel_cross_entropy(logits, masks, self.ignore_index), sync_dist=True)
+        labelled = (masks != self.ignore_index).sum()
+        self.val_loss.update(pixel_cross_entropy(logits, masks, self.ignore_index), weight=labelled)
         # Metric objects: Lightning calls compute() at the epoch's end, which sums the confusion
-        # matrices of all workers first (sync_dist does not apply to them).
+        # matrices (and the loss's sums) of all workers first (sync_dist does not apply to them).
+        self.log("val/loss", self.val_loss)
         self.log("val/mIoU", self.val_miou, prog_bar=True)
         self.log("val/pixel_acc", self.val_pixel_acc)
 
