@@ -10,14 +10,14 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lgc.data.eval_shard import CLASS_IGNORE_INDEX
 from lgc.lit.fsdp_strategy import shard_for_strategy
 from lgc.validation import NonNegativeInt, PositiveFraction, check
 
-__all__ = ["ImageClassifier", "LinearWarmup", "StepCosine"]
+__all__ = ["ImageClassifier", "LinearWarmup", "StepCosine", "WeightedMean", "keep_float64"]
 
 #: Schedulers whose step multiplies the current learning rate by a factor of their own, so that
 #: they compose with the warm-up's factor (others recompute the rate from ``base_lrs`` and would
@@ -170,6 +170,42 @@ def optimizer_with_epoch_scheduler(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
 
 
+class WeightedMean(Metric):
+    """``sum(value * weight) / sum(weight)`` over every update of every worker (torchmetrics sums
+    both across workers), in float64 (a set's pixel count passes float32's exact integers); a NaN
+    value makes the mean NaN.
+
+    Why not torchmetrics' ``MeanMetric``: it drops NaN values with a warning (a batch that diverged
+    would vanish from the mean), and with ``nan_strategy="disable"`` it ignores the weights.
+    """
+
+    full_state_update = False
+    total: Tensor
+    weight: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("weight", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, value: Tensor, weight: Tensor | float = 1.0) -> None:
+        """Add ``value`` (any shape; every element counts ``weight``, broadcast to it)."""
+        value = value.to(self.total.dtype)
+        weights = torch.as_tensor(weight, dtype=self.total.dtype, device=value.device).expand_as(value)
+        self.total += (value * weights).sum()
+        self.weight += weights.sum()
+
+    def compute(self) -> Tensor:
+        return self.total / self.weight
+
+
+def keep_float64(metric: Metric) -> None:
+    """Undo a 16-bit ``"true"`` precision's conversion of ``metric``'s sums (Lightning converts the
+    whole module, metrics included): a float16 sum of weights overflows at 65,504 pixels and a
+    bfloat16 one stops growing at 256 samples."""
+    metric.set_dtype(torch.float64)
+
+
 class ImageClassifier(pl.LightningModule):
     """Cross-entropy training of ``model``; logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc``.
 
@@ -199,7 +235,7 @@ class ImageClassifier(pl.LightningModule):
         self.scheduler_factory = scheduler
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=CLASS_IGNORE_INDEX)
-        self.val_loss = MeanMetric()
+        self.val_loss = WeightedMean()
 
     def configure_model(self) -> None:
         """Under lgc's FSDP2 strategy, shard the network and install the compressed reduction; else nothing."""
@@ -217,12 +253,15 @@ class ImageClassifier(pl.LightningModule):
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
+    def on_validation_start(self) -> None:
+        keep_float64(self.val_loss)
+
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch
         logits = self(images)
         kept = labels != CLASS_IGNORE_INDEX
         self.val_acc.update(logits, labels)
-        self.val_loss.update(F.cross_entropy(logits[kept], labels[kept], reduction="none"))
+        self.val_loss.update(F.cross_entropy(logits[kept].float(), labels[kept], reduction="none"))
         # Metric objects: Lightning calls compute() at the epoch's end, after torchmetrics has
         # summed every worker's counts, so the means are over the whole set.
         self.log("val/loss", self.val_loss)

@@ -9,10 +9,9 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
-from lgc.lit.classification import optimizer_with_epoch_scheduler
+from lgc.lit.classification import WeightedMean, keep_float64, optimizer_with_epoch_scheduler
 from lgc.lit.fsdp_strategy import shard_for_strategy
 
 __all__ = ["SemanticSegmenter", "pixel_cross_entropy", "split_logits"]
@@ -103,7 +102,7 @@ class SemanticSegmenter(pl.LightningModule):
         self.aux_weight = aux_weight
         self.val_miou = MulticlassJaccardIndex(num_classes, average="macro", ignore_index=ignore_index)
         self.val_pixel_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=ignore_index)
-        self.val_loss = MeanMetric()
+        self.val_loss = WeightedMean()
 
     def configure_model(self) -> None:
         """Under lgc's FSDP2 strategy, shard the network and install the compressed reduction; else nothing."""
@@ -124,6 +123,9 @@ class SemanticSegmenter(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def on_validation_start(self) -> None:
+        keep_float64(self.val_loss)
+
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, masks = batch
         logits, _ = split_logits(self(images))
@@ -132,7 +134,7 @@ class SemanticSegmenter(pl.LightningModule):
         self.val_miou.update(preds, masks)
         self.val_pixel_acc.update(preds, masks)
         labelled = (masks != self.ignore_index).sum()
-        self.val_loss.update(pixel_cross_entropy(logits, masks, self.ignore_index), weight=labelled)
+        self.val_loss.update(pixel_cross_entropy(logits.float(), masks, self.ignore_index), weight=labelled)
         # Metric objects: Lightning calls compute() at the epoch's end, which sums the confusion
         # matrices (and the loss's sums) of all workers first (sync_dist does not apply to them).
         self.log("val/loss", self.val_loss)

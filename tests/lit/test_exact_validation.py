@@ -105,3 +105,18 @@ def test_three_workers_score_the_whole_set_once(tmp_path):
         logits = net.eval()(images)
     assert summary["val/acc"] == pytest.approx((logits.argmax(1) == labels).float().mean().item(), abs=1e-6)
     assert summary["val/loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_loss_mean_stays_float64_under_a_16_bit_true_precision_and_keeps_a_nan(dtype):
+    """Lightning's 16-true and bf16-true convert the whole module, the metrics' sums too."""
+    segmenter = SemanticSegmenter(torch.nn.Conv2d(1, 3, 1), 3, _sgd, ignore_index=255).to(dtype=dtype)
+    assert segmenter.val_loss.total.dtype == dtype
+    segmenter.on_validation_start()
+    for _ in range(300):  # bf16 sums stop growing at 256; fp16 weights overflow at 65,504 pixels
+        segmenter.val_loss.update(torch.tensor(0.37, dtype=dtype), weight=torch.tensor(70_000))
+    assert segmenter.val_loss.compute().item() == pytest.approx(torch.tensor(0.37, dtype=dtype).item(), rel=1e-6)
+    classifier = ImageClassifier(resnet8(num_classes=10, in_channels=1), 10, _sgd).to(dtype=dtype)
+    classifier.on_validation_start()
+    classifier.val_loss.update(torch.tensor([1.0, float("nan")]))
+    assert classifier.val_loss.total.dtype == torch.float64 and classifier.val_loss.compute().isnan()
