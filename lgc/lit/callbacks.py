@@ -24,7 +24,14 @@ from pytorch_lightning.utilities import rank_zero_warn
 
 from lgc.ddp.collectives import CommStats
 from lgc.ddp.protocol import HookState
-from lgc.lit.checkpoint import load_own_optimizer_state, own_optimizer_state, rng_state, set_rng_state
+from lgc.lit.checkpoint import (
+    load_metric_states,
+    load_own_optimizer_state,
+    metric_states,
+    own_optimizer_state,
+    rng_state,
+    set_rng_state,
+)
 
 __all__ = ["LAYER_COLUMNS", "CompressionCallback", "RunSummary", "ValidateAtMaxSteps", "gather_worker_stats"]
 
@@ -115,8 +122,9 @@ class CompressionCallback(pl.Callback):
     (wire bytes of the step), ``comm/bytes_up`` and ``comm/bytes_down`` (logical bytes), the
     cumulative ``comm/compression_ratio`` (wire) and ``comm/logical_compression_ratio`` and, with error feedback,
     ``comm/residual_norm``. Checkpoints hold a list with one hook state per rank (residuals differ
-    between ranks) and each rank's random generators (:func:`lgc.lit.checkpoint.rng_state`);
-    resuming needs the same world size.
+    between ranks), each rank's random generators (:func:`lgc.lit.checkpoint.rng_state`) and its
+    torchmetrics accumulators (:func:`lgc.lit.checkpoint.metric_states`: a mid-epoch resume logs the
+    epoch's ``train/acc`` over the whole epoch); resuming needs the same world size.
     """
 
     def __init__(self) -> None:
@@ -127,6 +135,8 @@ class CompressionCallback(pl.Callback):
         self._pending_optimizer_states: list[dict[str, Any]] | None = None
         # This rank's random generators from a checkpoint, restored once training starts.
         self._pending_rng: dict[str, Any] | None = None
+        # This rank's torchmetrics accumulators from a checkpoint (lgc.lit.checkpoint.metric_states).
+        self._pending_metrics: dict[str, Any] | None = None
         # With communication delay, during validation: the synchronized model swapped in (global_model()).
         self._evaluating: contextlib.ExitStack | None = None
 
@@ -156,6 +166,9 @@ class CompressionCallback(pl.Callback):
         if self._pending_rng is not None:
             set_rng_state(self._pending_rng)
             self._pending_rng = None
+        if self._pending_metrics is not None:
+            load_metric_states(pl_module, self._pending_metrics)
+            self._pending_metrics = None
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Local steps: validate the synchronized (global) model, as DiLoCo and its successors report,
@@ -212,6 +225,10 @@ class CompressionCallback(pl.Callback):
         assert self._state is not None
         # The random generators too: augmentations and dropout draw from them on every rank.
         state = {**self._state.state_dict(), "rng": rng_state()}
+        if self._trainer is not None and not self._trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            # In the middle of an epoch, the epoch's metrics so far (train/acc): Lightning saves none.
+            # At an epoch's end they are left out: the next epoch starts them afresh.
+            state["metrics"] = metric_states(self._trainer.lightning_module)
         if self._state.takes_local_steps and self._trainer is not None:
             # Between exchanges the ranks' optimizer states (momenta) differ too.
             state = {**state, "optimizers": [own_optimizer_state(opt) for opt in self._trainer.optimizers]}
@@ -227,6 +244,7 @@ class CompressionCallback(pl.Callback):
         self._state.load_state_dict(per_rank[rank])
         self._pending_optimizer_states = per_rank[rank].get("optimizers")
         self._pending_rng = per_rank[rank].get("rng")
+        self._pending_metrics = per_rank[rank].get("metrics")
         self._last = copy.copy(self._state.stats)
 
 

@@ -10,6 +10,8 @@
 * :func:`rng_state` / :func:`set_rng_state`: a rank's random generators as plain tensors and numbers
   (loadable with ``torch.load(weights_only=True)``); :class:`lgc.lit.CompressionCallback` keeps one
   per rank in every checkpoint.
+* :func:`metric_states` / :func:`load_metric_states`: a rank's torchmetrics accumulators (an
+  epoch's ``train/acc`` so far), also kept per rank: Lightning saves none of them.
 
 Together with the stateful training loaders of :mod:`lgc.lit.data` (data position) and
 :class:`lgc.lit.CompressionCallback` (every rank's compressor state), a run resumed from any
@@ -41,6 +43,8 @@ __all__ = [
     "ResumableCheckpoint",
     "check_checkpoint",
     "load_checkpoint",
+    "load_metric_states",
+    "metric_states",
     "load_own_optimizer_state",
     "own_optimizer_state",
     "resolve_checkpoint_path",
@@ -111,6 +115,38 @@ def load_own_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, 
             }
         entries[index] = entry
     optimizer.load_state_dict({**state, "state": entries})
+
+
+def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Every torchmetrics ``Metric`` of ``module`` by name: its accumulated states (on the CPU) and
+    update count. A checkpoint taken in the middle of an epoch holds the epoch's counts so far, which
+    differ per rank; one taken between epochs holds reset metrics."""
+    from torchmetrics import Metric
+
+    def cpu(value: Any) -> Any:
+        return [v.detach().cpu().clone() for v in value] if isinstance(value, list) else value.detach().cpu().clone()
+
+    return {
+        name: {"state": {key: cpu(value) for key, value in metric.metric_state.items()}, "updates": metric.update_count}
+        for name, metric in module.named_modules()
+        if isinstance(metric, Metric)
+    }
+
+
+def load_metric_states(module: torch.nn.Module, states: dict[str, dict[str, Any]]) -> None:
+    """Put back what :func:`metric_states` returned, on each metric's device; a metric the module
+    has and ``states`` lacks (a checkpoint of a module without it) is refused, naming it."""
+    from torchmetrics import Metric
+
+    metrics = {name: metric for name, metric in module.named_modules() if isinstance(metric, Metric)}
+    if set(metrics) != set(states):
+        raise ValueError(f"the checkpoint holds the metrics {sorted(states)}, this module has {sorted(metrics)}")
+    for name, metric in metrics.items():
+        for key, value in states[name]["state"].items():
+            moved = [v.to(metric.device) for v in value] if isinstance(value, list) else value.to(metric.device)
+            setattr(metric, key, moved)
+        metric._update_count = int(states[name]["updates"])
+        metric._computed = None
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -139,6 +139,10 @@ def check_resume_matrix(tmp_path: Path, method: str, stops: tuple[tuple[str, int
         assert load(stopped)["global_step"] == step
         train(compose_cfg(run / "resumed", *overrides, f"ckpt_path={stopped}"))
         assert_same_training(straight, load(run / "resumed" / "checkpoints" / "last.ckpt"))
+        # The epochs' train/acc, the one it stopped in too (over the whole epoch, not since the stop).
+        resumed_rows = logged_rows(run / "resumed", "train/acc")
+        assert len(resumed_rows) == EPOCHS - step // STEPS_PER_EPOCH
+        assert resumed_rows == logged_rows(tmp_path / "straight", "train/acc")[-len(resumed_rows) :]
         results[(how, step)] = True
     return results
 
@@ -167,15 +171,22 @@ def test_lgc_rar_stopped_by_max_steps_in_its_compressed_stage_resumes_bit_identi
     assert "earlier_segments" not in first
 
 
-def validation_rows(run: Path) -> list[dict[str, str]]:
-    """The CSV logger's validation rows: epoch, logged step and every validation metric."""
+def logged_rows(run: Path, metric: str) -> list[dict[str, str]]:
+    """The CSV logger's rows holding ``metric``: epoch, logged step and every metric of its kind
+    (``val/...`` or ``train/...``)."""
     with (run / "csv" / "version_0" / "metrics.csv").open() as file:
         rows = list(csv.DictReader(file))
+    kind = metric.split("/")[0] + "/"
     return [
-        {key: value for key, value in row.items() if key in ("epoch", "step") or key.startswith("val/")}
+        {key: value for key, value in row.items() if key in ("epoch", "step") or (key.startswith(kind) and value)}
         for row in rows
-        if row.get("val/loss")
+        if row.get(metric)
     ]
+
+
+def validation_rows(run: Path) -> list[dict[str, str]]:
+    """The CSV logger's validation rows: epoch, logged step and every validation metric."""
+    return logged_rows(run, "val/loss")
 
 
 def test_max_steps_run_resumed_from_an_epoch_end_checkpoint_takes_the_same_epochs(tmp_path):
@@ -210,6 +221,8 @@ def test_max_steps_run_resumed_from_an_epoch_end_checkpoint_takes_the_same_epoch
         epochs = [checkpoint["loops"]["fit_loop"]["epoch_progress"] for checkpoint in (straight, resumed)]
         assert_identical(*epochs, "epoch_progress")
         assert validation_rows(run) == validation_rows(tmp_path / "straight")[epochs_done:]
+        # The next epoch's train/acc counts that epoch alone (the saved epoch's counts are not carried).
+        assert logged_rows(run, "train/acc") == logged_rows(tmp_path / "straight", "train/acc")[epochs_done:]
 
 
 def test_shared_index_int8_stopped_in_its_compressed_stage_resumes_bit_identically(tmp_path):
