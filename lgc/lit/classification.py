@@ -176,7 +176,8 @@ class WeightedMean(Metric):
     value makes the mean NaN.
 
     Why not torchmetrics' ``MeanMetric``: it drops NaN values with a warning (a batch that diverged
-    would vanish from the mean), and with ``nan_strategy="disable"`` it ignores the weights.
+    would vanish from the mean), and with ``nan_strategy="disable"`` it ignores the weights
+    (torchmetrics 1.9; Lightning-AI/torchmetrics issue 3434).
     """
 
     full_state_update = False
