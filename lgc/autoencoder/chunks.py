@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_scales", "from_chunks", "num_chunks", "to_chunks"]
+__all__ = ["chunk_scales", "divide_by_scales", "from_chunks", "num_chunks", "to_chunks"]
 
 
 def num_chunks(numel: int, chunk: int) -> int:
@@ -29,6 +29,20 @@ def to_chunks(values: Tensor, chunk: int) -> Tensor:
     padded = values.new_zeros(rows * chunk)
     padded[: values.numel()] = values
     return padded.view(rows, chunk)
+
+
+def divide_by_scales(chunks: Tensor, scales: Tensor) -> Tensor:
+    """``[B, chunk]`` rows divided by ``[B]`` scales; a finite value whose quotient leaves the
+    dtype's range saturates at its largest value instead of becoming inf.
+
+    The scales are the leader's and the values every worker's: a worker's value far above the
+    leader's chunk (a leader whose chunk holds tiny values) would otherwise turn into an inf that no
+    wire saturation tells from a genuine one, and the delivered sum would hold it. An inf or NaN
+    already in ``chunks`` stays as it is.
+    """
+    quotient = chunks / scales[:, None]
+    largest = torch.finfo(quotient.dtype).max
+    return torch.where(quotient.isinf() & chunks.isfinite(), quotient.clamp(-largest, largest), quotient)
 
 
 def from_chunks(chunks: Tensor, numel: int) -> Tensor:

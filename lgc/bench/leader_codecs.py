@@ -81,7 +81,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lgc.autoencoder import chunk_scales, from_chunks, num_chunks, to_chunks
+from lgc.autoencoder import chunk_scales, divide_by_scales, from_chunks, num_chunks, to_chunks
 from lgc.bench.autoencoder import leader_positions
 from lgc.coding import golomb_encode
 from lgc.compressors.topk import to_wire_float
@@ -381,7 +381,7 @@ class _Coder:
         """``[W, rows, chunk]`` every worker's chunks divided by the leader's chunk scales, and those scales."""
         values = self._ordered(step)
         scales = chunk_scales(to_chunks(values[step.leader], self.chunk))
-        return torch.stack([to_chunks(v, self.chunk) / scales[:, None] for v in values]), scales
+        return torch.stack([divide_by_scales(to_chunks(v, self.chunk), scales) for v in values]), scales
 
     def _round(self, chunks: Tensor, scales: Tensor, levels: int) -> Tensor:
         return round_to_levels(chunks, scales, levels, torch.rand(chunks.shape, generator=self.generator))

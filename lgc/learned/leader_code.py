@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from lgc.autoencoder import chunk_scales, from_chunks, to_chunks
+from lgc.autoencoder import chunk_scales, divide_by_scales, from_chunks, to_chunks
 from lgc.coding import GolombCode, golomb_decode, golomb_encode, pack_uint, packed_nbytes, unpack_uint
 from lgc.validation import PositiveInt, check
 
@@ -113,8 +113,8 @@ class LeaderIndexCodec:
         return chunk_scales(to_chunks(values, self.chunk))
 
     def scaled_chunks(self, values: Tensor, scales: Tensor) -> Tensor:
-        """The chunks of ``values``, each divided by its scale."""
-        return to_chunks(values, self.chunk) / scales[:, None]
+        """The chunks of ``values``, each divided by its scale (:func:`~lgc.autoencoder.chunks.divide_by_scales`)."""
+        return divide_by_scales(to_chunks(values, self.chunk), scales)
 
     def unscaled(self, chunks: Tensor, scales: Tensor, k: int) -> Tensor:
         """Inverse of :meth:`scaled_chunks`: the first ``k`` values."""

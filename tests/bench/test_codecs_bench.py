@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from lgc.autoencoder import divide_by_scales
 from lgc.bench import codecs, leader_codecs
 from lgc.bench.cli import main
 from lgc.learned.leader_code import LeaderIndexCodec
@@ -68,6 +69,23 @@ def test_a_16_bit_wire_saturates_a_value_beyond_its_range_as_lgcs_wire_does():
             coder.fit(leader_codecs.leader_steps(gradients, 0.05, rotating=False)[:1])
         delivered, _ = coder.run(step)
         assert torch.isfinite(delivered).all(), name
+
+
+def test_a_quotient_beyond_float32_saturates_where_the_leaders_chunk_is_tiny():
+    # The leader's values ~1e-21 and another worker's ~1e18 at the same positions: divided by the leader's
+    # chunk scale the quotient leaves float32's range; it saturates (no inf from finite values), the
+    # 16-bit wire saturates it again, and the delivered sum stays finite.
+    gradients = _gradients()
+    gradients[0][0] *= 1e-21  # worker 0 (the fixed leader) of the first parameter: scales ~1e-21
+    gradients[0][1] *= 1e18
+    step = leader_codecs.leader_steps(gradients, 0.05, rotating=False)[1]
+    chunks, _ = _coder("fp16")._scaled_chunks(step)
+    assert torch.isfinite(chunks).all() and chunks.abs().max() == torch.finfo(torch.float32).max
+    delivered, _ = _coder("fp16").run(step)
+    assert torch.isfinite(delivered).all()
+    # A value that is inf already stays inf (lgc's step guard reads it).
+    inf = torch.tensor([[float("inf"), 1.0]])
+    assert divide_by_scales(inf, torch.tensor([1e-30])).isinf()[0, 0]
 
 
 def test_the_momentum_order_needs_no_permutation_and_reads_only_what_was_delivered():

@@ -206,6 +206,9 @@ def test_scaled_chunks_are_undone_by_unscaled_and_have_unit_rms():
     # Every chunk but the zero-padded last one has a root mean square of 1.
     torch.testing.assert_close(chunks[:2].square().mean(dim=1).sqrt(), torch.ones(2))
     torch.testing.assert_close(code.unscaled(chunks, scales, 21), values)
+    # Another worker's values far above the leader's scales: saturated at float32's largest, never inf.
+    huge = code.scaled_chunks(torch.full((21,), 1e18), torch.full((3,), 1e-21))
+    assert torch.isfinite(huge).all() and huge.max() == torch.finfo(torch.float32).max
 
 
 @pytest.mark.parametrize(
