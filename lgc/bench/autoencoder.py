@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from lgc.autoencoder import AutoencoderConfig, AutoencoderTrainer, GradientAutoencoder, chunk_scales, to_chunks
+from lgc.autoencoder import (
+    AutoencoderConfig,
+    AutoencoderTrainer,
+    GradientAutoencoder,
+    chunk_scales,
+    divide_by_scales,
+    to_chunks,
+)
 from lgc.bench.compressors import _time_once
 from lgc.bench.methods import parse_overrides
 from lgc.compressors.selection import topk_indices
@@ -76,7 +83,7 @@ def aligned_samples(
         chosen = torch.sort(chosen).values
     values = flat[:, chosen]
     scales = chunk_scales(to_chunks(values[leader], chunk))
-    return torch.stack([to_chunks(v, chunk) / scales[:, None] for v in values], dim=1)
+    return torch.stack([divide_by_scales(to_chunks(v, chunk), scales) for v in values], dim=1)
 
 
 def _relative(estimate: torch.Tensor, target: torch.Tensor) -> float:

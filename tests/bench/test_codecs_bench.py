@@ -10,6 +10,7 @@ import torch
 
 from lgc.autoencoder import divide_by_scales
 from lgc.bench import codecs, leader_codecs
+from lgc.bench.autoencoder import aligned_samples
 from lgc.bench.cli import main
 from lgc.learned.leader_code import LeaderIndexCodec
 from lgc.learned.shared_index import quantization_levels
@@ -83,6 +84,9 @@ def test_a_quotient_beyond_float32_saturates_where_the_leaders_chunk_is_tiny():
     assert torch.isfinite(chunks).all() and chunks.abs().max() == torch.finfo(torch.float32).max
     delivered, _ = _coder("fp16").run(step)
     assert torch.isfinite(delivered).all()
+    # The autoencoder benchmark's samples (LGC's stage-2 samples) are scaled the same way.
+    samples = aligned_samples([g[:, 0] for g in gradients], 0.05, 8, "value", leader=0)
+    assert torch.isfinite(samples).all() and samples.abs().max() == torch.finfo(torch.float32).max
     # A value that is inf already stays inf (lgc's step guard reads it).
     inf = torch.tensor([[float("inf"), 1.0]])
     assert divide_by_scales(inf, torch.tensor([1e-30])).isinf()[0, 0]
