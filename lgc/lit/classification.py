@@ -17,7 +17,7 @@ from lgc.data.eval_shard import CLASS_IGNORE_INDEX
 from lgc.lit.fsdp_strategy import shard_for_strategy
 from lgc.validation import NonNegativeInt, PositiveFraction, check
 
-__all__ = ["ImageClassifier", "LinearWarmup", "StepCosine", "WeightedMean", "keep_float64"]
+__all__ = ["ImageClassifier", "LinearWarmup", "StepCosine", "WeightedMean", "start_validation"]
 
 #: Schedulers whose step multiplies the current learning rate by a factor of their own, so that
 #: they compose with the warm-up's factor (others recompute the rate from ``base_lrs`` and would
@@ -200,11 +200,19 @@ class WeightedMean(Metric):
         return self.total / self.weight
 
 
-def keep_float64(metric: Metric) -> None:
-    """Undo a 16-bit ``"true"`` precision's conversion of ``metric``'s sums (Lightning converts the
-    whole module, metrics included): a float16 sum of weights overflows at 65,504 pixels and a
-    bfloat16 one stops growing at 256 samples."""
-    metric.set_dtype(torch.float64)
+def start_validation(loss: WeightedMean, *metrics: Metric) -> None:
+    """Ready a module's validation metrics at the start of every validation: every count zero, and
+    ``loss``'s sums in float64.
+
+    Zero: a checkpoint written at a validation's end (Lightning's ``ModelCheckpoint`` runs before
+    Lightning resets the metrics) holds that validation's counts, and a run resumed from it would add
+    them to its next validation's. float64: undo a 16-bit ``"true"`` precision's conversion of the
+    sums (Lightning converts the whole module, metrics included): a float16 sum of weights overflows
+    at 65,504 pixels and a bfloat16 one stops growing at 256 samples.
+    """
+    for metric in (loss, *metrics):
+        metric.reset()
+    loss.set_dtype(torch.float64)
 
 
 class ImageClassifier(pl.LightningModule):
@@ -255,7 +263,7 @@ class ImageClassifier(pl.LightningModule):
         return loss
 
     def on_validation_start(self) -> None:
-        keep_float64(self.val_loss)
+        start_validation(self.val_loss, self.val_acc)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
-from lgc.lit.classification import WeightedMean, keep_float64, optimizer_with_epoch_scheduler
+from lgc.lit.classification import WeightedMean, optimizer_with_epoch_scheduler, start_validation
 from lgc.lit.fsdp_strategy import shard_for_strategy
 
 __all__ = ["SemanticSegmenter", "pixel_cross_entropy", "split_logits"]
@@ -124,7 +124,7 @@ class SemanticSegmenter(pl.LightningModule):
         return loss
 
     def on_validation_start(self) -> None:
-        keep_float64(self.val_loss)
+        start_validation(self.val_loss, self.val_miou, self.val_pixel_acc)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, masks = batch

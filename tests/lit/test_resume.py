@@ -225,6 +225,32 @@ def test_max_steps_run_resumed_from_an_epoch_end_checkpoint_takes_the_same_epoch
         assert logged_rows(run, "train/acc") == logged_rows(tmp_path / "straight", "train/acc")[epochs_done:]
 
 
+def test_a_checkpoint_saved_at_a_mid_epoch_validation_resumes_with_the_same_validations(tmp_path):
+    """A checkpoint written at a validation's end in the middle of an epoch (``val_check_interval``,
+    Lightning's ``ModelCheckpoint``) holds that validation's metric counts, as Lightning resets them only
+    afterwards: the resumed run's next validation scores the set once, as the run never stopped does."""
+    kept = tmp_path / "kept"
+    overrides = (
+        *METHODS["topk"],
+        "trainer.max_epochs=1",
+        "scheduler.T_max=1",
+        f"+trainer.val_check_interval={STEPS_PER_EPOCH // 2}",
+        "+callbacks.every_validation._target_=pytorch_lightning.callbacks.ModelCheckpoint",
+        f"+callbacks.every_validation.dirpath={kept}",
+        "+callbacks.every_validation.save_top_k=-1",
+        "+callbacks.every_validation.filename='v{step}'",
+        "+callbacks.every_validation.auto_insert_metric_name=false",
+    )
+    train(compose_cfg(tmp_path / "straight", *overrides))
+    stopped = kept / f"v{STEPS_PER_EPOCH // 2}.ckpt"
+    assert not load(stopped)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"]
+    train(compose_cfg(tmp_path / "resumed", *overrides, f"ckpt_path={stopped}"))
+    straight_rows = validation_rows(tmp_path / "straight")
+    assert len(straight_rows) == 2
+    assert validation_rows(tmp_path / "resumed") == straight_rows[1:]
+    assert logged_rows(tmp_path / "resumed", "train/acc") == logged_rows(tmp_path / "straight", "train/acc")
+
+
 def test_shared_index_int8_stopped_in_its_compressed_stage_resumes_bit_identically(tmp_path):
     check_resume_matrix(tmp_path, "shared_topk_int8", (("max_steps", 10),))
 
