@@ -15,8 +15,9 @@ the leader's positions included, against the delivered-sum error at those positi
 
 Rows the benchmark could not measure or withheld (``error`` null, with a note) and recordings still
 being measured (``complete`` false) are left out and counted. Prints the summary; ``--write`` writes
-``results/codecs_large/summary.md`` and the block between ``<!-- codecs-large:begin -->`` and
-``<!-- codecs-large:end -->`` on LGC's page (``docs/lgc.md``).
+``results/codecs_large/summary.md``, the block between ``<!-- codecs-large:begin -->`` and
+``<!-- codecs-large:end -->`` on LGC's page (``docs/lgc.md``) and the README's line (between
+``<!-- codecs-large-summary:begin -->`` and ``<!-- codecs-large-summary:end -->``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "codecs_large"
 LGC_PAGE = HERE.parent / "docs" / "lgc.md"
 BEGIN, END = "<!-- codecs-large:begin -->", "<!-- codecs-large:end -->"
+#: The README's block: one line (:func:`readme_line`).
+README = HERE.parent / "README.md"
+README_BEGIN, README_END = "<!-- codecs-large-summary:begin -->", "<!-- codecs-large-summary:end -->"
 #: The models ``codecs_large_models.sh`` measures (its ``MODELS``), their names in the text, and what each
 #: measures by default: workers x images per worker, and densities (its ``WORKERS``, ``BATCH_SIZES``).
 MODELS = {"resnet50": "ResNet-50", "pspnet": "ResNet-50 PSPNet"}
@@ -130,18 +134,52 @@ def table(model: str, measured: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def reading(model: str, measured: list[dict[str, Any]]) -> str:
-    """One paragraph: what the model's measured rows answer, with what is still to measure."""
+def _counts(measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """The measured (recording, density) pairs of the plan, and every learned row's standing."""
     complete = [result for result in measured if result.get("complete", True)]
     done = {(*recording_of(result), result["density"]) for result in complete}
     planned = [(w, i, d) for w, i in PLANNED_RECORDINGS for d in PLANNED_DENSITIES]
+    judged = [(result, judge(result, leader)) for result in complete for leader in _leaders(result)]
+    return {
+        "planned": planned,
+        "done": done,
+        "judged": judged,
+        "items": [item for _, verdict in judged for item in verdict["learned"]],
+    }
+
+
+def readme_line(measured: dict[str, list[dict[str, Any]]]) -> str:
+    """The README's one line: per model, how much is measured and how the learned rows stand."""
+    parts = []
+    for model, name in MODELS.items():
+        counts = _counts(measured[model])
+        part = f"{name}, {len(counts['done'] & set(counts['planned']))} of {len(counts['planned'])} measured"
+        items = counts["items"]
+        if items:
+            front = sorted({item["row"]["codec"] for item in items if item["on_front"]})
+            part += (
+                f": a scalar rounding codec at as many bits per value or fewer errs less than "
+                f"{sum(item['beaten_by'] is not None for item in items)} of {len(items)} learned-codec rows; "
+                f"on the rate-distortion front: {', '.join(front) or 'none'} "
+                f"(in {sum(item['undercuts'] for item in items)} rows with fewer bits than any scalar codec and "
+                "less error than the cheapest)"
+            )
+        parts.append(part)
+    return (
+        "- **LGC's codecs on recorded gradients** (recordings x densities, delivered-sum error against wire bits "
+        "per value): " + "; ".join(parts) + "."
+    )
+
+
+def reading(model: str, measured: list[dict[str, Any]]) -> str:
+    """One paragraph: what the model's measured rows answer, with what is still to measure."""
+    counts = _counts(measured)
+    done, planned, judged, items = counts["done"], counts["planned"], counts["judged"], counts["items"]
     missing = [f"{w} x {i} at {d:g}" for w, i, d in planned if (w, i, d) not in done]
     head = f"**{MODELS[model]}**, {len(done & set(planned))} of {len(planned)} recordings x densities measured"
     head += f" (still to measure: {', '.join(missing)})" if missing else ""
-    if not complete:
+    if not judged:
         return head + "."
-    judged = [(result, judge(result, leader)) for result in complete for leader in _leaders(result)]
-    items = [item for _, verdict in judged for item in verdict["learned"]]
     beaten = [item for item in items if item["beaten_by"] is not None]
     front = [item for item in items if item["on_front"]]
     cheapest = [verdict["cheapest_scalar"] for _, verdict in judged if verdict["cheapest_scalar"] is not None]
@@ -181,8 +219,8 @@ def reading(model: str, measured: list[dict[str, Any]]) -> str:
     return text
 
 
-def summary(results: Path = RESULTS) -> tuple[str, str]:
-    """(``summary.md``'s text, LGC's page's block)."""
+def summary(results: Path = RESULTS) -> tuple[str, str, str]:
+    """(``summary.md``'s text, LGC's page's block, the README's line)."""
     measured = {model: load(model, results) for model in MODELS}
     page = "\n\n".join(
         [
@@ -196,23 +234,24 @@ def summary(results: Path = RESULTS) -> tuple[str, str]:
         ]
     )
     block = "\n\n".join(reading(model, measured[model]) for model in MODELS)
-    return page + "\n", block
+    return page + "\n", block, readme_line(measured)
 
 
-def replace_in(page: str, text: str) -> str:
-    """``page`` with the text between :data:`BEGIN` and :data:`END` replaced by ``text``."""
-    start, stop = page.find(BEGIN), page.find(END)
+def replace_in(page: str, text: str, begin: str = BEGIN, end: str = END) -> str:
+    """``page`` with the text between ``begin`` and ``end`` replaced by ``text``."""
+    start, stop = page.find(begin), page.find(end)
     if start < 0 or stop < start:
-        raise SystemExit(f"the page has no {BEGIN} ... {END} block")
-    return page[: start + len(BEGIN)] + "\n" + text + "\n" + page[stop:]
+        raise SystemExit(f"the page has no {begin} ... {end} block")
+    return page[: start + len(begin)] + "\n" + text + "\n" + page[stop:]
 
 
 def main(argv: list[str]) -> str:
-    page, block = summary()
+    page, block, line = summary()
     if "--write" in argv:
         (RESULTS / "summary.md").write_text(page)
         LGC_PAGE.write_text(replace_in(LGC_PAGE.read_text(), block))
-    return page + "\n" + block
+        README.write_text(replace_in(README.read_text(), line, README_BEGIN, README_END))
+    return "\n\n".join([page, block, line])
 
 
 if __name__ == "__main__":

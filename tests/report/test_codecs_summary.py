@@ -68,6 +68,12 @@ def test_a_learned_codec_is_beaten_by_a_scalar_codec_at_as_many_bits_or_fewer_an
     assert text.endswith("left out: levels=1 (1).")
     table = summary.table("resnet50", [result, _result([], images=128, complete=False)])
     assert "| 4 x 128 | 0.01 | - | being measured |" in table
+    line = summary.readme_line({"resnet50": [result], "pspnet": []})
+    assert line.endswith(
+        "ResNet-50, 1 of 8 measured: a scalar rounding codec at as many bits per value or fewer errs less than 2 of "
+        "4 learned-codec rows; on the rate-distortion front: pca:16:int8, pca:4:fp32 (in 1 rows with fewer bits than "
+        "any scalar codec and less error than the cheapest); ResNet-50 PSPNet, 0 of 8 measured."
+    )
 
 
 def test_the_plan_is_what_the_measuring_script_runs(summary):
@@ -82,8 +88,11 @@ def test_the_plan_is_what_the_measuring_script_runs(summary):
 
 
 def test_the_committed_summary_and_lgc_page_follow_the_committed_results(summary):
-    page, block = summary.summary()
+    page, block, line = summary.summary()
     assert (summary.RESULTS / "summary.md").read_text() == page, "python experiments/codecs_summary.py --write"
     lgc_page = summary.LGC_PAGE.read_text()
     begin, end = lgc_page.index(summary.BEGIN) + len(summary.BEGIN), lgc_page.index(summary.END)
     assert lgc_page[begin:end].strip() == block, "docs/lgc.md drifted: python experiments/codecs_summary.py --write"
+    readme = summary.README.read_text()
+    begin, end = readme.index(summary.README_BEGIN) + len(summary.README_BEGIN), readme.index(summary.README_END)
+    assert readme[begin:end].strip() == line, "README.md drifted: python experiments/codecs_summary.py --write"
