@@ -6,12 +6,14 @@ Reads the ``codecs.json`` of every model ``codecs_large_models.sh`` measures (``
 and, per recording, density and leader, sets every learned codec of the leader's positions (LGC's
 linear codec ``pca:*``, the autoencoders ``ae:*`` and ``pcaae:*``) against the scalar rounding codecs
 (``fp32``, ``fp16``, ``int8``, ``int4``, ``levels=M``), all on the same wire: total bits per value,
-the leader's positions included, against the delivered-sum error at those positions.
+the leader's message included (its positions, and for ``:value`` codecs the leader's value order),
+against the delivered-sum error at the leader's positions. One codec **dominates** another where it
+sends as many bits per value or fewer and errs less (strictly). Each learned codec's standing:
 
-* A learned codec is **dominated** where a scalar codec sending as many bits per value or fewer has a
-  lower delivered-sum error, and **on the front** where no codec of either kind does.
-* Where no scalar codec sends as few bits, the cheapest one is named with its error: a learned codec
-  there is on the front only if it errs less than every codec sending fewer bits than it.
+* **beaten**: a scalar codec dominates it (named: the one with the lowest error among those);
+* **beats**: it dominates a scalar codec and none dominates it (named: the cheapest it dominates);
+* **neither**: every scalar codec that errs less sends more bits, and every one that sends as many
+  bits or more errs no more (a different trade-off, not a win).
 
 Rows the benchmark could not measure or withheld (``error`` null, with a note) and recordings still
 being measured (``complete`` false) are left out and counted. Prints the summary; ``--write`` writes
@@ -56,26 +58,29 @@ def recording_of(result: dict[str, Any]) -> tuple[int, int]:
     return int(words[0].split()[-1]), int(words[1].split()[0])
 
 
+def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Row ``a`` sends as many bits per value as ``b`` or fewer and has a strictly lower error."""
+    return a["bits_per_value"] <= b["bits_per_value"] and a["error"] < b["error"]
+
+
 def judge(result: dict[str, Any], leader: str) -> dict[str, Any]:
     """Every learned codec's standing on one recording, density and leader (see the module's docstring)."""
     rows = [row for row in result["rows"] if row["leader"] == leader and row["error"] is not None]
     kinds = {row["codec"]: kind(row["codec"], result["chunk"]) for row in rows}
     scalars = [row for row in rows if kinds[row["codec"]] in SCALAR]
-    cheapest = min(scalars, key=lambda row: (row["bits_per_value"], row["error"]), default=None)
     learned = []
     for row in (row for row in rows if kinds[row["codec"]] in LEARNED):
-        cheaper = [other for other in rows if other["bits_per_value"] <= row["bits_per_value"] and other is not row]
         beaten_by = min(
-            (other for other in cheaper if kinds[other["codec"]] in SCALAR and other["error"] < row["error"]),
-            key=lambda other: other["error"],
-            default=None,
+            (s for s in scalars if dominates(s, row)), key=lambda s: (s["error"], s["bits_per_value"]), default=None
         )
-        on_front = all(other["error"] >= row["error"] for other in cheaper)
-        # On the front below every scalar codec's rate, and with a lower error than the cheapest of them.
-        below_cheapest = cheapest is not None and row["bits_per_value"] < cheapest["bits_per_value"]
-        undercuts = on_front and below_cheapest and row["error"] < cheapest["error"]
-        learned.append({"row": row, "beaten_by": beaten_by, "on_front": on_front, "undercuts": undercuts})
+        beats = None
+        if beaten_by is None:
+            beats = min(
+                (s for s in scalars if dominates(row, s)), key=lambda s: (s["bits_per_value"], s["error"]), default=None
+            )
+        learned.append({"row": row, "beaten_by": beaten_by, "beats": beats})
     left_out = [row["codec"] for row in result["rows"] if row["leader"] == leader and row["error"] is None]
+    cheapest = min(scalars, key=lambda row: (row["bits_per_value"], row["error"]), default=None)
     return {"cheapest_scalar": cheapest, "learned": learned, "left_out": left_out}
 
 
@@ -83,9 +88,14 @@ def _point(row: dict[str, Any]) -> str:
     return f"{row['codec']} {row['bits_per_value']:.1f} bits, {row['error']:.3g}"
 
 
+def _number(value: float, fmt: str) -> str:
+    text = format(value, fmt)
+    return text[1:] if text.startswith("-") and float(text) == 0 else text  # no "-0.00"
+
+
 def _range(values: list[float], fmt: str) -> str:
-    low, high = min(values), max(values)
-    return format(low, fmt) if format(low, fmt) == format(high, fmt) else f"{low:{fmt}} to {high:{fmt}}"
+    low, high = _number(min(values), fmt), _number(max(values), fmt)
+    return low if low == high else f"{low} to {high}"
 
 
 def _leaders(result: dict[str, Any]) -> list[str]:
@@ -104,33 +114,31 @@ def table(model: str, measured: list[dict[str, Any]]) -> str:
         f"### {MODELS[model]}",
         "",
         "| workers x images | density | leader | premise r (layers) | energy share (layers) | cheapest scalar codec "
-        "| learned codecs on the front | learned codecs a scalar codec beats at as many bits or fewer |",
-        "|---|---|---|---|---|---|---|---|",
+        "| learned codecs beating a scalar codec | learned codecs a scalar codec beats | neither |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for result in measured:
         workers, images = recording_of(result)
         if not result.get("complete", True):
-            lines.append(f"| {workers} x {images} | {result['density']:g} | - | being measured | | | | |")
+            lines.append(f"| {workers} x {images} | {result['density']:g} | - | being measured | | | | | |")
             continue
         for leader in _leaders(result):
             verdict = judge(result, leader)
             premise = [layer[leader] for layer in result["layers"]]
-            front = [_point(item["row"]) for item in verdict["learned"] if item["on_front"]]
-            beaten = [
-                f"{item['row']['codec']} ({item['row']['error']:.3g}) by {_point(item['beaten_by'])}"
-                for item in verdict["learned"]
-                if item["beaten_by"] is not None
-            ]
+            items = verdict["learned"]
+            beats = [f"{_point(item['row'])} over {_point(item['beats'])}" for item in items if item["beats"]]
+            beaten = [f"{_point(item['row'])} by {_point(item['beaten_by'])}" for item in items if item["beaten_by"]]
+            neither = [_point(item["row"]) for item in items if not item["beats"] and not item["beaten_by"]]
             cheapest = verdict["cheapest_scalar"]
             lines.append(
                 f"| {workers} x {images} | {result['density']:g} | {leader} "
                 f"| {_range([p['correlation'] for p in premise], '.2f')} "
                 f"| {_range([p['energy_share'] for p in premise], '.2f')} "
-                f"| {'-' if cheapest is None else _point(cheapest)} | {'; '.join(front) or 'none'} "
-                f"| {'; '.join(beaten) or 'none'} |"
+                f"| {'-' if cheapest is None else _point(cheapest)} | {'; '.join(beats) or 'none'} "
+                f"| {'; '.join(beaten) or 'none'} | {'; '.join(neither) or 'none'} |"
             )
     if not measured:
-        lines.append("| not measured yet | | | | | | | |")
+        lines.append("| not measured yet | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -148,6 +156,18 @@ def _counts(measured: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _standings(items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], ...]:
+    """The learned rows that beat a scalar codec, that one beats, and neither."""
+    beats = [item for item in items if item["beats"] is not None]
+    beaten = [item for item in items if item["beaten_by"] is not None]
+    neither = [item for item in items if item["beats"] is None and item["beaten_by"] is None]
+    return beats, beaten, neither
+
+
+def _names(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(sorted({row["codec"] for row in rows}))
+
+
 def readme_line(measured: dict[str, list[dict[str, Any]]]) -> str:
     """The README's one line: per model, how much is measured and how the learned rows stand."""
     parts = []
@@ -156,13 +176,12 @@ def readme_line(measured: dict[str, list[dict[str, Any]]]) -> str:
         part = f"{name}, {len(counts['done'] & set(counts['planned']))} of {len(counts['planned'])} measured"
         items = counts["items"]
         if items:
-            front = sorted({item["row"]["codec"] for item in items if item["on_front"]})
+            beats, beaten, neither = _standings(items)
             part += (
-                f": a scalar rounding codec at as many bits per value or fewer errs less than "
-                f"{sum(item['beaten_by'] is not None for item in items)} of {len(items)} learned-codec rows; "
-                f"on the rate-distortion front: {', '.join(front) or 'none'} "
-                f"(in {sum(item['undercuts'] for item in items)} rows with fewer bits than any scalar codec and "
-                "less error than the cheapest)"
+                f": of {len(items)} learned-codec rows, {len(beaten)} beaten by a scalar rounding codec (as many bits "
+                f"per value or fewer, less error), {len(beats)} beating one"
+                + (f" ({_names([item['row'] for item in beats])})" if beats else "")
+                + f", {len(neither)} neither"
             )
         parts.append(part)
     return (
@@ -180,43 +199,47 @@ def reading(model: str, measured: list[dict[str, Any]]) -> str:
     head += f" (still to measure: {', '.join(missing)})" if missing else ""
     if not judged:
         return head + "."
-    beaten = [item for item in items if item["beaten_by"] is not None]
-    front = [item for item in items if item["on_front"]]
-    cheapest = [verdict["cheapest_scalar"] for _, verdict in judged if verdict["cheapest_scalar"] is not None]
-    text = (
-        f"{head}: of {len(items)} learned-codec rows, a scalar rounding codec sending as many bits per value or "
-        f"fewer errs less in {len(beaten)}"
-    )
+    beats, beaten, neither = _standings(items)
+    text = f"{head}: of {len(items)} learned-codec rows, {len(beaten)} are beaten by a scalar rounding codec"
     if beaten:
-        errors = [item["row"]["error"] for item in beaten]
-        scalar_errors = [item["beaten_by"]["error"] for item in beaten]
         text += (
-            f" (the learned codec's delivered-sum error {_range(errors, '.3g')}, the scalar codec's "
-            f"{_range(scalar_errors, '.2g')})"
+            f" ({_names([item['row'] for item in beaten])}: error {_range([i['row']['error'] for i in beaten], '.3g')}"
+            f" against {_names([item['beaten_by'] for item in beaten])} at as many bits per value or fewer, error "
+            f"{_range([i['beaten_by']['error'] for i in beaten], '.2g')})"
         )
-    text += ". "
-    if front:
-        by_codec: dict[str, list[dict[str, Any]]] = {}
-        for item in front:
-            by_codec.setdefault(item["row"]["codec"], []).append(item["row"])
-        text += "On the front: " + "; ".join(
-            f"{codec} in {len(rows)} ({_range([r['bits_per_value'] for r in rows], '.1f')} bits per value, "
-            f"error {_range([r['error'] for r in rows], '.3g')})"
-            for codec, rows in by_codec.items()
-        )
+    text += f"; {len(beats)} beat one"
+    if beats:
         text += (
-            f", where the cheapest scalar codec sends {_range([r['bits_per_value'] for r in cheapest], '.1f')} bits "
-            f"per value with error {_range([r['error'] for r in cheapest], '.3g')}; in "
-            f"{sum(item['undercuts'] for item in front)} of these {len(front)} rows the learned codec sends fewer "
-            "bits than every scalar codec and errs less than the cheapest one."
+            " ("
+            + "; ".join(
+                f"{codec} {_range([i['row']['bits_per_value'] for i in group], '.1f')} bits per value, error "
+                f"{_range([i['row']['error'] for i in group], '.3g')}, against "
+                f"{_names([i['beats'] for i in group])} at "
+                f"{_range([i['beats']['bits_per_value'] for i in group], '.1f')} bits, error "
+                f"{_range([i['beats']['error'] for i in group], '.3g')}"
+                for codec, group in _by_codec(beats).items()
+            )
+            + ")"
         )
-    else:
-        text += "No learned codec is on the front."
+    text += f"; {len(neither)} neither"
+    if neither:
+        text += (
+            f" ({_names([item['row'] for item in neither])}: every scalar codec that errs less sends more bits, "
+            "every one sending more errs no more)"
+        )
+    text += "."
     left_out = [codec for _, verdict in judged for codec in verdict["left_out"]]
     if left_out:
-        counts = ", ".join(f"{codec} ({left_out.count(codec)})" for codec in sorted(set(left_out)))
-        text += f" Rows the benchmark could not measure or withheld, left out: {counts}."
+        counts_text = ", ".join(f"{codec} ({left_out.count(codec)})" for codec in sorted(set(left_out)))
+        text += f" Rows the benchmark could not measure or withheld, left out: {counts_text}."
     return text
+
+
+def _by_codec(items: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for item in items:
+        groups.setdefault(item["row"]["codec"], []).append(item)
+    return groups
 
 
 def summary(results: Path = RESULTS) -> tuple[str, str, str]:

@@ -36,44 +36,65 @@ def _result(rows: list[dict], workers: int = 4, images: int = 32, density: float
     }
 
 
-def test_a_learned_codec_is_beaten_by_a_scalar_codec_at_as_many_bits_or_fewer_and_on_the_front_below_them(summary):
+def test_a_learned_codec_beats_scalar_rounding_where_it_dominates_a_scalar_codec_and_none_dominates_it(summary):
     result = _result(
         [
             _row("fp32", 40.0, 0.0),
             _row("int8", 17.0, 0.001),
+            _row("fp16", 20.0, 0.35),  # (not a real fp16: it tells the cheapest beaten from the best beaten)
             _row("int4", 13.0, 0.5),
-            _row("levels=1", 13.0, None),  # not measured: left out
-            _row("pca:4:fp32", 11.0, 0.6),  # below every scalar's rate, but errs more than the cheapest
-            _row("pca:16:int8", 11.5, 0.3),  # on the front and below the cheapest scalar's error
-            _row("pcaae:16:fp32", 17.0, 0.2),  # int8 at the same bits errs less
-            _row("ae:4:fp32:value", 33.0, 0.4),  # int8 (fewer bits) errs less, fp32 (more bits) is not counted
-            _row("topk", 40.4, 0.01),  # neither learned nor scalar rounding
+            _row("levels=3", 13.0, 0.45),  # as cheap as int4, errs less: the cheapest scalar codec
+            _row("levels=1", 12.0, None),  # not measured: left out, never compared
+            _row("pca:4:fp32", 11.0, 0.6),  # fewer bits than every scalar codec, errs more than each: neither
+            _row("pca:16:int8", 11.5, 0.3),  # beats int4 and levels=3 (fewer bits, less error)
+            _row("pca:8:int8", 13.0, 0.45),  # ties levels=3 in bits and error, beats int4 (as many bits, less error)
+            _row("pca:16:fp32", 17.0, 0.001),  # ties int8 in both (neither beats): beats fp16
+            _row("pcaae:16:fp32", 17.0, 0.2),  # int8 at the same bits errs less: beaten (though it would beat fp16)
+            _row("ae:4:fp32:value", 33.0, 0.4),  # int8 (fewer bits) errs less: beaten; fp32 (more bits) is not
+            _row("ae:4:fp32", 9.0, 0.7),  # below every other codec, a non-scalar errs less at more bits: neither
+            _row("topk", 8.0, 0.01),  # neither learned nor scalar rounding: it beats nothing here
+            _row("int8", 5.0, 0.0, leader="fixed"),  # the other leader's rows are another comparison
         ]
     )
     verdict = summary.judge(result, "rotating")
-    assert verdict["cheapest_scalar"]["codec"] == "int4" and verdict["left_out"] == ["levels=1"]
-    standing = {item["row"]["codec"]: item for item in verdict["learned"]}
-    assert standing["pca:4:fp32"]["on_front"] and not standing["pca:4:fp32"]["undercuts"]
-    assert standing["pca:4:fp32"]["beaten_by"] is None
-    assert standing["pca:16:int8"]["on_front"] and standing["pca:16:int8"]["undercuts"]
-    assert standing["pcaae:16:fp32"]["beaten_by"]["codec"] == "int8" and not standing["pcaae:16:fp32"]["on_front"]
-    assert standing["ae:4:fp32:value"]["beaten_by"]["codec"] == "int8"
+    assert verdict["cheapest_scalar"]["codec"] == "levels=3" and verdict["left_out"] == ["levels=1"]
+    standing = {
+        item["row"]["codec"]: ((item["beats"] or {}).get("codec"), (item["beaten_by"] or {}).get("codec"))
+        for item in verdict["learned"]
+    }
+    assert standing == {
+        "pca:4:fp32": (None, None),
+        "pca:16:int8": ("levels=3", None),  # the cheapest it beats (int4 ties levels=3 in bits, errs more)
+        "pca:8:int8": ("int4", None),
+        "pca:16:fp32": ("fp16", None),
+        "pcaae:16:fp32": (None, "int8"),
+        "ae:4:fp32:value": (None, "int8"),
+        "ae:4:fp32": (None, None),
+    }
+    fixed = summary.judge(result, "fixed")
+    assert fixed["learned"] == [] and fixed["cheapest_scalar"]["codec"] == "int8"
     text = summary.reading("resnet50", [result, _result([], images=128, complete=False)])
     assert text.startswith("**ResNet-50**, 1 of 8 recordings x densities measured (still to measure: 4 x 32 at 0.001,")
     assert (
-        "of 4 learned-codec rows, a scalar rounding codec sending as many bits per value or fewer errs less in 2"
-        in text
+        ": of 7 learned-codec rows, 2 are beaten by a scalar rounding codec (ae:4:fp32:value, pcaae:16:fp32: " in text
     )
-    assert "in 1 of these 2 rows the learned codec sends fewer bits than every scalar codec" in text
+    assert (
+        "; 3 beat one (pca:16:int8 11.5 bits per value, error 0.3, against levels=3 at 13.0 bits, error 0.45;" in text
+    )
+    assert "; 2 neither (ae:4:fp32, pca:4:fp32: every scalar codec that errs less sends more bits" in text
     assert text.endswith("left out: levels=1 (1).")
     table = summary.table("resnet50", [result, _result([], images=128, complete=False)])
     assert "| 4 x 128 | 0.01 | - | being measured |" in table
+    assert "| 4 x 32 | 0.01 | fixed | 0.30 | 0.40 | int8 5.0 bits, 0 | none | none | none |" in table
     line = summary.readme_line({"resnet50": [result], "pspnet": []})
     assert line.endswith(
-        "ResNet-50, 1 of 8 measured: a scalar rounding codec at as many bits per value or fewer errs less than 2 of "
-        "4 learned-codec rows; on the rate-distortion front: pca:16:int8, pca:4:fp32 (in 1 rows with fewer bits than "
-        "any scalar codec and less error than the cheapest); ResNet-50 PSPNet, 0 of 8 measured."
+        "ResNet-50, 1 of 8 measured: of 7 learned-codec rows, 2 beaten by a scalar rounding codec (as many bits per "
+        "value or fewer, less error), 3 beating one (pca:16:fp32, pca:16:int8, pca:8:int8), 2 neither; "
+        "ResNet-50 PSPNet, 0 of 8 measured."
     )
+    # A model whose only result has no scalar codec: every learned row is neither.
+    alone = summary.reading("resnet50", [_result([_row("pca:4:fp32", 11.0, 0.6)])])
+    assert "of 1 learned-codec rows, 0 are beaten by a scalar rounding codec; 0 beat one; 1 neither" in alone
 
 
 def test_the_plan_is_what_the_measuring_script_runs(summary):
