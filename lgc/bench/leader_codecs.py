@@ -40,7 +40,8 @@ Codecs (``--codecs``, comma-separated):
   LGC-RAR's loss: reconstruction, the paper's similarity of the workers' latents, unless ``nosim``,
   and decoding the mean) on the training steps' chunks; every worker encodes, the codes are summed,
   and ``P`` times the decoded mean code is the estimate, as LGC-RAR delivers it. ``DTYPE``:
-  ``fp32`` or ``fp16``;
+  ``fp32``, ``fp16`` or ``int8`` (LGC-RAR's ``latent_dtype="int8"``: each chunk's latent rounded to
+  a scale every worker shares, summed in 8-bit lanes, the scale's 32 bits per chunk on the wire);
 * ``pcaae:L:DTYPE[:ORDER][:nosim][:hHIDDEN]``: the PCA-initialised autoencoder
   (:class:`lgc.autoencoder.pca_autoencoder.PCAAutoencoder`): ``pca:L``'s directions plus
   nonlinear corrections of ``HIDDEN`` hidden units (default 64) that start at zero, trained as
@@ -183,8 +184,8 @@ def _autoencoder_spec(entry: str, chunk: int) -> CodecSpec:
     if len(parts) < 3 or not parts[1].isdigit() or int(parts[1]) < 1:
         raise ValueError(usage)
     dtype, order, similarity, width, hidden = parts[2], "position", True, 1.0, 64
-    if dtype not in ("fp32", "fp16"):
-        raise ValueError(f"{entry!r}: the dtype must be fp32 or fp16")
+    if dtype not in _LATENTS:
+        raise ValueError(f"{entry!r}: the dtype must be one of {_LATENTS}")
     for option in parts[3:]:
         if option in _ORDERS:
             order = option
@@ -311,7 +312,7 @@ def _wire_sum(per_worker: Tensor) -> Tensor:
 
 def cannot_sum(spec: CodecSpec, world: int) -> str | None:
     """Why ``spec`` cannot carry ``world`` workers' sum (its lanes are too narrow), or None."""
-    if spec.kind == "pca" and spec.dtype == "int8" and quantization_levels(8, world) < 1:
+    if spec.kind in ("pca", "ae", "pcaae") and spec.dtype == "int8" and quantization_levels(8, world) < 1:
         return f"8-bit latent lanes cannot hold the sum of {world} workers' codes (at most 127)"
     if spec.bits is not None and quantization_levels(spec.bits, world) < 1:
         return (
@@ -421,10 +422,7 @@ class _Coder:
         codes = chunks @ self.basis  # [W, rows, L]
         latent = spec.latent or 0
         if spec.dtype == "int8":
-            levels = quantization_levels(8, world)
-            shared = codes.abs().amax(dim=(0, 2))
-            shared = torch.where(shared > 0, shared, torch.ones_like(shared))
-            summed = torch.stack([self._round(c, shared, levels) for c in codes]).sum(dim=0) / levels * shared[:, None]
+            summed = self._int8_sum(codes)
             payload = 8.0 * latent * rows + 32.0 * rows
         else:
             dtype = _FLOATS[spec.dtype]  # type: ignore[index]
@@ -433,15 +431,30 @@ class _Coder:
         delivered = from_chunks((summed @ self.basis.T) * scales[:, None], k)
         return delivered, {"payload": payload, "leader": 32.0 * rows + position_bits}
 
+    def _int8_sum(self, codes: Tensor) -> Tensor:
+        """``[W, rows, n]`` codes rounded to a per-row scale every worker shares (the largest magnitude over
+        the workers) and summed in 8-bit lanes, as shared-index int8 and LGC-RAR's int8 latents do."""
+        levels = quantization_levels(8, self.world)
+        shared = codes.abs().amax(dim=(0, 2))
+        shared = torch.where(shared > 0, shared, torch.ones_like(shared))
+        return torch.stack([self._round(c, shared, levels) for c in codes]).sum(dim=0) / levels * shared[:, None]
+
     @torch.no_grad()
     def _run_autoencoder(self, step: LeaderStep, rows: int, position_bits: int) -> tuple[Tensor, dict[str, float]]:
-        ae, dtype = self.autoencoder, _FLOATS[self.spec.dtype]  # type: ignore[index]
+        ae = self.autoencoder
         assert ae is not None, "fit() first"
         chunks, scales = self._scaled_chunks(step)
-        codes = torch.stack([to_wire_float(ae.encode(c), dtype, self.world) for c in chunks])
-        mean = ae.decode(_wire_sum(codes) / self.world)
+        latent_numel = ae.config.latent_numel
+        encoded = torch.stack([ae.encode(c) for c in chunks])  # [W, rows, *latent]
+        if self.spec.dtype == "int8":
+            summed = self._int8_sum(encoded.reshape(self.world, rows, -1)).view(encoded.shape[1:])
+            payload = 8.0 * latent_numel * rows + 32.0 * rows
+        else:
+            dtype = _FLOATS[self.spec.dtype]  # type: ignore[index]
+            summed = _wire_sum(torch.stack([to_wire_float(e, dtype, self.world) for e in encoded]))
+            payload = 8.0 * dtype.itemsize * latent_numel * rows
+        mean = ae.decode(summed / self.world)
         delivered = from_chunks(self.world * mean * scales[:, None], step.values.shape[1])
-        payload = 8.0 * dtype.itemsize * ae.config.latent_numel * rows
         return delivered, {"payload": payload, "leader": 32.0 * rows + position_bits}
 
     def _wire_positions(self, step: LeaderStep) -> Tensor:

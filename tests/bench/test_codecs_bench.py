@@ -187,6 +187,39 @@ def test_the_autoencoder_and_leader_scaled_deliver_p_times_a_mean_estimate():
     assert torch.equal(delivered, 4 * steps[4].values[0]) and bits["payload"] == 0.0
 
 
+@pytest.mark.parametrize("name", ["pcaae:8:int8:h16", pytest.param("ae:2:int8:value:w0.25", marks=pytest.mark.slow)])
+def test_int8_latents_round_each_chunks_codes_to_a_shared_scale_as_lgc_rar_does(name):
+    steps = leader_codecs.leader_steps(_gradients(), 0.05, rotating=False)
+    coder = _coder(name, chunk=64)
+    coder.fit(steps[:3])
+    full = _coder(name.replace("int8", "fp32"), chunk=64)
+    full.autoencoder = coder.autoencoder  # the same weights: only the latents' wire differs
+    rows = leader_codecs.num_chunks(steps[4].values.shape[1], 64)
+    latent_numel = coder.autoencoder.config.latent_numel
+    delivered, bits = coder.run(steps[4])
+    exact, exact_bits = full.run(steps[4])
+    # 8 bits a code and the chunk's 32-bit scale, against 32 bits a code.
+    assert (
+        bits["payload"] == 8.0 * latent_numel * rows + 32.0 * rows
+        and exact_bits["payload"] == 32.0 * latent_numel * rows
+    )
+    assert bits["leader"] == exact_bits["leader"]
+    # The summed codes lie within one rounding step (the shared scale over m levels) per worker of the exact sum.
+    chunks, _ = coder._scaled_chunks(steps[4])
+    with torch.no_grad():
+        codes = torch.stack([coder.autoencoder.encode(c) for c in chunks]).reshape(4, rows, -1)
+    shared = codes.abs().amax(dim=(0, 2))
+    levels = quantization_levels(8, 4)
+    step_size = 4 * shared / levels
+    assert ((coder._int8_sum(codes) - codes.sum(dim=0)).abs() <= step_size[:, None] * (1 + 1e-5)).all()
+    assert torch.isfinite(delivered).all() and not torch.equal(delivered, exact)
+    # Unbiased rounding: over the scored steps the int8 codec errs about as the fp32 one does.
+    errors = [leader_codecs._evaluate(c, steps[3:])["error"] for c in (coder, full)]
+    assert errors[0] == pytest.approx(errors[1], rel=0.2, abs=0.02)
+    (latent,) = leader_codecs.parse_codecs(name, 64)
+    assert leader_codecs.cannot_sum(latent, 127) is None and "at most 127" in leader_codecs.cannot_sum(latent, 128)
+
+
 def test_plain_top_k_sums_every_workers_own_top_k_and_pays_its_own_positions():
     gradients = _gradients()
     step = leader_codecs.leader_steps(gradients, 0.05, False, leader_codecs.plain_topk_steps(gradients, 0.05))[2]
@@ -343,7 +376,7 @@ def test_lanes_too_narrow_for_the_workers_sum_are_named_not_run():
         (["--codecs", "pca:x:fp32"], r"write pca:LATENT:DTYPE\[:ORDER\]"),
         (["--codecs", "pca:99:fp32"], r"the latent size must be in \[1, --chunk=64\]"),
         (["--codecs", "pca:4:int4"], "the dtype must be one of"),
-        (["--codecs", "ae:4:int8"], "the dtype must be fp32 or fp16"),
+        (["--codecs", "ae:4:int4"], "the dtype must be one of"),
         (["--codecs", "ae:4:fp32:value:sim"], r"write ae:CHANNELS:DTYPE\[:ORDER\]\[:nosim\]\[:wWIDTH\]"),
         (["--codecs", "ae:4:fp32:w0"], r"autoencoder width must be a number in \(0, 16\], got 0.0"),
         (["--codecs", "pcaae:4:fp32:w2"], r"write pcaae:LATENT:DTYPE\[:ORDER\]\[:nosim\]\[:hHIDDEN\]"),
