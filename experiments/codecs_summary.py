@@ -2,7 +2,8 @@
 
     python experiments/codecs_summary.py [--write]
 
-Reads the ``codecs.json`` of every model ``codecs_large_models.sh`` measures (``results/codecs_large/MODEL/``)
+Reads the ``codecs.json`` of every folder ``codecs_large_models.sh`` writes (``results/codecs_large/MODEL/``
+and ``MODEL_int8_latents/``)
 and, per recording, density and leader, sets every learned codec of the leader's positions (LGC's
 linear codec ``pca:*``, the autoencoders ``ae:*`` and ``pcaae:*``) against the scalar rounding codecs
 (``fp32``, ``fp16``, ``int8``, ``int4``, ``levels=M``), all on the same wire: total bits per value,
@@ -38,9 +39,15 @@ BEGIN, END = "<!-- codecs-large:begin -->", "<!-- codecs-large:end -->"
 #: The README's block: one line (:func:`readme_line`).
 README = HERE.parent / "README.md"
 README_BEGIN, README_END = "<!-- codecs-large-summary:begin -->", "<!-- codecs-large-summary:end -->"
-#: The models ``codecs_large_models.sh`` measures (its ``MODELS``), their names in the text, and what each
-#: measures by default: workers x images per worker, and densities (its ``WORKERS``, ``BATCH_SIZES``).
-MODELS = {"resnet50": "ResNet-50", "pspnet": "ResNet-50 PSPNet"}
+#: The folders ``codecs_large_models.sh`` writes (its ``MODELS``, each in its main pass and its int8-latents
+#: pass), their names in the text, and what each measures by default: workers x images per worker, and
+#: densities (its ``WORKERS``, ``BATCH_SIZES``).
+MODELS = {
+    "resnet50": "ResNet-50",
+    "pspnet": "ResNet-50 PSPNet",
+    "resnet50_int8_latents": "ResNet-50, int8 latents",
+    "pspnet_int8_latents": "ResNet-50 PSPNet, int8 latents",
+}
 PLANNED_RECORDINGS = ((4, 32), (4, 128), (8, 32), (8, 128))
 PLANNED_DENSITIES = (0.01, 0.001)
 LEARNED = ("pca", "ae", "pcaae")

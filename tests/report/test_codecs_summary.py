@@ -86,11 +86,12 @@ def test_a_learned_codec_beats_scalar_rounding_where_it_dominates_a_scalar_codec
     table = summary.table("resnet50", [result, _result([], images=128, complete=False)])
     assert "| 4 x 128 | 0.01 | - | being measured |" in table
     assert "| 4 x 32 | 0.01 | fixed | 0.30 | 0.40 | int8 5.0 bits, 0 | none | none | none |" in table
-    line = summary.readme_line({"resnet50": [result], "pspnet": []})
+    line = summary.readme_line({model: [result] if model == "resnet50" else [] for model in summary.MODELS})
     assert line.endswith(
         "ResNet-50, 1 of 8 measured: of 7 learned-codec rows, 2 beaten by a scalar rounding codec (as many bits per "
         "value or fewer, less error), 3 beating one (pca:16:fp32, pca:16:int8, pca:8:int8), 2 neither; "
-        "ResNet-50 PSPNet, 0 of 8 measured."
+        "ResNet-50 PSPNet, 0 of 8 measured; ResNet-50, int8 latents, 0 of 8 measured; ResNet-50 PSPNet, int8 latents, "
+        "0 of 8 measured."
     )
     # A model whose only result has no scalar codec: every learned row is neither.
     alone = summary.reading("resnet50", [_result([_row("pca:4:fp32", 11.0, 0.6)])])
@@ -100,10 +101,14 @@ def test_a_learned_codec_beats_scalar_rounding_where_it_dominates_a_scalar_codec
 def test_the_plan_is_what_the_measuring_script_runs(summary):
     script = (EXPERIMENTS / "codecs_large_models.sh").read_text()
     models = re.search(r"\$\{MODELS:-([^}]*)\}", script).group(1).split()
+    passes = re.search(r"\$\{PASSES:-([^}]*)\}", script).group(1).split()
+    assert passes == ["main", "int8_latents"]
     workers = re.search(r"\$\{WORKERS:-([^}]*)\}", script).group(1).split(",")
     images = re.search(r"\$\{BATCH_SIZES:-([^}]*)\}", script).group(1).split(",")
     densities = re.search(r"--density ([0-9.,]+)", script).group(1).split(",")
-    assert list(summary.MODELS) == models
+    assert list(summary.MODELS) == models + [f"{model}_int8_latents" for model in models]
+    assert script.count('--out "$out/resnet50$suffix"') == script.count('--out "$out/pspnet$suffix"') == 1
+    assert "int8_latents) codecs=$int8_latents; suffix=_int8_latents ;;" in script
     assert summary.PLANNED_RECORDINGS == tuple((int(w), int(i)) for w in workers for i in images)
     assert summary.PLANNED_DENSITIES == tuple(float(d) for d in densities)
 
