@@ -1,21 +1,15 @@
 """The large-model codec summary (``experiments/codecs_summary.py``) on hand-made benchmark results and on
 the committed ones."""
 
-import importlib
 import re
-import sys
-from pathlib import Path
 
 import pytest
-
-EXPERIMENTS = Path(__file__).parents[2] / "experiments"
+from experiment_scripts import EXPERIMENTS, import_fresh
 
 
 @pytest.fixture
 def summary(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
-    sys.modules.pop("codecs_summary", None)
-    return importlib.import_module("codecs_summary")
+    return import_fresh(monkeypatch, "codecs_summary")
 
 
 def _row(codec: str, bits: float, error: float | None, leader: str = "rotating") -> dict:

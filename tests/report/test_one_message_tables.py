@@ -2,24 +2,19 @@
 table, its check against a shaped network's measured steps, and the before/after time to accuracy."""
 
 import gzip
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from experiment_scripts import import_fresh
 
 from lgc.bench.cli import main
 from lgc.bench.cost_model import CollectiveCall, MethodProfile
 
-EXPERIMENTS = Path(__file__).parents[2] / "experiments"
-
 
 @pytest.fixture
 def tables(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
-    sys.modules.pop("one_message_tables", None)
-    return importlib.import_module("one_message_tables")
+    return import_fresh(monkeypatch, "one_message_tables")
 
 
 def _profile(method: str, overhead: float, trace: list[tuple[str, int, int]], overlaps: bool) -> dict:
@@ -140,9 +135,7 @@ def test_the_evidence_page_holds_the_tables_the_committed_records_give(tables):
 
 def test_the_evidence_page_holds_the_network_tables_the_committed_records_give(monkeypatch):
     """docs/evidence.md's time-to-accuracy and Streaming DiLoCo overlap blocks are generated from their records."""
-    monkeypatch.syspath_prepend(str(EXPERIMENTS))
-    sys.modules.pop("network_tables", None)
-    network = importlib.import_module("network_tables")
+    network = import_fresh(monkeypatch, "network_tables")
     page = network.EVIDENCE.read_text()
     for name, record in network.BLOCKS.items():
         begin, end = network.markers(name)
